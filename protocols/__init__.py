@@ -1,0 +1,15 @@
+"""protocols: the ``kvdiv.trace/1`` contract (xarray layout, wire records, I/O).
+
+Depends on numpy and xarray only; never imports divstats or gen_service.
+"""
+
+__version__ = "0.1.0"
+
+from protocols.policies import PolicyIdError, PolicySpec, parse_policy_id, policy_coords
+from protocols.schema import (
+    COUPLING, KINDS, SCHEMA, coupled_dataset, reference_dataset, residual_dataset, sampling_params,
+)
+from protocols.wire import (
+    StreamWriter, branch_record, encode_line, end_record, error_record, header_record,
+    shared_step_record, step_record,
+)

@@ -1,0 +1,312 @@
+"""The ``kvdiv.trace/1`` layout: constants and one builder per kind.
+
+A trace dataset is an ``xarray.Dataset`` with named dims ``doc``, ``policy``,
+``replicate``, ``step`` (1..T) and, for residual traces, ``age`` (0..T-1).
+The builders take plain numpy arrays shaped ``(doc, policy, replicate, step)``
+(or ``(..., age)``) and fill in coordinates, dtypes and attributes, so that a
+producer only has to supply the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from protocols.policies import policy_coords
+
+SCHEMA = "kvdiv.trace/1"
+COUPLING = "stepwise-maximal"
+KINDS = ("coupled", "residual", "reference")
+SPLITS = ("exploratory", "confirmatory", "")
+
+TOKEN_DTYPE = np.int32
+PROB_DTYPE = np.float32
+MISSING_TOKEN = -1
+
+#: Data variables each kind must carry, with their dims.
+REQUIRED_VARS: dict[str, dict[str, tuple[str, ...]]] = {
+    "coupled": {
+        "tv": ("doc", "policy", "replicate", "step"),
+        "x_token": ("doc", "policy", "replicate", "step"),
+        "y_token": ("doc", "policy", "replicate", "step"),
+    },
+    "residual": {
+        "shared_tv": ("doc", "policy", "replicate", "step"),
+        "shared_token": ("doc", "policy", "replicate", "step"),
+        "branch_step": ("doc", "policy", "replicate"),
+        "branch_tv": ("doc", "policy", "replicate", "age"),
+        "branch_x_token": ("doc", "policy", "replicate", "age"),
+        "branch_y_token": ("doc", "policy", "replicate", "age"),
+    },
+    "reference": {
+        "x_token": ("doc", "policy", "replicate", "step"),
+        "x_logp": ("doc", "policy", "replicate", "step"),
+        "x_logq": ("doc", "policy", "replicate", "step"),
+    },
+}
+
+#: Optional variables recognised by validation (others are allowed and ignored).
+OPTIONAL_VARS: dict[str, dict[str, tuple[str, ...]]] = {
+    "coupled": {
+        "x_logp": ("doc", "policy", "replicate", "step"),
+        "y_logp": ("doc", "policy", "replicate", "step"),
+    },
+    "residual": {},
+    "reference": {},
+}
+
+REQUIRED_ATTRS = (
+    "schema", "kind", "horizon", "vocab_size", "window", "coupling",
+    "eos_token_id", "model", "sampling", "producer",
+)
+
+VARIABLE_DOCS: dict[str, str] = {
+    "tv": "TV distance between the two next-token laws at this step (coupled histories)",
+    "x_token": "token emitted by the reference (full-cache) model P",
+    "y_token": "token emitted by the candidate (evicted-cache) model Q",
+    "x_logp": "log p_t(x_t): log-probability of the P token under P",
+    "y_logp": "log q_t(y_t): log-probability of the Q token under Q",
+    "x_logq": "log q_t(x_t): log-probability of the P token under Q",
+    "shared_tv": "TV on the shared survival path; NaN after the path stops",
+    "shared_token": "token Z_t drawn from min(p,q)/(1-TV) on the survival path; -1 where none",
+    "branch_step": "branch point t* (1..T); 0 when divergence is impossible",
+    "branch_tv": "TV between the two branches' laws at age k = t - t*; NaN where unobserved",
+    "branch_x_token": "P-branch token at age k; -1 where unobserved",
+    "branch_y_token": "Q-branch token at age k; -1 where unobserved",
+}
+
+
+def _producer() -> str:
+    from protocols import __version__
+
+    return f"kvdiv {__version__}"
+
+
+def _sampling_json(sampling: Mapping[str, Any] | str | None) -> str:
+    if sampling is None:
+        return json.dumps({"temperature": 1.0, "top_k": 0, "top_p": 1.0})
+    if isinstance(sampling, str):
+        json.loads(sampling)  # must be valid JSON
+        return sampling
+    return json.dumps(dict(sampling), sort_keys=True)
+
+
+def _as4(name: str, arr: Any, dtype: Any) -> np.ndarray:
+    a = np.asarray(arr)
+    if a.ndim == 2:  # (replicate, step) for one doc and one policy
+        a = a[None, None]
+    if a.ndim != 4:
+        raise ValueError(
+            f"{name}: expected an array shaped (doc, policy, replicate, step) "
+            f"or (replicate, step), got shape {a.shape}"
+        )
+    return a.astype(dtype, copy=False)
+
+
+def _coords(
+    n_doc: int,
+    n_pol: int,
+    n_rep: int,
+    docs: Sequence[str] | None,
+    policies: Sequence[str] | None,
+    split: Sequence[str] | None,
+    prompt_tokens: Sequence[int] | None,
+    press: Sequence[str] | None,
+    retention: Sequence[float] | None,
+    budget: Sequence[int] | None,
+) -> dict[str, Any]:
+    docs = [str(d) for d in (docs if docs is not None else [f"doc{i}" for i in range(n_doc)])]
+    policies = [str(p) for p in (policies if policies is not None else ["candidate"] * n_pol)]
+    if len(docs) != n_doc:
+        raise ValueError(f"docs: {len(docs)} ids for {n_doc} documents")
+    if len(policies) != n_pol:
+        raise ValueError(f"policies: {len(policies)} ids for {n_pol} policies")
+    parsed = [policy_coords(p) for p in policies]
+    press = list(press) if press is not None else [p[0] for p in parsed]
+    retention = list(retention) if retention is not None else [p[1] for p in parsed]
+    budget = list(budget) if budget is not None else [p[2] for p in parsed]
+    split = list(split) if split is not None else [""] * n_doc
+    prompt_tokens = list(prompt_tokens) if prompt_tokens is not None else [0] * n_doc
+    return {
+        "doc": ("doc", np.array(docs, dtype=object)),
+        "split": ("doc", np.array([str(s) for s in split], dtype=object)),
+        "prompt_tokens": ("doc", np.asarray(prompt_tokens, dtype=np.int32)),
+        "policy": ("policy", np.array(policies, dtype=object)),
+        "press": ("policy", np.array([str(p) for p in press], dtype=object)),
+        "retention": ("policy", np.asarray(retention, dtype=np.float64)),
+        "budget": ("policy", np.asarray(budget, dtype=np.int32)),
+        "replicate": ("replicate", np.arange(n_rep, dtype=np.int32)),
+    }
+
+
+def _attrs(
+    kind: str,
+    horizon: int,
+    vocab_size: int,
+    window: int,
+    eos_token_id: int | None,
+    model: str,
+    sampling: Mapping[str, Any] | str | None,
+    producer: str | None,
+    extra: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    attrs = {
+        "schema": SCHEMA,
+        "kind": kind,
+        "horizon": int(horizon),
+        "vocab_size": int(vocab_size),
+        "window": int(window),
+        "coupling": COUPLING,
+        "eos_token_id": int(-1 if eos_token_id is None else eos_token_id),
+        "model": str(model),
+        "sampling": _sampling_json(sampling),
+        "producer": producer or _producer(),
+    }
+    attrs.update(extra or {})
+    return attrs
+
+
+def _var(dims: tuple[str, ...], data: np.ndarray, name: str) -> xr.Variable:
+    return xr.Variable(dims, data, attrs={"description": VARIABLE_DOCS.get(name, "")})
+
+
+def coupled_dataset(
+    tv: Any,
+    x_token: Any,
+    y_token: Any,
+    *,
+    vocab_size: int,
+    docs: Sequence[str] | None = None,
+    policies: Sequence[str] | None = None,
+    eos_token_id: int | None = None,
+    model: str = "",
+    sampling: Mapping[str, Any] | str | None = None,
+    producer: str | None = None,
+    x_logp: Any = None,
+    y_logp: Any = None,
+    split: Sequence[str] | None = None,
+    prompt_tokens: Sequence[int] | None = None,
+    press: Sequence[str] | None = None,
+    retention: Sequence[float] | None = None,
+    budget: Sequence[int] | None = None,
+    attrs: Mapping[str, Any] | None = None,
+) -> xr.Dataset:
+    """Build a ``coupled`` trace dataset from arrays shaped (doc, policy, replicate, step)."""
+    tv = _as4("tv", tv, PROB_DTYPE)
+    xt = _as4("x_token", x_token, TOKEN_DTYPE)
+    yt = _as4("y_token", y_token, TOKEN_DTYPE)
+    n_doc, n_pol, n_rep, horizon = tv.shape
+    dims = REQUIRED_VARS["coupled"]["tv"]
+    data = {"tv": _var(dims, tv, "tv"), "x_token": _var(dims, xt, "x_token"),
+            "y_token": _var(dims, yt, "y_token")}
+    for name, arr in (("x_logp", x_logp), ("y_logp", y_logp)):
+        if arr is not None:
+            data[name] = _var(dims, _as4(name, arr, PROB_DTYPE), name)
+    coords = _coords(n_doc, n_pol, n_rep, docs, policies, split, prompt_tokens, press, retention, budget)
+    coords["step"] = ("step", np.arange(1, horizon + 1, dtype=np.int32))
+    return xr.Dataset(data, coords=coords, attrs=_attrs(
+        "coupled", horizon, vocab_size, horizon, eos_token_id, model, sampling, producer, attrs))
+
+
+def residual_dataset(
+    shared_tv: Any,
+    shared_token: Any,
+    branch_step: Any,
+    branch_tv: Any,
+    branch_x_token: Any,
+    branch_y_token: Any,
+    *,
+    vocab_size: int,
+    window: int | None = None,
+    docs: Sequence[str] | None = None,
+    policies: Sequence[str] | None = None,
+    eos_token_id: int | None = None,
+    model: str = "",
+    sampling: Mapping[str, Any] | str | None = None,
+    producer: str | None = None,
+    split: Sequence[str] | None = None,
+    prompt_tokens: Sequence[int] | None = None,
+    press: Sequence[str] | None = None,
+    retention: Sequence[float] | None = None,
+    budget: Sequence[int] | None = None,
+    attrs: Mapping[str, Any] | None = None,
+) -> xr.Dataset:
+    """Build a ``residual`` trace dataset.
+
+    ``shared_*`` are shaped (doc, policy, replicate, step), ``branch_step``
+    (doc, policy, replicate) and ``branch_*`` (doc, policy, replicate, age) with
+    age = 0..T-1. ``window`` defaults to the horizon (branches run to the end).
+    """
+    stv = _as4("shared_tv", shared_tv, PROB_DTYPE)
+    stok = _as4("shared_token", shared_token, TOKEN_DTYPE)
+    n_doc, n_pol, n_rep, horizon = stv.shape
+    bstep = np.asarray(branch_step)
+    if bstep.ndim == 1:
+        bstep = bstep[None, None]
+    bstep = bstep.astype(TOKEN_DTYPE, copy=False)
+    if bstep.shape != (n_doc, n_pol, n_rep):
+        raise ValueError(f"branch_step: expected shape {(n_doc, n_pol, n_rep)}, got {bstep.shape}")
+    btv = _as4("branch_tv", branch_tv, PROB_DTYPE)
+    bx = _as4("branch_x_token", branch_x_token, TOKEN_DTYPE)
+    by = _as4("branch_y_token", branch_y_token, TOKEN_DTYPE)
+    sdims = REQUIRED_VARS["residual"]["shared_tv"]
+    adims = REQUIRED_VARS["residual"]["branch_tv"]
+    data = {
+        "shared_tv": _var(sdims, stv, "shared_tv"),
+        "shared_token": _var(sdims, stok, "shared_token"),
+        "branch_step": _var(REQUIRED_VARS["residual"]["branch_step"], bstep, "branch_step"),
+        "branch_tv": _var(adims, btv, "branch_tv"),
+        "branch_x_token": _var(adims, bx, "branch_x_token"),
+        "branch_y_token": _var(adims, by, "branch_y_token"),
+    }
+    coords = _coords(n_doc, n_pol, n_rep, docs, policies, split, prompt_tokens, press, retention, budget)
+    coords["step"] = ("step", np.arange(1, horizon + 1, dtype=np.int32))
+    coords["age"] = ("age", np.arange(btv.shape[-1], dtype=np.int32))
+    window = horizon if window is None else int(window)
+    return xr.Dataset(data, coords=coords, attrs=_attrs(
+        "residual", horizon, vocab_size, window, eos_token_id, model, sampling, producer, attrs))
+
+
+def reference_dataset(
+    x_token: Any,
+    x_logp: Any,
+    x_logq: Any,
+    *,
+    vocab_size: int,
+    docs: Sequence[str] | None = None,
+    policies: Sequence[str] | None = None,
+    eos_token_id: int | None = None,
+    model: str = "",
+    sampling: Mapping[str, Any] | str | None = None,
+    producer: str | None = None,
+    split: Sequence[str] | None = None,
+    prompt_tokens: Sequence[int] | None = None,
+    press: Sequence[str] | None = None,
+    retention: Sequence[float] | None = None,
+    budget: Sequence[int] | None = None,
+    attrs: Mapping[str, Any] | None = None,
+) -> xr.Dataset:
+    """Build a ``reference`` dataset: tokens sampled from P with log p and log q of each.
+
+    The window attribute is 0: nothing after divergence is observed (METHOD §7).
+    """
+    xt = _as4("x_token", x_token, TOKEN_DTYPE)
+    lp = _as4("x_logp", x_logp, PROB_DTYPE)
+    lq = _as4("x_logq", x_logq, PROB_DTYPE)
+    n_doc, n_pol, n_rep, horizon = xt.shape
+    dims = REQUIRED_VARS["reference"]["x_token"]
+    data = {"x_token": _var(dims, xt, "x_token"), "x_logp": _var(dims, lp, "x_logp"),
+            "x_logq": _var(dims, lq, "x_logq")}
+    coords = _coords(n_doc, n_pol, n_rep, docs, policies, split, prompt_tokens, press, retention, budget)
+    coords["step"] = ("step", np.arange(1, horizon + 1, dtype=np.int32))
+    return xr.Dataset(data, coords=coords, attrs=_attrs(
+        "reference", horizon, vocab_size, 0, eos_token_id, model, sampling, producer, attrs))
+
+
+def sampling_params(ds: xr.Dataset) -> dict[str, Any]:
+    """The dataset's sampling parameters as a dict."""
+    return json.loads(ds.attrs.get("sampling", "{}") or "{}")
