@@ -19,11 +19,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("protocols.cli:info", "Summarise a traces file."),
     "analyze": ("divstats.cli:analyze", "Estimate, test a plan and write a report."),
     "split": ("divstats.cli:split", "Show the plan's exploratory/confirmatory split."),
-    "serve": ("gen_service.cli:serve", "Run the TGI-compatible trace service."),
-    "collect": ("gen_service.cli:collect", "Collect traces from one or more servers."),
-    "pack": ("gen_service.cli:pack", "Assemble a collection journal into a dataset."),
-    "docs": ("gen_service.cli:docs", "Build a JSONL document set."),
-    "demo": ("gen_service.cli:demo", "Run the paper's study end to end on the embedded model."),
+    "serve": ("gen_service.server_cli:serve", "Run the TGI-compatible trace service."),
+    "collect": ("gen_service.jobs_cli:collect", "Collect traces from one or more servers."),
+    "pack": ("gen_service.jobs_cli:pack", "Assemble a collection journal into a dataset."),
+    "docs": ("gen_service.jobs_cli:docs", "Build a JSONL document set."),
+    "demo": ("gen_service.jobs_cli:demo", "Run the paper's study end to end on the embedded model."),
 }
 
 
