@@ -1,0 +1,273 @@
+"""Document sets for trace collection: build, load, select and wrap in a prompt.
+
+A document set is a JSONL file, one object per line with at least ``id`` and
+``text`` (plus metadata: ``source``, ``n_tokens``, ``topic``, ``chunk``, ...).
+The built-in source needs no network: CPython ships its language reference as
+``pydoc_data.topics`` (79 topics, ~465 KB of technical prose). Topics are cut at
+paragraph boundaries into chunks of about a target token length, counted with the
+model's own tokenizer so that prompt lengths (and hence ``snapkv#N`` budgets) mean
+what they say.
+
+Prompt templates put the instruction *after* the document: SnapKV scores prompt
+tokens by the attention of the prompt's last window, so the task text must sit
+there, as in the SnapKV paper's long-context QA setting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TokenCounter = Callable[[str], int]
+
+# Paragraphs are separated by one or more blank lines (pydoc topics, .txt files).
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n+")
+_APPROX_TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document: a stable id, its text and free-form metadata."""
+
+    id: str
+    text: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "text": self.text, **self.meta}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Document:
+        meta = {k: v for k, v in obj.items() if k not in ("id", "text")}
+        return cls(id=str(obj["id"]), text=str(obj["text"]), meta=meta)
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+def approx_token_count(text: str) -> int:
+    """A tokenizer-free count (words and punctuation marks), for tests and previews."""
+    return len(_APPROX_TOKEN.findall(text))
+
+
+def token_counter(tokenizer: Any | None) -> TokenCounter:
+    """A ``text -> n_tokens`` callable from a tokenizer object, a callable, or None.
+
+    A Hugging Face tokenizer is itself callable (returning an encoding), so objects
+    with ``encode`` are recognised first; special tokens are left out because the
+    chat template adds its own.
+    """
+    if tokenizer is None:
+        return approx_token_count
+    if hasattr(tokenizer, "encode"):
+        return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+    if callable(tokenizer):
+        return tokenizer
+    raise TypeError(f"expected a tokenizer (with .encode) or a callable, got {type(tokenizer).__name__}")
+
+
+# --------------------------------------------------------------------------- chunking
+
+
+def paragraphs(text: str) -> list[str]:
+    """Non-empty paragraphs of ``text`` (blank-line separated), trailing spaces trimmed."""
+    return [p.strip("\n").rstrip() for p in _PARAGRAPH_BREAK.split(text) if p.strip()]
+
+
+def _split_long(paragraph: str, count: TokenCounter, target: int) -> list[str]:
+    """Cut a paragraph longer than ``target`` at line boundaries (code blocks, lists).
+
+    A single line longer than the target stays whole: cutting inside a line would
+    produce text no reader wrote.
+    """
+    pieces: list[str] = []
+    current: list[str] = []
+    for line in paragraph.split("\n"):
+        if current and count("\n".join([*current, line])) > target:
+            pieces.append("\n".join(current))
+            current = []
+        current.append(line)
+    if current:
+        pieces.append("\n".join(current))
+    return pieces
+
+
+def chunk_text(text: str, count: TokenCounter, target: int) -> list[str]:
+    """Greedy chunks of whole paragraphs, each at most ``target`` tokens where possible.
+
+    Paragraphs are never split unless one alone exceeds the target; then it is cut
+    at line boundaries. Chunks are joined with a blank line, as in the source.
+    """
+    if target < 1:
+        raise ValueError(f"target tokens must be >= 1, got {target}")
+    units: list[str] = []
+    for para in paragraphs(text):
+        units.extend(_split_long(para, count, target) if count(para) > target else [para])
+    chunks: list[str] = []
+    current: list[str] = []
+    for unit in units:
+        if current and count("\n\n".join([*current, unit])) > target:
+            chunks.append("\n\n".join(current))
+            current = []
+        current.append(unit)
+    if current:
+        chunks.append("\n\n".join(current))
+    return chunks
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def pydoc_documents(
+    tokenizer: Any | None = None, *, target_tokens: int = 256, min_tokens: int | None = None
+) -> list[Document]:
+    """The built-in set: CPython's ``pydoc_data.topics`` chunked to ``target_tokens``.
+
+    Ids are ``pydoc:<topic>:<chunk>``, stable for a given Python version, tokenizer
+    and target. Chunks shorter than ``min_tokens`` (default: half the target; the
+    tails of topics) are dropped so that prompt lengths stay comparable, and so are
+    chunks that are mostly ASCII tables.
+    """
+    from pydoc_data.topics import topics  # stdlib; imported lazily (~0.5 MB of text)
+
+    count = token_counter(tokenizer)
+    floor = target_tokens // 2 if min_tokens is None else min_tokens
+    docs: list[Document] = []
+    for topic in sorted(topics):
+        for i, chunk in enumerate(chunk_text(topics[topic], count, target_tokens)):
+            n = count(chunk)
+            if n >= floor and not _mostly_table(chunk):
+                docs.append(Document(f"pydoc:{topic}:{i}", chunk,
+                                     {"source": "pydoc_data.topics", "topic": topic, "chunk": i, "n_tokens": n}))
+    return docs
+
+
+def _mostly_table(text: str) -> bool:
+    """True for chunks that are mostly ASCII-table rows: poor prose to summarise."""
+    lines = [ln.lstrip() for ln in text.splitlines() if ln.strip()]
+    rows = sum(ln.startswith(("+-", "|", "+=")) for ln in lines)
+    return rows > 0.3 * max(len(lines), 1)
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[Document]:
+    """Documents from a JSONL file (``id`` and ``text`` required; other keys kept as metadata)."""
+    docs: list[Document] = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+            if not isinstance(obj, dict) or "id" not in obj or not isinstance(obj.get("text"), str):
+                raise ValueError(f"{path}:{lineno}: each line needs an 'id' and a string 'text'")
+            docs.append(Document.from_json(obj))
+    _check_unique(docs, str(path))
+    return docs
+
+
+def read_txt_dir(path: str | os.PathLike[str]) -> list[Document]:
+    """One document per ``*.txt`` file (sorted by name; id = file stem)."""
+    folder = Path(path)
+    docs = [Document(p.stem, p.read_text(encoding="utf-8").strip(), {"source": str(p)})
+            for p in sorted(folder.glob("*.txt"))]
+    if not docs:
+        raise ValueError(f"{folder}: no .txt files")
+    return docs
+
+
+def load_source(source: str, tokenizer: Any | None = None, *, target_tokens: int = 256,
+                chunk: bool = False) -> list[Document]:
+    """Documents from ``pydoc`` (built-in), a JSONL file or a folder of ``.txt`` files.
+
+    User documents are taken whole unless ``chunk`` is set, in which case they are
+    cut like the built-in set (ids ``<id>:<chunk>``).
+    """
+    if source == "pydoc":
+        return pydoc_documents(tokenizer, target_tokens=target_tokens)
+    path = Path(source)
+    docs = read_txt_dir(path) if path.is_dir() else read_jsonl(path)
+    count = token_counter(tokenizer)
+    if not chunk:
+        return [Document(d.id, d.text, {**d.meta, "n_tokens": count(d.text)}) for d in docs]
+    return [Document(f"{d.id}:{i}", piece, {**d.meta, "parent": d.id, "chunk": i, "n_tokens": count(piece)})
+            for d in docs for i, piece in enumerate(chunk_text(d.text, count, target_tokens))]
+
+
+def _check_unique(docs: Sequence[Document], where: str) -> None:
+    seen: set[str] = set()
+    dupes: set[str] = set()
+    for doc in docs:
+        (dupes if doc.id in seen else seen).add(doc.id)
+    if dupes:
+        raise ValueError(f"{where}: duplicate document ids {sorted(dupes)[:5]}")
+
+
+def select(docs: Sequence[Document], count: int | None) -> list[Document]:
+    """A deterministic, topic-spread subset of ``count`` documents (all if None).
+
+    Ordering by a hash of the id rather than taking the first ``count`` avoids a
+    demo made only of topics starting with "a".
+    """
+    if count is None or count >= len(docs):
+        return list(docs)
+    ranked = sorted(docs, key=lambda d: hashlib.sha256(d.id.encode("utf-8")).hexdigest())
+    chosen = {d.id for d in ranked[:count]}
+    return [d for d in docs if d.id in chosen]
+
+
+def write_jsonl(docs: Iterable[Document], path: str | os.PathLike[str]) -> Path:
+    """Write documents as JSONL atomically (temp file + rename)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for doc in docs:
+            fh.write(json.dumps(doc.to_json(), ensure_ascii=False) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex SHA-256 of a file's bytes (the manifest's record of which documents were used)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- prompts
+
+DEFAULT_QUESTION = "What is the main rule or behaviour the text above describes, and why does it matter?"
+
+#: Template name -> user-turn format. ``{text}`` is the document, ``{question}`` its
+#: own ``question`` field or DEFAULT_QUESTION. The instruction comes last (see module doc).
+TEMPLATES: dict[str, str] = {
+    "summarise": "{text}\n\nSummarise the text above in a few sentences.",
+    "qa": "{text}\n\nAnswer the question about the text above.\nQuestion: {question}",
+}
+
+
+def render_messages(doc: Document, template: str) -> list[dict[str, str]]:
+    """Chat messages for one document under a named template (the server applies the chat template)."""
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown template {template!r}; choose from {sorted(TEMPLATES)}")
+    question = str(doc.meta.get("question") or DEFAULT_QUESTION)
+    return [{"role": "user", "content": TEMPLATES[template].format(text=doc.text, question=question)}]
+
+
+def iter_summary(docs: Sequence[Document]) -> Iterator[str]:
+    """Human-readable lines describing a document set (count and token-length spread)."""
+    sizes = sorted(int(d.meta.get("n_tokens", 0)) for d in docs)
+    yield f"{len(docs)} documents"
+    if sizes and sizes[-1] > 0:
+        mid = sizes[len(sizes) // 2]
+        yield f"tokens per document: min {sizes[0]}, median {mid}, max {sizes[-1]}"
