@@ -1,0 +1,328 @@
+"""Gap decomposition between two policies (METHOD §3).
+
+For policies A and B on the same documents and horizon T, the aggregate mismatch
+fractions satisfy M = o/T + e·ρ/T with o, e the document means of occurrence and
+exposure and ρ = Σ post_mismatch / Σ exposure. The gap M_A − M_B splits exactly into
+
+    Δfirst    = (o_A − o_B)/T
+    Δexposure = (e_A − e_B)·(ρ_A + ρ_B)/(2T)      (Shapley, the default)
+    Δrate     = (ρ_A − ρ_B)·(e_A + e_B)/(2T)
+
+and the two ordered (one-at-a-time) splits:
+
+    exposure-first:  Δexposure = (e_A − e_B)·ρ_B/T,  Δrate = (ρ_A − ρ_B)·e_A/T
+    rate-first:      Δrate = (ρ_A − ρ_B)·e_B/T,      Δexposure = (e_A − e_B)·ρ_A/T
+
+A policy whose aggregate exposure is 0 has an undefined rate (0/0). Its exposure ×
+rate term is 0 whatever the rate, so for attribution we borrow the other policy's
+rate (0 when both are undefined): no rate difference is invented, and the parts
+still sum to the gap exactly. The result records when this happened.
+
+Uncertainty: a paired bootstrap over documents — each resample draws documents,
+and A and B are evaluated on the same draw — with BCa intervals by default.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import xarray as xr
+from scipy import stats
+
+ATTRIBUTIONS: tuple[str, ...] = ("shapley", "exposure-first", "rate-first")
+PARTS: tuple[str, ...] = ("gap", "first", "exposure", "rate")
+_NEEDED = ("occurrence", "exposure", "post_mismatch")
+
+
+class Parts(NamedTuple):
+    """The gap and its three parts (floats, or DataArrays over ``model``)."""
+
+    gap: Any
+    first: Any
+    exposure: Any
+    rate: Any
+
+
+@dataclass(frozen=True)
+class DecompositionInterval:
+    """Bootstrap confidence intervals for the gap and its parts."""
+
+    low: Parts
+    high: Parts
+    confidence_level: float
+    method: str
+    n_resamples: int
+
+    def to_frame(self):
+        """One row per quantity (and model), columns ``low``/``high``."""
+        import pandas as pd
+
+        rows = []
+        for name in PARTS:
+            lo, hi = getattr(self.low, name), getattr(self.high, name)
+            if isinstance(lo, xr.DataArray):
+                for m in lo["model"].values:
+                    rows.append({"model": str(m), "quantity": name,
+                                 "low": float(lo.sel(model=m)), "high": float(hi.sel(model=m))})
+            else:
+                rows.append({"quantity": name, "low": float(lo), "high": float(hi)})
+        return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------------------
+# Core arithmetic (vectorised over any leading axes; documents on the last axis)
+# ---------------------------------------------------------------------------
+
+def _split(o_a, o_b, e_a, e_b, p_a, p_b, horizon: float, attribution: str) -> np.ndarray:
+    """Aggregate and split; inputs are per-document arrays, documents on axis -1.
+
+    Returns an array stacked as (gap, first, exposure, rate, M_A, M_B, rho_A, rho_B)
+    on axis 0, with the per-document axis reduced.
+    """
+    oa, ob = o_a.mean(-1), o_b.mean(-1)
+    ea, eb = e_a.mean(-1), e_b.mean(-1)
+    pa, pb = p_a.mean(-1), p_b.mean(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ra = np.where(ea > 0, pa / np.where(ea > 0, ea, 1.0), np.nan)
+        rb = np.where(eb > 0, pb / np.where(eb > 0, eb, 1.0), np.nan)
+    # Undefined rate (no exposure): borrow the other policy's rate, or 0 (see module doc).
+    ra_att = np.where(np.isnan(ra), np.where(np.isnan(rb), 0.0, rb), ra)
+    rb_att = np.where(np.isnan(rb), ra_att, rb)
+    t = float(horizon)
+    first = (oa - ob) / t
+    if attribution == "shapley":
+        exp_part = (ea - eb) * (ra_att + rb_att) / (2 * t)
+        rate_part = (ra_att - rb_att) * (ea + eb) / (2 * t)
+    elif attribution == "exposure-first":
+        exp_part = (ea - eb) * rb_att / t
+        rate_part = (ra_att - rb_att) * ea / t
+    elif attribution == "rate-first":
+        rate_part = (ra_att - rb_att) * eb / t
+        exp_part = (ea - eb) * ra_att / t
+    else:
+        raise ValueError(f"unknown attribution {attribution!r}; expected one of {ATTRIBUTIONS}")
+    m_a = (oa + pa) / t
+    m_b = (ob + pb) / t
+    return np.stack([m_a - m_b, first, exp_part, rate_part, m_a, m_b, ra, rb])
+
+
+# ---------------------------------------------------------------------------
+# Input handling
+# ---------------------------------------------------------------------------
+
+def _is_estimate(ds: xr.Dataset) -> bool:
+    return all(v in ds.data_vars for v in _NEEDED) and "replicate" not in ds.dims
+
+
+def as_estimates(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
+    """Per-document estimates from a trace dataset, or ``ds`` itself if it already is one."""
+    if _is_estimate(ds):
+        return ds
+    if "replicate" not in ds.dims:
+        raise ValueError("expected a trace dataset (with a replicate dim) or an estimate "
+                         f"dataset with {', '.join(_NEEDED)}; got variables {sorted(ds.data_vars)}")
+    from divstats.estimators import estimate  # lazy: owned by the estimators module
+
+    return estimate(ds, window=window)
+
+
+def horizon_of(est: xr.Dataset) -> int:
+    """T from the attrs, else from loss / mismatch_fraction."""
+    if "horizon" in est.attrs:
+        return int(est.attrs["horizon"])
+    if "loss" in est and "mismatch_fraction" in est:
+        ratio = (est["loss"] / est["mismatch_fraction"]).values
+        ratio = ratio[np.isfinite(ratio)]
+        if ratio.size:
+            return int(round(float(np.median(ratio))))
+    raise ValueError("cannot determine the horizon T: no 'horizon' attr on the dataset")
+
+
+def _per_doc(est: xr.Dataset, policy: str, model: Any | None) -> tuple[np.ndarray, ...]:
+    if policy not in est["policy"].values:
+        raise ValueError(f"policy {policy!r} is not in the data; available: "
+                         f"{[str(p) for p in est['policy'].values]}")
+    sub = est.sel(policy=policy)
+    if model is not None:
+        sub = sub.sel(model=model)
+    return tuple(np.asarray(sub[v].transpose("doc").values, dtype=float) for v in _NEEDED)
+
+
+def _paired_docs(est: xr.Dataset, a: str, b: str, model: Any | None) -> tuple[np.ndarray, ...]:
+    o_a, e_a, p_a = _per_doc(est, a, model)
+    o_b, e_b, p_b = _per_doc(est, b, model)
+    arrays = (o_a, o_b, e_a, e_b, p_a, p_b)
+    if np.isnan(p_a[np.isfinite(e_a) & (e_a > 0)]).any() or np.isnan(p_b[np.isfinite(e_b) & (e_b > 0)]).any():
+        raise ValueError(
+            "post_mismatch is not identified (branches observed for W < T - 1 steps); the gap "
+            "cannot be decomposed. Use the sharp interval (divstats.sharp_interval) instead.")
+    # A document must be present for both policies (NaN occurrence = no data).
+    keep = np.all([np.isfinite(x) for x in (o_a, o_b, e_a, e_b)], axis=0)
+    return tuple(np.nan_to_num(x[keep]) for x in arrays)
+
+
+# ---------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecompositionResult:
+    """Gap ``M_A − M_B`` and its exact split (scipy-style named fields).
+
+    ``gap``, ``first``, ``exposure``, ``rate`` and ``shares`` are floats, or
+    DataArrays over ``model`` when the data hold several models. ``ordered`` maps
+    each ordered attribution name to its :class:`Parts` (the Shapley split is the
+    average of the two).
+    """
+
+    a: str
+    b: str
+    attribution: str
+    horizon: int
+    n_docs: Any
+    gap: Any
+    first: Any
+    exposure: Any
+    rate: Any
+    shares: Parts
+    mismatch_a: Any
+    mismatch_b: Any
+    rate_a: Any
+    rate_b: Any
+    ordered: dict[str, Parts]
+    undefined_rate: bool
+    _data: dict[Any, tuple[np.ndarray, ...]] = field(repr=False, default_factory=dict)
+
+    @property
+    def parts(self) -> Parts:
+        return Parts(self.gap, self.first, self.exposure, self.rate)
+
+    def confidence_interval(self, level: float = 0.95, *, method: str = "BCa",
+                            n_resamples: int = 9999, seed: int = 0) -> DecompositionInterval:
+        """Paired bootstrap over documents (same resampled documents for A and B)."""
+        lows, highs = {}, {}
+        for key, arrays in self._data.items():
+            lows[key], highs[key] = _bootstrap(arrays, self.horizon, self.attribution,
+                                               level, method, n_resamples, seed)
+        low = _assemble([lows[k] for k in self._data], list(self._data))
+        high = _assemble([highs[k] for k in self._data], list(self._data))
+        return DecompositionInterval(low=low, high=high, confidence_level=level,
+                                     method=method, n_resamples=n_resamples)
+
+    def to_dataset(self) -> xr.Dataset:
+        """The point estimates as an xarray Dataset (attrs name A, B, attribution)."""
+        data = {}
+        for name in PARTS:
+            data[name] = _as_da(getattr(self, name))
+            data[f"share_{name}"] = _as_da(getattr(self.shares, name))
+        for name, parts in self.ordered.items():
+            for part in ("first", "exposure", "rate"):
+                data[f"{part}_{name.replace('-', '_')}"] = _as_da(getattr(parts, part))
+        data["mismatch_a"] = _as_da(self.mismatch_a)
+        data["mismatch_b"] = _as_da(self.mismatch_b)
+        data["rate_a"] = _as_da(self.rate_a)
+        data["rate_b"] = _as_da(self.rate_b)
+        data["n_docs"] = _as_da(self.n_docs)
+        return xr.Dataset(data, attrs={"a": self.a, "b": self.b, "attribution": self.attribution,
+                                       "horizon": self.horizon,
+                                       "undefined_rate": int(self.undefined_rate)})
+
+
+def _as_da(x: Any) -> xr.DataArray:
+    return x if isinstance(x, xr.DataArray) else xr.DataArray(x)
+
+
+def _assemble(values: list[np.ndarray], keys: list[Any]) -> Parts:
+    """Parts from per-model vectors (gap, first, exposure, rate, ...)."""
+    if keys == [None]:
+        return Parts(*(float(values[0][i]) for i in range(4)))
+    stacked = np.stack(values)  # (model, quantity)
+    return Parts(*(xr.DataArray(stacked[:, i], dims="model", coords={"model": keys}) for i in range(4)))
+
+
+def _bootstrap(arrays: tuple[np.ndarray, ...], horizon: int, attribution: str, level: float,
+               method: str, n_resamples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    def statistic(*xs, axis=-1):
+        xs = [np.moveaxis(x, axis, -1) for x in xs]
+        return _split(*xs, horizon, attribution)[:4]
+
+    n = arrays[0].size
+    point = statistic(*arrays)
+    if n < 2:
+        return np.full(4, np.nan), np.full(4, np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # degenerate (constant) parts give NaN; handled below
+        res = stats.bootstrap(arrays, statistic, paired=True, vectorized=True,
+                              n_resamples=n_resamples, confidence_level=level,
+                              method=method, rng=seed)
+    low = np.asarray(res.confidence_interval.low, dtype=float)
+    high = np.asarray(res.confidence_interval.high, dtype=float)
+    # A part that is constant across resamples (e.g. both rates undefined) has a
+    # degenerate BCa interval; its interval is the point itself.
+    deg = ~np.isfinite(low) | ~np.isfinite(high)
+    low[deg] = point[deg]
+    high[deg] = point[deg]
+    return low, high
+
+
+def _models(est: xr.Dataset) -> list[Any]:
+    return [m for m in est["model"].values] if "model" in est.dims else [None]
+
+
+def decompose(ds: xr.Dataset, a: str, b: str, attribution: str = "shapley", *,
+              window: int | None = None) -> DecompositionResult:
+    """Split the mismatch-fraction gap between policies ``a`` and ``b`` (METHOD §3).
+
+    ``ds`` is a trace dataset (estimated with ``divstats.estimate``) or an estimate
+    dataset. With a ``model`` dim, each model is decomposed separately and the
+    fields are DataArrays over ``model``. Documents missing for either policy are
+    dropped; ``n_docs`` is the number used.
+    """
+    if attribution not in ATTRIBUTIONS:
+        raise ValueError(f"unknown attribution {attribution!r}; expected one of {ATTRIBUTIONS}")
+    est = as_estimates(ds, window)
+    horizon = horizon_of(est)
+    models = _models(est)
+    data = {m: _paired_docs(est, a, b, m) for m in models}
+    for m, arrays in data.items():
+        if arrays[0].size == 0:
+            where = f" for model {m!r}" if m is not None else ""
+            raise ValueError(f"no document has estimates for both {a!r} and {b!r}{where}")
+    main = [_split(*data[m], horizon, attribution) for m in models]
+    ordered_raw = {name: [_split(*data[m], horizon, name) for m in models]
+                   for name in ("exposure-first", "rate-first")}
+    pick = _picker(models)
+    gap, first, exp_part, rate_part = (pick(main, i) for i in range(4))
+    shares = Parts(*(_share(pick(main, i), gap) for i in range(4)))
+    undefined = any(np.isnan(v[6]) or np.isnan(v[7]) for v in main)
+    return DecompositionResult(
+        a=a, b=b, attribution=attribution, horizon=horizon,
+        n_docs=pick([np.array([data[m][0].size] * 8) for m in models], 0),
+        gap=gap, first=first, exposure=exp_part, rate=rate_part, shares=shares,
+        mismatch_a=pick(main, 4), mismatch_b=pick(main, 5), rate_a=pick(main, 6),
+        rate_b=pick(main, 7),
+        ordered={name: Parts(*(pick(vals, i) for i in range(4))) for name, vals in ordered_raw.items()},
+        undefined_rate=bool(undefined), _data=data,
+    )
+
+
+def _share(part: Any, gap: Any) -> Any:
+    """part / gap, NaN where the gap is exactly 0 (shares are undefined there)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if isinstance(gap, xr.DataArray):
+            return (part / gap).where(gap != 0)
+        return float(part) / gap if gap != 0 else float("nan")
+
+
+def _picker(models: Sequence[Any]):
+    """Select quantity ``i`` from per-model result vectors: float, or DataArray over model."""
+    def pick(values: list[np.ndarray], i: int) -> Any:
+        if list(models) == [None]:
+            v = values[0][i]
+            return int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v)
+        return xr.DataArray(np.array([v[i] for v in values]), dims="model", coords={"model": list(models)})
+    return pick
