@@ -72,6 +72,31 @@ def token_counter(tokenizer: Any | None) -> TokenCounter:
     raise TypeError(f"expected a tokenizer (with .encode) or a callable, got {type(tokenizer).__name__}")
 
 
+def load_tokenizer(model_id: str | None = None) -> Any | None:
+    """The tokenizer of a model id as ``kvdiv serve --model`` understands it, without its weights.
+
+    ``approx`` gives None (the tokenizer-free count). The embedded SmolLM2 reads the
+    server's dequantised cache when a server has started once (fast), else parses the
+    GGUF (~8 s on 2 cores).
+    """
+    if model_id == "approx":
+        return None
+    from gen_service import models  # the service's loader: ids mean the same thing here
+
+    model_id = model_id or models.EMBEDDED_ID
+    if model_id in models.TINY_IDS:
+        return models.byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    if model_id == models.EMBEDDED_ID:
+        gguf = models.embedded_gguf_path()
+        cached = models._gguf_cache_dir(gguf)
+        if (cached / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(cached)
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoTokenizer.from_pretrained(model_id)
+
+
 # --------------------------------------------------------------------------- chunking
 
 

@@ -1,0 +1,166 @@
+"""A fake trace server for the collector tests (imported by test_collector*.py, test_demo*.py).
+
+It speaks ``POST /v1/traces`` with valid ``kvdiv.trace/1`` wire streams built with
+``protocols.wire``. The stream's numbers depend only on the request (seed, doc,
+policy, sizes), never on the attempt, so a retried or resumed request yields the
+same bytes (apart from the ``elapsed_s`` of the end record). A fault script makes
+the next requests answer 429 / 500, drop the connection mid-stream, end without an
+``end`` record, send a wrong digest, or send an ``error`` record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from protocols import StreamWriter, branch_record, encode_line, error_record, header_record
+from protocols import shared_step_record, step_record
+
+VOCAB = 50
+FAULTS = ("ok", "429", "500", "drop", "truncate", "bad_digest", "error")
+
+
+def _rng(body: dict[str, Any]) -> np.random.Generator:
+    key = json.dumps([body.get("doc_id"), body.get("candidate"), body["parameters"].get("seed")])
+    return np.random.default_rng(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big"))
+
+
+def trace_records(body: dict[str, Any], model: str = "fake-model") -> Iterator[dict[str, Any]]:
+    """Header and data records of a valid stream for a /v1/traces request body."""
+    params = body["parameters"]
+    horizon, reps, kind = int(params["max_new_tokens"]), int(body.get("replicates", 1)), body.get("kind", "coupled")
+    window = int(body.get("window") or horizon)
+    rng = _rng(body)
+    prompt = sum(len(m["content"]) for m in body.get("messages", [])) // 4 or len(body.get("inputs", "")) // 4
+    yield header_record(
+        kind=kind, horizon=horizon, window=window, model=model, eos_token_id=None,
+        sampling={"temperature": params.get("temperature", 1.0), "top_k": 0, "top_p": 1.0},
+        candidate={"policy": body["candidate"], "press": "fake", "retention": 0.5, "budget": -1},
+        seed=params.get("seed"), prompt_tokens=prompt, retained_tokens=prompt // 2, replicates=reps,
+        vocab_size=VOCAB, doc=body.get("doc_id"), request_id="fake",
+    )
+    if kind == "coupled":
+        for t in range(1, horizon + 1):
+            tv = rng.uniform(0.05, 0.5, reps)
+            x = rng.integers(0, VOCAB, reps)
+            y = np.where(rng.random(reps) < 0.5, x, (x + 1) % VOCAB)
+            yield step_record(t, tv, x, y)
+        return
+    shared_tv = rng.uniform(0.01, 0.2, (reps, horizon))
+    shared_tok = rng.integers(0, VOCAB, (reps, horizon))
+    for t in range(horizon):
+        yield shared_step_record(t + 1, shared_tv[:, t], shared_tok[:, t])
+    for r in range(reps):
+        t_star = int(rng.integers(1, horizon + 1))
+        k = min(window, horizon - t_star)
+        x = rng.integers(0, VOCAB, k + 1)
+        y = (x + 1 + rng.integers(0, VOCAB - 1, k + 1)) % VOCAB  # y != x: consistent with tv > 0
+        tv = rng.uniform(0.05, 0.6, k + 1)
+        tv[0] = shared_tv[r, t_star - 1]
+        yield branch_record(r, t_star, tv, x, y)
+
+
+class FakeServer:
+    """A uvicorn server in a thread on 127.0.0.1, with a fault script and request log."""
+
+    def __init__(self, *, delay_s: float = 0.0, model: str = "fake-model") -> None:
+        self.faults: list[str] = []      # consumed one per /v1/traces request
+        self.requests: list[dict[str, Any]] = []
+        self.delay_s = delay_s
+        self.model = model
+        self.lock = threading.Lock()
+        app = Starlette(routes=[Route("/health", self._health), Route("/v1/traces", self._traces, methods=["POST"])])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
+                                                    lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> FakeServer:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("fake server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    @property
+    def url(self) -> str:
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def _next_fault(self) -> str:
+        with self.lock:
+            return self.faults.pop(0) if self.faults else "ok"
+
+    async def _health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def _traces(self, request: Request) -> Response:
+        body = await request.json()
+        fault = self._next_fault()
+        with self.lock:
+            self.requests.append({**body, "fault": fault})
+        if fault == "429":
+            return JSONResponse({"error": "queue full", "error_type": "overloaded"}, status_code=429,
+                                headers={"Retry-After": "0"})
+        if fault == "500":
+            return JSONResponse({"error": "boom", "error_type": "internal"}, status_code=500)
+        if fault == "422":
+            return JSONResponse({"error": "candidate: unknown policy", "error_type": "validation"},
+                                status_code=422)
+        return StreamingResponse(self._stream(body, fault), media_type="application/x-ndjson")
+
+    async def _stream(self, body: dict[str, Any], fault: str):
+        writer = StreamWriter()
+        records = list(trace_records(body, self.model))
+        for i, record in enumerate(records):
+            if i == len(records) // 2 and fault in ("drop", "truncate", "error"):
+                if fault == "drop":
+                    raise ConnectionResetError("simulated connection drop")
+                if fault == "error":
+                    yield encode_line(error_record("out of memory", "internal"))
+                return
+            yield writer.line(record)
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+        if fault == "bad_digest":
+            yield encode_line({"type": "end", "steps": 0, "replicates": 0, "elapsed_s": 0.0, "sha256": "0" * 64})
+            return
+        yield writer.end(int(body["parameters"]["max_new_tokens"]), int(body.get("replicates", 1)), 0.0)
+
+
+@pytest.fixture()
+def fake_server() -> Iterator[FakeServer]:
+    with FakeServer() as server:
+        yield server
+
+
+def test_fake_streams_are_deterministic_and_valid() -> None:
+    body = {"parameters": {"max_new_tokens": 6, "seed": 3}, "candidate": "snapkv@0.5", "kind": "residual",
+            "replicates": 3, "window": 4, "doc_id": "d", "messages": [{"role": "user", "content": "x" * 80}]}
+    a, b = list(trace_records(body)), list(trace_records(body))
+    assert a == b
+    from protocols.assemble import assemble
+
+    for kind in ("residual", "coupled"):
+        w = StreamWriter()
+        lines = [w.line(r) for r in trace_records({**body, "kind": kind})] + [w.end(6, 3, 0.0)]
+        ds = assemble(lines, doc="d")
+        assert ds.sizes["replicate"] == 3 and ds.attrs["kind"] == kind
