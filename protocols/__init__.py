@@ -10,6 +10,10 @@ from protocols.schema import (
     COUPLING, KINDS, SCHEMA, coupled_dataset, reference_dataset, residual_dataset, sampling_params,
 )
 from protocols.wire import (
-    StreamWriter, branch_record, encode_line, end_record, error_record, header_record,
+    StreamWriter, branch_record, dataset_lines, encode_line, end_record, error_record, header_record,
     shared_step_record, step_record,
 )
+from protocols.validate import TV_ZERO_ATOL, TraceValidationError, validate
+from protocols.assemble import StreamError, assemble
+from protocols.io import open_traces, save_traces
+

@@ -126,3 +126,56 @@ class StreamWriter:
     @property
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
+
+
+def dataset_lines(
+    ds: Any,
+    *,
+    doc: str | None = None,
+    policy: str | None = None,
+    seed: int | None = None,
+    retained_tokens: int = 0,
+    request_id: str = "",
+    elapsed_s: float = 0.0,
+) -> list[bytes]:
+    """Serialise one (doc, policy) cell of a coupled or residual dataset as a wire stream.
+
+    The inverse of :func:`protocols.assemble` (used by tests and by anyone replaying
+    stored traces through the wire path). ``doc`` / ``policy`` pick the cell;
+    both default to the only one.
+    """
+    import numpy as np
+
+    doc = str(ds.doc.values[0]) if doc is None else doc
+    policy = str(ds.policy.values[0]) if policy is None else policy
+    cell = ds.sel(doc=doc, policy=policy)
+    a, kind = ds.attrs, ds.attrs["kind"]
+    T, R = int(a["horizon"]), cell.sizes["replicate"]
+    w = StreamWriter()
+    lines = [w.line(header_record(
+        kind=kind, horizon=T, window=int(a["window"]), model=a["model"], eos_token_id=int(a["eos_token_id"]),
+        sampling=json.loads(a["sampling"]),
+        candidate={"policy": policy, "press": str(cell.press.values),
+                   "retention": None if np.isnan(cell.retention.values) else float(cell.retention.values),
+                   "budget": None if int(cell.budget.values) < 0 else int(cell.budget.values)},
+        seed=seed, prompt_tokens=int(cell.prompt_tokens.values), retained_tokens=retained_tokens,
+        replicates=R, vocab_size=int(a["vocab_size"]), doc=doc, request_id=request_id,
+        producer=a["producer"],
+    ))]
+    if kind == "coupled":
+        tv, x, y = (cell[v].transpose("replicate", "step").values for v in ("tv", "x_token", "y_token"))
+        lines += [w.line(step_record(t + 1, tv[:, t], x[:, t], y[:, t])) for t in range(T)]
+    elif kind == "residual":
+        tv, tok = (cell[v].transpose("replicate", "step").values for v in ("shared_tv", "shared_token"))
+        lines += [w.line(shared_step_record(t + 1, tv[:, t], tok[:, t])) for t in range(T)]
+        bs = cell.branch_step.values
+        btv, bx, by = (cell[v].transpose("replicate", "age").values
+                       for v in ("branch_tv", "branch_x_token", "branch_y_token"))
+        for r in range(R):
+            if bs[r] > 0:
+                n = min(int(a["window"]), T - int(bs[r])) + 1
+                lines.append(w.line(branch_record(r, int(bs[r]), btv[r, :n], bx[r, :n], by[r, :n])))
+    else:
+        raise ValueError(f"kind {kind!r} has no wire format (coupled or residual)")
+    lines.append(w.end(T, R, elapsed_s))
+    return lines

@@ -1,0 +1,451 @@
+"""Validation of ``kvdiv.trace/1`` datasets (SCHEMA.md §1).
+
+:func:`validate` checks a dataset against the contract and raises one
+:class:`TraceValidationError` that lists *every* problem found, each naming the
+variable or attribute, how many values break the rule and one example index
+written with coordinate labels, e.g.::
+
+    tv: 3 values outside [0, 1], e.g. tv[doc='d0', policy='snapkv@0.5', replicate=3, step=7] = 1.3
+
+Every rule is vectorised over (doc, policy, replicate, step|age); the only Python
+loops are over variables and rules. An optional leading ``model`` dim (datasets
+combined across models) is allowed on every data variable; per-model
+``vocab_size`` / ``eos_token_id`` coordinates on that dim, when present, take
+precedence over the global attributes.
+
+Float tolerance: where the two tokens of a step differ the TV there must exceed
+:data:`TV_ZERO_ATOL` (1e-7, about one float32 ulp at 1). The coupling diverges with
+probability TV, so a mismatch at a TV indistinguishable from 0 marks a producer bug;
+the expected number of false alarms on honest data is at most 1e-7 per step with
+TV <= 1e-7. All other TV rules (range, "TV is 0 once both sides emitted EOS", the
+shared path stops at TV == 1) are exact.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from protocols.schema import (
+    COUPLING, KINDS, MISSING_TOKEN, OPTIONAL_VARS, PROB_DTYPE, REQUIRED_ATTRS, REQUIRED_VARS, SCHEMA,
+    SPLITS, TOKEN_DTYPE,
+)
+
+#: A mismatch (tokens differ) needs TV above this; see the module docstring.
+TV_ZERO_ATOL = 1e-7
+#: log-probabilities may exceed 0 by this much (rounding of log 1).
+LOGP_ATOL = 1e-5
+#: branch_tv at age 0 and shared_tv at t* are the same TV; allowed difference.
+BRANCH_TV_RTOL = 1e-5
+
+# Token-valued and TV-valued variables, whatever the kind.
+_TOKEN_VARS = {"x_token", "y_token", "shared_token", "branch_x_token", "branch_y_token", "branch_step"}
+_TV_VARS = {"tv", "shared_tv", "branch_tv"}
+
+
+class TraceValidationError(ValueError):
+    """A dataset that breaks the trace contract; ``.problems`` lists every problem."""
+
+    def __init__(self, problems: list[str], source: str | None = None) -> None:
+        self.problems = list(problems)
+        head = f"{len(self.problems)} problem(s) in trace dataset" + (f" {source}" if source else "")
+        super().__init__(head + ":\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+@dataclass
+class _Ctx:
+    """What the value rules need: the kind, sizes and canonical numpy arrays."""
+
+    ds: xr.Dataset
+    kind: str
+    horizon: int | None
+    window: int | None
+    vocab: Any                    # int or array broadcastable to the data (per model)
+    eos: Any                      # int or array; -1 = no EOS
+    lead: tuple[str, ...]         # ("model",) or ()
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    dims: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _label(ds: xr.Dataset, dim: str, i: int) -> str:
+    if dim in ds.coords and ds.coords[dim].ndim == 1 and ds.coords[dim].dims == (dim,):
+        v = ds.coords[dim].values[i]
+        return repr(str(v)) if isinstance(v, (str, np.str_, bytes)) or ds.coords[dim].dtype == object else str(v)
+    return str(i)
+
+
+def _where(ds: xr.Dataset, dims: tuple[str, ...], idx: tuple[int, ...]) -> str:
+    return ", ".join(f"{d}={_label(ds, d, int(i))}" for d, i in zip(dims, idx))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, (float, np.floating)):
+        # shortest repr of the stored precision: float32 1.3 prints as 1.3, not 1.29999995
+        return "NaN" if np.isnan(v) else np.format_float_positional(v, trim="-")
+    return str(v)
+
+
+def _report(ctx: _Ctx, name: str, bad: np.ndarray, what: str, shown: str | None = None) -> Iterator[str]:
+    """One problem line if ``bad`` has any True: count, rule and the first example."""
+    if not bad.any():
+        return
+    dims = ctx.dims[name]
+    bad = np.broadcast_to(bad, ctx.arrays[name].shape)
+    flat = int(np.argmax(bad))          # first offending element in C order
+    idx = np.unravel_index(flat, bad.shape)
+    value = _fmt(ctx.arrays[name][idx])
+    extra = f" ({shown})" if shown else ""
+    yield (f"{name}: {int(bad.sum())} value(s) {what}, e.g. "
+           f"{name}[{_where(ctx.ds, dims, idx)}] = {value}{extra}")
+
+
+def _after(mask: np.ndarray) -> np.ndarray:
+    """True at positions strictly after the first True along the last axis."""
+    seen = np.logical_or.accumulate(mask, axis=-1)
+    out = np.zeros_like(seen)
+    out[..., 1:] = seen[..., :-1]
+    return out
+
+
+def _eos_mask(ctx: _Ctx, tokens: np.ndarray) -> np.ndarray:
+    eos = np.asarray(ctx.eos)
+    return (tokens == eos) & (eos >= 0)
+
+
+def _lead_shape(ctx: _Ctx, name: str) -> np.ndarray:
+    """Per-model scalars shaped to broadcast against ``name``'s array."""
+    return np.asarray(ctx.vocab).reshape(np.shape(ctx.vocab) + (1,) * (ctx.arrays[name].ndim - np.ndim(ctx.vocab)))
+
+
+# ----------------------------------------------------------------------------- attrs and layout
+
+def _check_attrs(ds: xr.Dataset) -> Iterator[str]:
+    a = ds.attrs
+    for name in REQUIRED_ATTRS:
+        if name not in a:
+            yield f"attribute {name!r} is missing"
+    if "schema" in a and a["schema"] != SCHEMA:
+        yield f"attribute 'schema' = {a['schema']!r}, expected {SCHEMA!r}"
+    if "kind" in a and a["kind"] not in KINDS:
+        yield f"attribute 'kind' = {a['kind']!r} is not one of {KINDS}"
+    if "coupling" in a and a["coupling"] != COUPLING:
+        yield f"attribute 'coupling' = {a['coupling']!r}, expected {COUPLING!r}"
+    for name, low in (("horizon", 1), ("vocab_size", 2), ("window", 0), ("eos_token_id", -1)):
+        if name in a and not (_is_int(a[name]) and a[name] >= low):
+            yield f"attribute {name!r} = {a[name]!r} is not an integer >= {low}"
+    for name in ("model", "sampling", "producer"):
+        if name in a and not isinstance(a[name], str):
+            yield f"attribute {name!r} = {a[name]!r} is not a string"
+    if isinstance(a.get("sampling"), str):
+        try:
+            if not isinstance(json.loads(a["sampling"]), dict):
+                raise ValueError
+        except ValueError:
+            yield f"attribute 'sampling' = {a['sampling']!r} is not a JSON object"
+    v, e = a.get("vocab_size"), a.get("eos_token_id")
+    if _is_int(v) and _is_int(e) and e >= v:
+        yield f"attribute 'eos_token_id' = {e} is outside [0, vocab_size={v}) (use -1 for none)"
+    yield from _check_window(a)
+
+
+def _check_window(a: dict[str, Any]) -> Iterator[str]:
+    kind, h, w = a.get("kind"), a.get("horizon"), a.get("window")
+    if not (_is_int(h) and _is_int(w)):
+        return
+    if kind == "coupled" and w != h:
+        yield f"attribute 'window' = {w}: coupled traces are complete, so window must equal horizon = {h}"
+    elif kind == "reference" and w != 0:
+        yield f"attribute 'window' = {w}: reference traces observe nothing after divergence, so window must be 0"
+    elif kind == "residual" and w > h:
+        yield f"attribute 'window' = {w} exceeds horizon = {h}"
+
+
+def _check_coords(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
+    for dim in ("doc", "policy"):
+        if dim not in ds.coords:
+            yield f"coordinate {dim!r} is missing"
+            continue
+        ids = ds.coords[dim].values
+        if not all(isinstance(i, (str, np.str_)) for i in ids):
+            yield f"coordinate {dim!r}: ids must be strings"
+        uniq, counts = np.unique(ids.astype(str), return_counts=True)
+        if (counts > 1).any():
+            yield f"coordinate {dim!r}: duplicate ids {sorted(uniq[counts > 1].tolist())}"
+    for name, dim in (("split", "doc"), ("prompt_tokens", "doc"), ("press", "policy"),
+                      ("retention", "policy"), ("budget", "policy")):
+        if name not in ds.coords:
+            yield f"coordinate {name!r} (per {dim}) is missing"
+        elif ds.coords[name].dims != (dim,):
+            yield f"coordinate {name!r} has dims {ds.coords[name].dims}, expected ({dim!r},)"
+    if "split" in ds.coords:
+        bad = sorted({str(s) for s in ds.coords["split"].values} - set(SPLITS))
+        if bad:
+            yield f"coordinate 'split': values {bad} are not in {list(SPLITS)}"
+    if "replicate" in ds.coords:
+        r = ds.coords["replicate"].values
+        if not np.issubdtype(r.dtype, np.integer) or len(np.unique(r)) != len(r):
+            yield "coordinate 'replicate': must be unique integers"
+    h = ctx.horizon
+    if h is not None and "step" in ds.dims:
+        if ds.sizes["step"] != h:
+            yield f"dimension 'step' has length {ds.sizes['step']}, expected horizon = {h}"
+        elif "step" not in ds.coords or not np.array_equal(ds.coords["step"].values, np.arange(1, h + 1)):
+            yield f"coordinate 'step' must be 1..{h}"
+    if ctx.kind == "residual" and h is not None and "age" in ds.dims:
+        if ds.sizes["age"] != h:
+            yield f"dimension 'age' has length {ds.sizes['age']}, expected horizon = {h} (ages 0..T-1)"
+        elif "age" not in ds.coords or not np.array_equal(ds.coords["age"].values, np.arange(h)):
+            yield f"coordinate 'age' must be 0..{h - 1}"
+
+
+def _check_vars(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
+    """Presence, dims and dtypes; well-formed variables go into ``ctx.arrays``."""
+    wanted = dict(REQUIRED_VARS[ctx.kind])
+    optional = OPTIONAL_VARS.get(ctx.kind, {})
+    for name, dims in list(wanted.items()) + [(k, v) for k, v in optional.items() if k in ds]:
+        if name not in ds.data_vars:
+            yield f"variable {name!r} is missing (required for kind {ctx.kind!r})"
+            continue
+        var = ds[name]
+        full = ctx.lead + dims
+        if set(var.dims) != set(full) or len(var.dims) != len(full):
+            yield f"variable {name!r} has dims {var.dims}, expected {full}"
+            continue
+        want = TOKEN_DTYPE if name in _TOKEN_VARS else PROB_DTYPE
+        if var.dtype != want:
+            yield f"variable {name!r} has dtype {var.dtype}, expected {np.dtype(want)}"
+            continue
+        ctx.arrays[name] = var.transpose(*full).values
+        ctx.dims[name] = full
+
+
+# ----------------------------------------------------------------------------- value rules
+
+def _rule_tv_range(ctx: _Ctx) -> Iterator[str]:
+    complete = ctx.kind == "coupled"
+    for name in sorted(_TV_VARS & ctx.arrays.keys()):
+        a = ctx.arrays[name]
+        yield from _report(ctx, name, np.isinf(a) | (np.isfinite(a) & ((a < 0) | (a > 1))), "outside [0, 1]")
+        if complete:
+            yield from _report(ctx, name, np.isnan(a), "missing (NaN): coupled trajectories are complete")
+
+
+def _rule_token_range(ctx: _Ctx) -> Iterator[str]:
+    complete = ctx.kind in ("coupled", "reference")
+    for name in sorted((_TOKEN_VARS - {"branch_step"}) & ctx.arrays.keys()):
+        a = ctx.arrays[name]
+        v = _lead_shape(ctx, name)
+        low = 0 if complete else MISSING_TOKEN
+        bad = (a < low) | (a >= v)
+        what = "outside [0, vocab_size)" if complete else "outside [0, vocab_size) and not -1"
+        if complete:
+            what += f" ({ctx.kind} trajectories are complete, no -1)"
+        yield from _report(ctx, name, bad, what)
+
+
+def _mismatch(ctx: _Ctx, tv: str, x: str, y: str, observed: np.ndarray | None = None) -> Iterator[str]:
+    """Tokens that differ need TV > TV_ZERO_ATOL (the coupling diverges with probability TV)."""
+    if not {tv, x, y} <= ctx.arrays.keys():
+        return
+    t, xa, ya = ctx.arrays[tv], ctx.arrays[x], ctx.arrays[y]
+    differ = (xa != ya) & (xa >= 0) & (ya >= 0)
+    if observed is not None:
+        differ &= observed
+    bad = differ & ~(t > TV_ZERO_ATOL)
+    yield from _report(ctx, tv, bad, f"<= {TV_ZERO_ATOL:g} (or NaN) where {x} != {y}: "
+                                     "the coupling cannot diverge at TV 0")
+
+
+def _rule_mismatch(ctx: _Ctx) -> Iterator[str]:
+    if ctx.kind == "coupled":
+        yield from _mismatch(ctx, "tv", "x_token", "y_token")
+    elif ctx.kind == "residual":
+        yield from _mismatch(ctx, "branch_tv", "branch_x_token", "branch_y_token")
+        if {"branch_x_token", "branch_y_token"} <= ctx.arrays.keys():
+            bx, by = ctx.arrays["branch_x_token"][..., 0], ctx.arrays["branch_y_token"][..., 0]
+            same = (bx == by) & (bx >= 0)
+            yield from _report(ctx, "branch_x_token", _age0(ctx, same),
+                               "equal to branch_y_token at age 0: the branches must differ at t*")
+
+
+def _age0(ctx: _Ctx, mask: np.ndarray) -> np.ndarray:
+    """Lift a (…, replicate) mask to (…, replicate, age) true only at age 0."""
+    out = np.zeros(mask.shape + (ctx.arrays["branch_tv"].shape[-1] if "branch_tv" in ctx.arrays
+                                 else ctx.arrays["branch_x_token"].shape[-1],), dtype=bool)
+    out[..., 0] = mask
+    return out
+
+
+def _absorbing(ctx: _Ctx, name: str, problems: list[str], observed: np.ndarray | None = None) -> np.ndarray:
+    """Check EOS is absorbing along the last axis of ``name``; return 'strictly after the first EOS'."""
+    a = ctx.arrays[name]
+    is_eos = _eos_mask(ctx, a)
+    after = _after(is_eos)
+    bad = after & ~is_eos
+    if observed is not None:
+        bad &= observed
+    problems += _report(ctx, name, bad, "not EOS after an earlier EOS (EOS is absorbing)")
+    return after
+
+
+def _rule_eos(ctx: _Ctx) -> Iterator[str]:
+    """EOS is absorbing; once both sides are EOS both laws are the EOS point mass (TV 0, log 1 = 0)."""
+    if np.all(np.asarray(ctx.eos) < 0):
+        return
+    out: list[str] = []
+    arr = ctx.arrays
+    if ctx.kind == "coupled" and {"x_token", "y_token"} <= arr.keys():
+        both = _absorbing(ctx, "x_token", out) & _absorbing(ctx, "y_token", out)
+        if "tv" in arr:
+            out += _report(ctx, "tv", both & (arr["tv"] != 0),
+                           "nonzero after both sides emitted EOS (both laws are the EOS point mass)")
+    elif ctx.kind == "reference" and "x_token" in arr:
+        after = _absorbing(ctx, "x_token", out)
+        for name in ("x_logp", "x_logq"):
+            if name in arr:
+                out += _report(ctx, name, after & (arr[name] != 0),
+                               "nonzero after EOS (both laws are then the EOS point mass, log 1 = 0)")
+    elif ctx.kind == "residual":
+        # The branches continue the shared history z_<t*; that prefix holds no EOS because
+        # TV is 0 after a shared EOS and t* needs TV > 0 (checked with the branch masks).
+        if "shared_token" in arr:
+            after = _absorbing(ctx, "shared_token", out)
+            if "shared_tv" in arr:
+                out += _report(ctx, "shared_tv", after & (arr["shared_tv"] != 0),
+                               "nonzero after the shared path emitted EOS")
+        if {"branch_x_token", "branch_y_token"} <= arr.keys():
+            bx, by = arr["branch_x_token"], arr["branch_y_token"]
+            both = _absorbing(ctx, "branch_x_token", out, bx >= 0) & _absorbing(ctx, "branch_y_token", out, by >= 0)
+            if "branch_tv" in arr:
+                bt = arr["branch_tv"]
+                out += _report(ctx, "branch_tv", both & ~np.isnan(bt) & (bt != 0),
+                               "nonzero after both branches emitted EOS")
+    yield from out
+
+
+def _rule_shared_path(ctx: _Ctx) -> Iterator[str]:
+    """The survival path is observed up to the first step with TV == 1 (token -1 there), then stops."""
+    if ctx.kind != "residual" or not {"shared_tv", "shared_token"} <= ctx.arrays.keys():
+        return
+    tv, tok = ctx.arrays["shared_tv"], ctx.arrays["shared_token"]
+    stopped_at = tv == 1
+    after_stop = _after(stopped_at)
+    yield from _report(ctx, "shared_tv", ~after_stop & np.isnan(tv),
+                       "NaN before the survival path stopped (it stops only after a step with TV == 1)")
+    yield from _report(ctx, "shared_tv", after_stop & ~np.isnan(tv),
+                       "observed after the survival path stopped at an earlier step with TV == 1")
+    yield from _report(ctx, "shared_token", (stopped_at | after_stop) & (tok != MISSING_TOKEN),
+                       "not -1 at or after a step with TV == 1 (nothing survives a TV of 1)")
+    yield from _report(ctx, "shared_token", ~(stopped_at | after_stop) & (tok == MISSING_TOKEN),
+                       "-1 while the survival path is running (TV < 1)")
+
+
+def _rule_branch_masks(ctx: _Ctx) -> Iterator[str]:
+    """branch_step in 0..T; ages 0..K observed with K = min(W, T - t*), later ages unobserved."""
+    need = {"branch_step", "branch_tv", "branch_x_token", "branch_y_token"}
+    if ctx.kind != "residual" or not need <= ctx.arrays.keys() or ctx.horizon is None or ctx.window is None:
+        return
+    t_star = ctx.arrays["branch_step"]
+    T, W = ctx.horizon, ctx.window
+    yield from _report(ctx, "branch_step", (t_star < 0) | (t_star > T), f"outside 0..{T}")
+    ages = np.arange(ctx.arrays["branch_tv"].shape[-1])
+    K = np.minimum(W, T - t_star)[..., None]
+    expect = (t_star[..., None] >= 1) & (t_star[..., None] <= T) & (ages <= K)
+    rule = f"(ages 0..K observed, K = min(window={W}, T - branch_step); none when branch_step = 0)"
+    for name in ("branch_tv", "branch_x_token", "branch_y_token"):
+        a = ctx.arrays[name]
+        seen = ~np.isnan(a) if name == "branch_tv" else a != MISSING_TOKEN
+        yield from _report(ctx, name, expect & ~seen, "missing where observed is required " + rule)
+        yield from _report(ctx, name, ~expect & seen, "observed where it must be unobserved " + rule)
+    yield from _branch_vs_shared(ctx, t_star)
+
+
+def _branch_vs_shared(ctx: _Ctx, t_star: np.ndarray) -> Iterator[str]:
+    """t* is a step of the shared path with TV > 0, and branch_tv[age 0] is that same TV."""
+    if "shared_tv" not in ctx.arrays:
+        return
+    tv = ctx.arrays["shared_tv"]
+    T = tv.shape[-1]
+    valid = (t_star >= 1) & (t_star <= T)
+    at = np.take_along_axis(tv, np.clip(t_star - 1, 0, T - 1)[..., None].astype(np.intp), axis=-1)[..., 0]
+    yield from _report(ctx, "branch_step", valid & ~(at > TV_ZERO_ATOL),
+                       "at a step where the shared path is unobserved or has TV <= "
+                       f"{TV_ZERO_ATOL:g} (divergence there is impossible)")
+    b0 = ctx.arrays["branch_tv"][..., 0]
+    off = valid & (at > TV_ZERO_ATOL) & ~np.isnan(b0) & ~np.isclose(b0, at, rtol=BRANCH_TV_RTOL, atol=TV_ZERO_ATOL)
+    yield from _report(ctx, "branch_tv", _age0(ctx, off),
+                       "at age 0 differs from shared_tv at branch_step (the same two laws)")
+    # No branch although some step could diverge: 1 - S_T > 0 means a branch must be drawn.
+    possible = np.nanmax(np.where(np.isnan(tv), 1.0, tv), axis=-1) > TV_ZERO_ATOL
+    yield from _report(ctx, "branch_step", (t_star == 0) & possible,
+                       "0 although the shared path has a step with TV > 0 (divergence was possible)")
+
+
+def _rule_logp(ctx: _Ctx) -> Iterator[str]:
+    """log p of a sampled token is finite and <= 0; log q may be -inf (q = 0) but not NaN."""
+    for name in ("x_logp", "y_logp", "x_logq"):
+        if name not in ctx.arrays:
+            continue
+        a = ctx.arrays[name]
+        finite_needed = name != "x_logq"
+        if finite_needed:
+            yield from _report(ctx, name, ~np.isfinite(a),
+                               "not finite (the token was sampled from this law, so its probability is > 0)")
+        else:
+            yield from _report(ctx, name, np.isnan(a) | (a == np.inf), "NaN or +inf (-inf is allowed: q = 0)")
+        yield from _report(ctx, name, np.isfinite(a) & (a > LOGP_ATOL), f"> 0 (a log-probability; tolerance {LOGP_ATOL:g})")
+
+
+_VALUE_RULES: tuple[Callable[[_Ctx], Iterator[str]], ...] = (
+    _rule_tv_range, _rule_token_range, _rule_mismatch, _rule_eos, _rule_shared_path, _rule_branch_masks,
+    _rule_logp,
+)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def _per_model(ds: xr.Dataset, name: str, default: Any) -> Any:
+    """A per-model coordinate (datasets combined across models) shaped to lead the data."""
+    if "model" in ds.dims and name in ds.coords and ds.coords[name].dims == ("model",):
+        return ds.coords[name].values.astype(np.int64).reshape(-1, 1, 1, 1, 1)
+    return default
+
+
+def validate(ds: xr.Dataset, *, source: str | None = None) -> xr.Dataset:
+    """Check ``ds`` against ``kvdiv.trace/1`` and return it unchanged.
+
+    Raises :class:`TraceValidationError` listing every problem at once
+    (``.problems``); ``source`` (e.g. a file name) is added to the message.
+    """
+    if not isinstance(ds, xr.Dataset):
+        raise TypeError(f"validate expects an xarray.Dataset, got {type(ds).__name__}")
+    problems = list(_check_attrs(ds))
+    kind = ds.attrs.get("kind")
+    if kind in KINDS:
+        a = ds.attrs
+        ctx = _Ctx(
+            ds=ds, kind=kind,
+            horizon=int(a["horizon"]) if _is_int(a.get("horizon")) else None,
+            window=int(a["window"]) if _is_int(a.get("window")) else None,
+            vocab=_per_model(ds, "vocab_size", a.get("vocab_size") if _is_int(a.get("vocab_size")) else np.inf),
+            eos=_per_model(ds, "eos_token_id", a.get("eos_token_id") if _is_int(a.get("eos_token_id")) else -1),
+            lead=("model",) if "model" in ds.dims else (),
+        )
+        problems += list(_check_coords(ds, ctx))
+        problems += list(_check_vars(ds, ctx))
+        for rule in _VALUE_RULES:
+            problems += list(rule(ctx))
+    if problems:
+        raise TraceValidationError(problems, source)
+    return ds
