@@ -1,0 +1,112 @@
+"""Array plumbing shared by the estimators: leading dims, chunking, replicate moments.
+
+Every estimator reduces the ``replicate`` axis (and ``step``/``age``) and keeps
+all other dims (``doc``, ``policy``, an optional ``model``, anything else).  The
+data are moved to numpy as ``(rows, replicate, step)`` with the leading dims
+flattened into ``rows``; results come back as DataArrays over the leading dims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+CORE_DIMS = ("replicate", "step", "age")
+#: Rows per chunk are chosen so that one float64 temporary stays near this size.
+CHUNK_ELEMENTS = 1 << 22
+
+KEY_VARIABLE = {"coupled": "tv", "residual": "shared_tv", "reference": "x_token"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the leading (non-core) dims of a trace dataset are and how big they are."""
+
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    coords: dict[str, Any]
+    n_replicates: int
+
+    @property
+    def rows(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def wrap(self, values: np.ndarray, extra_dims: Sequence[str] = (),
+             extra_coords: Mapping[str, Any] | None = None, attrs: Mapping[str, Any] | None = None,
+             ) -> xr.DataArray:
+        """(rows, *extra) numpy -> DataArray over (*lead dims, *extra dims)."""
+        arr = np.asarray(values).reshape(self.shape + np.asarray(values).shape[1:])
+        coords = dict(self.coords)
+        coords.update(extra_coords or {})
+        return xr.DataArray(arr, dims=self.dims + tuple(extra_dims), coords=coords, attrs=dict(attrs or {}))
+
+
+def kind_of(ds: xr.Dataset) -> str:
+    kind = ds.attrs.get("kind")
+    if kind not in KEY_VARIABLE:
+        raise ValueError(f"dataset kind {kind!r} is not one of {tuple(KEY_VARIABLE)}")
+    return kind
+
+
+def layout(ds: xr.Dataset) -> Layout:
+    key = ds[KEY_VARIABLE[kind_of(ds)]]
+    dims = tuple(d for d in key.dims if d not in CORE_DIMS)
+    shape = tuple(int(ds.sizes[d]) for d in dims)
+    coords = {name: c.variable for name, c in ds.coords.items()
+              if c.dims and set(c.dims) <= set(dims)}
+    return Layout(dims, shape, coords, int(ds.sizes["replicate"]))
+
+
+def core_array(ds: xr.Dataset, name: str, lay: Layout, core: Sequence[str]) -> np.ndarray:
+    """Variable ``name`` as a numpy array (rows, *core); a view when already in order."""
+    da = ds[name].transpose(*lay.dims, *core)
+    values = da.values
+    return values.reshape((lay.rows,) + values.shape[len(lay.dims):])
+
+
+def row_chunks(rows: int, per_row: int) -> Iterator[slice]:
+    step = max(1, CHUNK_ELEMENTS // max(1, per_row))
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))
+
+
+def mean_se(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Replicate mean and its Monte Carlo SE (sample SD / sqrt(n)) over the last axis."""
+    n = x.shape[-1]
+    m = x.mean(axis=-1)
+    if n < 2:
+        return m, np.full_like(m, np.nan)
+    return m, x.std(axis=-1, ddof=1) / np.sqrt(n)
+
+
+def ratio_se(num: np.ndarray, den: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ratio of replicate means and its delta-method SE.
+
+    r = mean(num) / mean(den); SE = SD(num - r den) / (sqrt(n) mean(den)), which is
+    the delta method with the sample covariance of (num, den).  NaN where
+    mean(den) = 0 (the ratio is not defined there).
+    """
+    n = num.shape[-1]
+    mn, md = num.mean(axis=-1), den.mean(axis=-1)
+    ok = md > 0
+    safe = np.where(ok, md, 1.0)
+    r = np.where(ok, mn / safe, np.nan)
+    if n < 2:
+        return r, np.full_like(r, np.nan)
+    resid = num - np.where(ok, r, 0.0)[..., None] * den
+    se = resid.std(axis=-1, ddof=1) / (np.sqrt(n) * safe)
+    return r, np.where(ok, se, np.nan)
+
+
+def cov_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Monte Carlo covariance of two replicate means (sample covariance / n)."""
+    n = a.shape[-1]
+    if n < 2:
+        return np.full(a.shape[:-1], np.nan)
+    ac = a - a.mean(axis=-1, keepdims=True)
+    bc = b - b.mean(axis=-1, keepdims=True)
+    return (ac * bc).sum(axis=-1) / ((n - 1) * n)

@@ -1,0 +1,204 @@
+"""Curves over time: the survival function S(t) and branch-aligned TV by age (METHOD §3, §5, §7).
+
+``branch_tv[k] = E[delta_{tau+k} | tau + k <= T]`` is a ratio of expectations, so
+every kind is estimated as mean(numerator) / mean(denominator) over replicates
+with a delta-method SE:
+
+* coupled: numerator tv_{tau+k} 1[tau + k <= T], denominator 1[tau + k <= T];
+* residual: numerator (1 - S_T) delta_{t*+k} 1[t* + k <= T], denominator
+  sum_{t <= T-k} pi_t (METHOD §5);
+* reference: not identified (the TV after divergence is never observed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xarray as xr
+
+from divstats._arrays import core_array, kind_of, layout, mean_se, ratio_se, row_chunks
+from divstats.replicates import (
+    _first_divergence, effective_window, horizon_of, reference_survival, survival_terms,
+)
+
+
+def _survival_rows(ds: xr.Dataset, lay, T: int) -> np.ndarray:
+    """Per-replicate S_t, t = 0..T, as (rows, n, T + 1)."""
+    kind = kind_of(ds)
+    n = lay.n_replicates
+    out = np.empty((lay.rows, n, T + 1))
+    out[..., 0] = 1.0
+    core = ("replicate", "step")
+    if kind == "coupled":
+        x, y = (core_array(ds, v, lay, core) for v in ("x_token", "y_token"))
+        for sl in row_chunks(lay.rows, n * T):
+            _, tau = _first_divergence(x[sl], y[sl], T)
+            out[sl, :, 1:] = tau[..., None] > np.arange(1, T + 1)
+    elif kind == "residual":
+        stv = core_array(ds, "shared_tv", lay, core)
+        for sl in row_chunks(lay.rows, n * T):
+            out[sl, :, 1:] = survival_terms(stv[sl])[0]
+    else:
+        lp, lq = (core_array(ds, v, lay, core) for v in ("x_logp", "x_logq"))
+        for sl in row_chunks(lay.rows, n * T):
+            out[sl, :, 1:] = reference_survival(lp[sl], lq[sl])
+    return out
+
+
+def survival(ds: xr.Dataset) -> xr.Dataset:
+    """S(t) = P(tau > t) for t = 0..T with Monte Carlo SEs, over (doc, policy[, model], step).
+
+    coupled: the empirical survival of tau (METHOD §4); residual: the mean of
+    S_t = prod_{s<=t} (1 - delta_s) on the survival paths (§5); reference: the mean
+    of prod_{s<=t} min(1, q_s/p_s) along P-samples (§7).  ``step`` runs 0..T.
+    """
+    lay, T = layout(ds), horizon_of(ds)
+    s = _survival_rows(ds, lay, T)
+    m, se = mean_se(np.moveaxis(s, 1, -1))
+    step = {"step": np.arange(T + 1)}
+    return xr.Dataset(
+        {"survival": lay.wrap(m, ("step",), step, {"description": "S(t) = P(tau > t), S(0) = 1"}),
+         "survival_se": lay.wrap(se, ("step",), step, {"description": "Monte Carlo SE of S(t)"})},
+        attrs={"kind": kind_of(ds), "horizon": T, "n_replicates": lay.n_replicates},
+    )
+
+
+# --------------------------------------------------------------------------- branch TV
+
+def _coupled_branch(tv: np.ndarray, x: np.ndarray, y: np.ndarray, T: int, W: int):
+    """(numerator, denominator, observed) per replicate and age, coupled traces."""
+    _, tau = _first_divergence(x, y, T)
+    ages = np.arange(T)
+    idx = tau[..., None] - 1 + ages                      # 0-based step of tau + k
+    valid = (idx <= T - 1) & (ages <= W)
+    vals = np.take_along_axis(tv.astype(np.float64), np.clip(idx, 0, T - 1), axis=-1)
+    den = valid.astype(np.float64)
+    return np.where(valid, vals, 0.0), den, valid
+
+
+def _residual_branch(stv: np.ndarray, tstar: np.ndarray, btv: np.ndarray, T: int, W: int):
+    s, pi = survival_terms(stv)
+    occ = np.where(tstar > 0, 1.0 - s[..., -1], 0.0)
+    ages = np.arange(btv.shape[-1])
+    K = np.where(tstar > 0, np.minimum(W, T - tstar), -1)
+    observed = ages <= K[..., None]
+    num = np.where(observed, occ[..., None] * np.nan_to_num(btv.astype(np.float64)), 0.0)
+    cum_pi = np.cumsum(pi, axis=-1)
+    # denominator at age k: sum_{t <= T-k} pi_t = cum_pi[T - k - 1]
+    den = cum_pi[..., T - 1 - ages]
+    return num, den, observed
+
+
+def _branch_rows(ds: xr.Dataset, window: int | None, reducer):
+    """Apply ``reducer(num, den, observed)`` chunk by chunk; returns stacked results."""
+    kind, T = kind_of(ds), horizon_of(ds)
+    if kind == "reference":
+        raise _NotIdentified("reference traces never observe the branches after divergence")
+    W = effective_window(ds, window)
+    lay = layout(ds)
+    n = lay.n_replicates
+    if kind == "coupled":
+        arrays = [core_array(ds, v, lay, ("replicate", "step")) for v in ("tv", "x_token", "y_token")]
+        fn = lambda a, b, c: _coupled_branch(a, b, c, T, W)  # noqa: E731
+    else:
+        arrays = [core_array(ds, "shared_tv", lay, ("replicate", "step")),
+                  core_array(ds, "branch_step", lay, ("replicate",)),
+                  core_array(ds, "branch_tv", lay, ("replicate", "age"))]
+        fn = lambda a, b, c: _residual_branch(a, b, c, T, W)  # noqa: E731
+    parts = [reducer(*fn(*(a[sl] for a in arrays))) for sl in row_chunks(lay.rows, 3 * n * T)]
+    return lay, T, W, [np.concatenate(p, axis=0) for p in zip(*parts)]
+
+
+class _NotIdentified(ValueError):
+    pass
+
+
+def _per_age(num: np.ndarray, den: np.ndarray, observed: np.ndarray):
+    a = lambda v: np.moveaxis(v, 1, -1)  # noqa: E731  (rows, age, n)
+    r, se = ratio_se(a(num), a(den))
+    return r, se, a(den).mean(axis=-1), a(observed).sum(axis=-1)
+
+
+def branch_tv(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
+    """Branch-aligned TV by age k = 0..T-1 over (doc, policy[, model], age).
+
+    Variables: ``branch_tv`` (ratio estimate), ``branch_tv_se`` (delta method),
+    ``branch_tv_denominator`` (estimate of P(tau + k <= T)) and ``branch_tv_count``
+    (replicates whose branch was observed at that age).  Ages beyond the observed
+    window W, and ages with a zero denominator, are NaN.
+    """
+    T = horizon_of(ds)
+    age = {"age": np.arange(T)}
+    try:
+        lay, T, W, (r, se, den, count) = _branch_rows(ds, window, _per_age)
+    except _NotIdentified as exc:
+        lay = layout(ds)
+        nan = np.full((lay.rows, T), np.nan)
+        attrs = {"not_identified": str(exc)}
+        return xr.Dataset({name: lay.wrap(nan, ("age",), age, attrs) for name in
+                           ("branch_tv", "branch_tv_se", "branch_tv_denominator", "branch_tv_count")},
+                          attrs={"kind": kind_of(ds), "horizon": T})
+    beyond = np.arange(T) > W
+    r, se = np.where(beyond, np.nan, r), np.where(beyond, np.nan, se)
+    attrs_r = {"description": "E[delta_{tau+k} | tau + k <= T]: TV between the branches' laws k steps "
+                              "after divergence"}
+    if beyond.any():
+        attrs_r["not_identified"] = f"ages k > W = {W} are not observed"
+    return xr.Dataset({
+        "branch_tv": lay.wrap(r, ("age",), age, attrs_r),
+        "branch_tv_se": lay.wrap(se, ("age",), age, {"description": "delta-method Monte Carlo SE"}),
+        "branch_tv_denominator": lay.wrap(den, ("age",), age,
+                                          {"description": "estimate of P(tau + k <= T)"}),
+        "branch_tv_count": lay.wrap(count, ("age",), age,
+                                    {"description": "replicates with the branch observed at age k"}),
+    }, attrs={"kind": kind_of(ds), "horizon": T, "window": W, "n_replicates": lay.n_replicates})
+
+
+def branch_tv_window(ds: xr.Dataset, start: int, stop: int, window: int | None = None) -> xr.Dataset:
+    """Per-document average of branch_tv over ages ``start <= k < stop`` (like ``range``).
+
+    The average is the unweighted mean of the per-age ratio estimates over ages
+    whose denominator estimate is positive (ages where no branch can reach are
+    skipped; ``branch_tv_window_ages`` says how many were used).  Its SE is the
+    delta method on the replicate influence values
+    (1/m) sum_k (num_ik - r_k den_ik) / mean(den_k), so the correlation between
+    ages of one replicate is accounted for.  Ages beyond the observed window make
+    the average NaN (not identified) rather than silently shorter.
+    """
+    T = horizon_of(ds)
+    if not 0 <= start < stop <= T:
+        raise ValueError(f"need 0 <= start < stop <= T = {T}, got start={start}, stop={stop}")
+
+    def reducer(num, den, observed):
+        num, den = num[..., start:stop], den[..., start:stop]
+        mn, md = num.mean(axis=1), den.mean(axis=1)                    # (rows, m)
+        ok = md > 0
+        safe = np.where(ok, md, 1.0)
+        r = np.where(ok, mn / safe, 0.0)
+        m = ok.sum(axis=-1)
+        m_safe = np.maximum(m, 1)
+        avg = np.where(m > 0, r.sum(axis=-1) / m_safe, np.nan)
+        infl = (np.where(ok, 1.0 / safe, 0.0)[:, None, :] * (num - r[:, None, :] * den)).sum(-1)
+        infl = infl / m_safe[:, None]
+        n = num.shape[1]
+        se = infl.std(axis=1, ddof=1) / np.sqrt(n) if n > 1 else np.full(avg.shape, np.nan)
+        return avg, np.where(m > 0, se, np.nan), m
+
+    attrs = {"description": f"mean of branch_tv over ages {start} <= k < {stop}", "start": start,
+             "stop": stop}
+    try:
+        lay, T, W, (avg, se, m) = _branch_rows(ds, window, reducer)
+    except _NotIdentified as exc:
+        lay = layout(ds)
+        nan = np.full(lay.rows, np.nan)
+        attrs["not_identified"] = str(exc)
+        return xr.Dataset({"branch_tv_window": lay.wrap(nan, attrs=attrs),
+                           "branch_tv_window_se": lay.wrap(nan, attrs=attrs),
+                           "branch_tv_window_ages": lay.wrap(np.zeros(lay.rows, int))})
+    if stop - 1 > W:
+        attrs["not_identified"] = f"ages up to {stop - 1} requested but only ages <= W = {W} are observed"
+        avg, se = np.full_like(avg, np.nan), np.full_like(se, np.nan)
+    return xr.Dataset({
+        "branch_tv_window": lay.wrap(avg, attrs=attrs),
+        "branch_tv_window_se": lay.wrap(se, attrs={"description": "delta-method Monte Carlo SE"}),
+        "branch_tv_window_ages": lay.wrap(m, attrs={"description": "ages with a positive denominator"}),
+    }, attrs={"kind": kind_of(ds), "horizon": T, "window": W, "n_replicates": lay.n_replicates})

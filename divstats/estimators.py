@@ -1,0 +1,219 @@
+"""Per-document estimates of every METHOD §3 estimand, and their aggregation.
+
+``estimate`` reduces the replicates of a trace dataset (any kind) to one value
+and one Monte Carlo standard error per (doc, policy[, model]); ``aggregate``
+combines documents with equal weights.  Derived quantities are computed from
+their parts, so on every reported number
+
+    loss = occurrence + exposure * rate
+    mismatch_fraction = first_mismatch_contribution + exposure_contribution
+
+hold to rounding.  When exposure = 0 the rate is NaN (0/0) but the post-divergence
+count R is 0 on every path (R <= (T - tau)+), so the exposure contribution is
+defined as 0 and loss = occurrence.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xarray as xr
+
+from divstats._arrays import cov_of_means, mean_se, ratio_se
+from divstats.replicates import Replicates, replicate_values
+
+#: What each reported quantity is (stored in the variable's ``attrs``).
+DESCRIPTIONS: dict[str, str] = {
+    "occurrence": "P(tau <= T): probability that the branches diverge within the horizon",
+    "rmtd": ("sum_{t=0}^{T-1} S(t) = E[min(tau, T)]: restricted mean time to divergence (METHOD §3 definition; its gloss E[min(tau - 1, T)] equals this minus occurrence, see docs/statistics.md)"),
+    "exposure": "E[(T - tau)+]: expected post-divergence steps inside the horizon",
+    "post_mismatch": "E[R], R = sum_{t > tau} D_t: expected mismatches after the first one",
+    "rate": "post_mismatch / exposure (ratio of expectations); NaN when exposure = 0",
+    "loss": "E[L] = occurrence + exposure * rate: expected number of mismatched tokens",
+    "mismatch_fraction": "loss / T = first_mismatch_contribution + exposure_contribution",
+    "first_mismatch_contribution": "occurrence / T",
+    "exposure_contribution": "(exposure / T) * rate (0 when exposure = 0, since then R = 0 on every path)",
+    "window_mismatch": "E[sum_{tau < t <= tau + W} D_t]: mismatches observed in the W-step window after divergence",
+    "tail_capacity": "E[(T - tau - K) 1[not both ended at tau + K]; tau <= T], K = min(W, T - tau): "
+                     "steps after the window that could still disagree",
+    "loss_lower": "occurrence + window_mismatch: lower end of the sharp interval for loss (METHOD §6)",
+    "loss_upper": "occurrence + window_mismatch + tail_capacity: upper end of the sharp interval for loss",
+}
+
+SCALARS = tuple(DESCRIPTIONS)
+
+ESTIMATORS = {
+    "coupled": "crude replicate means over complete coupled trajectories (METHOD §4)",
+    "residual": "residual-branch conditional Monte Carlo, per-replicate formulas of METHOD §5",
+    "reference": "importance weights prod min(1, q/p) along P-samples (METHOD §7); post-divergence part "
+                 "bounded with W = 0 (§6)",
+}
+
+NOT_IDENTIFIED_POST = ("the post-divergence tail beyond the observed window W = {W} < T - 1 = {Tm1} is not "
+                       "identified; use loss_lower/loss_upper (METHOD §6)")
+NOT_IDENTIFIED_REF = ("reference traces observe nothing after divergence (W = 0); use loss_lower/loss_upper "
+                      "(METHOD §6-7)")
+
+_POST_DEPENDENT = ("post_mismatch", "rate", "loss", "mismatch_fraction", "exposure_contribution")
+
+
+def _derive(occ: np.ndarray, exposure: np.ndarray, post: np.ndarray, T: int) -> dict[str, np.ndarray]:
+    """rate and the identity-bound quantities, computed from (occurrence, exposure, post)."""
+    pos = exposure > 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rate = np.where(pos, post / np.where(pos, exposure, 1.0), np.nan)
+        contrib = np.where(pos, exposure * rate, np.where(np.isnan(post), np.nan, 0.0))
+    first = occ / T
+    exp_contrib = contrib / T
+    return {
+        "rate": rate,
+        "loss": occ + contrib,
+        "first_mismatch_contribution": first,
+        "exposure_contribution": exp_contrib,
+        "mismatch_fraction": first + exp_contrib,
+    }
+
+
+def _point_and_se(rep: Replicates) -> dict[str, np.ndarray]:
+    v, T = rep.values, rep.horizon
+    out: dict[str, np.ndarray] = {}
+    for name in ("occurrence", "exposure", "rmtd", "post_mismatch", "window_mismatch", "tail_capacity"):
+        out[name], out[name + "_se"] = mean_se(v[name])
+    out.update(_derive(out["occurrence"], out["exposure"], out["post_mismatch"], T))
+    _, out["rate_se"] = ratio_se(v["post_mismatch"], v["exposure"])
+    out["rate_se"] = np.where(np.isnan(out["rate"]), np.nan, out["rate_se"])
+    _, out["loss_se"] = mean_se(v["occurrence"] + v["post_mismatch"])
+    out["mismatch_fraction_se"] = out["loss_se"] / T
+    out["first_mismatch_contribution_se"] = out["occurrence_se"] / T
+    # exposure * rate is the post_mismatch mean itself, so its SE is post_mismatch's
+    out["exposure_contribution_se"] = np.where(out["exposure"] > 0, out["post_mismatch_se"] / T,
+                                               np.where(np.isnan(out["post_mismatch"]), np.nan, 0.0))
+    lower = v["occurrence"] + v["window_mismatch"]
+    out["loss_lower"] = out["occurrence"] + out["window_mismatch"]
+    out["loss_upper"] = out["loss_lower"] + out["tail_capacity"]
+    _, out["loss_lower_se"] = mean_se(lower)
+    _, out["loss_upper_se"] = mean_se(lower + v["tail_capacity"])
+    out["post_mismatch_exposure_cov"] = cov_of_means(v["post_mismatch"], v["exposure"])
+    return out
+
+
+def _reason(rep: Replicates) -> str | None:
+    if rep.identified:
+        return None
+    if rep.kind == "reference":
+        return NOT_IDENTIFIED_REF
+    return NOT_IDENTIFIED_POST.format(W=rep.window, Tm1=rep.horizon - 1)
+
+
+def _attrs_for(name: str, rep: Replicates) -> dict[str, str]:
+    base = name[:-3] if name.endswith("_se") else name
+    attrs = {"description": DESCRIPTIONS.get(base, "")}
+    if name.endswith("_se"):
+        attrs = {"description": f"Monte Carlo standard error of {base} (replicate SD / sqrt(n)"
+                                + ("; delta method with cov(R, exposure))" if base == "rate" else ")")}
+    if name == "post_mismatch_exposure_cov":
+        attrs = {"description": "Monte Carlo covariance of the post_mismatch and exposure estimates "
+                                "(used by aggregate for the rate's SE)"}
+    reason = _reason(rep)
+    if reason and base in _POST_DEPENDENT:
+        attrs["not_identified"] = reason
+    if base == "rate" and not name.endswith("_se"):
+        attrs["when_exposure_zero"] = "NaN (0/0); exposure_contribution is then 0"
+    return attrs
+
+
+def _dataset(rep: Replicates, arrays: dict[str, np.ndarray], attrs: dict) -> xr.Dataset:
+    data = {k: rep.layout.wrap(v, attrs=_attrs_for(k, rep)) for k, v in arrays.items()}
+    return xr.Dataset(data, attrs=attrs)
+
+
+def _global_attrs(ds: xr.Dataset, rep: Replicates) -> dict:
+    return {
+        "kind": rep.kind, "estimator": ESTIMATORS[rep.kind], "horizon": rep.horizon,
+        "window": rep.window, "n_replicates": rep.layout.n_replicates,
+        "post_identified": int(rep.identified), "eos_token_id": rep.eos,
+        "se_meaning": "Monte Carlo standard error over replicates, conditional on the document",
+        "source_producer": str(ds.attrs.get("producer", "")),
+    }
+
+
+def estimate(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
+    """Per-(doc, policy[, model]) estimates of every estimand with Monte Carlo SEs.
+
+    ``window`` truncates the observation window after the fact (coupled traces
+    then behave like W-observed residual traces; residual traces can only be
+    truncated to W <= their own window).  When W < T - 1 the post-divergence
+    quantities are NaN with the reason in ``attrs["not_identified"]`` and only the
+    interval (``loss_lower``, ``loss_upper``) is reported for the loss.
+    """
+    rep = replicate_values(ds, window)
+    arrays = _point_and_se(rep)
+    order = [n for s in SCALARS for n in (s, s + "_se")] + ["post_mismatch_exposure_cov"]
+    return _dataset(rep, {k: arrays[k] for k in order}, _global_attrs(ds, rep))
+
+
+# --------------------------------------------------------------------------- aggregate
+
+_MEAN_OVER_DOCS = ("occurrence", "rmtd", "exposure", "post_mismatch", "window_mismatch",
+                   "tail_capacity")
+
+
+def _combine_se(se: xr.DataArray, dim: str) -> xr.DataArray:
+    """MC SE of an equal-weight mean of independent per-doc estimates."""
+    n = se.sizes[dim]
+    return np.sqrt((se ** 2).sum(dim, skipna=False)) / n
+
+
+def aggregate(estimates: xr.Dataset, dim: str = "doc") -> xr.Dataset:
+    """Combine per-document estimates with equal document weights (METHOD §3).
+
+    occurrence, rmtd, exposure, post_mismatch, window_mismatch and tail_capacity
+    are document means; rate = sum post_mismatch / sum exposure; loss, fractions
+    and contributions are derived from those parts so the identity holds exactly.
+
+    Two kinds of uncertainty are reported:
+
+    * ``<name>_se``: Monte Carlo SE of the aggregate given these documents,
+      sqrt(sum_d se_d^2) / n_docs (documents are simulated independently); the
+      rate's uses the delta method with the per-doc cov(post_mismatch, exposure).
+    * ``<name>_sd_docs``: SD of the per-document estimates across documents
+      (between-document spread, which includes MC noise); ``<name>_sd_docs /
+      sqrt(n_docs)`` is the naive SE for a population of documents.  Document-level
+      inference (bootstrap, paired tests) belongs to the plans layer.
+    """
+    T = int(estimates.attrs["horizon"])
+    n_docs = estimates.sizes[dim]
+    out: dict[str, xr.DataArray] = {}
+    for name in _MEAN_OVER_DOCS:
+        out[name] = estimates[name].mean(dim, skipna=False)
+        out[name + "_se"] = _combine_se(estimates[name + "_se"], dim)
+    derived = _derive(out["occurrence"].values, out["exposure"].values, out["post_mismatch"].values, T)
+    like = out["occurrence"]
+    for name, values in derived.items():
+        out[name] = like.copy(data=values)
+    e, p = out["exposure"], out["post_mismatch"]
+    var_p, var_e = out["post_mismatch_se"] ** 2, out["exposure_se"] ** 2
+    cov = estimates["post_mismatch_exposure_cov"].sum(dim, skipna=False) / n_docs ** 2
+    rate = out["rate"]
+    out["rate_se"] = np.sqrt(np.maximum(var_p - 2 * rate * cov + rate ** 2 * var_e, 0.0)) / e.where(e > 0)
+    out["loss_se"] = _combine_se(estimates["loss_se"], dim)
+    out["mismatch_fraction_se"] = out["loss_se"] / T
+    out["first_mismatch_contribution_se"] = out["occurrence_se"] / T
+    out["exposure_contribution_se"] = (out["post_mismatch_se"] / T).where(e > 0, 0.0).where(p.notnull())
+    out["loss_lower"] = out["occurrence"] + out["window_mismatch"]
+    out["loss_upper"] = out["loss_lower"] + out["tail_capacity"]
+    out["loss_lower_se"] = _combine_se(estimates["loss_lower_se"], dim)
+    out["loss_upper_se"] = _combine_se(estimates["loss_upper_se"], dim)
+    ordered: dict[str, xr.DataArray] = {}
+    for name in SCALARS:
+        ordered[name] = out[name].assign_attrs(estimates[name].attrs)
+        ordered[name + "_se"] = out[name + "_se"].assign_attrs(
+            description=f"Monte Carlo SE of the document-mean {name} given these documents")
+        sd = estimates[name].std(dim, ddof=1) if n_docs > 1 else xr.full_like(out[name], np.nan)
+        ordered[name + "_sd_docs"] = sd.assign_attrs(
+            description=f"SD of per-document {name} across documents (between-document spread)")
+    ordered["rate"].attrs["aggregate"] = "sum_d post_mismatch_d / sum_d exposure_d (exposure-weighted)"
+    attrs = dict(estimates.attrs)
+    attrs.update(n_docs=n_docs, weights="equal document weights",
+                 se_meaning="_se: Monte Carlo SE given the documents; _sd_docs: between-document SD")
+    res = xr.Dataset(ordered, attrs=attrs)
+    return res.drop_vars([c for c in res.coords if dim in res[c].dims], errors="ignore")

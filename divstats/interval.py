@@ -1,0 +1,172 @@
+"""The sharp interval for a finite observation window, and its explicit construction (METHOD §6).
+
+With branches observed W steps past divergence, the loss is only known to lie in
+
+    [occurrence + window_mismatch, occurrence + window_mismatch + tail_capacity]
+
+and no narrower interval is valid: ``extremal_kernels`` builds, for any kernel
+pair, a pair over a tagged alphabet with the same observed window law that
+attains either end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import xarray as xr
+
+from divstats._arrays import mean_se, ratio_se
+from divstats.kernels import CoupledKernels, Kernel, step_law
+from divstats.replicates import replicate_values
+
+
+def sharp_interval(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
+    """Sharp bounds on loss, mismatch fraction and rate from the observed window only.
+
+    Coupled traces are first truncated to ``window`` (default: everything they
+    observe, which makes lower = upper).  Output over (doc, policy[, model]):
+    ``loss_lower``, ``loss_upper``, ``mismatch_fraction_lower``/``_upper`` (= /T),
+    ``rate_lower``/``_upper`` (post-divergence part / exposure; NaN if exposure = 0),
+    each with a Monte Carlo ``_se``.
+    """
+    rep = replicate_values(ds, window)
+    v, T, lay = rep.values, rep.horizon, rep.layout
+    lo_i = v["occurrence"] + v["window_mismatch"]
+    hi_i = lo_i + v["tail_capacity"]
+    occ = v["occurrence"].mean(axis=-1)
+    win = v["window_mismatch"].mean(axis=-1)
+    tail = v["tail_capacity"].mean(axis=-1)
+    lo = occ + win
+    hi = lo + tail
+    _, lo_se = mean_se(lo_i)
+    _, hi_se = mean_se(hi_i)
+    r_lo, r_lo_se = ratio_se(v["window_mismatch"], v["exposure"])
+    r_hi, r_hi_se = ratio_se(v["window_mismatch"] + v["tail_capacity"], v["exposure"])
+    doc = {
+        "loss_lower": (lo, "occurrence + window_mismatch"),
+        "loss_upper": (hi, "occurrence + window_mismatch + tail_capacity"),
+        "mismatch_fraction_lower": (lo / T, "loss_lower / T"),
+        "mismatch_fraction_upper": (hi / T, "loss_upper / T"),
+        "rate_lower": (r_lo, "window_mismatch / exposure"),
+        "rate_upper": (r_hi, "(window_mismatch + tail_capacity) / exposure"),
+    }
+    ses = {"loss_lower": lo_se, "loss_upper": hi_se, "mismatch_fraction_lower": lo_se / T,
+           "mismatch_fraction_upper": hi_se / T, "rate_lower": r_lo_se, "rate_upper": r_hi_se}
+    data = {}
+    for name, (val, what) in doc.items():
+        data[name] = lay.wrap(val, attrs={"description": f"sharp bound (METHOD §6): {what}"})
+        data[name + "_se"] = lay.wrap(ses[name], attrs={"description": f"Monte Carlo SE of {name}"})
+    return xr.Dataset(data, attrs={"kind": rep.kind, "horizon": T, "window": rep.window,
+                                   "n_replicates": lay.n_replicates})
+
+
+def interval_by_window(ds: xr.Dataset, windows: Iterable[int]) -> xr.Dataset:
+    """``sharp_interval`` for each W in ``windows``, stacked along a new ``window`` dim."""
+    windows = [int(w) for w in windows]
+    parts = [sharp_interval(ds, w).drop_attrs() for w in windows]
+    out = xr.concat(parts, dim=xr.DataArray(windows, dims="window", name="window"))
+    out.attrs = {"kind": ds.attrs.get("kind"), "horizon": int(ds.attrs["horizon"])}
+    return out
+
+
+# --------------------------------------------------------------------------- construction
+
+class Untag:
+    """Map from the tagged alphabet of ``extremal_kernels`` back to original tokens.
+
+    Call it on a token or an array of tokens; ``table`` is the lookup array.
+    Layout for an original vocabulary of size V: shared S(v) = v, P-residual
+    A(v) = V + v, Q-residual B(v) = 2V + v, neutral N(v) = 3V + v, then the fixed
+    tail tokens F0 = 4V, F1 = 4V + 1, F2 = 4V + 2.  Every tag of EOS is the
+    original EOS index itself, so EOS stays one absorbing token.
+    """
+
+    def __init__(self, vocab_size: int, eos: int | None) -> None:
+        V = vocab_size
+        table = np.concatenate([np.arange(V)] * 4 + [np.zeros(3, dtype=int)])
+        non_eos = [v for v in range(V) if v != eos]
+        table[4 * V] = eos if eos is not None else non_eos[0]
+        table[4 * V + 1] = non_eos[0]
+        table[4 * V + 2] = non_eos[1] if len(non_eos) > 1 else (eos if eos is not None else non_eos[0])
+        self.table = table
+        self.vocab_size = 4 * V + 3
+
+    def __call__(self, tokens):
+        return self.table[np.asarray(tokens)]
+
+
+class _Extremal:
+    """State shared by the two tagged kernels: the original pair and the tag layout."""
+
+    def __init__(self, p: Kernel, q: Kernel, V: int, W: int, bound: str, eos: int | None) -> None:
+        self.kern = CoupledKernels(p, q, V, eos)
+        self.V, self.W, self.bound, self.eos = V, W, bound, self.kern.eos
+        self.untag = Untag(V, self.eos)
+        self.V2 = self.untag.vocab_size
+
+    def _place(self, block: int, mass: np.ndarray, out: np.ndarray) -> None:
+        idx = block * self.V + np.arange(self.V)
+        if self.eos is not None:
+            idx[self.eos] = self.eos  # EOS keeps its own index whatever the tag
+        np.add.at(out, idx, mass)
+
+    def kernel(self, history: tuple[int, ...], side: str) -> np.ndarray:
+        out = np.zeros(self.V2)
+        if self.eos is not None and history and history[-1] == self.eos:
+            out[self.eos] = 1.0
+            return out
+        own_block = 1 if side == "p" else 2
+        h = np.asarray(history, dtype=int)
+        tagged = np.flatnonzero((h >= own_block * self.V) & (h < (own_block + 1) * self.V))
+        orig = tuple(int(v) for v in self.untag(h)) if len(h) else ()
+        if len(tagged) == 0:
+            # before divergence both laws are computable on the shared history
+            law = step_law(self.kern.p(orig), self.kern.q(orig))
+            common = np.minimum(law.p, law.q)
+            self._place(0, common, out)
+            res = np.clip((law.p - law.q) if side == "p" else (law.q - law.p), 0.0, None)
+            self._place(own_block, res, out)
+            return out
+        age = len(h) + 1 - (int(tagged[0]) + 1)
+        if age <= self.W:
+            law = self.kern.p(orig) if side == "p" else self.kern.q(orig)
+            self._place(3, law, out)
+            return out
+        if self.bound == "lower":
+            out[4 * self.V] = 1.0 if self.eos is None else 0.0
+            if self.eos is not None:
+                out[self.eos] = 1.0  # both end: D = 0 whatever the other branch did
+        else:
+            out[4 * self.V + (1 if side == "p" else 2)] = 1.0
+        return out
+
+
+def extremal_kernels(
+    p: Kernel,
+    q: Kernel,
+    vocab_size: int,
+    horizon: int,
+    window: int,
+    bound: str = "lower",
+    eos: int | None = None,
+) -> tuple[Kernel, Kernel, int, Untag]:
+    """A kernel pair attaining one end of the sharp interval (METHOD §6).
+
+    Returns ``(p2, q2, vocab_size2, untag)``: kernels over a tagged alphabet of
+    size 4V + 3 and the map back to original tokens.  Before divergence the shared
+    mass min(p, q) goes to shared-tagged tokens and each residual to its own tag,
+    so each branch sees its divergence time in its own history; for ages 1..W both
+    emit neutral-tagged copies of the original laws (same TVs, same coupling law);
+    after age W both emit the same fixed token (``bound="lower"``: D = 0; with an
+    EOS that token is EOS itself, so a branch facing an ended one also ends) or two
+    different fixed tokens (``"upper"``: D = 1 unless both have already ended).
+    ``exact(p2, q2, vocab_size2, horizon, window, eos)`` then gives
+    loss = the endpoint with the original occurrence and window mismatch.
+    """
+    if bound not in ("lower", "upper"):
+        raise ValueError(f"bound must be 'lower' or 'upper', got {bound!r}")
+    if window < 0 or horizon < 1:
+        raise ValueError("need window >= 0 and horizon >= 1")
+    ext = _Extremal(p, q, vocab_size, int(window), bound, eos)
+    return (lambda h: ext.kernel(h, "p")), (lambda h: ext.kernel(h, "q")), ext.V2, ext.untag

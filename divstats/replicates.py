@@ -1,0 +1,186 @@
+"""Per-replicate values of every estimand, one function per trace kind.
+
+Each estimator in METHOD is a replicate mean of a per-replicate value (§4 crude,
+§5 residual-branch, §7 reference weights).  This module computes those values,
+vectorised over rows (flattened leading dims), replicates and steps, chunk by
+chunk so that temporaries stay small at paper scale.  ``estimators`` turns them
+into means, standard errors and derived quantities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import xarray as xr
+
+from divstats._arrays import Layout, core_array, kind_of, layout, row_chunks
+
+#: Per-replicate values produced for every kind.
+VALUES = ("occurrence", "exposure", "rmtd", "post_mismatch", "window_mismatch", "tail_capacity",
+          "cost")
+
+
+@dataclass(frozen=True)
+class Replicates:
+    """Per-replicate values (rows, n) plus what is needed to interpret them."""
+
+    kind: str
+    layout: Layout
+    horizon: int
+    window: int           # effective W after truncation
+    identified: bool      # post-divergence part identified (W >= T - 1)
+    eos: int
+    values: dict[str, np.ndarray]
+
+
+def horizon_of(ds: xr.Dataset) -> int:
+    return int(ds.attrs["horizon"])
+
+
+def eos_of(ds: xr.Dataset) -> int:
+    eos = ds.attrs.get("eos_token_id", -1)
+    return -1 if eos is None else int(eos)
+
+
+def effective_window(ds: xr.Dataset, window: int | None) -> int:
+    """W actually used: the data's own window, or a truncation of it."""
+    kind, T = kind_of(ds), horizon_of(ds)
+    data_w = {"coupled": T, "residual": int(ds.attrs.get("window", T)), "reference": 0}[kind]
+    data_w = min(data_w, T)
+    if window is None:
+        return data_w
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
+    window = min(int(window), T)
+    if window > data_w:
+        raise ValueError(f"window {window} exceeds what this {kind} dataset observes (W = {data_w})")
+    return window
+
+
+def _first_divergence(x: np.ndarray, y: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """(D, tau) with tau = T + 1 standing for 'no divergence in 1..T'."""
+    d = x != y
+    hit = d.any(axis=-1)
+    tau = np.where(hit, d.argmax(axis=-1) + 1, T + 1)
+    return d, tau
+
+
+def _both_ended(x: np.ndarray, y: np.ndarray, idx: np.ndarray, eos: int) -> np.ndarray:
+    """Both branches show EOS at position idx (absorbing, so: both have ended by then)."""
+    if eos < 0:
+        return np.zeros(idx.shape, dtype=bool)
+    i = np.clip(idx, 0, x.shape[-1] - 1)[..., None]
+    return ((np.take_along_axis(x, i, -1) == eos) & (np.take_along_axis(y, i, -1) == eos))[..., 0]
+
+
+def _coupled_chunk(x: np.ndarray, y: np.ndarray, T: int, W: int, eos: int) -> dict[str, np.ndarray]:
+    d, tau = _first_divergence(x, y, T)
+    occ = tau <= T
+    steps = np.arange(1, T + 1)
+    t = tau[..., None]
+    in_window = (steps > t) & (steps <= t + W)
+    K = np.where(occ, np.minimum(W, T - tau), 0)
+    ended = _both_ended(x, y, tau + K - 1, eos)
+    total = d.sum(axis=-1)
+    return {
+        "occurrence": occ.astype(np.float64),
+        "exposure": np.maximum(T - tau, 0).astype(np.float64),
+        "rmtd": np.minimum(tau, T).astype(np.float64),  # sum_{t=0}^{T-1} 1[tau > t]
+        "post_mismatch": (total - occ).astype(np.float64),
+        "window_mismatch": (d & in_window).sum(axis=-1).astype(np.float64),
+        "tail_capacity": np.where(occ & ~ended, T - tau - K, 0).astype(np.float64),
+        "cost": np.full(tau.shape, float(T)),
+    }
+
+
+def survival_terms(shared_tv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(S_t for t = 1..T, pi_t) from the survival path's TVs (NaN after the path stops).
+
+    After a step with tv = 1 the path is dead: S is 0 from there on, so filling the
+    NaNs with 0 leaves S and pi unchanged.
+    """
+    d = np.nan_to_num(shared_tv.astype(np.float64), nan=0.0)
+    s = np.cumprod(1.0 - d, axis=-1)
+    s_prev = np.concatenate([np.ones(s.shape[:-1] + (1,)), s[..., :-1]], axis=-1)
+    return s, s_prev * d
+
+
+def _residual_chunk(stv: np.ndarray, tstar: np.ndarray, bx: np.ndarray, by: np.ndarray,
+                    T: int, W: int, eos: int) -> dict[str, np.ndarray]:
+    s, pi = survival_terms(stv)
+    occ = 1.0 - s[..., -1]
+    steps = np.arange(1, T + 1)
+    branched = tstar > 0
+    K = np.where(branched, np.minimum(W, T - tstar), 0)
+    ages = np.arange(bx.shape[-1])
+    observed = (ages >= 1) & (ages <= K[..., None])
+    n_mis = ((bx != by) & observed).sum(axis=-1)
+    ended = _both_ended(bx, by, K, eos)
+    w = np.where(branched, occ, 0.0)  # (1 - S_T), zero where no branch was drawn
+    return {
+        "occurrence": occ,
+        "exposure": (pi * (T - steps)).sum(axis=-1),
+        "rmtd": 1.0 + s[..., :-1].sum(axis=-1),
+        "post_mismatch": w * n_mis,
+        "window_mismatch": w * n_mis,
+        "tail_capacity": np.where(branched & ~ended, w * (T - tstar - K), 0.0),
+        "cost": T + K.astype(np.float64),
+    }
+
+
+def reference_survival(logp: np.ndarray, logq: np.ndarray) -> np.ndarray:
+    """S_t = prod_{s<=t} min(1, q_s/p_s) along P's own sample (METHOD §7), t = 1..T."""
+    with np.errstate(invalid="ignore"):
+        log_ratio = np.minimum(0.0, logq.astype(np.float64) - logp.astype(np.float64))
+    return np.exp(np.cumsum(log_ratio, axis=-1))
+
+
+def _reference_chunk(logp: np.ndarray, logq: np.ndarray, T: int) -> dict[str, np.ndarray]:
+    s = reference_survival(logp, logq)
+    s_prev = np.concatenate([np.ones(s.shape[:-1] + (1,)), s[..., :-1]], axis=-1)
+    pi = s_prev - s
+    steps = np.arange(1, T + 1)
+    exposure = (pi * (T - steps)).sum(axis=-1)
+    zero = np.zeros_like(exposure)
+    return {
+        "occurrence": 1.0 - s[..., -1],
+        "exposure": exposure,
+        "rmtd": 1.0 + s[..., :-1].sum(axis=-1),
+        "post_mismatch": np.full_like(exposure, np.nan),
+        "window_mismatch": zero,
+        # W = 0: the whole post-divergence stretch is tail, and at age 0 the two
+        # tokens differ, so they cannot both have ended.
+        "tail_capacity": exposure,
+        "cost": np.full_like(exposure, float(T)),
+    }
+
+
+def replicate_values(ds: xr.Dataset, window: int | None = None) -> Replicates:
+    """Per-replicate values of every estimand for a trace dataset of any kind."""
+    kind, T, eos = kind_of(ds), horizon_of(ds), eos_of(ds)
+    W = effective_window(ds, window)
+    lay = layout(ds)
+    n = lay.n_replicates
+    out = {k: np.empty((lay.rows, n)) for k in VALUES}
+    core = ("replicate", "step")
+    if kind == "coupled":
+        arrays = [core_array(ds, v, lay, core) for v in ("x_token", "y_token")]
+        fn = lambda x, y: _coupled_chunk(x, y, T, W, eos)  # noqa: E731
+    elif kind == "residual":
+        arrays = [core_array(ds, "shared_tv", lay, core),
+                  core_array(ds, "branch_step", lay, ("replicate",)),
+                  core_array(ds, "branch_x_token", lay, ("replicate", "age")),
+                  core_array(ds, "branch_y_token", lay, ("replicate", "age"))]
+        fn = lambda a, b, c, d: _residual_chunk(a, b, c, d, T, W, eos)  # noqa: E731
+    else:
+        arrays = [core_array(ds, v, lay, core) for v in ("x_logp", "x_logq")]
+        fn = lambda a, b: _reference_chunk(a, b, T)  # noqa: E731
+    for sl in row_chunks(lay.rows, n * T):
+        part = fn(*(a[sl] for a in arrays))
+        for k in VALUES:
+            out[k][sl] = part[k]
+    identified = kind != "reference" and W >= T - 1
+    if not identified:
+        out["post_mismatch"][:] = np.nan
+    return Replicates(kind, lay, T, W, identified, eos, out)
