@@ -1,0 +1,193 @@
+"""Batched coupled and residual decoding on the tiny random models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from gen_service.coupling import Sampling, probs, tv
+from gen_service.engine import Cancelled, Engine, TraceJob
+from gen_service.models import load_model
+from gen_service.presses import PolicyError, PolicyRegistry
+from protocols import assemble
+
+TEXT = "The quick brown fox jumps over the lazy dog; a lazy dog sleeps under the old tree. " * 3
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(load_model("tiny:llama"), PolicyRegistry())
+
+
+@pytest.fixture(scope="module")
+def prompt(engine: Engine) -> list[int]:
+    return list(engine.lm.tokenizer(TEXT).input_ids)
+
+
+def run(engine: Engine, prompt: list[int], **kw) -> list[dict]:
+    return list(engine.trace(TraceJob(prompt_ids=prompt, **kw)))
+
+
+def stream_lines(records: list[dict]) -> list[bytes]:
+    from protocols import StreamWriter
+
+    w = StreamWriter()
+    return [*(w.line(r) for r in records), w.end(records[0]["horizon"], records[0]["replicates"], 0.1)]
+
+
+def test_full_vs_full_is_identical(engine: Engine, prompt: list[int]) -> None:
+    recs = run(engine, prompt, candidate="full", horizon=6, replicates=4, seed=1)
+    for r in recs[1:]:
+        assert r["tv"] == [0.0] * 4 and r["x_token"] == r["y_token"]
+
+
+def test_snapkv_step1_tv_exactly_zero_step2_positive(engine: Engine, prompt: list[int]) -> None:
+    recs = run(engine, prompt, candidate="snapkv@0.5", horizon=2, replicates=8, seed=2)
+    assert recs[0]["retained_tokens"] == len(prompt) // 2
+    assert recs[1]["tv"] == [0.0] * 8
+    assert recs[1]["x_token"] == recs[1]["y_token"]
+    assert min(recs[2]["tv"]) > 0
+
+
+def test_streams_assemble_and_validate(engine: Engine, prompt: list[int]) -> None:
+    for kind, policy in (("coupled", "snapkv@0.5"), ("residual", "recent@0.5"), ("residual", "snapkv#20"),
+                         ("coupled", "streaming@0.5")):
+        recs = run(engine, prompt, candidate=policy, kind=kind, horizon=6, replicates=3, seed=3, doc="d")
+        ds = assemble(stream_lines(recs))
+        assert ds.attrs["kind"] == kind and ds.sizes["replicate"] == 3
+    recs = run(engine, prompt, candidate="snapkv@0.5", kind="residual", horizon=8, window=3, replicates=5, seed=4)
+    assert all(len(r["tv"]) <= 4 for r in recs if r["type"] == "branch")
+    assemble(stream_lines(recs))
+
+
+def test_seeded_requests_are_reproducible(engine: Engine, prompt: list[int]) -> None:
+    def body(seed: int) -> list[dict]:
+        recs = run(engine, prompt, candidate="snapkv@0.5", kind="residual", horizon=5, replicates=4, seed=seed)
+        return [{k: v for k, v in r.items() if k != "request_id"} for r in recs]
+
+    assert body(11) == body(11)
+    assert body(11) != body(12)
+
+
+def test_step2_mismatch_frequency_matches_tv(engine: Engine, prompt: list[int]) -> None:
+    # Row-wise δ differ (they depend on the step-1 token): Σ 1[X≠Y] ~ Poisson-binomial(δ).
+    recs = run(engine, prompt, candidate="recent@0.5", horizon=2, replicates=600, seed=5)
+    step2 = recs[2]
+    d = np.array(step2["tv"])
+    mism = np.array(step2["x_token"]) != np.array(step2["y_token"])
+    z = (mism.sum() - d.sum()) / np.sqrt((d * (1 - d)).sum())
+    assert abs(z) < 3.5, z
+
+
+def _step2_law(engine: Engine, prompt: list[int], policy: str, sampling: Sampling) -> torch.Tensor:
+    """Exact law of the step-2 token under one policy: Σ_v p1(v) p2(· | v)."""
+    pre = engine.prefill(engine.registry.resolve(policy), prompt)
+    p1 = probs(pre.logits, sampling)[0]
+    support = torch.nonzero(p1).flatten()
+    pre.cache.batch_repeat_interleave(len(support))
+    pos = torch.full((len(support),), len(prompt), dtype=torch.long)
+    p2 = probs(engine.step(pre.cache, support, pos), sampling)
+    return (p1[support, None] * p2).sum(0)
+
+
+def test_marginals_match_plain_sampling_chi_square(engine: Engine, prompt: list[int]) -> None:
+    sampling = Sampling(top_k=3)
+    n = 1500
+    recs = run(engine, prompt, candidate="recent@0.5", horizon=2, replicates=n, sampling=sampling, seed=6)
+    for side, policy in (("x_token", "full"), ("y_token", "recent@0.5")):
+        law = _step2_law(engine, prompt, policy, sampling).double().numpy()
+        counts = np.bincount(recs[2][side], minlength=law.size)
+        keep = law > 0
+        assert counts[~keep].sum() == 0
+        expected = law[keep] / law[keep].sum() * n
+        assert stats.chisquare(counts[keep], expected).pvalue > 1e-3
+
+
+def test_residual_branch_state_matches_direct_decoding(engine: Engine, prompt: list[int]) -> None:
+    """Age-1 TV of each branch equals TV recomputed from scratch on (z_<t*, X, Y)."""
+    recs = run(engine, prompt, candidate="snapkv@0.5", kind="residual", horizon=6, replicates=6, seed=7)
+    shared = [r for r in recs if r["type"] == "shared_step"]
+    branches = [r for r in recs if r["type"] == "branch"]
+    assert branches
+    sampling = Sampling()
+    for b in branches:
+        r, ts = b["replicate"], b["branch_step"]
+        assert b["tv"][0] == shared[ts - 1]["tv"][r]
+        if len(b["tv"]) < 2:
+            continue
+        z = [shared[s]["token"][r] for s in range(ts - 1)]
+        laws = []
+        for policy, first in (("full", b["x_token"][0]), ("snapkv@0.5", b["y_token"][0])):
+            pre = engine.prefill(engine.registry.resolve(policy), prompt)
+            for k, tok in enumerate([*z, first]):
+                logits = engine.step(pre.cache, torch.tensor([tok]), torch.tensor([len(prompt) + k]))
+            laws.append(probs(logits, sampling))
+        assert tv(*laws).item() == pytest.approx(b["tv"][1], abs=2e-4)
+
+
+def test_residual_eos_absorbing_and_masks(engine: Engine, prompt: list[int]) -> None:
+    # temperature 3 flattens the law so EOS (id 2) shows up within a few steps
+    recs = run(engine, prompt, candidate="snapkv#16", kind="residual", horizon=12, replicates=32,
+               sampling=Sampling(temperature=3.0), seed=8)
+    ds = assemble(stream_lines(recs))
+    assert ds.attrs["horizon"] == 12
+
+
+def test_budget_policy_keeps_short_prompts_whole(engine: Engine) -> None:
+    short = list(engine.lm.tokenizer("short prompt").input_ids)
+    recs = run(engine, short, candidate="snapkv#512", horizon=2, replicates=2, seed=1)
+    head = recs[0]
+    assert head["retained_tokens"] == len(short) and "kept whole" in head["candidate"]["note"]
+    assert recs[2]["tv"] == [0.0, 0.0]
+
+
+def test_greedy_is_point_mass(engine: Engine, prompt: list[int]) -> None:
+    recs = run(engine, prompt, candidate="snapkv@0.3", horizon=4, replicates=3, sampling=Sampling(do_sample=False),
+               seed=1)
+    for r in recs[1:]:
+        assert len(set(r["x_token"])) == 1 and all(t in (0.0, 1.0) for t in r["tv"])
+
+
+def test_cancellation_between_steps(engine: Engine, prompt: list[int]) -> None:
+    seen = []
+
+    def cancelled() -> bool:
+        return len(seen) >= 3
+
+    with pytest.raises(Cancelled):
+        for rec in engine.trace(TraceJob(prompt_ids=prompt, candidate="snapkv@0.5", horizon=50), cancelled):
+            seen.append(rec)
+    assert len(seen) == 3
+
+
+def test_policy_registry() -> None:
+    reg = PolicyRegistry()
+    assert reg.resolve("snapkv@0.5:window_size=8").plan(100).press.window_size == 8
+    assert reg.resolve("streaming@0.5").plan(100).press.n_sink == 4
+    assert reg.resolve("recent@0.5").plan(100).press.n_sink == 0
+    assert reg.resolve("kvpress:TOVAPress@0.5").press_name == "TOVAPress"
+    plan = reg.resolve("snapkv#40").plan(100)
+    assert plan.expected_kept == 40
+    for bad in ("nope@0.5", "snapkv@0", "snapkv@1.5", "snapkv#0", "snapkv@0.5:bogus=1", "kvpress:Nope@0.5",
+                "snapkv", "full:x=1"):
+        with pytest.raises(PolicyError):
+            reg.resolve(bad)
+
+
+def test_custom_press_registration(engine: Engine, prompt: list[int]) -> None:
+    from kvpress import KnormPress
+
+    reg = PolicyRegistry({"knorm": KnormPress}, entry_points_group=None)
+    eng = Engine(engine.lm, reg)
+    recs = list(eng.trace(TraceJob(prompt_ids=prompt, candidate="knorm@0.5", horizon=2, replicates=2, seed=1)))
+    assert recs[0]["candidate"]["press"] == "KnormPress" and recs[1]["tv"] == [0.0, 0.0]
+
+
+def test_qwen2_tiny_model(prompt: list[int]) -> None:
+    eng = Engine(load_model("tiny:qwen2"))
+    recs = list(eng.trace(TraceJob(prompt_ids=prompt, candidate="snapkv@0.5", kind="residual", horizon=4,
+                                   replicates=3, seed=1)))
+    assert recs[1]["tv"] == [0.0] * 3
+    assemble(stream_lines(recs))
