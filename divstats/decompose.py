@@ -125,7 +125,7 @@ def as_estimates(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     if "replicate" not in ds.dims:
         raise ValueError("expected a trace dataset (with a replicate dim) or an estimate "
                          f"dataset with {', '.join(_NEEDED)}; got variables {sorted(ds.data_vars)}")
-    from divstats.estimators import estimate  # lazy: owned by the estimators module
+    from divstats import estimate  # lazy: divstats/__init__ does not import this module
 
     return estimate(ds, window=window)
 

@@ -387,7 +387,7 @@ class _Data:
     @property
     def est(self) -> xr.Dataset:
         if self._est is None:
-            from divstats.estimators import estimate
+            from divstats import estimate
 
             self._est = estimate(self.ds, window=self.window)
         return self._est
@@ -395,14 +395,19 @@ class _Data:
     @property
     def branch(self) -> xr.Dataset:
         if self._branch is None:
-            from divstats.estimators import branch_tv
+            from divstats import branch_tv
 
-            self._branch = branch_tv(self.ds)
+            self._branch = branch_tv(self.ds, window=self.window)
         return self._branch
 
 
 def window_mean(branch: xr.Dataset, first: int, last: int) -> xr.DataArray:
-    """Per-document average of ``branch_tv`` over ages first..last (both inclusive)."""
+    """Per-document average of ``branch_tv`` over ages first..last (both inclusive).
+
+    The unweighted mean of the per-age estimates over ages that some branch can
+    reach (NaN ages skipped), i.e. ``divstats.branch_tv_window(ds, first, last + 1)``
+    when the window lies inside the horizon.
+    """
     ages = branch["age"]
     sel = branch["branch_tv"].where((ages >= first) & (ages <= last), drop=True)
     return sel.mean("age", skipna=True)
@@ -433,6 +438,10 @@ def _metric(data: _Data, h: Hypothesis, plan: Plan, policy: str, which: str | No
         if ages.size == 0 or first > ages.max():
             raise PlanError(f"hypothesis {h.id!r}: window {which!r} = [{first}, {last}] starts beyond the "
                             f"largest age in the data ({int(ages.max()) if ages.size else 'none'})")
+        observed = data.branch.attrs.get("window")
+        if observed is not None and last > int(observed) and int(observed) < ages.max():
+            raise PlanError(f"hypothesis {h.id!r}: window {which!r} = [{first}, {last}] needs ages up to {last}, "
+                            f"but branches are observed only to age W = {observed}; not identified")
         if last > ages.max():
             note = (f"window {which!r} = [{first}, {last}] extends past the largest age in the data "
                     f"({int(ages.max())}); it was averaged over ages {first}..{int(ages.max())}.")
