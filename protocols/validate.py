@@ -118,14 +118,15 @@ def _after(mask: np.ndarray) -> np.ndarray:
     return out
 
 
+def _lead(value: Any, ndim: int) -> np.ndarray:
+    """A scalar, or a per-model vector shaped to broadcast against an ``ndim`` array led by ``model``."""
+    v = np.asarray(value)
+    return v.reshape((-1,) + (1,) * (ndim - 1)) if v.ndim == 1 else v
+
+
 def _eos_mask(ctx: _Ctx, tokens: np.ndarray) -> np.ndarray:
-    eos = np.asarray(ctx.eos)
+    eos = _lead(ctx.eos, tokens.ndim)
     return (tokens == eos) & (eos >= 0)
-
-
-def _lead_shape(ctx: _Ctx, name: str) -> np.ndarray:
-    """Per-model scalars shaped to broadcast against ``name``'s array."""
-    return np.asarray(ctx.vocab).reshape(np.shape(ctx.vocab) + (1,) * (ctx.arrays[name].ndim - np.ndim(ctx.vocab)))
 
 
 # ----------------------------------------------------------------------------- attrs and layout
@@ -245,7 +246,7 @@ def _rule_token_range(ctx: _Ctx) -> Iterator[str]:
     complete = ctx.kind in ("coupled", "reference")
     for name in sorted((_TOKEN_VARS - {"branch_step"}) & ctx.arrays.keys()):
         a = ctx.arrays[name]
-        v = _lead_shape(ctx, name)
+        v = _lead(ctx.vocab, a.ndim)
         low = 0 if complete else MISSING_TOKEN
         bad = (a < low) | (a >= v)
         what = "outside [0, vocab_size)" if complete else "outside [0, vocab_size) and not -1"
@@ -262,8 +263,8 @@ def _mismatch(ctx: _Ctx, tv: str, x: str, y: str, observed: np.ndarray | None = 
     differ = (xa != ya) & (xa >= 0) & (ya >= 0)
     if observed is not None:
         differ &= observed
-    bad = differ & ~(t > TV_ZERO_ATOL)
-    yield from _report(ctx, tv, bad, f"<= {TV_ZERO_ATOL:g} (or NaN) where {x} != {y}: "
+    bad = differ & (t <= TV_ZERO_ATOL)      # NaN where observed is the mask rules' business
+    yield from _report(ctx, tv, bad, f"<= {TV_ZERO_ATOL:g} where {x} != {y}: "
                                      "the coupling cannot diverge at TV 0")
 
 
@@ -387,7 +388,7 @@ def _branch_vs_shared(ctx: _Ctx, t_star: np.ndarray) -> Iterator[str]:
     yield from _report(ctx, "branch_tv", _age0(ctx, off),
                        "at age 0 differs from shared_tv at branch_step (the same two laws)")
     # No branch although some step could diverge: 1 - S_T > 0 means a branch must be drawn.
-    possible = np.nanmax(np.where(np.isnan(tv), 1.0, tv), axis=-1) > TV_ZERO_ATOL
+    possible = np.where(np.isnan(tv), 0.0, tv).max(axis=-1) > TV_ZERO_ATOL
     yield from _report(ctx, "branch_step", (t_star == 0) & possible,
                        "0 although the shared path has a step with TV > 0 (divergence was possible)")
 
@@ -418,7 +419,7 @@ _VALUE_RULES: tuple[Callable[[_Ctx], Iterator[str]], ...] = (
 def _per_model(ds: xr.Dataset, name: str, default: Any) -> Any:
     """A per-model coordinate (datasets combined across models) shaped to lead the data."""
     if "model" in ds.dims and name in ds.coords and ds.coords[name].dims == ("model",):
-        return ds.coords[name].values.astype(np.int64).reshape(-1, 1, 1, 1, 1)
+        return ds.coords[name].values.astype(np.int64)
     return default
 
 
