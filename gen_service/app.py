@@ -96,6 +96,59 @@ class Metrics:
         self.cancelled = Counter("kvdiv_cancelled", "requests cancelled by client disconnect", registry=r)
 
 
+class WorkStream:
+    """One request's work on the model thread, its items relayed to the event loop.
+
+    The work is submitted at construction, so the admission slot is released by the
+    worker itself (in ``finally``) whatever the client does. Closing the async
+    iterator (the client went away) sets ``cancel``; the engine checks it between
+    decoding steps and stops."""
+
+    def __init__(self, service: Service, make: Callable[[Callable[[], bool]], Iterator[Any]]):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+        self._service, self._make = service, make
+        service.executor.submit(self._work)
+
+    def _put(self, kind: str, value: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+        except RuntimeError:  # loop closed: nobody is listening any more
+            pass
+
+    def _work(self) -> None:
+        cancelled = False
+        try:
+            if self.cancel.is_set():
+                raise Cancelled()
+            for item in self._make(self.cancel.is_set):
+                self._put("item", item)
+                if self.cancel.is_set():
+                    raise Cancelled()
+            self._put("done", None)
+        except Cancelled as exc:
+            cancelled = True
+            self._put("error", exc)
+        except BaseException as exc:  # forwarded to the event loop side
+            self._put("error", exc)
+        finally:
+            self._service.finished(cancelled)
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        try:
+            while True:
+                kind, value = await self.queue.get()
+                if kind == "item":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    return
+        finally:
+            self.cancel.set()
+
+
 class Service:
     """Holds the engine, the worker thread and the admission state."""
 
@@ -109,53 +162,19 @@ class Service:
 
     # ------------------------------------------------------------------ worker bridge
 
-    async def stream_work(self, make: Callable[[Callable[[], bool]], Iterator[Any]],
-                          cancel: threading.Event) -> AsyncIterator[Any]:
-        """Run ``make(cancelled)`` on the worker thread, yielding its items here.
-        Closing this iterator (client gone) sets ``cancel``; the engine stops at its
-        next step check."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def put(kind: str, value: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
-            except RuntimeError:  # loop closed: nobody is listening any more
-                pass
-
-        def work() -> None:
-            try:
-                if cancel.is_set():
-                    raise Cancelled()
-                for item in make(cancel.is_set):
-                    put("item", item)
-                    if cancel.is_set():
-                        raise Cancelled()
-                put("done", None)
-            except BaseException as exc:  # forwarded to the event loop side
-                put("error", exc)
-
-        loop.run_in_executor(self.executor, work)
-        try:
-            while True:
-                kind, value = await queue.get()
-                if kind == "item":
-                    yield value
-                elif kind == "error":
-                    raise value
-                else:
-                    return
-        finally:
-            cancel.set()
-
-    def admit(self) -> None:
+    def start(self, make: Callable[[Callable[[], bool]], Iterator[Any]]) -> WorkStream:
+        """Admit a request (429 when full) and queue its work on the model thread now."""
         if not self.admission.try_enter():
             raise ApiError(429, "Model is overloaded: request queue is full", "overloaded")
         self.metrics.queue.set(self.admission.count)
+        return WorkStream(self, make)
 
-    def release(self) -> None:
+    def finished(self, cancelled: bool) -> None:
+        """Called on the model thread when a request's work ends, however it ends."""
         self.admission.leave()
         self.metrics.queue.set(self.admission.count)
+        if cancelled:
+            self.metrics.cancelled.inc()
 
     # ------------------------------------------------------------------ parsing
 
@@ -362,22 +381,19 @@ def create_app(service: Service) -> Starlette:
         return [{"id": i, "text": token_text(i), "logprob": lp, "special": special(i)} for i, lp in item["top"]]
 
     async def run_generate(request: Request, g: dict) -> dict:
-        service.admit()
-        cancel = threading.Event()
-        watcher = asyncio.create_task(_watch_disconnect(request, cancel))
+        work = service.start(generation_iter(g))
+        watcher = asyncio.create_task(_watch_disconnect(request, work.cancel))
         tokens, finish = [], "length"
         try:
-            async for item in service.stream_work(generation_iter(g), cancel):
+            async for item in work:
                 if "finish_reason" in item:
                     finish = item["finish_reason"]
                 else:
                     tokens.append(item)
         except Cancelled:
-            service.metrics.cancelled.inc()
             raise ApiError(499, "client disconnected", "cancelled") from None
         finally:
             watcher.cancel()
-            service.release()
         service.metrics.tokens.inc(len(tokens))
         text = tok.decode([t["id"] for t in tokens], skip_special_tokens=True)
         out: dict[str, Any] = {"generated_text": (g["inputs"] + text) if g["full_text"] else text}
@@ -396,14 +412,13 @@ def create_app(service: Service) -> Starlette:
         return out
 
     def sse_generate(request: Request, g: dict) -> StreamingResponse:
-        service.admit()
-        cancel = threading.Event()
+        work = service.start(generation_iter(g))
 
         async def events() -> AsyncIterator[bytes]:
             ids: list[int] = []
             pending: dict | None = None
             try:
-                async for item in service.stream_work(generation_iter(g), cancel):
+                async for item in work:
                     if "finish_reason" in item:
                         text = tok.decode(ids, skip_special_tokens=True)
                         if g["full_text"]:
@@ -423,13 +438,12 @@ def create_app(service: Service) -> Starlette:
                                "top_tokens": tgi_top(item) if g["top_n"] else None,
                                "generated_text": None, "details": None}
             except Cancelled:
-                service.metrics.cancelled.inc()
+                pass
             except Exception as exc:  # mid-stream failure: TGI sends an error event
                 log.exception("generate_stream failed")
                 yield _sse({"error": f"{type(exc).__name__}: {exc}", "error_type": "generation"})
             finally:
-                cancel.set()
-                service.release()
+                work.cancel.set()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -528,8 +542,7 @@ def create_app(service: Service) -> Starlette:
 
         job = parse_trace(await service.read_json(request))
         sse = "text/event-stream" in request.headers.get("accept", "")
-        service.admit()
-        cancel = threading.Event()
+        work = service.start(lambda cancelled: service.engine.trace(job, cancelled))
 
         def frame(line: bytes) -> bytes:
             return b"data: " + line.rstrip(b"\n") + b"\n\n" if sse else line
@@ -538,7 +551,7 @@ def create_app(service: Service) -> Starlette:
             writer = StreamWriter()
             t0 = time.perf_counter()
             try:
-                async for rec in service.stream_work(lambda c: service.engine.trace(job, c), cancel):
+                async for rec in work:
                     if rec["type"] in ("step", "shared_step"):
                         service.metrics.row_steps.inc(job.replicates)
                     elif rec["type"] == "branch":
@@ -546,14 +559,13 @@ def create_app(service: Service) -> Starlette:
                     yield frame(writer.line(rec))
                 yield frame(writer.end(job.horizon, job.replicates, time.perf_counter() - t0))
             except Cancelled:
-                service.metrics.cancelled.inc()
+                pass
             except Exception as exc:  # mid-stream failure: an error record ends the stream
                 log.exception("trace %s failed", job.request_id)
                 kind = "validation" if isinstance(exc, PolicyError) else "generation"
                 yield frame(writer.line(error_record(f"{type(exc).__name__}: {exc}", kind)))
             finally:
-                cancel.set()
-                service.release()
+                work.cancel.set()
 
         media = "text/event-stream" if sse else "application/x-ndjson"
         return StreamingResponse(body(), media_type=media, headers={"x-request-id": job.request_id})
