@@ -16,4 +16,5 @@ from protocols.wire import (
 from protocols.validate import TV_ZERO_ATOL, TraceValidationError, validate
 from protocols.assemble import StreamError, assemble
 from protocols.io import open_traces, save_traces
+from protocols.combine import CombineError, combine
 
