@@ -17,4 +17,6 @@ from protocols.validate import TV_ZERO_ATOL, TraceValidationError, validate
 from protocols.assemble import StreamError, assemble
 from protocols.io import open_traces, save_traces
 from protocols.combine import CombineError, combine
+from protocols import converters
+from protocols.converters import ConversionError, from_eval_logs, from_probabilities, residual_from_probabilities
 

@@ -48,6 +48,17 @@ _TOKEN_VARS = {"x_token", "y_token", "shared_token", "branch_x_token", "branch_y
 _TV_VARS = {"tv", "shared_tv", "branch_tv"}
 
 
+class Problem(str):
+    """One problem message; ``.where`` maps dims to the example's coordinate labels ({} for attrs)."""
+
+    where: dict[str, Any]
+
+    def __new__(cls, text: str, where: dict[str, Any] | None = None) -> Problem:
+        self = super().__new__(cls, text)
+        self.where = dict(where or {})
+        return self
+
+
 class TraceValidationError(ValueError):
     """A dataset that breaks the trace contract; ``.problems`` lists every problem."""
 
@@ -106,8 +117,9 @@ def _report(ctx: _Ctx, name: str, bad: np.ndarray, what: str, shown: str | None 
     idx = np.unravel_index(flat, bad.shape)
     value = _fmt(ctx.arrays[name][idx])
     extra = f" ({shown})" if shown else ""
-    yield (f"{name}: {int(bad.sum())} value(s) {what}, e.g. "
-           f"{name}[{_where(ctx.ds, dims, idx)}] = {value}{extra}")
+    where = {d: (ctx.ds.coords[d].values[i] if d in ctx.ds.coords else int(i)) for d, i in zip(dims, idx)}
+    yield Problem(f"{name}: {int(bad.sum())} value(s) {what}, e.g. "
+                  f"{name}[{_where(ctx.ds, dims, idx)}] = {value}{extra}", where)
 
 
 def _after(mask: np.ndarray) -> np.ndarray:

@@ -1,0 +1,368 @@
+"""Bring your own traces (SCHEMA.md §4): converters into ``kvdiv.trace/1``.
+
+* :func:`from_probabilities` — per-step next-token laws of the two models along
+  coupled histories → a ``coupled`` dataset (TV computed as 1 − Σ min(p, q)).
+* :func:`residual_from_probabilities` — the same for residual-branch runs.
+* :func:`from_eval_logs` — JSONL evaluation logs (text sampled from the full
+  model with per-token log-probs under both models) → a ``reference`` dataset.
+
+Every converter validates its output. Errors name the input row: the array
+index for array inputs, the 1-based line (or record) number for logs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from protocols.schema import MISSING_TOKEN, coupled_dataset, reference_dataset, residual_dataset
+from protocols.validate import LOGP_ATOL, TraceValidationError, validate
+
+#: How far a probability row may sum away from 1.
+PROB_ATOL = 1e-3
+
+
+class ConversionError(ValueError):
+    """Input that cannot be converted; the message names the offending row."""
+
+
+# ----------------------------------------------------------------------------- probabilities
+
+def _lead4(name: str, a: Any, trailing: int) -> np.ndarray:
+    """Accept (doc, policy, replicate, step[, vocab]) or (replicate, step[, vocab])."""
+    a = np.asarray(a)
+    if a.ndim == 2 + trailing:
+        a = a[None, None]
+    if a.ndim != 4 + trailing:
+        raise ConversionError(f"{name}: expected (doc, policy, replicate, step{', vocab' * trailing}) or "
+                              f"(replicate, step{', vocab' * trailing}), got shape {a.shape}")
+    return a
+
+
+def _row(name: str, idx: tuple[int, ...], axis: str = "step") -> str:
+    labels = ("doc", "policy", "replicate", axis)
+    return f"{name}[" + ", ".join(f"{d}={i + (1 if d == 'step' else 0)}" for d, i in zip(labels, idx)) + "]"
+
+
+def _first(mask: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(int(np.argmax(mask)), mask.shape))
+
+
+def _check_probs(name: str, probs: np.ndarray, axis: str) -> np.ndarray:
+    """Rows are probability vectors or all-NaN (unobserved); returns the 'observed' mask."""
+    nan = np.isnan(probs)
+    observed = ~nan.all(-1)
+    partial = nan.any(-1) & observed
+    if partial.any():
+        raise ConversionError(f"{_row(name, _first(partial), axis)}: some entries are NaN (a row is all numbers "
+                              "or all NaN for 'unobserved')")
+    neg = observed & (np.nan_to_num(probs) < 0).any(-1)
+    if neg.any():
+        raise ConversionError(f"{_row(name, _first(neg), axis)}: negative probability")
+    total = np.nansum(probs, axis=-1)
+    off = observed & (np.abs(total - 1) > PROB_ATOL)
+    if off.any():
+        i = _first(off)
+        raise ConversionError(f"{_row(name, i, axis)}: sums to {total[i]:.6g}, not 1 (tolerance {PROB_ATOL:g})")
+    return observed
+
+
+def tv_from_probabilities(p: Any, q: Any) -> np.ndarray:
+    """TV(p, q) = 1 − Σ_v min(p_v, q_v) over the last axis, clipped to [0, 1]; all-NaN rows give NaN.
+
+    Computed in float64 so that float32 inputs do not round a small TV to a
+    negative number or to 0.
+    """
+    p = np.asarray(p, dtype=np.float64)
+    q = np.asarray(q, dtype=np.float64)
+    if p.shape != q.shape:
+        raise ConversionError(f"p and q have different shapes {p.shape} and {q.shape}")
+    # ½‖p − q‖₁ equals 1 − Σ min(p, q) for normalised rows and is the better-conditioned form.
+    tv = np.clip(0.5 * np.abs(p - q).sum(-1), 0.0, 1.0)
+    return np.where(np.isnan(p).all(-1) | np.isnan(q).all(-1), np.nan, tv)
+
+
+def _token_prob(name: str, probs: np.ndarray, tokens: np.ndarray, axis: str) -> np.ndarray:
+    """probs[..., token] where the token is observed; checks the token had positive probability."""
+    V = probs.shape[-1]
+    bad = (tokens != MISSING_TOKEN) & ((tokens < 0) | (tokens >= V))
+    if bad.any():
+        i = _first(bad)
+        raise ConversionError(f"{_row(name, i, axis)} = {tokens[i]}: outside [0, {V})")
+    safe = np.clip(tokens, 0, V - 1)[..., None]
+    pr = np.take_along_axis(probs, safe, axis=-1)[..., 0]
+    zero = (tokens != MISSING_TOKEN) & ~(pr > 0)
+    if zero.any():
+        i = _first(zero)
+        raise ConversionError(f"{_row(name, i, axis)} = {tokens[i]} has probability {pr[i]} under the law "
+                              "it was sampled from")
+    return pr
+
+
+def from_probabilities(
+    p_probs: Any,
+    q_probs: Any,
+    x_token: Any,
+    y_token: Any,
+    *,
+    logp: bool = True,
+    **builder: Any,
+) -> xr.Dataset:
+    """A ``coupled`` dataset from both models' next-token laws along coupled histories.
+
+    ``p_probs[..., t, :]`` is p_t(· | x_<t) (the reference model on the P history),
+    ``q_probs[..., t, :]`` is q_t(· | y_<t) (the candidate on the Q history), both
+    shaped (doc, policy, replicate, step, vocab) or (replicate, step, vocab) and
+    *after* temperature / top-k / top-p; ``x_token`` / ``y_token`` are the tokens
+    the coupling drew, shaped without the vocab axis. With ``logp`` the optional
+    ``x_logp`` = log p_t(x_t) and ``y_logp`` = log q_t(y_t) are added. Other keywords
+    go to :func:`protocols.schema.coupled_dataset` (``docs``, ``policies``,
+    ``eos_token_id``, ``model``, ``sampling``, ...); ``vocab_size`` defaults to the
+    vocab axis length.
+    """
+    p = _lead4("p_probs", p_probs, 1)
+    q = _lead4("q_probs", q_probs, 1)
+    x = _lead4("x_token", x_token, 0)
+    y = _lead4("y_token", y_token, 0)
+    if p.shape != q.shape or p.shape[:-1] != x.shape or x.shape != y.shape:
+        raise ConversionError(f"shapes disagree: p_probs {p.shape}, q_probs {q.shape}, x_token {x.shape}, "
+                              f"y_token {y.shape}")
+    for name, probs in (("p_probs", p), ("q_probs", q)):
+        observed = _check_probs(name, probs, "step")
+        if not observed.all():
+            raise ConversionError(f"{_row(name, _first(~observed), 'step')}: all NaN, but coupled "
+                                  "trajectories are complete (every step is observed)")
+    builder.setdefault("vocab_size", p.shape[-1])
+    if logp:
+        with np.errstate(divide="ignore"):
+            builder["x_logp"] = np.log(_token_prob("x_token", p, x, "step"))
+            builder["y_logp"] = np.log(_token_prob("y_token", q, y, "step"))
+    ds = coupled_dataset(tv_from_probabilities(p, q), x, y, **builder)
+    return validate(ds, source="(from_probabilities)")
+
+
+def residual_from_probabilities(
+    shared_p: Any,
+    shared_q: Any,
+    shared_token: Any,
+    branch_step: Any,
+    branch_p: Any,
+    branch_q: Any,
+    branch_x_token: Any,
+    branch_y_token: Any,
+    **builder: Any,
+) -> xr.Dataset:
+    """A ``residual`` dataset from both models' laws on the survival path and on the branches.
+
+    ``shared_p`` / ``shared_q``: (doc, policy, replicate, step, vocab) laws on the
+    shared history z_<t, all-NaN rows after the path stopped; ``shared_token``:
+    Z_t, −1 where none. ``branch_p`` / ``branch_q``: (…, age, vocab) laws of the P
+    and Q branches at ages 0..T−1 (all-NaN where unobserved), ``branch_step`` = t*
+    (0 for none) and the branch tokens (−1 where unobserved). Keywords go to
+    :func:`protocols.schema.residual_dataset` (``window`` included).
+    """
+    sp, sq = _lead4("shared_p", shared_p, 1), _lead4("shared_q", shared_q, 1)
+    bp, bq = _lead4("branch_p", branch_p, 1), _lead4("branch_q", branch_q, 1)
+    if sp.shape != sq.shape or bp.shape != bq.shape or sp.shape[:3] != bp.shape[:3]:
+        raise ConversionError(f"shapes disagree: shared {sp.shape} / {sq.shape}, branch {bp.shape} / {bq.shape}")
+    _check_probs("shared_p", sp, "step")
+    _check_probs("shared_q", sq, "step")
+    _check_probs("branch_p", bp, "age")
+    _check_probs("branch_q", bq, "age")
+    builder.setdefault("vocab_size", sp.shape[-1])
+    ds = residual_dataset(tv_from_probabilities(sp, sq), shared_token, branch_step, tv_from_probabilities(bp, bq),
+                          branch_x_token, branch_y_token, **builder)
+    return validate(ds, source="(residual_from_probabilities)")
+
+
+# ----------------------------------------------------------------------------- evaluation logs
+
+def _records(source: str | os.PathLike[str] | Iterable[Mapping[str, Any] | str | bytes]) -> Iterable[tuple[str, Any]]:
+    """(row label, record) pairs; labels are 'line N' of a file or 'record N' of an iterable."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such evaluation log")
+        with path.open("rb") as f:
+            for n, line in enumerate(f, start=1):
+                if line.strip():
+                    yield f"line {n}", line
+        return
+    for n, rec in enumerate(source, start=1):
+        if isinstance(rec, (str, bytes)) and not rec.strip():
+            continue
+        yield f"{'line' if isinstance(rec, (str, bytes)) else 'record'} {n}", rec
+
+
+def _parse_row(label: str, rec: Any) -> dict[str, Any]:
+    if isinstance(rec, (str, bytes)):
+        try:
+            rec = json.loads(rec)      # accepts -Infinity for log q = -inf
+        except ValueError as exc:
+            raise ConversionError(f"{label}: not valid JSON ({exc})") from None
+    if not isinstance(rec, Mapping):
+        raise ConversionError(f"{label}: expected a JSON object, got {type(rec).__name__}")
+    missing = [k for k in ("tokens", "logp_full", "logp_evicted") if k not in rec]
+    if missing:
+        raise ConversionError(f"{label}: missing field(s) {missing}")
+    return dict(rec)
+
+
+def _row_arrays(label: str, rec: dict[str, Any], V: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = {k: len(rec[k]) if isinstance(rec[k], list) else -1 for k in ("tokens", "logp_full", "logp_evicted")}
+    if len(set(n.values())) != 1 or n["tokens"] < 1:
+        raise ConversionError(f"{label}: tokens, logp_full and logp_evicted must be non-empty lists of one "
+                              f"length, got lengths {n}")
+    try:
+        tok = np.array(rec["tokens"], dtype=np.float64)
+        lp = np.array([math.nan if v is None else v for v in rec["logp_full"]], dtype=np.float64)
+        lq = np.array([math.nan if v is None else v for v in rec["logp_evicted"]], dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ConversionError(f"{label}: non-numeric value ({exc})") from None
+    checks = (
+        (~np.isfinite(tok) | (tok != np.round(tok)) | (tok < 0) | (tok >= V), "tokens", f"not a token id in [0, {V})"),
+        (~np.isfinite(lp), "logp_full", "not finite (the token was sampled from the full model)"),
+        (lp > LOGP_ATOL, "logp_full", "> 0 (not a log-probability)"),
+        (np.isnan(lq) | (lq == np.inf), "logp_evicted", "NaN, null or +inf (-Infinity is allowed: q = 0)"),
+        (lq > LOGP_ATOL, "logp_evicted", "> 0 (not a log-probability)"),
+    )
+    for bad, field, what in checks:
+        if bad.any():
+            i = int(np.argmax(bad))
+            value = rec[field][i]
+            raise ConversionError(f"{label}: {field}[{i}] = {value!r} is {what}")
+    return tok.astype(np.int64), lp, lq
+
+
+def _fit(label: str, doc: str, arrays: tuple[np.ndarray, ...], T: int, eos: int) -> tuple[np.ndarray, ...]:
+    """Cut a row to the horizon or pad a row that ended at EOS (EOS absorbing, log 1 = 0)."""
+    tok, lp, lq = (a[:T] for a in arrays)
+    if eos >= 0:
+        hits = np.flatnonzero(tok == eos)
+        if hits.size and (tok[hits[0]:] != eos).any():
+            j = hits[0] + int(np.argmax(tok[hits[0]:] != eos))
+            raise ConversionError(f"{label} (doc {doc!r}): token {j} = {tok[j]} follows EOS at token {hits[0]}; "
+                                  "EOS is absorbing")
+        after = np.zeros(tok.size, dtype=bool)
+        if hits.size:
+            after[hits[0] + 1:] = True
+        if (lp[after] != 0).any() or (lq[after] != 0).any():
+            raise ConversionError(f"{label} (doc {doc!r}): log-probs after EOS must be 0 (EOS is absorbing)")
+    n = tok.size
+    if n == T:
+        return tok, lp, lq
+    if eos < 0:
+        raise ConversionError(f"{label} (doc {doc!r}): {n} tokens, fewer than the horizon {T}; a short row means "
+                              "the text ended at EOS, so pass eos_token_id= (or horizon=) to pad it")
+    if tok[-1] != eos:
+        raise ConversionError(f"{label} (doc {doc!r}): {n} tokens, fewer than the horizon {T}, and the last is "
+                              f"{tok[-1]}, not EOS {eos}; only rows that ended at EOS can be padded")
+    pad = T - n
+    return (np.concatenate([tok, np.full(pad, eos)]), np.concatenate([lp, np.zeros(pad)]),
+            np.concatenate([lq, np.zeros(pad)]))
+
+
+def from_eval_logs(
+    source: str | os.PathLike[str] | Iterable[Mapping[str, Any] | str | bytes],
+    *,
+    vocab_size: int,
+    eos_token_id: int | None = None,
+    horizon: int | None = None,
+    policy: str = "candidate",
+    model: str = "",
+    sampling: Mapping[str, Any] | str | None = None,
+    producer: str = "eval logs (protocols.converters.from_eval_logs)",
+) -> xr.Dataset:
+    """A ``reference`` dataset from evaluation logs (METHOD.md §7).
+
+    ``source`` is a JSONL path, an iterable of JSON lines or of dicts. Each row
+    holds ``tokens`` (sampled from the full model), ``logp_full`` (log p of each
+    token under the full model) and ``logp_evicted`` (log q under the evicted one;
+    ``-Infinity`` allowed), plus optional ``doc`` (or ``id``), ``policy`` (default
+    ``policy``), ``replicate`` (default: order within its doc and policy),
+    ``split`` and ``prompt_tokens``. Rows without a doc id are documents of their
+    own, named ``row<N>``.
+
+    The horizon defaults to the longest row. Longer rows are cut to it; shorter
+    rows must end with ``eos_token_id`` and are padded with EOS at log p = log q = 0
+    (the absorbing point mass). Errors name the row; the dataset gets a
+    ``source_row`` coordinate (doc, policy, replicate) with each row's number.
+    """
+    eos = -1 if eos_token_id is None else int(eos_token_id)
+    rows = []
+    for label, raw in _records(source):
+        rec = _parse_row(label, raw)
+        doc = rec.get("doc", rec.get("id"))
+        doc = f"row{label.split()[-1]}" if doc is None else str(doc)
+        rows.append((label, doc, str(rec.get("policy", policy)), rec.get("replicate"),
+                     _row_arrays(label, rec, vocab_size), rec))
+    if not rows:
+        raise ConversionError("no rows in the evaluation log")
+    T = horizon if horizon is not None else max(r[4][0].size for r in rows)
+    return _build_reference(rows, T, eos, vocab_size=vocab_size, eos_token_id=eos_token_id, model=model,
+                            sampling=sampling, producer=producer)
+
+
+def _build_reference(rows: list[tuple], T: int, eos: int, **kw: Any) -> xr.Dataset:
+    docs = list(dict.fromkeys(r[1] for r in rows))
+    pols = list(dict.fromkeys(r[2] for r in rows))
+    groups: dict[tuple[str, str], dict[int, tuple]] = {}
+    doc_meta: dict[str, dict[str, Any]] = {}
+    for label, doc, pol, rep, arrays, rec in rows:
+        cell = groups.setdefault((doc, pol), {})
+        r = len(cell) if rep is None else rep
+        if not isinstance(r, int) or r < 0:
+            raise ConversionError(f"{label}: replicate {rep!r} is not an integer >= 0")
+        if r in cell:
+            raise ConversionError(f"{label}: doc {doc!r}, policy {pol!r}, replicate {r} already given by "
+                                  f"{cell[r][0]}")
+        cell[r] = (label, _fit(label, doc, arrays, T, eos))
+        meta = doc_meta.setdefault(doc, {"split": rec.get("split", ""), "prompt_tokens": rec.get("prompt_tokens", 0),
+                                          "label": label})
+        for key in ("split", "prompt_tokens"):
+            if key in rec and rec[key] != meta[key]:
+                raise ConversionError(f"{label}: doc {doc!r} has {key} {rec[key]!r}, but {meta['label']} "
+                                      f"gave {meta[key]!r}")
+    R = max(len(c) for c in groups.values())
+    shape = (len(docs), len(pols), R, T)
+    tok, lp, lq = np.zeros(shape, np.int64), np.zeros(shape), np.zeros(shape)
+    src = np.zeros(shape[:3], np.int32)
+    for d, doc in enumerate(docs):
+        for p, pol in enumerate(pols):
+            cell = groups.get((doc, pol))
+            if cell is None:
+                raise ConversionError(f"doc {doc!r} has no rows for policy {pol!r}; every doc needs every policy")
+            if sorted(cell) != list(range(R)):
+                raise ConversionError(f"doc {doc!r}, policy {pol!r}: replicates {sorted(cell)}, expected 0..{R - 1} "
+                                      f"(first row: {min(c[0] for c in cell.values())})")
+            for r, (label, (t, a, b)) in cell.items():
+                tok[d, p, r], lp[d, p, r], lq[d, p, r] = t, a, b
+                src[d, p, r] = int(label.split()[-1])
+    ds = reference_dataset(tok, lp, lq, docs=docs, policies=pols,
+                           split=[doc_meta[d]["split"] for d in docs],
+                           prompt_tokens=[doc_meta[d]["prompt_tokens"] for d in docs], **kw)
+    ds = ds.assign_coords(source_row=(("doc", "policy", "replicate"), src))
+    ds.source_row.attrs["description"] = "1-based line (or record) number of the input row"
+    return _validate_naming_rows(ds)
+
+
+def _validate_naming_rows(ds: xr.Dataset) -> xr.Dataset:
+    """Validate; problems located at a (doc, policy, replicate) get the input row appended."""
+    try:
+        return validate(ds, source="(from_eval_logs)")
+    except TraceValidationError as err:
+        named = []
+        for p in err.problems:
+            where = getattr(p, "where", {})
+            if {"doc", "policy", "replicate"} <= where.keys():
+                row = ds.source_row.sel(doc=where["doc"], policy=where["policy"], replicate=where["replicate"])
+                p = f"{p} (input row {int(row)})"
+            named.append(p)
+        raise TraceValidationError(named, source="(from_eval_logs)") from None
