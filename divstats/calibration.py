@@ -45,11 +45,19 @@ class PolicyEffect:
 
 
 def markov_kernels(doc_seed: int, policy_seed: int, effect: PolicyEffect, vocab_size: int = 6,
-                   doc_scale: float = 1.0):
-    """(p, q) callables history → probabilities: a per-document Markov chain and its perturbation."""
-    rng = np.random.default_rng(doc_seed)
-    trans = rng.dirichlet(np.full(vocab_size, 0.6), size=vocab_size)
-    noise = np.random.default_rng([doc_seed, policy_seed]).dirichlet(np.full(vocab_size, 0.6), size=vocab_size)
+                   doc_scale: float = 1.0, row_mix: float = 0.15):
+    """(p, q) callables history → probabilities: a per-document Markov chain and its perturbation.
+
+    The chain's rows share a common base law (weight 1 − ``row_mix``), so two
+    branches that differ only in their last token have close next-token laws and
+    the branch-aligned TV is driven by the policy's ε_t rather than by the chain.
+    """
+    rng = np.random.default_rng([doc_seed, 17])
+    base = rng.dirichlet(np.full(vocab_size, 1.0))
+    trans = (1 - row_mix) * base + row_mix * rng.dirichlet(np.full(vocab_size, 0.6), size=vocab_size)
+    # A distinct non-zero entropy word per policy (SeedSequence ignores trailing zeros).
+    noise = np.random.default_rng([doc_seed, policy_seed + 1, 29]).dirichlet(np.full(vocab_size, 0.6),
+                                                                             size=vocab_size)
 
     def p(history: tuple[int, ...]) -> np.ndarray:
         return trans[history[-1] if history else 0]

@@ -98,7 +98,7 @@ def decomposition_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
     part is drawn solid and the tail capacity as a hatched range (the sharp interval).
     """
     models = _models(agg)
-    fig, axes = _panels(len(models), height=max(2.4, 0.55 * agg.sizes["policy"] + 1.4))
+    fig, axes = _panels(len(models), height=max(2.6, 0.55 * agg.sizes["policy"] + 1.8))
     z = stats.norm.ppf(0.5 + level / 2)
     n_docs = int(agg.attrs.get("n_docs", 1))
     T = float(agg.attrs.get("horizon", 1))
@@ -130,7 +130,8 @@ def decomposition_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
         ax.set_xlabel("mismatch fraction (expected share of the T tokens that differ)")
         ax.grid(axis="x", alpha=0.3)
         _title(ax, "Where the mismatches come from", model)
-        ax.legend(fontsize=8, frameon=False, loc="lower right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)), fontsize=8, frameon=False)
     return fig
 
 
@@ -160,7 +161,7 @@ def gap_figure(rows: Sequence[Mapping[str, Any]]) -> Figure:
     ax.set_xlabel("contribution to M_A − M_B (mismatch fraction)")
     ax.grid(axis="x", alpha=0.3)
     ax.set_title("Gap attribution (Shapley) with paired bootstrap intervals", fontsize=11)
-    ax.legend(fontsize=8, frameon=False, loc="best")
+    fig.legend(loc="outside lower center", ncols=4, fontsize=8, frameon=False)
     return fig
 
 

@@ -1,0 +1,135 @@
+"""``kvdiv analyze`` and ``kvdiv split`` (click commands; mapped by kvdiv/cli.py).
+
+Imports only numpy/xarray/scipy/matplotlib-level packages: never torch,
+transformers, httpx or gen_service, so analysis runs anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from divstats.plans import PlanError, load_plan, parse_aliases, split_disagreement_note, split_table
+
+
+def _fail(message: str) -> None:
+    raise click.ClickException(message)
+
+
+@click.command("analyze")
+@click.argument("traces", type=click.Path(exists=True, path_type=Path))
+@click.option("--plan", "plan_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Prespecified plan (TOML); its SHA-256 is recorded in every output.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory for report.html, summary.md and results.nc.")
+@click.option("--window", type=click.IntRange(min=0), default=None,
+              help="Truncate the observation window to W steps after divergence (default: all observed).")
+@click.option("--policy-alias", "aliases", multiple=True, metavar="PLANNED=ACTUAL",
+              help="Use data policy ACTUAL where the plan names PLANNED (repeatable). Recorded as a "
+                   "deviation; the affected rows are labelled exploratory.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed for every bootstrap and Monte Carlo permutation test.")
+@click.option("--n-resamples", type=click.IntRange(min=99), default=9999, show_default=True,
+              help="Bootstrap / permutation resamples.")
+@click.option("--level", type=click.FloatRange(0.5, 0.999), default=0.95, show_default=True,
+              help="Confidence level of the descriptive intervals (plan rows use 1 - alpha).")
+@click.option("--no-validate", is_flag=True, help="Skip trace validation on load.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def analyze(traces: Path, plan_path: Path, out_dir: Path, window: int | None, aliases: tuple[str, ...],
+            seed: int, n_resamples: int, level: float, no_validate: bool, quiet: bool) -> None:
+    """Estimate everything, run the plan on TRACES and write a self-contained report."""
+    from protocols import open_traces
+
+    from divstats.report import analyze as run_analysis
+
+    try:
+        plan = load_plan(plan_path)
+        alias_map = parse_aliases(aliases)
+        ds = open_traces(traces, validate=not no_validate)
+        an = run_analysis(ds, plan, out_dir, window=window, policy_aliases=alias_map, seed=seed,
+                          n_resamples=n_resamples, level=level, progress=not quiet)
+    except PlanError as exc:
+        _fail(str(exc))
+    except (ValueError, FileNotFoundError) as exc:
+        _fail(f"{type(exc).__name__}: {exc}")
+    table = an.plan_result.table
+    click.echo(f"plan {plan.name} sha256={plan.sha256}")
+    for r in table.itertuples(index=False):
+        click.echo(f"  {r.id:<24} {r.label:<12} p={r.p_value:.3g} p_adj={r.p_adjusted:.3g} "
+                   f"reject={'yes' if r.reject else 'no'} effect={r.effect:.4g}")
+    for note in an.notes:
+        click.echo(f"note: {note}", err=True)
+    for dev in an.plan_result.deviations:
+        click.echo(f"deviation: {dev}", err=True)
+    for name, path in an.paths.items():
+        click.echo(f"wrote {path}")
+
+
+def _doc_ids(path: Path) -> tuple[list[str], list[str] | None, str]:
+    """(doc ids, the file's own split labels or None, what the file is)."""
+    if path.suffix in (".jsonl", ".ndjson"):
+        ids, labels = [], []
+        with path.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    _fail(f"{path}:{lineno}: not JSON: {exc}")
+                key = next((k for k in ("id", "doc_id", "doc") if k in obj), None)
+                if key is None:
+                    _fail(f"{path}:{lineno}: no 'id' (or 'doc_id') field")
+                ids.append(str(obj[key]))
+                labels.append(str(obj.get("split", "")))
+        return ids, labels, "documents"
+    from protocols import open_traces
+
+    ds = open_traces(path, validate=False)
+    labels = [str(s) for s in ds["split"].values] if "split" in ds.coords else None
+    return [str(d) for d in ds["doc"].values], labels, "traces"
+
+
+@click.command("split")
+@click.argument("source", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--plan", "plan_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Plan whose salt and confirmatory fraction define the split.")
+@click.option("--format", "fmt", type=click.Choice(["table", "jsonl", "csv"]), default="table", show_default=True)
+@click.option("--strict", is_flag=True, help="Exit with status 1 if the file's split labels disagree with the plan.")
+def split(source: Path, plan_path: Path, fmt: str, strict: bool) -> None:
+    """Show the plan's exploratory/confirmatory split for SOURCE (traces .nc/.zarr or documents .jsonl).
+
+    The split is sha256(salt + ":" + doc_id) read as a number in [0, 1): confirmatory
+    below the plan's confirmatory_fraction. It is authoritative; a file's own
+    split labels that disagree are reported.
+    """
+    try:
+        plan = load_plan(plan_path)
+    except PlanError as exc:
+        _fail(str(exc))
+    ids, labels, what = _doc_ids(source)
+    table = split_table(ids, plan, labels)
+    if fmt == "jsonl":
+        for r in table.itertuples(index=False):
+            click.echo(json.dumps({"doc": r.doc, "split": r.split, "file_split": r.dataset_split,
+                                   "agrees": bool(r.agrees)}))
+    elif fmt == "csv":
+        click.echo(table.to_csv(index=False), nl=False)
+    else:
+        width = max([len(i) for i in ids] + [3])
+        click.echo(f"{'doc':<{width}}  split         file label")
+        for r in table.itertuples(index=False):
+            flag = "" if r.agrees else "  <- disagrees"
+            click.echo(f"{r.doc:<{width}}  {r.split:<12}  {r.dataset_split or '-'}{flag}")
+    counts = table["split"].value_counts().to_dict()
+    click.echo(f"plan {plan.name} (salt {plan.salt!r}, confirmatory fraction {plan.confirmatory_fraction}): "
+               f"{len(table)} {what}: {counts.get('confirmatory', 0)} confirmatory, "
+               f"{counts.get('exploratory', 0)} exploratory", err=True)
+    note = split_disagreement_note(table)
+    if note:
+        click.echo(f"note: {note}", err=True)
+        if strict:
+            sys.exit(1)
