@@ -9,6 +9,7 @@ and divstats resamples).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -20,6 +21,8 @@ import xarray as xr
 from protocols.validate import validate as _validate
 
 SUFFIXES = (".nc", ".zarr")
+#: Attribute holding the variable order while on disk (both backends reorder variables).
+ORDER_ATTR = "protocols_variable_order"
 
 
 def _format(path: Path) -> str:
@@ -62,6 +65,24 @@ def _zarr_encoding(ds: xr.Dataset) -> dict[str, dict]:
     return enc
 
 
+def _with_order(ds: xr.Dataset) -> xr.Dataset:
+    ds = ds.copy(deep=False)
+    ds.attrs = {**ds.attrs, ORDER_ATTR: json.dumps({"data_vars": list(ds.data_vars), "coords": list(ds.coords)})}
+    return ds
+
+
+def _restore_order(ds: xr.Dataset) -> xr.Dataset:
+    """Put variables back in the order they were written (files from elsewhere are left as read)."""
+    attrs = dict(ds.attrs)
+    order = attrs.pop(ORDER_ATTR, None)
+    if order is None:
+        return ds
+    order = json.loads(order)
+    data = [n for n in order["data_vars"] if n in ds.data_vars] + [n for n in ds.data_vars if n not in order["data_vars"]]
+    coords = [n for n in order["coords"] if n in ds.coords] + [n for n in ds.coords if n not in order["coords"]]
+    return xr.Dataset({n: ds[n].variable for n in data}, coords={n: ds[n].variable for n in coords}, attrs=attrs)
+
+
 def _clear(ds: xr.Dataset) -> xr.Dataset:
     """Drop encodings carried over from a file we read, so writing is deterministic."""
     ds = ds.copy(deep=False)
@@ -76,7 +97,7 @@ def save_traces(ds: xr.Dataset, path: str | os.PathLike[str], *, validate: bool 
     fmt = _format(path)
     if validate:
         _validate(ds, source=f"(writing {path.name})")
-    ds = _clear(ds)
+    ds = _with_order(_clear(ds))
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp{fmt}")
     try:
         if fmt == ".nc":
@@ -105,5 +126,5 @@ def open_traces(path: str | os.PathLike[str], validate: bool = True) -> xr.Datas
     else:
         with xr.open_dataset(path, engine="zarr", consolidated=False, chunks=None) as f:
             ds = f.load()
-    ds = _strings(_clear(ds))
+    ds = _restore_order(_strings(_clear(ds)))
     return _validate(ds, source=f"({path.name})") if validate else ds

@@ -24,6 +24,7 @@ def assert_exact(a: xr.Dataset, b: xr.Dataset) -> None:
         if var.dtype == object:
             assert all(type(v) is str for v in b[name].values.ravel()), name
     assert list(a.attrs) == list(b.attrs)
+    assert list(a.data_vars) == list(b.data_vars) and list(a.coords) == list(b.coords)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,140 @@
+"""``kvdiv validate`` and ``kvdiv info``: check and summarise trace files.
+
+Imports only protocols, numpy, xarray and click (never torch, divstats or
+gen_service), so both commands start quickly anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import click
+import xarray as xr
+
+from protocols.assemble import StreamError, assemble
+from protocols.io import SUFFIXES, open_traces
+from protocols.validate import TraceValidationError, validate as _validate
+
+STREAM_SUFFIXES = (".ndjson", ".jsonl")
+
+
+def _load(path: Path) -> xr.Dataset:
+    """A dataset from a trace file (unvalidated) or from one recorded wire stream (assembled)."""
+    suffix = path.suffix.lower()
+    if suffix in STREAM_SUFFIXES:
+        return assemble(path.read_bytes())
+    if suffix not in SUFFIXES:
+        raise click.BadParameter(f"unknown extension {path.suffix!r}; expected one of "
+                                 f"{SUFFIXES + STREAM_SUFFIXES}", param_hint="PATH")
+    return open_traces(path, validate=False)
+
+
+def _shape(ds: xr.Dataset) -> str:
+    parts = [f"{ds.sizes['model']} models"] if "model" in ds.dims else []
+    parts += [f"{ds.sizes.get('doc', 0)} docs", f"{ds.sizes.get('policy', 0)} policies",
+              f"{ds.sizes.get('replicate', 0)} replicates", f"T={ds.attrs.get('horizon', '?')}"]
+    text = " × ".join(parts)
+    if ds.attrs.get("kind") == "residual":
+        text += f", W={ds.attrs.get('window', '?')}"
+    return text
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("path", type=click.Path(exists=True, dir_okay=True, path_type=Path))
+def validate(path: Path) -> None:
+    """Check the trace file PATH against the kvdiv.trace/1 contract.
+
+    PATH is a .nc or .zarr dataset, or a recorded wire stream (.ndjson / .jsonl,
+    one request), which is assembled first (order, shapes and sha256 checked).
+    Exits 0 with a one-line summary when valid; exits 1 listing every problem.
+    """
+    try:
+        ds = _load(path)
+        _validate(ds, source=f"({path.name})")
+    except TraceValidationError as err:
+        click.echo(f"invalid: {len(err.problems)} problem(s) in {path.name}")
+        for p in err.problems:
+            click.echo(f"  - {p}")
+        raise SystemExit(1) from None
+    except (StreamError, OSError, ValueError) as err:
+        click.echo(f"invalid: {path.name}: {err}")
+        raise SystemExit(1) from None
+    click.echo(f"ok: {ds.attrs['kind']}, {_shape(ds)} ({path.name})")
+
+
+def _num(v: float | int, missing: object) -> str:
+    if isinstance(v, float) and math.isnan(v) or v == missing:
+        return "-"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _ids(values, limit: int = 6) -> str:
+    ids = [str(v) for v in values]
+    return ", ".join(ids[:limit]) + (f", … (+{len(ids) - limit})" if len(ids) > limit else "")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("path", type=click.Path(exists=True, dir_okay=True, path_type=Path))
+def info(path: Path) -> None:
+    """Summarise the trace file PATH: kind, sizes, model, sampling, docs and policies.
+
+    Works on invalid files too (the last line says whether the file is valid).
+    """
+    try:
+        ds = _load(path)
+    except (StreamError, TraceValidationError, OSError, ValueError) as err:
+        click.echo(f"error: cannot read {path.name}: {err}")
+        raise SystemExit(1) from None
+    a = ds.attrs
+    rows = [
+        ("file", str(path)),
+        ("schema", str(a.get("schema", "?"))),
+        ("kind", f"{a.get('kind', '?')} (coupling {a.get('coupling', '?')})"),
+        ("horizon", f"T={a.get('horizon', '?')}, window W={a.get('window', '?')}"),
+        ("vocab", f"{a.get('vocab_size', '?')} tokens, eos_token_id {a.get('eos_token_id', '?')}"),
+        ("model", str(a.get("model", "?")) + (f" ({ds.sizes['model']} models: {_ids(ds.model.values)})"
+                                               if "model" in ds.dims else "")),
+        ("sampling", str(a.get("sampling", "?"))),
+        ("producer", str(a.get("producer", "?"))),
+        ("replicates", str(ds.sizes.get("replicate", 0))),
+        ("docs", _docs(ds)),
+        ("policies", str(ds.sizes.get("policy", 0))),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        click.echo(f"{key:<{width}}  {value}")
+    for line in _policies(ds):
+        click.echo(f"{'':<{width}}    {line}")
+    click.echo(f"{'variables':<{width}}  {', '.join(ds.data_vars)}")
+    try:
+        _validate(ds)
+        click.echo(f"{'valid':<{width}}  yes")
+    except TraceValidationError as err:
+        click.echo(f"{'valid':<{width}}  no: {len(err.problems)} problem(s); run `kvdiv validate {path}`")
+
+
+def _docs(ds: xr.Dataset) -> str:
+    if "doc" not in ds.coords:
+        return "?"
+    text = f"{ds.sizes['doc']}: {_ids(ds.doc.values)}"
+    if "split" in ds.coords:
+        splits = [str(s) for s in ds.split.values]
+        counts = {name: splits.count(key) for name, key in
+                  (("exploratory", "exploratory"), ("confirmatory", "confirmatory"), ("unsplit", ""))}
+        text += " (" + ", ".join(f"{k} {v}" for k, v in counts.items() if v) + ")"
+    return text
+
+
+def _policies(ds: xr.Dataset) -> list[str]:
+    if "policy" not in ds.coords:
+        return []
+    ids = [str(p) for p in ds.policy.values]
+    w = max(len(p) for p in ids) if ids else 0
+    out = []
+    for i, pid in enumerate(ids):
+        press = str(ds.press.values[i]) if "press" in ds.coords else "?"
+        ret = _num(float(ds.retention.values[i]), None) if "retention" in ds.coords else "?"
+        bud = _num(int(ds.budget.values[i]), -1) if "budget" in ds.coords else "?"
+        out.append(f"{pid:<{w}}  press={press}  retention={ret}  budget={bud}")
+    return out
