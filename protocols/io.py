@@ -3,8 +3,9 @@
 Both formats round-trip values, dtypes, coordinates (string ones included) and
 attributes exactly. Writes go to a temporary sibling first and are renamed into
 place, so a crash never leaves a half-written file under the final name.
-Zarr stores are chunked one document per chunk (the unit the collector appends
-and divstats resamples).
+Both are chunked one document per chunk (the unit the collector appends and
+divstats resamples) and compressed (NetCDF: shuffle + zlib level 1; Zarr: its
+default codec).
 """
 
 from __future__ import annotations
@@ -83,6 +84,16 @@ def _restore_order(ds: xr.Dataset) -> xr.Dataset:
     return xr.Dataset({n: ds[n].variable for n in data}, coords={n: ds[n].variable for n in coords}, attrs=attrs)
 
 
+def _netcdf_encoding(ds: xr.Dataset) -> dict[str, dict]:
+    """Per-doc chunks, shuffle + zlib level 1: several times smaller files for a few % more time."""
+    enc: dict[str, dict] = {}
+    for name, var in ds.data_vars.items():
+        if "doc" in var.dims and var.dtype != object and var.size:
+            enc[name] = {"zlib": True, "complevel": 1, "shuffle": True,
+                         "chunksizes": tuple(1 if d == "doc" else n for d, n in zip(var.dims, var.shape))}
+    return enc
+
+
 def _clear(ds: xr.Dataset) -> xr.Dataset:
     """Drop encodings carried over from a file we read, so writing is deterministic."""
     ds = ds.copy(deep=False)
@@ -101,7 +112,7 @@ def save_traces(ds: xr.Dataset, path: str | os.PathLike[str], *, validate: bool 
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp{fmt}")
     try:
         if fmt == ".nc":
-            ds.to_netcdf(tmp, engine="h5netcdf", invalid_netcdf=False)
+            ds.to_netcdf(tmp, engine="h5netcdf", invalid_netcdf=False, encoding=_netcdf_encoding(ds))
             os.replace(tmp, path)
         else:
             ds.to_zarr(tmp, mode="w", zarr_format=3, consolidated=False, encoding=_zarr_encoding(ds))

@@ -62,6 +62,14 @@ def test_zarr_is_chunked_along_doc(tmp_path):
     assert arr.chunks == (1, 2, 2, 5)
 
 
+def test_netcdf_is_chunked_and_compressed(tmp_path):
+    import h5py
+
+    save_traces(example_dataset(docs=3, replicates=2, horizon=5), tmp_path / "t.nc")
+    with h5py.File(tmp_path / "t.nc") as f:
+        assert f["tv"].chunks == (1, 2, 2, 5) and f["tv"].compression == "gzip" and f["tv"].shuffle
+
+
 @pytest.mark.parametrize("fmt", [".nc", ".zarr"])
 def test_loading_validates(tmp_path, fmt):
     ds = example_dataset(seed=4)
