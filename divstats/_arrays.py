@@ -16,8 +16,9 @@ import numpy as np
 import xarray as xr
 
 CORE_DIMS = ("replicate", "step", "age")
-#: Rows per chunk are chosen so that one float64 temporary stays near this size.
-CHUNK_ELEMENTS = 1 << 22
+#: Rows per chunk are chosen so that one float64 temporary stays near this size
+#: (8 MiB: small enough for the passes over a chunk to stay mostly in cache).
+CHUNK_ELEMENTS = 1 << 20
 
 KEY_VARIABLE = {"coupled": "tv", "residual": "shared_tv", "reference": "x_token"}
 
@@ -44,6 +45,13 @@ class Layout:
         coords.update(extra_coords or {})
         return xr.DataArray(arr, dims=self.dims + tuple(extra_dims), coords=coords, attrs=dict(attrs or {}))
 
+    def dataset(self, arrays: Mapping[str, np.ndarray], attrs: Mapping[str, Mapping[str, Any]],
+                global_attrs: Mapping[str, Any]) -> xr.Dataset:
+        """Many (rows,) arrays -> one Dataset over the lead dims (coords attached once)."""
+        data = {k: xr.Variable(self.dims, np.asarray(v).reshape(self.shape), attrs=dict(attrs[k]))
+                for k, v in arrays.items()}
+        return xr.Dataset(data, coords=self.coords, attrs=dict(global_attrs))
+
 
 def kind_of(ds: xr.Dataset) -> str:
     kind = ds.attrs.get("kind")
@@ -63,8 +71,7 @@ def layout(ds: xr.Dataset) -> Layout:
 
 def core_array(ds: xr.Dataset, name: str, lay: Layout, core: Sequence[str]) -> np.ndarray:
     """Variable ``name`` as a numpy array (rows, *core); a view when already in order."""
-    da = ds[name].transpose(*lay.dims, *core)
-    values = da.values
+    values = ds.variables[name].transpose(*lay.dims, *core).values
     return values.reshape((lay.rows,) + values.shape[len(lay.dims):])
 
 

@@ -122,8 +122,7 @@ def _attrs_for(name: str, rep: Replicates) -> dict[str, str]:
 
 
 def _dataset(rep: Replicates, arrays: dict[str, np.ndarray], attrs: dict) -> xr.Dataset:
-    data = {k: rep.layout.wrap(v, attrs=_attrs_for(k, rep)) for k, v in arrays.items()}
-    return xr.Dataset(data, attrs=attrs)
+    return rep.layout.dataset(arrays, {k: _attrs_for(k, rep) for k in arrays}, attrs)
 
 
 def _global_attrs(ds: xr.Dataset, rep: Replicates) -> dict:

@@ -100,28 +100,49 @@ def survival_terms(shared_tv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     After a step with tv = 1 the path is dead: S is 0 from there on, so filling the
     NaNs with 0 leaves S and pi unchanged.
     """
-    d = np.nan_to_num(shared_tv.astype(np.float64), nan=0.0)
+    d = _fill_tv(shared_tv)
     s = np.cumprod(1.0 - d, axis=-1)
     s_prev = np.concatenate([np.ones(s.shape[:-1] + (1,)), s[..., :-1]], axis=-1)
     return s, s_prev * d
 
 
+def _fill_tv(shared_tv: np.ndarray) -> np.ndarray:
+    """float64 copy with the NaNs after a stopped path set to 0 (cheaper than nan_to_num)."""
+    d = shared_tv.astype(np.float64)
+    np.fmax(d, 0.0, out=d)  # fmax(NaN, 0) = 0; valid TVs are >= 0 and unchanged
+    return d
+
+
+def _survival_sums(shared_tv: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per replicate: 1 - S_T, sum_t pi_t (T - t) and sum_{t=0}^{T-1} S_t, in few passes.
+
+    pi_t (T - t) = S_{t-1} delta_t (T - t) is summed as a dot product of S_{t-1}
+    with delta_t (T - t), without materialising pi (this is the hot loop at scale).
+    """
+    d = _fill_tv(shared_tv)
+    s = np.subtract(1.0, d)
+    np.cumprod(s, axis=-1, out=s)
+    w = np.arange(T - 1, -1, -1, dtype=np.float64)          # T - t for t = 1..T
+    exposure = d[..., 0] * w[0]
+    if T > 1:
+        exposure = exposure + np.einsum("...t,...t,t->...", s[..., :-1], d[..., 1:], w[1:])
+    return 1.0 - s[..., -1], exposure, 1.0 + s[..., :-1].sum(axis=-1)
+
+
 def _residual_chunk(stv: np.ndarray, tstar: np.ndarray, bx: np.ndarray, by: np.ndarray,
                     T: int, W: int, eos: int) -> dict[str, np.ndarray]:
-    s, pi = survival_terms(stv)
-    occ = 1.0 - s[..., -1]
-    steps = np.arange(1, T + 1)
+    occ, exposure, rmtd = _survival_sums(stv, T)
     branched = tstar > 0
     K = np.where(branched, np.minimum(W, T - tstar), 0)
-    ages = np.arange(bx.shape[-1])
-    observed = (ages >= 1) & (ages <= K[..., None])
-    n_mis = ((bx != by) & observed).sum(axis=-1)
+    # Ages 1..W only: beyond K = min(W, T - t*) both branches hold -1 (schema mask),
+    # so they never count as a mismatch and no per-age mask is needed.
+    n_mis = np.count_nonzero(bx[..., 1:W + 1] != by[..., 1:W + 1], axis=-1)
     ended = _both_ended(bx, by, K, eos)
     w = np.where(branched, occ, 0.0)  # (1 - S_T), zero where no branch was drawn
     return {
         "occurrence": occ,
-        "exposure": (pi * (T - steps)).sum(axis=-1),
-        "rmtd": 1.0 + s[..., :-1].sum(axis=-1),
+        "exposure": exposure,
+        "rmtd": rmtd,
         "post_mismatch": w * n_mis,
         "window_mismatch": w * n_mis,
         "tail_capacity": np.where(branched & ~ended, w * (T - tstar - K), 0.0),
