@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import xarray as xr
 
-from protocols.validate import validate
+from protocols.validate import validate as _validate
 
 _SAME = ("schema", "kind", "horizon", "window", "coupling", "sampling")
 _SAME_UNLESS_MODEL = ("vocab_size", "eos_token_id", "model")
@@ -131,8 +131,18 @@ def _by_model(datasets: list[xr.Dataset], models: Sequence[str] | None) -> xr.Da
     return out
 
 
-def combine(datasets: Sequence[xr.Dataset], dim: str = "doc", *, models: Sequence[str] | None = None) -> xr.Dataset:
-    """Concatenate trace datasets along ``dim`` ("doc", "policy" or "model"); the result is validated."""
+def combine(
+    datasets: Sequence[xr.Dataset],
+    dim: str = "doc",
+    *,
+    models: Sequence[str] | None = None,
+    validate: bool = True,
+) -> xr.Dataset:
+    """Concatenate trace datasets along ``dim`` ("doc", "policy" or "model").
+
+    The result is validated unless ``validate=False`` (for intermediate steps of a
+    large combination whose final result is validated anyway).
+    """
     datasets = list(datasets)
     if dim not in DIMS:
         raise ValueError(f"dim must be one of {DIMS}, got {dim!r}")
@@ -150,4 +160,4 @@ def combine(datasets: Sequence[xr.Dataset], dim: str = "doc", *, models: Sequenc
         out = xr.concat(datasets, dim=dim, data_vars="minimal", coords="minimal", compat="override",
                         join="exact", combine_attrs="drop_conflicts")
         out.attrs = _merged_attrs(datasets)
-    return validate(out, source=f"(combined along {dim})")
+    return _validate(out, source=f"(combined along {dim})") if validate else out

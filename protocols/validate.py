@@ -117,9 +117,13 @@ def _report(ctx: _Ctx, name: str, bad: np.ndarray, what: str, shown: str | None 
     idx = np.unravel_index(flat, bad.shape)
     value = _fmt(ctx.arrays[name][idx])
     extra = f" ({shown})" if shown else ""
-    where = {d: (ctx.ds.coords[d].values[i] if d in ctx.ds.coords else int(i)) for d, i in zip(dims, idx)}
+    where = {d: _scalar(ctx.ds.coords[d].values[i]) if d in ctx.ds.coords else int(i) for d, i in zip(dims, idx)}
     yield Problem(f"{name}: {int(bad.sum())} value(s) {what}, e.g. "
                   f"{name}[{_where(ctx.ds, dims, idx)}] = {value}{extra}", where)
+
+
+def _scalar(v: Any) -> Any:
+    return v.item() if isinstance(v, np.generic) else v
 
 
 def _after(mask: np.ndarray) -> np.ndarray:
