@@ -25,7 +25,9 @@ seed                    per-(doc, policy) coord ``seed`` (int64, -1 when null)
 request_id              per-(doc, policy) coord ``request_id`` (str)
 end.elapsed_s           per-(doc, policy) coord ``elapsed_s`` (float64)
 end.sha256              per-(doc, policy) coord ``stream_sha256`` (str)
-other header keys       attr ``header_extra`` (JSON object, sorted keys)
+coupling (optional)     checked to be ``stepwise-maximal``
+other header keys and   per-(doc, policy) coord ``header_extra``: JSON object
+other candidate keys    (sorted keys; candidate leftovers under "candidate")
 =====================  =========================================================
 """
 
@@ -41,14 +43,15 @@ import numpy as np
 import xarray as xr
 
 from protocols.policies import policy_coords
-from protocols.schema import MISSING_TOKEN, PROB_DTYPE, SCHEMA, TOKEN_DTYPE, coupled_dataset, residual_dataset
+from protocols.schema import COUPLING, MISSING_TOKEN, PROB_DTYPE, SCHEMA, TOKEN_DTYPE, coupled_dataset, residual_dataset
 from protocols.validate import validate
 
 _KNOWN_HEADER = {
     "type", "schema", "kind", "horizon", "window", "model", "eos_token_id", "sampling", "reference",
     "candidate", "seed", "prompt_tokens", "retained_tokens", "replicates", "vocab_size", "doc",
-    "request_id", "producer", "prompt_template",
+    "request_id", "producer", "prompt_template", "coupling",
 }
+_KNOWN_CANDIDATE = {"policy", "press", "retention", "budget"}
 
 
 class StreamError(ValueError):
@@ -122,6 +125,8 @@ def _header(rec: dict[str, Any]) -> dict[str, Any]:
     for key in ("horizon", "replicates", "vocab_size", "window"):
         if not isinstance(rec.get(key), int) or rec[key] < (0 if key == "window" else 1):
             raise StreamError(f"header: {key!r} = {rec.get(key)!r} is not a valid integer")
+    if rec.get("coupling", COUPLING) != COUPLING:
+        raise StreamError(f"header: coupling {rec['coupling']!r} is not {COUPLING!r}")
     if not isinstance(rec.get("candidate"), dict) or not rec["candidate"].get("policy"):
         raise StreamError("header: 'candidate' must be an object with a 'policy'")
     return rec
@@ -195,12 +200,15 @@ def _meta(h: dict[str, Any], doc: str | None, end: dict[str, Any]) -> dict[str, 
         raise StreamError("no document id: pass doc=..., or the header needs 'doc' or 'request_id'")
     ret = cand.get("retention", retention)
     bud = cand.get("budget", budget)
+    # Per-request leftovers (e.g. the service's reference_retained_tokens, press params)
+    # go to a (doc, policy) coordinate, so combining requests keeps them.
     extra = {k: v for k, v in h.items() if k not in _KNOWN_HEADER}
+    cand_extra = {k: v for k, v in cand.items() if k not in _KNOWN_CANDIDATE}
+    if cand_extra:
+        extra["candidate"] = cand_extra
     attrs = {"reference_policy": str((h.get("reference") or {}).get("policy", "full"))}
     if h.get("prompt_template") is not None:
         attrs["prompt_template"] = str(h["prompt_template"])
-    if extra:
-        attrs["header_extra"] = json.dumps(extra, sort_keys=True)
     kwargs = dict(
         vocab_size=int(h["vocab_size"]), docs=[str(doc_id)], policies=[policy],
         eos_token_id=h.get("eos_token_id"), model=str(h.get("model", "")), sampling=h.get("sampling") or {},
@@ -217,6 +225,8 @@ def _meta(h: dict[str, Any], doc: str | None, end: dict[str, Any]) -> dict[str, 
         "request_id": (("doc", "policy"), np.array([[str(h.get("request_id") or "")]], dtype=object)),
         "elapsed_s": (("doc", "policy"), np.array([[float(end.get("elapsed_s") or 0.0)]])),
         "stream_sha256": (("doc", "policy"), np.array([[str(end["sha256"])]], dtype=object)),
+        "header_extra": (("doc", "policy"), np.array([[json.dumps(extra, sort_keys=True, default=str)]],
+                                                     dtype=object)),
     }
     return {"kwargs": kwargs, "coords": coords}
 

@@ -38,6 +38,8 @@ from protocols.schema import (
 
 #: A mismatch (tokens differ) needs TV above this; see the module docstring.
 TV_ZERO_ATOL = 1e-7
+#: A survival path may stop at a TV this close to 1 (float32 rounding of ½‖p − q‖₁).
+STOP_TV_ATOL = 1e-5
 #: log-probabilities may exceed 0 by this much (rounding of log 1).
 LOGP_ATOL = 1e-5
 #: branch_tv at age 0 and shared_tv at t* are the same TV; allowed difference.
@@ -352,20 +354,33 @@ def _rule_eos(ctx: _Ctx) -> Iterator[str]:
 
 
 def _rule_shared_path(ctx: _Ctx) -> Iterator[str]:
-    """The survival path is observed up to the first step with TV == 1 (token -1 there), then stops."""
+    """The survival path: an observed prefix of steps, ending early only at a step with TV = 1.
+
+    The step where the path stops keeps its TV (1, up to ``STOP_TV_ATOL``: float32
+    rounding of a TV of 1) with token -1, since min(p, q) has no mass to draw Z
+    from; later steps are NaN / -1. A path may also stop at step T itself (then only
+    its token is -1). A TV that rounds to 1 while a little overlap mass is left may
+    carry a token and let the path continue.
+    """
     if ctx.kind != "residual" or not {"shared_tv", "shared_token"} <= ctx.arrays.keys():
         return
     tv, tok = ctx.arrays["shared_tv"], ctx.arrays["shared_token"]
-    stopped_at = tv == 1
-    after_stop = _after(stopped_at)
-    yield from _report(ctx, "shared_tv", ~after_stop & np.isnan(tv),
-                       "NaN before the survival path stopped (it stops only after a step with TV == 1)")
-    yield from _report(ctx, "shared_tv", after_stop & ~np.isnan(tv),
-                       "observed after the survival path stopped at an earlier step with TV == 1")
-    yield from _report(ctx, "shared_token", (stopped_at | after_stop) & (tok != MISSING_TOKEN),
-                       "not -1 at or after a step with TV == 1 (nothing survives a TV of 1)")
-    yield from _report(ctx, "shared_token", ~(stopped_at | after_stop) & (tok == MISSING_TOKEN),
-                       "-1 while the survival path is running (TV < 1)")
+    seen = ~np.isnan(tv)
+    gone = _after(~seen) | ~seen                       # at or after the first NaN
+    yield from _report(ctx, "shared_tv", gone & seen, "observed after an earlier NaN step (the survival "
+                                                      "path is observed from step 1 until it stops)")
+    # The last observed step of each path, and whether the path ended there.
+    last = seen & ~np.concatenate([seen[..., 1:], np.zeros_like(seen[..., :1])], axis=-1)
+    stop = last & (tok == MISSING_TOKEN)
+    ended_early = last & ~seen.all(axis=-1, keepdims=True)
+    yield from _report(ctx, "shared_token", ~seen & (tok != MISSING_TOKEN),
+                       "observed where shared_tv is NaN (after the survival path stopped)")
+    yield from _report(ctx, "shared_token", seen & ~last & (tok == MISSING_TOKEN),
+                       "-1 while the survival path is running (only its last step may lack a token)")
+    yield from _report(ctx, "shared_token", ended_early & (tok != MISSING_TOKEN),
+                       "not -1 at the step where the survival path stopped (min(p, q) is empty at TV 1)")
+    yield from _report(ctx, "shared_tv", (stop | ended_early) & ~(tv >= 1 - STOP_TV_ATOL),
+                       f"< 1 at the step where the survival path stopped (tolerance {STOP_TV_ATOL:g})")
 
 
 def _rule_branch_masks(ctx: _Ctx) -> Iterator[str]:

@@ -19,7 +19,7 @@ from protocols import (
 from protocols.examples import example_dataset
 from protocols.schema import REQUIRED_ATTRS
 
-EXTRA = ["retained_tokens", "seed", "request_id", "elapsed_s", "stream_sha256"]
+EXTRA = ["retained_tokens", "seed", "request_id", "elapsed_s", "stream_sha256", "header_extra"]
 
 
 def cell(kind="coupled", **kw):
@@ -69,13 +69,15 @@ def test_header_extras_become_attrs_and_coords():
     ds = cell()
     lines = dataset_lines(ds, seed=None)
     h = json.loads(lines[0])
-    h.update(prompt_template="Summarise: {doc}", gpu="H200", candidate={"policy": "snapkv#512", "press": "snapkv",
-                                                                       "retention": None, "budget": 512})
+    h.update(prompt_template="Summarise: {doc}", gpu="H200", coupling="stepwise-maximal",
+             candidate={"policy": "snapkv#512", "press": "snapkv", "retention": None, "budget": 512,
+                        "note": "prompt shorter than budget"})
     w = StreamWriter()
     relined = [w.line(h)] + [w.line(json.loads(ln)) for ln in lines[1:-1]] + [w.end(9, 5, 2.0)]
     back = assemble(relined)
     assert back.attrs["prompt_template"] == "Summarise: {doc}"
-    assert json.loads(back.attrs["header_extra"]) == {"gpu": "H200"}
+    assert json.loads(back.header_extra.item()) == {"gpu": "H200", "candidate": {"note": "prompt shorter than budget"}}
+    assert back.header_extra.dims == ("doc", "policy")
     assert back.policy.item() == "snapkv#512" and back.budget.item() == 512 and np.isnan(back.retention.item())
     assert back.seed.item() == -1 and back.seed.dtype == np.int64
     assert back.stream_sha256.item() == w.hexdigest
@@ -158,6 +160,13 @@ def test_duplicate_branch_replicate():
     lines = dataset_lines(cell("residual", window=2, seed=5))
     branch = next(i for i, ln in enumerate(lines) if b'"type":"branch"' in ln)
     expect(lines[:branch + 1] + [lines[branch]] + lines[branch + 1:], "out of range .* or repeated")
+
+
+def test_other_coupling_refused():
+    lines = dataset_lines(cell())
+    h = json.loads(lines[0])
+    h["coupling"] = "independent"
+    expect([encode_line(h)] + lines[1:], "coupling 'independent'")
 
 
 def test_reference_kind_has_no_wire_format():

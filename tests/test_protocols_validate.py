@@ -142,14 +142,20 @@ CASES = {
     "logq NaN": ("reference", setv("x_logq", NAN, replicate=1, step=2, **D0), "x_logq: 1 value(s) NaN"),
     "logp positive": ("reference", setv("x_logp", 0.5, replicate=1, step=2, **D0), "x_logp: 1 value(s) > 0"),
     # --- survival path
-    "shared NaN while running": ("residual", setv("shared_tv", NAN, replicate=0, step=5, **D0),
-                                 "shared_tv: 1 value(s) NaN before"),
+    "shared NaN then observed": ("residual", setv("shared_tv", NAN, replicate=0, step=5, **D0),
+                                 "shared_tv: 1 value(s) observed after an earlier NaN"),
     "shared observed after stop": ("residual", setv("shared_tv", 0.3, replicate=1, step=5, **D0),
-                                   "shared_tv: 1 value(s) observed after"),
+                                   "shared_token: 1 value(s) -1 while the survival path is running"),
+    "shared token after stop": ("residual", setv("shared_token", 2, replicate=1, step=5, **D0),
+                                "shared_token: 1 value(s) observed where shared_tv is NaN"),
     "shared token at stop": ("residual", setv("shared_token", 2, replicate=1, step=4, **D0),
-                             "shared_token: 1 value(s) not -1 at or after"),
+                             "shared_token: 1 value(s) not -1 at the step where"),
     "shared token missing": ("residual", setv("shared_token", -1, replicate=0, step=2, **D0),
                              "shared_token: 1 value(s) -1 while"),
+    "shared stop at tv < 1": ("residual", setv("shared_tv", 0.9, replicate=1, step=4, **D0),
+                              "shared_tv: 1 value(s) < 1 at the step where the survival path stopped"),
+    "shared stop at T with tv < 1": ("residual", setv("shared_token", -1, replicate=0, step=6, **D0),
+                                     "shared_tv: 1 value(s) < 1 at the step where"),
     # --- branch masks
     "branch_step > T": ("residual", setv("branch_step", 7, replicate=0, **D0), "branch_step: 1 value(s) outside 0..6"),
     "branch age missing": ("residual", setv("branch_tv", NAN, replicate=0, age=2, **D0),
@@ -211,6 +217,16 @@ def test_no_eos_skips_eos_rules():
 def test_tiny_tv_with_equal_tokens_is_fine():
     ds = coupled_base().copy(deep=True)
     ds.tv.values[0, 0, 0, :] = 1e-9             # rounding noise where tokens agree is no problem
+    validate(ds)
+
+
+def test_survival_path_float_tolerance():
+    ds = residual_base().copy(deep=True)
+    ds.shared_tv.loc[dict(D0, replicate=1, step=4)] = np.float32(0.99999994)   # rounded TV of 1: may stop
+    ds.branch_tv.loc[dict(D0, replicate=1, age=0)] = np.float32(0.99999994)
+    validate(ds)
+    ds = residual_base().copy(deep=True)
+    ds.shared_tv.loc[dict(D0, replicate=0, step=4)] = 1.0   # rounds to 1 but overlap left: path goes on
     validate(ds)
 
 
