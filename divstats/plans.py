@@ -433,6 +433,9 @@ def _check_policy(pid: str, planned: str, data: _Data, hid: str) -> None:
 def _metric(data: _Data, h: Hypothesis, plan: Plan, policy: str, which: str | None) -> xr.DataArray:
     """Per-document values of the hypothesis metric for one policy (over doc[, model])."""
     if h.metric in WINDOW_METRICS:
+        reason = data.branch["branch_tv"].attrs.get("not_identified")
+        if data.branch.attrs.get("kind") == "reference" or (reason and data.branch["branch_tv"].isnull().all()):
+            raise PlanError(f"hypothesis {h.id!r}: branch_tv is not identified for these traces ({reason})")
         first, last = plan.windows[which]
         ages = data.branch["age"].values
         if ages.size == 0 or first > ages.max():
@@ -540,6 +543,10 @@ def _run_hypothesis(h: Hypothesis, plan: Plan, data: _Data, split: pd.DataFrame,
         sb = vb.sel(model=m) if m is not None else vb
         xa = sa.sel(doc=docs).values.astype(float)
         xb = sb.sel(doc=docs).values.astype(float)
+        if not (np.isfinite(xa) & np.isfinite(xb)).any():
+            why = data.est[h.metric].attrs.get("not_identified", "") if h.metric in data.est else ""
+            raise PlanError(f"hypothesis {h.id!r}: no document has a finite {h.metric!r} for both sides"
+                            + (f" ({why})" if why else ""))
         res = paired_test(xa, xb, h.test, h.direction, confidence_level=1 - h.alpha,
                           n_resamples=n_resamples, seed=seed)
         both = np.isfinite(xa) & np.isfinite(xb)

@@ -62,6 +62,13 @@ def test_unidentified_window_is_refused():
             "split": "all"}]
     with pytest.raises(PlanError, match="not identified"):
         run_plan(ds, plan(hyp))
+    loss = [{"id": "m", "family": "f", "metric": "mismatch_fraction", "compare": ["a", "b"], "split": "all"}]
+    with pytest.raises(PlanError, match="no document has a finite 'mismatch_fraction'.*not identified"):
+        run_plan(ds, plan(loss))
+    ref = simulate_study(3, {"a": PolicyEffect(0.2), "b": PolicyEffect(0.3)}, horizon=12, replicates=4,
+                         kind="reference", seed=2)
+    with pytest.raises(PlanError, match="branch_tv is not identified"):
+        run_plan(ref, plan(hyp))
 
 
 @pytest.mark.parametrize("test", ["wilcoxon", "ttest", "permutation"])
