@@ -81,13 +81,34 @@ def row_chunks(rows: int, per_row: int) -> Iterator[slice]:
         yield slice(start, min(rows, start + step))
 
 
+def nanmean(x: np.ndarray) -> np.ndarray:
+    """Mean over the last axis ignoring NaN (padded replicates); NaN when nothing is left."""
+    ok = ~np.isnan(x)
+    if ok.all():
+        return x.mean(axis=-1)
+    n = ok.sum(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n > 0, np.where(ok, x, 0.0).sum(axis=-1) / n, np.nan)
+
+
+def _centred(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(x - mean with NaNs as 0, count of non-NaN) over the last axis."""
+    ok = ~np.isnan(x)
+    n = ok.sum(axis=-1)
+    return np.where(ok, x - nanmean(x)[..., None], 0.0), n
+
+
 def mean_se(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Replicate mean and its Monte Carlo SE (sample SD / sqrt(n)) over the last axis."""
-    n = x.shape[-1]
-    m = x.mean(axis=-1)
-    if n < 2:
-        return m, np.full_like(m, np.nan)
-    return m, x.std(axis=-1, ddof=1) / np.sqrt(n)
+    """Replicate mean and its Monte Carlo SE (sample SD / sqrt(n)) over the last axis.
+
+    NaN entries are replicates that are absent (padding when datasets with different
+    replicate counts were combined): n counts the others.  SE is NaN when n < 2.
+    """
+    m = nanmean(x)
+    dev, n = _centred(x)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        se = np.sqrt((dev ** 2).sum(axis=-1) / ((n - 1) * n))
+    return m, np.where(n >= 2, se, np.nan)
 
 
 def ratio_se(num: np.ndarray, den: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -95,25 +116,37 @@ def ratio_se(num: np.ndarray, den: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     r = mean(num) / mean(den); SE = SD(num - r den) / (sqrt(n) mean(den)), which is
     the delta method with the sample covariance of (num, den).  NaN where
-    mean(den) = 0 (the ratio is not defined there).
+    mean(den) = 0 (the ratio is not defined there).  NaNs are absent replicates.
     """
-    n = num.shape[-1]
-    mn, md = num.mean(axis=-1), den.mean(axis=-1)
+    absent = np.isnan(num) | np.isnan(den)
+    if absent.any():
+        num, den = np.where(absent, np.nan, num), np.where(absent, np.nan, den)
+    mn, md = nanmean(num), nanmean(den)
     ok = md > 0
     safe = np.where(ok, md, 1.0)
     r = np.where(ok, mn / safe, np.nan)
-    if n < 2:
-        return r, np.full_like(r, np.nan)
-    resid = num - np.where(ok, r, 0.0)[..., None] * den
-    se = resid.std(axis=-1, ddof=1) / (np.sqrt(n) * safe)
-    return r, np.where(ok, se, np.nan)
+    _, se = mean_se(num - np.where(ok, r, 0.0)[..., None] * den)
+    return r, np.where(ok, se / safe, np.nan)
 
 
 def cov_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Monte Carlo covariance of two replicate means (sample covariance / n)."""
-    n = a.shape[-1]
-    if n < 2:
-        return np.full(a.shape[:-1], np.nan)
-    ac = a - a.mean(axis=-1, keepdims=True)
-    bc = b - b.mean(axis=-1, keepdims=True)
-    return (ac * bc).sum(axis=-1) / ((n - 1) * n)
+    da, n = _centred(a)
+    db, _ = _centred(b)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cov = (da * db).sum(axis=-1) / ((n - 1) * n)
+    return np.where(n >= 2, cov, np.nan)
+
+
+def present_replicates(ds: xr.Dataset, lay: Layout) -> np.ndarray:
+    """(rows, n) mask of replicates that exist (False for padding after a combine).
+
+    A real replicate always has its first step: a token for coupled/reference traces
+    and a TV on the survival path for residual traces.
+    """
+    kind = kind_of(ds)
+    if kind == "residual":
+        first = ds.variables["shared_tv"].isel(step=0).transpose(*lay.dims, "replicate").values
+        return ~np.isnan(first).reshape(lay.rows, -1)
+    first = ds.variables["x_token"].isel(step=0).transpose(*lay.dims, "replicate").values
+    return (first >= 0).reshape(lay.rows, -1)

@@ -15,10 +15,17 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from divstats._arrays import core_array, kind_of, layout, mean_se, ratio_se, row_chunks
+from divstats._arrays import (
+    core_array, kind_of, layout, mean_se, nanmean, present_replicates, ratio_se, row_chunks,
+)
 from divstats.replicates import (
     _first_divergence, effective_window, horizon_of, reference_survival, survival_terms,
 )
+
+
+def _n_replicates(ds: xr.Dataset, lay) -> int:
+    """Most replicates present in any row (padding after a combine does not count)."""
+    return int(present_replicates(ds, lay).sum(-1).max(initial=0))
 
 
 def _survival_rows(ds: xr.Dataset, lay, T: int) -> np.ndarray:
@@ -41,6 +48,7 @@ def _survival_rows(ds: xr.Dataset, lay, T: int) -> np.ndarray:
         lp, lq = (core_array(ds, v, lay, core) for v in ("x_logp", "x_logq"))
         for sl in row_chunks(lay.rows, n * T):
             out[sl, :, 1:] = reference_survival(lp[sl], lq[sl])
+    out[~present_replicates(ds, lay)] = np.nan
     return out
 
 
@@ -58,7 +66,7 @@ def survival(ds: xr.Dataset) -> xr.Dataset:
     return xr.Dataset(
         {"survival": lay.wrap(m, ("step",), step, {"description": "S(t) = P(tau > t), S(0) = 1"}),
          "survival_se": lay.wrap(se, ("step",), step, {"description": "Monte Carlo SE of S(t)"})},
-        attrs={"kind": kind_of(ds), "horizon": T, "n_replicates": lay.n_replicates},
+        attrs={"kind": kind_of(ds), "horizon": T, "n_replicates": _n_replicates(ds, lay)},
     )
 
 
@@ -104,7 +112,14 @@ def _branch_rows(ds: xr.Dataset, window: int | None, reducer):
                   core_array(ds, "branch_step", lay, ("replicate",)),
                   core_array(ds, "branch_tv", lay, ("replicate", "age"))]
         fn = lambda a, b, c: _residual_branch(a, b, c, T, W)  # noqa: E731
-    parts = [reducer(*fn(*(a[sl] for a in arrays))) for sl in row_chunks(lay.rows, 3 * n * T)]
+    present = present_replicates(ds, lay)
+
+    def masked(sl):
+        num, den, observed = fn(*(a[sl] for a in arrays))
+        absent = ~present[sl][..., None]
+        return np.where(absent, np.nan, num), np.where(absent, np.nan, den), observed & ~absent
+
+    parts = [reducer(*masked(sl)) for sl in row_chunks(lay.rows, 3 * n * T)]
     return lay, T, W, [np.concatenate(p, axis=0) for p in zip(*parts)]
 
 
@@ -115,7 +130,7 @@ class _NotIdentified(ValueError):
 def _per_age(num: np.ndarray, den: np.ndarray, observed: np.ndarray):
     a = lambda v: np.moveaxis(v, 1, -1)  # noqa: E731  (rows, age, n)
     r, se = ratio_se(a(num), a(den))
-    return r, se, a(den).mean(axis=-1), a(observed).sum(axis=-1)
+    return r, se, nanmean(a(den)), a(observed).sum(axis=-1)
 
 
 def branch_tv(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
@@ -150,7 +165,7 @@ def branch_tv(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
                                           {"description": "estimate of P(tau + k <= T)"}),
         "branch_tv_count": lay.wrap(count, ("age",), age,
                                     {"description": "replicates with the branch observed at age k"}),
-    }, attrs={"kind": kind_of(ds), "horizon": T, "window": W, "n_replicates": lay.n_replicates})
+    }, attrs={"kind": kind_of(ds), "horizon": T, "window": W, "n_replicates": _n_replicates(ds, lay)})
 
 
 def branch_tv_window(ds: xr.Dataset, start: int, stop: int, window: int | None = None) -> xr.Dataset:
@@ -169,18 +184,17 @@ def branch_tv_window(ds: xr.Dataset, start: int, stop: int, window: int | None =
         raise ValueError(f"need 0 <= start < stop <= T = {T}, got start={start}, stop={stop}")
 
     def reducer(num, den, observed):
-        num, den = num[..., start:stop], den[..., start:stop]
-        mn, md = num.mean(axis=1), den.mean(axis=1)                    # (rows, m)
+        num, den = num[..., start:stop], den[..., start:stop]          # (rows, n, m)
+        mn, md = nanmean(np.moveaxis(num, 1, -1)), nanmean(np.moveaxis(den, 1, -1))  # (rows, m)
         ok = md > 0
         safe = np.where(ok, md, 1.0)
         r = np.where(ok, mn / safe, 0.0)
         m = ok.sum(axis=-1)
         m_safe = np.maximum(m, 1)
         avg = np.where(m > 0, r.sum(axis=-1) / m_safe, np.nan)
+        # absent replicates have NaN num/den, hence NaN influence: mean_se skips them
         infl = (np.where(ok, 1.0 / safe, 0.0)[:, None, :] * (num - r[:, None, :] * den)).sum(-1)
-        infl = infl / m_safe[:, None]
-        n = num.shape[1]
-        se = infl.std(axis=1, ddof=1) / np.sqrt(n) if n > 1 else np.full(avg.shape, np.nan)
+        _, se = mean_se(infl / m_safe[:, None])
         return avg, np.where(m > 0, se, np.nan), m
 
     attrs = {"description": f"mean of branch_tv over ages {start} <= k < {stop}", "start": start,
@@ -201,4 +215,4 @@ def branch_tv_window(ds: xr.Dataset, start: int, stop: int, window: int | None =
         "branch_tv_window": lay.wrap(avg, attrs=attrs),
         "branch_tv_window_se": lay.wrap(se, attrs={"description": "delta-method Monte Carlo SE"}),
         "branch_tv_window_ages": lay.wrap(m, attrs={"description": "ages with a positive denominator"}),
-    }, attrs={"kind": kind_of(ds), "horizon": T, "window": W, "n_replicates": lay.n_replicates})
+    }, attrs={"kind": kind_of(ds), "horizon": T, "window": W, "n_replicates": _n_replicates(ds, lay)})

@@ -128,7 +128,8 @@ def _dataset(rep: Replicates, arrays: dict[str, np.ndarray], attrs: dict) -> xr.
 def _global_attrs(ds: xr.Dataset, rep: Replicates) -> dict:
     return {
         "kind": rep.kind, "estimator": ESTIMATORS[rep.kind], "horizon": rep.horizon,
-        "window": rep.window, "n_replicates": rep.layout.n_replicates,
+        "window": rep.window, "n_replicates": int(rep.counts.max(initial=0)),
+        "n_replicates_min": int(rep.counts.min()) if rep.counts.size else 0,
         "post_identified": int(rep.identified), "eos_token_id": rep.eos,
         "se_meaning": "Monte Carlo standard error over replicates, conditional on the document",
         "source_producer": str(ds.attrs.get("producer", "")),

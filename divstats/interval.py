@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import numpy as np
 import xarray as xr
 
-from divstats._arrays import mean_se, ratio_se
+from divstats._arrays import mean_se, nanmean, ratio_se
 from divstats.kernels import CoupledKernels, Kernel, step_law
 from divstats.replicates import replicate_values
 
@@ -34,9 +34,9 @@ def sharp_interval(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     v, T, lay = rep.values, rep.horizon, rep.layout
     lo_i = v["occurrence"] + v["window_mismatch"]
     hi_i = lo_i + v["tail_capacity"]
-    occ = v["occurrence"].mean(axis=-1)
-    win = v["window_mismatch"].mean(axis=-1)
-    tail = v["tail_capacity"].mean(axis=-1)
+    occ = nanmean(v["occurrence"])
+    win = nanmean(v["window_mismatch"])
+    tail = nanmean(v["tail_capacity"])
     lo = occ + win
     hi = lo + tail
     _, lo_se = mean_se(lo_i)
@@ -58,7 +58,7 @@ def sharp_interval(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
         data[name] = lay.wrap(val, attrs={"description": f"sharp bound (METHOD §6): {what}"})
         data[name + "_se"] = lay.wrap(ses[name], attrs={"description": f"Monte Carlo SE of {name}"})
     return xr.Dataset(data, attrs={"kind": rep.kind, "horizon": T, "window": rep.window,
-                                   "n_replicates": lay.n_replicates})
+                                   "n_replicates": int(rep.counts.max(initial=0))})
 
 
 def interval_by_window(ds: xr.Dataset, windows: Iterable[int]) -> xr.Dataset:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import xarray as xr
 
-from divstats._arrays import Layout, core_array, kind_of, layout, row_chunks
+from divstats._arrays import Layout, core_array, kind_of, layout, present_replicates, row_chunks
 
 #: Per-replicate values produced for every kind.
 VALUES = ("occurrence", "exposure", "rmtd", "post_mismatch", "window_mismatch", "tail_capacity",
@@ -32,6 +32,11 @@ class Replicates:
     identified: bool      # post-divergence part identified (W >= T - 1)
     eos: int
     values: dict[str, np.ndarray]
+    present: np.ndarray   # (rows, n): False for padded (absent) replicates, NaN in values
+
+    @property
+    def counts(self) -> np.ndarray:
+        return self.present.sum(axis=-1)
 
 
 def horizon_of(ds: xr.Dataset) -> int:
@@ -204,4 +209,8 @@ def replicate_values(ds: xr.Dataset, window: int | None = None) -> Replicates:
     identified = kind != "reference" and W >= T - 1
     if not identified:
         out["post_mismatch"][:] = np.nan
-    return Replicates(kind, lay, T, W, identified, eos, out)
+    present = present_replicates(ds, lay)
+    if not present.all():
+        for k in VALUES:
+            out[k][~present] = np.nan
+    return Replicates(kind, lay, T, W, identified, eos, out, present)

@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 import xarray as xr
 
-from divstats._arrays import core_array, layout, row_chunks
+from divstats._arrays import core_array, mean_se, nanmean, row_chunks
 from divstats.replicates import replicate_values, survival_terms
 
 
@@ -66,8 +66,8 @@ def variance_check(ds: xr.Dataset) -> xr.Dataset:
         raise ValueError(f"variance_check needs branches run to the horizon (W >= T - 1); "
                          f"this dataset has W = {rep.window}, T = {rep.horizon}")
     lay, T, n = rep.layout, rep.horizon, rep.layout.n_replicates
-    if n < 2:
-        raise ValueError("variance_check needs at least 2 replicates")
+    if rep.counts.min() < 2:
+        raise ValueError("variance_check needs at least 2 replicates per (doc, policy)")
     v = rep.values
     loss = v["occurrence"] + v["post_mismatch"]
     occ = v["occurrence"]
@@ -78,10 +78,12 @@ def variance_check(ds: xr.Dataset) -> xr.Dataset:
     # (1 + R) from the residual value itself: loss_i = (1 - S_T)(1 + R); R = 0 where no branch
     with np.errstate(invalid="ignore", divide="ignore"):
         one_plus_r = np.where(occ > 0, loss / np.where(occ > 0, occ, 1.0), 1.0)
-    reduction = (occ * s_T * one_plus_r ** 2).mean(axis=-1)
-    var_res = loss.var(axis=-1, ddof=1)
+    reduction = nanmean(occ * s_T * one_plus_r ** 2)
+    _, se = mean_se(loss)
+    counts = rep.counts
+    var_res = se ** 2 * counts
     var_crude = var_res + reduction
-    steps = v["cost"].mean(axis=-1)
+    steps = nanmean(v["cost"])
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = var_res / var_crude
         eff = (var_crude * T) / (var_res * steps)

@@ -243,19 +243,47 @@ def test_aggregate_rate_se_matches_pooled_delta_method() -> None:
     np.testing.assert_allclose(agg.rate_se, expected, rtol=1e-12)
 
 
-def test_extra_model_dim_broadcasts() -> None:
-    a = multi_doc("residual")
-    b = a.copy()
-    both = xr.concat([a, b.isel(replicate=slice(0, 100))], dim=xr.DataArray(["m1", "m2"], dims="model"),
-                     join="outer", fill_value={"shared_tv": np.nan, "shared_token": -1,
-                                               "branch_step": 0, "branch_tv": np.nan,
-                                               "branch_x_token": -1, "branch_y_token": -1})
-    both = both.isel(replicate=slice(0, 100)).transpose("model", "doc", "policy", "replicate", ...)
+FILL = {"shared_tv": np.nan, "shared_token": -1, "branch_step": 0, "branch_tv": np.nan,
+        "branch_x_token": -1, "branch_y_token": -1, "x_token": -1, "y_token": -1, "tv": np.nan,
+        "x_logp": np.nan, "x_logq": np.nan}
+
+
+@pytest.mark.parametrize("kind", ["coupled", "residual", "reference"])
+def test_extra_model_dim_with_padded_replicates(kind: str) -> None:
+    """Models combined with different replicate counts: padding must not count."""
+    a = multi_doc(kind)
+    b = multi_doc(kind).isel(replicate=slice(0, 120))
+    both = xr.concat([a, b], dim=xr.DataArray(["m1", "m2"], dims="model"), join="outer",
+                     fill_value={k: v for k, v in FILL.items() if k in a})
+    both = both.transpose("doc", "model", "policy", "replicate", ...)   # model not in front
     est = dv.estimate(both)
     assert set(est.occurrence.dims) == {"model", "doc", "policy"}
-    single = dv.estimate(a.isel(replicate=slice(0, 100)))
-    xr.testing.assert_allclose(est.loss.sel(model="m1", drop=True), single.loss)
+    assert est.attrs["n_replicates"] == 200 and est.attrs["n_replicates_min"] == 120
+    for m, src in (("m1", a), ("m2", b)):
+        single = dv.estimate(src)
+        for name in ("occurrence", "occurrence_se", "exposure", "rmtd", "loss_upper", "loss_upper_se",
+                     "post_mismatch_exposure_cov"):
+            xr.testing.assert_allclose(est[name].sel(model=m, drop=True).transpose("doc", "policy"),
+                                       single[name])
+        xr.testing.assert_allclose(dv.survival(both).survival.sel(model=m, drop=True)
+                                   .transpose("doc", "policy", "step"), dv.survival(src).survival)
+        if kind != "reference":
+            bt = dv.branch_tv(both).sel(model=m, drop=True).transpose("doc", "policy", "age")
+            xr.testing.assert_allclose(bt.branch_tv, dv.branch_tv(src).branch_tv)
+            xr.testing.assert_allclose(
+                dv.branch_tv_window(both, 1, 3).branch_tv_window_se.sel(model=m, drop=True)
+                .transpose("doc", "policy"), dv.branch_tv_window(src, 1, 3).branch_tv_window_se)
+            xr.testing.assert_allclose(dv.sharp_interval(both, window=1 if kind == "coupled" else None)
+                                       .rate_upper_se.sel(model=m, drop=True).transpose("doc", "policy"),
+                                       dv.sharp_interval(src, window=1 if kind == "coupled" else None)
+                                       .rate_upper_se)
+    if kind == "residual":
+        vc = dv.variance_check(both)
+        xr.testing.assert_allclose(vc.var_residual.sel(model="m2", drop=True).transpose("doc", "policy"),
+                                   dv.variance_check(b).var_residual)
     agg = dv.aggregate(est)
+    if kind == "reference":
+        return
     assert set(agg.loss.dims) == {"model", "policy"}
     assert_identity(agg)
     assert set(dv.survival(both).survival.dims) == {"model", "doc", "policy", "step"}
