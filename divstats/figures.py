@@ -108,10 +108,11 @@ def decomposition_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
         y = np.arange(len(pols))
         first = sub["first_mismatch_contribution"].values
         expo = sub["exposure_contribution"].values
-        ax.barh(y, first, color="#4c72b0", label="first mismatch: occurrence / T")
+        ax.barh(y, first, color="#4c72b0", label="first mismatch (occurrence / T)")
         identified = np.isfinite(expo)
-        ax.barh(y[identified], expo[identified], left=first[identified], color="#dd8452",
-                label="post-divergence: (exposure / T) × rate")
+        if identified.any():
+            ax.barh(y[identified], expo[identified], left=first[identified], color="#dd8452",
+                    label="after divergence (exposure / T × rate)")
         if (~identified).any():
             win = (sub["window_mismatch"].values / T)[~identified]
             tail = (sub["tail_capacity"].values / T)[~identified]
@@ -131,7 +132,7 @@ def decomposition_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
         ax.grid(axis="x", alpha=0.3)
         _title(ax, "Where the mismatches come from", model)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)), fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(2, len(labels)), fontsize=8, frameon=False)
     return fig
 
 
