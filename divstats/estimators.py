@@ -24,7 +24,9 @@ from divstats.replicates import Replicates, replicate_values
 #: What each reported quantity is (stored in the variable's ``attrs``).
 DESCRIPTIONS: dict[str, str] = {
     "occurrence": "P(tau <= T): probability that the branches diverge within the horizon",
-    "rmtd": ("sum_{t=0}^{T-1} S(t) = E[min(tau, T)]: restricted mean time to divergence (METHOD §3 definition; its gloss E[min(tau - 1, T)] equals this minus occurrence, see docs/statistics.md)"),
+    "rmtd": ("sum_{t=0}^{T-1} S(t) = E[min(tau, T)]: restricted mean time to divergence (METHOD §3 "
+             "definition; its gloss E[min(tau - 1, T)] equals this minus occurrence, see "
+             "docs/statistics.md)"),
     "exposure": "E[(T - tau)+]: expected post-divergence steps inside the horizon",
     "post_mismatch": "E[R], R = sum_{t > tau} D_t: expected mismatches after the first one",
     "rate": "post_mismatch / exposure (ratio of expectations); NaN when exposure = 0",
@@ -32,7 +34,8 @@ DESCRIPTIONS: dict[str, str] = {
     "mismatch_fraction": "loss / T = first_mismatch_contribution + exposure_contribution",
     "first_mismatch_contribution": "occurrence / T",
     "exposure_contribution": "(exposure / T) * rate (0 when exposure = 0, since then R = 0 on every path)",
-    "window_mismatch": "E[sum_{tau < t <= tau + W} D_t]: mismatches observed in the W-step window after divergence",
+    "window_mismatch": ("E[sum_{tau < t <= tau + W} D_t]: mismatches observed in the W-step window "
+                        "after divergence"),
     "tail_capacity": "E[(T - tau - K) 1[not both ended at tau + K]; tau <= T], K = min(W, T - tau): "
                      "steps after the window that could still disagree",
     "loss_lower": "occurrence + window_mismatch: lower end of the sharp interval for loss (METHOD §6)",

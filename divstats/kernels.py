@@ -96,7 +96,8 @@ class CoupledKernels:
             else:
                 vec = np.asarray(fn(history), dtype=np.float64).reshape(-1)
                 if vec.shape != (self.vocab_size,):
-                    raise ValueError(f"kernel {name} returned shape {vec.shape}, expected ({self.vocab_size},)")
+                    raise ValueError(
+                        f"kernel {name} returned shape {vec.shape}, expected ({self.vocab_size},)")
                 out = _normalise(name, vec)
             cache[history] = out
         return out

@@ -28,14 +28,25 @@ def _arviz():
     return arviz
 
 
-def _mc_diagnostics(values: np.ndarray, lay) -> tuple[np.ndarray, np.ndarray]:
-    """ESS and MCSE of the mean of per-replicate values (rows, n), via arviz (one chain)."""
+def _mc_diagnostics(values: np.ndarray, present: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ESS and MCSE of the mean of per-replicate values (rows, n), via arviz (one chain).
+
+    Rows with padded (absent) replicates are compacted, keeping replicate order, and
+    handed to arviz in groups of equal length.
+    """
     az = _arviz()
-    data = xr.Dataset({"loss": (("chain", "draw", "row"), values.T[None])})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        ess = az.ess(data, method="mean")["loss"].values
-        mcse = az.mcse(data, method="mean")["loss"].values
+    order = np.argsort(~present, axis=1, kind="stable")     # present replicates first
+    compact = np.take_along_axis(values, order, axis=1)
+    counts = present.sum(axis=1)
+    ess = np.full(len(values), np.nan)
+    mcse = np.full(len(values), np.nan)
+    for c in np.unique(counts):
+        rows = counts == c
+        data = xr.Dataset({"loss": (("chain", "draw", "row"), compact[rows, :c].T[None])})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            ess[rows] = az.ess(data, method="mean")["loss"].values
+            mcse[rows] = az.mcse(data, method="mean")["loss"].values
     return ess, mcse
 
 
@@ -87,11 +98,12 @@ def variance_check(ds: xr.Dataset) -> xr.Dataset:
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = var_res / var_crude
         eff = (var_crude * T) / (var_res * steps)
-    ess, mcse = _mc_diagnostics(loss, lay)
+    ess, mcse = _mc_diagnostics(loss, rep.present)
     w = lambda a, d: lay.wrap(a, attrs={"description": d})  # noqa: E731
     return xr.Dataset({
         "var_residual": w(var_res, "variance of the per-replicate residual-branch loss"),
-        "variance_reduction": w(reduction, "mean of (1 - S_T) S_T (1 + R)^2: estimated Var(crude) - Var(residual)"),
+        "variance_reduction": w(reduction, "mean of (1 - S_T) S_T (1 + R)^2: estimated "
+                                           "Var(crude) - Var(residual)"),
         "var_crude_implied": w(var_crude, "var_residual + variance_reduction: per-replicate crude variance"),
         "variance_ratio": w(ratio, "var_residual / var_crude_implied"),
         "steps_residual": w(steps, "mean model steps per residual replicate (T + K)"),

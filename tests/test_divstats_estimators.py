@@ -279,8 +279,10 @@ def test_extra_model_dim_with_padded_replicates(kind: str) -> None:
                                        .rate_upper_se)
     if kind == "residual":
         vc = dv.variance_check(both)
-        xr.testing.assert_allclose(vc.var_residual.sel(model="m2", drop=True).transpose("doc", "policy"),
-                                   dv.variance_check(b).var_residual)
+        vb = dv.variance_check(b)
+        for name in ("var_residual", "variance_reduction", "efficiency", "ess", "mcse"):
+            xr.testing.assert_allclose(vc[name].sel(model="m2", drop=True).transpose("doc", "policy"),
+                                       vb[name])
     agg = dv.aggregate(est)
     if kind == "reference":
         return
