@@ -86,9 +86,9 @@ def aggregate_intervals(est: xr.Dataset, *, level: float = 0.95, n_resamples: in
     idx = np.random.default_rng(seed).integers(0, n, (n_resamples, n))
     means = {}
     for name in _DOC_MEANS:
-        v = est[name].transpose("doc", ...)
-        arr = np.asarray(v.values, dtype=float)
-        means[name] = arr[idx].mean(axis=1)  # (B, ...)
+        arr = np.asarray(est[name].transpose("doc", ...).values, dtype=float)
+        # Batches of resamples keep memory at ~500 x n_docs x (policy, model) values.
+        means[name] = np.concatenate([arr[idx[i:i + 500]].mean(axis=1) for i in range(0, n_resamples, 500)])
     with np.errstate(invalid="ignore", divide="ignore"):
         e, p = means["exposure"], means["post_mismatch"]
         derived = {
@@ -165,7 +165,7 @@ def compute(traces: xr.Dataset, plan: Plan | str | Path | Mapping[str, Any], *, 
     step("estimate")
     est = D.estimate(traces, window=window)
     agg = D.aggregate(est)
-    agg_ci = aggregate_intervals(est, level=level, n_resamples=min(n_resamples, 4000), seed=seed)
+    agg_ci = aggregate_intervals(est, level=level, n_resamples=n_resamples, seed=seed)
     bar.update()
     step("survival")
     surv = D.survival(traces)
@@ -285,6 +285,9 @@ def results_dataset(an: Analysis) -> xr.Dataset:
                                                              "split"].to_numpy(dtype=object))},
                             coords={"doc": an.estimates["doc"].values}))
     out = xr.merge(parts, compat="override", join="outer", combine_attrs="drop")
+    for name, var in out.data_vars.items():
+        var.attrs["status"] = ("plan result: see plan_label for confirmatory/exploratory"
+                               if name.startswith("plan_") else "exploratory (descriptive; not in the plan)")
     tr = an.traces.attrs
     out.attrs = _clean_attrs({
         "title": "kvdiv analysis results", "plan_name": an.plan.name, "plan_sha256": an.plan.sha256,
