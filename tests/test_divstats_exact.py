@@ -175,3 +175,42 @@ def test_documented_history_dependent_example_numbers() -> None:
     assert len(nums) >= 10
     for name, value in nums.items():
         assert ex[name] == pytest.approx(value, abs=5e-7), name
+
+
+# --------------------------------------------------------------------------- random kernel pairs
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def random_kernel(seed: int, V: int, conc: float, point_mass: bool):
+    def k(h):
+        rng = np.random.default_rng([seed, len(h), *h])
+        v = rng.dirichlet(np.full(V, conc))
+        if point_mass and rng.random() < 0.3:   # some exact point masses (TV = 0 or 1 steps)
+            v = np.eye(V)[rng.integers(V)]
+        return v
+    return k
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed_p=st.integers(0, 10_000), seed_q=st.integers(0, 10_000), V=st.integers(2, 3),
+       conc=st.sampled_from([0.3, 1.0, 5.0]), point_mass=st.booleans(),
+       eos=st.sampled_from([None, 1]), W=st.integers(0, 3))
+def test_random_pairs_exact_brute_force_and_construction(seed_p, seed_q, V, conc, point_mass, eos, W):
+    T = 3
+    p, q = random_kernel(seed_p, V, conc, point_mass), random_kernel(seed_q, V, conc, point_mass)
+    ex = dv.exact(p, q, V, T, W, eos)
+    bf = brute_force(p, q, V, T, eos, W)
+    assert ex.loss == pytest.approx(bf["loss"], abs=1e-12)
+    assert ex.window_mismatch == pytest.approx(bf["win"], abs=1e-12)
+    assert ex.tail_capacity == pytest.approx(bf["tail"], abs=1e-12)
+    assert ex.loss_lower - 1e-12 <= ex.loss <= ex.loss_upper + 1e-12
+    if ex.exposure > 0:
+        assert ex.loss == pytest.approx(ex.occurrence + ex.exposure * ex.rate, rel=1e-14)
+    for bound in ("lower", "upper"):
+        p2, q2, V2, _ = dv.extremal_kernels(p, q, V, T, W, bound, eos)
+        tagged = dv.exact(p2, q2, V2, T, W, eos)
+        assert tagged.loss == pytest.approx(ex["loss_" + bound], abs=1e-12)
+        assert tagged.window_mismatch == pytest.approx(ex.window_mismatch, abs=1e-12)
+        assert tagged.occurrence == pytest.approx(ex.occurrence, abs=1e-12)
