@@ -134,9 +134,9 @@ class _Extremal:
             self._place(3, law, out)
             return out
         if self.bound == "lower":
-            out[4 * self.V] = 1.0 if self.eos is None else 0.0
-            if self.eos is not None:
-                out[self.eos] = 1.0  # both end: D = 0 whatever the other branch did
+            # one common token, D = 0; with an EOS it is EOS itself, so a branch facing
+            # an already ended branch ends too and they agree from then on
+            out[self.eos if self.eos is not None else 4 * self.V] = 1.0
         else:
             out[4 * self.V + (1 if side == "p" else 2)] = 1.0
         return out
