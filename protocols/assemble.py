@@ -69,7 +69,17 @@ def _split(lines: Iterable[str | bytes] | str | bytes) -> list[bytes]:
             b = line.encode("utf-8") if isinstance(line, str) else bytes(line)
             # Strip exactly one terminating newline: the digest re-adds it.
             parts.append(b[:-1] if b.endswith(b"\n") else b)
-    return [p for p in parts if p != b""]
+    return [line for line in map(_unsse, parts) if line]
+
+
+def _unsse(line: bytes) -> bytes:
+    """SSE framing (``data: <record>``) -> the NDJSON line the digest covers; other SSE fields dropped."""
+    if line.startswith(b"data:"):
+        line = line[5:]
+        return line[1:] if line.startswith(b" ") else line
+    if line.startswith((b":", b"event:", b"id:", b"retry:")):
+        return b""
+    return line
 
 
 def _parse(raw: list[bytes]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -235,7 +245,8 @@ def assemble(lines: Iterable[str | bytes] | str | bytes, doc: str | None = None)
     """Turn one request's wire lines into a validated dataset with one doc and one policy.
 
     ``lines`` are str or bytes, with or without their trailing newline (or one
-    blob holding the whole body). Raises :class:`StreamError` for a truncated
+    blob holding the whole body); SSE framing (``data: {...}`` events separated by
+    blank lines) is accepted too. Raises :class:`StreamError` for a truncated
     stream (no ``end``), an ``error`` record, a digest mismatch, records out of
     order or arrays of the wrong length, and :class:`TraceValidationError` if
     the numbers break the contract.

@@ -53,6 +53,12 @@ def test_line_forms_are_equivalent():
     xr.testing.assert_identical(a, assemble(ln.rstrip(b"\n") for ln in lines))
 
 
+def test_sse_framing_is_accepted():
+    lines = dataset_lines(cell("residual", window=3))
+    sse = b"".join(b"data: " + ln.rstrip(b"\n") + b"\n\n" for ln in lines)
+    xr.testing.assert_identical(assemble(sse), assemble(lines))
+
+
 def test_doc_id_precedence():
     lines = dataset_lines(cell(), doc=None, request_id="rq")
     assert assemble(lines).doc.item() == "doc000"
