@@ -66,8 +66,12 @@ class TraceValidationError(ValueError):
 
     def __init__(self, problems: list[str], source: str | None = None) -> None:
         self.problems = list(problems)
+        self.source = source
         head = f"{len(self.problems)} problem(s) in trace dataset" + (f" {source}" if source else "")
         super().__init__(head + ":\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+    def __reduce__(self):  # picklable across processes despite the custom signature
+        return (type(self), ([str(p) for p in self.problems], self.source))
 
 
 @dataclass
@@ -109,7 +113,7 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _report(ctx: _Ctx, name: str, bad: np.ndarray, what: str, shown: str | None = None) -> Iterator[str]:
+def _report(ctx: _Ctx, name: str, bad: np.ndarray, what: str) -> Iterator[str]:
     """One problem line if ``bad`` has any True: count, rule and the first example."""
     if not bad.any():
         return
@@ -118,10 +122,9 @@ def _report(ctx: _Ctx, name: str, bad: np.ndarray, what: str, shown: str | None 
     flat = int(np.argmax(bad))          # first offending element in C order
     idx = np.unravel_index(flat, bad.shape)
     value = _fmt(ctx.arrays[name][idx])
-    extra = f" ({shown})" if shown else ""
     where = {d: _scalar(ctx.ds.coords[d].values[i]) if d in ctx.ds.coords else int(i) for d, i in zip(dims, idx)}
     yield Problem(f"{name}: {int(bad.sum())} value(s) {what}, e.g. "
-                  f"{name}[{_where(ctx.ds, dims, idx)}] = {value}{extra}", where)
+                  f"{name}[{_where(ctx.ds, dims, idx)}] = {value}", where)
 
 
 def _scalar(v: Any) -> Any:
@@ -479,5 +482,5 @@ def validate(ds: xr.Dataset, *, source: str | None = None) -> xr.Dataset:
         for rule in _VALUE_RULES:
             problems += list(rule(ctx))
     if problems:
-        raise TraceValidationError(problems, source)
+        raise TraceValidationError([p if isinstance(p, Problem) else Problem(p) for p in problems], source)
     return ds

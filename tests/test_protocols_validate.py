@@ -242,6 +242,15 @@ def test_model_dim_with_per_model_vocab():
         validate(ds)
 
 
+def test_error_pickles():
+    import pickle
+
+    with pytest.raises(TraceValidationError) as info:
+        validate(broken("coupled", setattr_("window", 2)))
+    again = pickle.loads(pickle.dumps(info.value))
+    assert again.problems == info.value.problems and str(again) == str(info.value)
+
+
 def test_not_a_dataset():
     with pytest.raises(TypeError):
         validate({"tv": 1})
