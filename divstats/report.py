@@ -502,7 +502,7 @@ def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
         f"{an.plan.confirmatory_fraction}: {counts.get('confirmatory', 0)} confirmatory, "
         f"{counts.get('exploratory', 0)} exploratory documents</td></tr>",
         *(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in data_summary(an.traces).items()),
-        f"<tr><td>options</td><td>{html.escape(json.dumps(an.options))}</td></tr>",
+        f"<tr><td>options</td><td>{html.escape(', '.join(f'{k}={v}' for k, v in an.options.items()))}</td></tr>",
         "</table>",
         *(f"<div class='note'>{html.escape(n)}</div>" for n in notes),
         "<h2>Plan results</h2>",
