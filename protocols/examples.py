@@ -20,7 +20,8 @@ from protocols.schema import coupled_dataset, reference_dataset, residual_datase
 DEFAULT_POLICIES = ("snapkv@0.5", "snapkv#512", "recent@0.5", "snapkv@0.9")
 
 
-def _kernels(rng: np.random.Generator, D: int, P: int, T: int, V: int, disjoint: float) -> tuple[np.ndarray, np.ndarray]:
+def _kernels(rng: np.random.Generator, D: int, P: int, T: int, V: int,
+             disjoint: float) -> tuple[np.ndarray, np.ndarray]:
     """p, q laws shaped (doc, policy, step, vocab); some steps get disjoint point masses (TV 1)."""
     p = rng.dirichlet(np.full(V, 0.7), size=(D, P, T))
     lam = rng.uniform(0.05, 0.6, size=(1, P, 1, 1))   # how far each policy drifts
@@ -64,7 +65,7 @@ def _couple(rng: np.random.Generator, p: np.ndarray, q: np.ndarray) -> tuple[np.
     return tv, x, y
 
 
-def _coupled(rng, p, q, R, eos):
+def _coupled(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, R: int, eos: int) -> tuple[np.ndarray, ...]:
     D, P, T, V = p.shape
     tv = np.zeros((D, P, R, T))
     x = np.zeros((D, P, R, T), dtype=np.int64)
@@ -81,7 +82,7 @@ def _coupled(rng, p, q, R, eos):
     return tv, x, y
 
 
-def _residual(rng, p, q, R, W, eos):
+def _residual(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, R: int, W: int, eos: int) -> tuple:
     D, P, T, V = p.shape
     shape = (D, P, R)
     stv = np.full(shape + (T,), np.nan)
@@ -106,10 +107,11 @@ def _residual(rng, p, q, R, W, eos):
     pi = np.concatenate([np.ones(shape + (1,)), S[..., :-1]], axis=-1) * d
     has = pi.sum(-1) > 0
     t_star = np.where(has, _draw(rng, pi) + 1, 0)
-    return stv, stok, t_star, _branches(rng, p, q, stok, t_star, W, eos)
+    return stv, stok, t_star, _branches(rng, p, q, t_star, W, eos)
 
 
-def _branches(rng, p, q, stok, t_star, W, eos):
+def _branches(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, t_star: np.ndarray, W: int,
+              eos: int) -> tuple[np.ndarray, ...]:
     D, P, R = t_star.shape
     T, V = p.shape[2], p.shape[3]
     btv = np.full((D, P, R, T), np.nan)
@@ -141,7 +143,7 @@ def _branches(rng, p, q, stok, t_star, W, eos):
     return btv, bx, by
 
 
-def _reference(rng, p, q, R, eos):
+def _reference(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, R: int, eos: int) -> tuple[np.ndarray, ...]:
     D, P, T, V = p.shape
     x = np.zeros((D, P, R, T), dtype=np.int64)
     lp = np.zeros((D, P, R, T))

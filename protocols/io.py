@@ -79,8 +79,10 @@ def _restore_order(ds: xr.Dataset) -> xr.Dataset:
     if order is None:
         return ds
     order = json.loads(order)
-    data = [n for n in order["data_vars"] if n in ds.data_vars] + [n for n in ds.data_vars if n not in order["data_vars"]]
-    coords = [n for n in order["coords"] if n in ds.coords] + [n for n in ds.coords if n not in order["coords"]]
+    data = [n for n in order["data_vars"] if n in ds.data_vars]
+    data += [n for n in ds.data_vars if n not in data]
+    coords = [n for n in order["coords"] if n in ds.coords]
+    coords += [n for n in ds.coords if n not in coords]
     return xr.Dataset({n: ds[n].variable for n in data}, coords={n: ds[n].variable for n in coords}, attrs=attrs)
 
 

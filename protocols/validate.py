@@ -439,7 +439,8 @@ def _rule_logp(ctx: _Ctx) -> Iterator[str]:
                                "not finite (the token was sampled from this law, so its probability is > 0)")
         else:
             yield from _report(ctx, name, np.isnan(a) | (a == np.inf), "NaN or +inf (-inf is allowed: q = 0)")
-        yield from _report(ctx, name, np.isfinite(a) & (a > LOGP_ATOL), f"> 0 (a log-probability; tolerance {LOGP_ATOL:g})")
+        yield from _report(ctx, name, np.isfinite(a) & (a > LOGP_ATOL),
+                           f"> 0 (a log-probability; tolerance {LOGP_ATOL:g})")
 
 
 _VALUE_RULES: tuple[Callable[[_Ctx], Iterator[str]], ...] = (

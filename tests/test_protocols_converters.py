@@ -122,7 +122,8 @@ def test_from_eval_logs(tmp_path):
 
 
 def test_eval_logs_from_records_and_default_horizon():
-    rows = [{k: v for k, v in r.items() if k not in ("doc", "policy")} | {"id": f"q{i}"} for i, r in enumerate(ROWS[1:])]
+    rows = [{k: v for k, v in r.items() if k not in ("doc", "policy")} | {"id": f"q{i}"}
+            for i, r in enumerate(ROWS[1:])]
     ds = from_eval_logs(rows, vocab_size=5, eos_token_id=0, policy="streaming@0.5")
     assert ds.sizes["step"] == 6 and list(ds.doc.values) == ["q0", "q1", "q2"]
     assert list(ds.policy.values) == ["streaming@0.5"]
@@ -156,7 +157,8 @@ def test_eval_log_errors_name_the_row(tmp_path, row, needle):
 
 
 def test_missing_doc_policy_cell():
-    rows = [dict(ROWS[2], doc="a", policy="p1"), dict(ROWS[2], doc="a", policy="p2"), dict(ROWS[2], doc="b", policy="p1")]
+    rows = [dict(ROWS[2], doc="a", policy="p1"), dict(ROWS[2], doc="a", policy="p2"),
+            dict(ROWS[2], doc="b", policy="p1")]
     with pytest.raises(ConversionError, match="doc 'b' has no rows for policy 'p2'"):
         from_eval_logs(rows, vocab_size=5)
 
