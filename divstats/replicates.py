@@ -48,6 +48,19 @@ def eos_of(ds: xr.Dataset) -> int:
     return -1 if eos is None else int(eos)
 
 
+def eos_rows(ds: xr.Dataset, lay: Layout) -> np.ndarray:
+    """EOS id per row (flattened leading dims), -1 where there is none.
+
+    Datasets combined across models carry a per-model ``eos_token_id`` coordinate
+    (the global attr is then -1 when the models differ); it takes precedence.
+    """
+    coord = ds.coords.get("eos_token_id")
+    if coord is None or not coord.dims or not set(coord.dims) <= set(lay.dims):
+        return np.full(lay.rows, eos_of(ds))
+    var = coord.variable.set_dims(dict(zip(lay.dims, lay.shape)))
+    return var.transpose(*lay.dims).values.reshape(-1).astype(np.int64)
+
+
 def effective_window(ds: xr.Dataset, window: int | None) -> int:
     """W actually used: the data's own window, or a truncation of it."""
     kind, T = kind_of(ds), horizon_of(ds)
@@ -71,15 +84,20 @@ def _first_divergence(x: np.ndarray, y: np.ndarray, T: int) -> tuple[np.ndarray,
     return d, tau
 
 
-def _both_ended(x: np.ndarray, y: np.ndarray, idx: np.ndarray, eos: int) -> np.ndarray:
-    """Both branches show EOS at position idx (absorbing, so: both have ended by then)."""
-    if eos < 0:
+def _both_ended(x: np.ndarray, y: np.ndarray, idx: np.ndarray, eos: np.ndarray) -> np.ndarray:
+    """Both branches show EOS at position idx (absorbing, so: both have ended by then).
+
+    ``eos`` holds one id per row (-1: no EOS), broadcast over replicates.
+    """
+    if (eos < 0).all():
         return np.zeros(idx.shape, dtype=bool)
+    e = eos.reshape(eos.shape + (1,) * (idx.ndim - 1))
     i = np.clip(idx, 0, x.shape[-1] - 1)[..., None]
-    return ((np.take_along_axis(x, i, -1) == eos) & (np.take_along_axis(y, i, -1) == eos))[..., 0]
+    xe, ye = np.take_along_axis(x, i, -1)[..., 0], np.take_along_axis(y, i, -1)[..., 0]
+    return (e >= 0) & (xe == e) & (ye == e)
 
 
-def _coupled_chunk(x: np.ndarray, y: np.ndarray, T: int, W: int, eos: int) -> dict[str, np.ndarray]:
+def _coupled_chunk(x: np.ndarray, y: np.ndarray, T: int, W: int, eos: np.ndarray) -> dict[str, np.ndarray]:
     d, tau = _first_divergence(x, y, T)
     occ = tau <= T
     steps = np.arange(1, T + 1)
@@ -135,7 +153,7 @@ def _survival_sums(shared_tv: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarra
 
 
 def _residual_chunk(stv: np.ndarray, tstar: np.ndarray, bx: np.ndarray, by: np.ndarray,
-                    T: int, W: int, eos: int) -> dict[str, np.ndarray]:
+                    T: int, W: int, eos: np.ndarray) -> dict[str, np.ndarray]:
     occ, exposure, rmtd = _survival_sums(stv, T)
     branched = tstar > 0
     K = np.where(branched, np.minimum(W, T - tstar), 0)
@@ -188,17 +206,18 @@ def replicate_values(ds: xr.Dataset, window: int | None = None) -> Replicates:
     W = effective_window(ds, window)
     lay = layout(ds)
     n = lay.n_replicates
+    eos_r = eos_rows(ds, lay)
     out = {k: np.empty((lay.rows, n)) for k in VALUES}
     core = ("replicate", "step")
     if kind == "coupled":
-        arrays = [core_array(ds, v, lay, core) for v in ("x_token", "y_token")]
-        fn = lambda x, y: _coupled_chunk(x, y, T, W, eos)  # noqa: E731
+        arrays = [core_array(ds, "x_token", lay, core), core_array(ds, "y_token", lay, core), eos_r]
+        fn = lambda x, y, e: _coupled_chunk(x, y, T, W, e)  # noqa: E731
     elif kind == "residual":
         arrays = [core_array(ds, "shared_tv", lay, core),
                   core_array(ds, "branch_step", lay, ("replicate",)),
                   core_array(ds, "branch_x_token", lay, ("replicate", "age")),
-                  core_array(ds, "branch_y_token", lay, ("replicate", "age"))]
-        fn = lambda a, b, c, d: _residual_chunk(a, b, c, d, T, W, eos)  # noqa: E731
+                  core_array(ds, "branch_y_token", lay, ("replicate", "age")), eos_r]
+        fn = lambda a, b, c, d, e: _residual_chunk(a, b, c, d, T, W, e)  # noqa: E731
     else:
         arrays = [core_array(ds, v, lay, core) for v in ("x_logp", "x_logq")]
         fn = lambda a, b: _reference_chunk(a, b, T)  # noqa: E731

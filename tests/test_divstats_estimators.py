@@ -362,3 +362,25 @@ def test_clear_errors() -> None:
         dv.exact(lambda h: np.array([0.5, 0.6, 0.0]), c.q, 3, 2)
     with pytest.raises(ValueError, match="shape"):
         dv.exact(lambda h: np.array([0.5, 0.5]), c.q, 3, 2)
+
+
+@pytest.mark.parametrize("kind", ["coupled", "residual"])
+def test_models_with_different_eos_use_their_own(kind: str) -> None:
+    """protocols.combine across models keeps a per-model eos_token_id (global attr -1)."""
+    from protocols import combine
+
+    c = CASES[CASE_IDS.index("early_eos")]
+    with_eos = dv.simulate(c.p, c.q, 3, 4, 400, kind=kind, window=1 if kind == "residual" else None,
+                           seed=8, eos=2)
+    no_eos = dv.simulate(c.p, c.q, 3, 4, 400, kind=kind, window=1 if kind == "residual" else None,
+                         seed=9)
+    both = combine([with_eos.assign_attrs(model="a"), no_eos.assign_attrs(model="b")], dim="model")
+    assert both.attrs["eos_token_id"] == -1
+    w = 1 if kind == "coupled" else None
+    est = dv.estimate(both, window=w)
+    for m, src in (("a", with_eos), ("b", no_eos)):
+        single = dv.estimate(src, window=w)
+        xr.testing.assert_allclose(est.tail_capacity.sel(model=m, drop=True), single.tail_capacity)
+    ex = dv.exact(c.p, c.q, 3, 4, 1, eos=2)
+    got = est.sel(model="a")
+    assert_close(got.tail_capacity.values, got.tail_capacity_se.values, ex.tail_capacity, "eos tail")
