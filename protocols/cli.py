@@ -16,7 +16,7 @@ from protocols.assemble import StreamError, assemble
 from protocols.io import SUFFIXES, open_traces
 from protocols.validate import TraceValidationError, validate as _validate
 
-STREAM_SUFFIXES = (".ndjson", ".jsonl")
+STREAM_SUFFIXES = (".ndjson",)   # a journal request file; .jsonl is left to eval logs
 
 
 def _load(path: Path) -> xr.Dataset:
@@ -45,8 +45,8 @@ def _shape(ds: xr.Dataset) -> str:
 def validate(path: Path) -> None:
     """Check the trace file PATH against the kvdiv.trace/1 contract.
 
-    PATH is a .nc or .zarr dataset, or a recorded wire stream (.ndjson / .jsonl,
-    one request), which is assembled first (order, shapes and sha256 checked).
+    PATH is a .nc or .zarr dataset, or one recorded wire stream (.ndjson, e.g. a
+    collector journal request), which is assembled first (order, shapes, sha256).
     Exits 0 with a one-line summary when valid; exits 1 listing every problem.
     """
     try:
