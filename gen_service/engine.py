@@ -109,6 +109,33 @@ class Engine:
             self._refuse_headwise(policy)
         return Prefilled(cache, out.logits[:, -1].float(), _lengths(cache)[0], plan)
 
+    @torch.inference_mode()
+    def prefill_pair(self, ref: Policy, cand: Policy, prompt_ids: list[int]) -> tuple[Prefilled, Prefilled]:
+        """P's and Q's prompt caches. With a full reference both come from ONE forward:
+        compression does not change a layer's output (it runs after the layer has
+        attended to the whole prompt), so hooks registered before the press's keep
+        each layer's uncompressed keys/values for P while the press compresses Q's."""
+        L = len(prompt_ids)
+        if ref.plan(L).press is not None:
+            return self.prefill(ref, prompt_ids), self.prefill(cand, prompt_ids)
+        full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def keep(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            layer = kwargs["past_key_values"].layers[module.layer_idx]
+            # clone: a press may edit the tensors it is handed
+            full[module.layer_idx] = (layer.keys.clone(), layer.values.clone())
+
+        hooks = [layer.self_attn.register_forward_hook(keep, with_kwargs=True) for layer in self.model.model.layers]
+        try:
+            q0 = self.prefill(cand, prompt_ids)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        cache = DynamicCache()
+        for idx in sorted(full):
+            cache.update(*full[idx], idx)
+        return Prefilled(cache, q0.logits, L, ref.plan(L)), q0
+
     def _refuse_headwise(self, policy: Policy) -> None:
         # kvpress's head-wise presses (AdaKV & co.) leave per-module masks for batch 1
         # on the shared model; they would leak into the other policy's forwards.
@@ -152,8 +179,7 @@ class Engine:
         seed = job.seed if job.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         cand = self.registry.resolve(job.candidate)
         ref = self.registry.resolve(job.reference)
-        p0 = self.prefill(ref, job.prompt_ids)
-        q0 = self.prefill(cand, job.prompt_ids)
+        p0, q0 = self.prefill_pair(ref, cand, job.prompt_ids)
         yield self.header(job, seed, cand, ref, p0, q0)
         gen = self.generator(seed)
         if job.kind == "coupled":

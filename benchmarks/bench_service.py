@@ -1,0 +1,174 @@
+"""Benchmark gen_service's decoding on the embedded SmolLM2 (CPU by default).
+
+Measures, on a ~500-token prompt with R rows and horizon T:
+
+1. coupled decoding per step vs the two bare batched forwards it needs (overhead of
+   the coupling math, EOS handling and record building; target <= 15%);
+2. coupled row-steps/s vs ``model.generate`` at the same batch and horizon (decode
+   only: each side's prefill is timed separately and subtracted);
+3. both caches in one forward pass (Q's shorter cache padded and masked, 2R rows) vs
+   two forwards;
+4. end-to-end request time for coupled and residual traces (what a client sees).
+
+Usage: ``python benchmarks/bench_service.py [--rows 8] [--steps 32] [--prompt-tokens 500]
+[--model embedded] [--policy snapkv@0.5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from gen_service.coupling import Sampling
+from gen_service.engine import Engine, TraceJob
+from gen_service.models import load_model
+
+PARAGRAPH = (
+    "A block is a piece of Python program text that is executed as a unit. The following are blocks: a "
+    "module, a function body, and a class definition. Each command typed interactively is a block. A script "
+    "file is a code block. When a name is used in a code block, it is resolved using the nearest enclosing "
+    "scope. The set of all such scopes visible to a code block is called the block's environment. "
+)
+
+
+def prompt_ids(engine: Engine, n: int) -> list[int]:
+    tok = engine.lm.tokenizer
+    text = PARAGRAPH
+    while len(tok(text).input_ids) < n:
+        text += PARAGRAPH
+    msgs = [{"role": "user", "content": "Summarise this text.\n\n" + tok.decode(tok(text).input_ids[:n])}]
+    out = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    return list(out if isinstance(out, list) else out["input_ids"])
+
+
+def best(fn: Callable[[], float], repeats: int) -> float:
+    """Median of repeats (the 2 shared cores are noisy)."""
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def time_bare(engine: Engine, ids: list[int], policy: str, rows: int, steps: int) -> float:
+    """Per-step seconds of the two batched forwards alone (argmax tokens, no coupling)."""
+    p0, q0 = engine.prefill_pair(engine.registry.resolve("full"), engine.registry.resolve(policy), ids)
+    p0.cache.batch_repeat_interleave(rows)
+    q0.cache.batch_repeat_interleave(rows)
+    tok = p0.logits.argmax(-1).expand(rows)
+    t0 = time.perf_counter()
+    for t in range(1, steps):
+        pos = torch.full((rows,), len(ids) + t - 1, dtype=torch.long)
+        lp = engine.step(p0.cache, tok, pos)
+        engine.step(q0.cache, tok, pos)
+        tok = lp.argmax(-1)
+    return (time.perf_counter() - t0) / (steps - 1)
+
+
+def time_coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int, steps: int) -> float:
+    """Per-step seconds of the engine's coupled loop (prefill excluded)."""
+    job = TraceJob(prompt_ids=ids, candidate=policy, horizon=steps, replicates=rows, seed=0)
+    p0, q0 = engine.prefill_pair(engine.registry.resolve("full"), engine.registry.resolve(policy), ids)
+    gen = engine.generator(0)
+    t0 = time.perf_counter()
+    for _ in engine._coupled(job, p0, q0, gen, lambda: False):
+        pass
+    return (time.perf_counter() - t0) / (steps - 1)  # T steps, T−1 forward pairs
+
+
+def time_fused(engine: Engine, ids: list[int], policy: str, rows: int, steps: int) -> float:
+    """Per-step seconds with P and Q rows in one forward: Q's cache is padded to P's
+    length (zeros, masked out) and stacked under P's along the batch."""
+    p0, q0 = engine.prefill_pair(engine.registry.resolve("full"), engine.registry.resolve(policy), ids)
+    L, m = p0.kept, q0.kept
+    for pl, ql in zip(p0.cache.layers, q0.cache.layers):
+        pad = torch.zeros(*ql.keys.shape[:2], L - m, ql.keys.shape[-1], dtype=ql.keys.dtype)
+        pl.keys = torch.cat([pl.keys.expand(rows, -1, -1, -1), torch.cat([ql.keys, pad], 2).expand(rows, -1, -1, -1)])
+        pl.values = torch.cat([pl.values.expand(rows, -1, -1, -1),
+                               torch.cat([ql.values, pad], 2).expand(rows, -1, -1, -1)])
+    mask = torch.ones(2 * rows, L, dtype=torch.long)
+    mask[rows:, m:] = 0
+    tok = p0.logits.argmax(-1).expand(2 * rows)
+    t0 = time.perf_counter()
+    for t in range(1, steps):
+        mask = torch.cat([mask, torch.ones(2 * rows, 1, dtype=torch.long)], 1)
+        pos = torch.full((2 * rows,), len(ids) + t - 1, dtype=torch.long)
+        tok = engine.step(p0.cache, tok, pos, mask).argmax(-1)
+    return (time.perf_counter() - t0) / (steps - 1)
+
+
+def time_generate(engine: Engine, ids: list[int], rows: int, steps: int) -> float:
+    """Per-step seconds of ``model.generate`` sampling R rows for T tokens from a prompt
+    cache prefilled once and expanded (as the engine does), so prefill is excluded."""
+    pre = engine.prefill(engine.registry.resolve("full"), ids[:-1])
+    pre.cache.batch_repeat_interleave(rows)
+    x = torch.tensor([ids] * rows)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        engine.model.generate(x, attention_mask=torch.ones_like(x), past_key_values=pre.cache,
+                              max_new_tokens=steps, min_new_tokens=steps, do_sample=True, top_k=0,
+                              pad_token_id=0)
+    return (time.perf_counter() - t0) / steps  # T forwards (the first feeds the last prompt token)
+
+
+def time_request(engine: Engine, ids: list[int], policy: str, kind: str, rows: int, steps: int) -> float:
+    job = TraceJob(prompt_ids=ids, candidate=policy, kind=kind, horizon=steps, replicates=rows, seed=0,
+                   sampling=Sampling())
+    t0 = time.perf_counter()
+    for _ in engine.trace(job):
+        pass
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--policy", default="snapkv@0.5")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12, help="T for the per-step measurements")
+    ap.add_argument("--request-steps", type=int, default=32, help="T for the end-to-end requests")
+    ap.add_argument("--prompt-tokens", type=int, default=500)
+    ap.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    engine = Engine(load_model(args.model, device="cpu"))
+    ids = prompt_ids(engine, args.prompt_tokens)
+    R, T, pol = args.rows, args.steps, args.policy
+    print(f"model={engine.lm.name} prompt={len(ids)} tokens R={R} T={T} policy={pol} "
+          f"torch threads={torch.get_num_threads()}")
+    time_request(engine, ids, pol, "coupled", 2, 3)  # warm-up
+    bare = best(lambda: time_bare(engine, ids, pol, R, T), args.repeats)
+    coupled = best(lambda: time_coupled_decode(engine, ids, pol, R, T), args.repeats)
+    fused = best(lambda: time_fused(engine, ids, pol, R, T), args.repeats)
+    gen = best(lambda: time_generate(engine, ids, R, T), args.repeats)
+    TR = args.request_steps
+    t0 = time.perf_counter()
+    engine.prefill_pair(engine.registry.resolve("full"), engine.registry.resolve(pol), ids)
+    prefill = time.perf_counter() - t0
+    req_c = best(lambda: time_request(engine, ids, pol, "coupled", R, TR), args.repeats)
+    req_r = best(lambda: time_request(engine, ids, pol, "residual", R, TR), args.repeats)
+    rows = [
+        ("two bare forwards / step", bare, 1.0),
+        ("coupled decoding / step", coupled, coupled / bare),
+        ("fused P+Q forward / step", fused, fused / bare),
+        ("model.generate / step (one model)", gen, gen / bare),
+    ]
+    print(f"\n{'per-step cost':38s} {'ms':>9s} {'vs bare':>8s}")
+    for name, sec, ratio in rows:
+        print(f"{name:38s} {sec * 1e3:9.1f} {ratio:8.2f}")
+    print(f"\ncoupling overhead: {100 * (coupled / bare - 1):+.1f}% (target <= 15%)")
+    print(f"coupled row-steps/s: {R / coupled:.1f} (each = one P and one Q token); "
+          f"model.generate row-steps/s: {R / gen:.1f}; ratio {gen / coupled:.2f}")
+    print(f"fused single forward vs two forwards: {fused / bare:.2f}x the time "
+          f"({'wins' if fused < bare else 'loses'})")
+    print(f"\nend-to-end requests, R={R}, T={TR}, prompt {len(ids)} tokens (one shared P+Q prefill: "
+          f"{prefill:.2f} s):")
+    print(f"  coupled  {req_c:7.2f} s  ({R * TR / (req_c - prefill):.1f} row-steps/s after prefill)")
+    print(f"  residual {req_r:7.2f} s  (survival T steps + branches up to T - t* steps, all rows batched)")
+
+
+if __name__ == "__main__":
+    main()
