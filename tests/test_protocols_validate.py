@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import xarray as xr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protocols import TraceValidationError, validate
 from protocols.examples import example_dataset
@@ -254,3 +256,14 @@ def test_error_pickles():
 def test_not_a_dataset():
     with pytest.raises(TypeError):
         validate({"tv": 1})
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["coupled", "residual", "reference"]), seed=st.integers(0, 10**6),
+       T=st.integers(1, 10), W=st.integers(0, 10), V=st.integers(2, 6), eos=st.sampled_from([None, 0, 1]),
+       disjoint=st.sampled_from([0.0, 0.3, 1.0]))
+def test_simulated_traces_always_validate(kind, seed, T, W, V, eos, disjoint):
+    """No false alarms: honest traces (including TV-1 stops and early EOS) pass every rule."""
+    ds = example_dataset(kind, docs=2, policies=2, replicates=6, horizon=T, window=min(W, T), vocab_size=V,
+                         eos_token_id=None if eos is None or eos >= V else eos, disjoint=disjoint, seed=seed)
+    validate(ds)
