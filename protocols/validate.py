@@ -13,12 +13,14 @@ combined across models) is allowed on every data variable; per-model
 ``vocab_size`` / ``eos_token_id`` coordinates on that dim, when present, take
 precedence over the global attributes.
 
-Float tolerance: where the two tokens of a step differ the TV there must exceed
-:data:`TV_ZERO_ATOL` (1e-7, about one float32 ulp at 1). The coupling diverges with
-probability TV, so a mismatch at a TV indistinguishable from 0 marks a producer bug;
-the expected number of false alarms on honest data is at most 1e-7 per step with
-TV <= 1e-7. All other TV rules (range, "TV is 0 once both sides emitted EOS", the
-shared path stops at TV == 1) are exact.
+Float tolerance: where the two tokens of a coupled step differ the TV there must
+exceed :data:`TV_ZERO_ATOL` (1e-7, about one float32 ulp at 1). The coupling
+diverges with probability TV, so a mismatch at a TV indistinguishable from 0 marks
+a producer bug; the expected number of false alarms on honest data is at most 1e-7
+per step with TV <= 1e-7. The residual branch point t* (branch age 0) is drawn
+*given* divergence, so there any TV > 0 is legitimate. The survival path may stop
+at a TV within :data:`STOP_TV_ATOL` of 1. Other TV rules (range, "TV is 0 once
+both sides emitted EOS") are exact.
 """
 
 from __future__ import annotations
@@ -293,7 +295,12 @@ def _rule_mismatch(ctx: _Ctx) -> Iterator[str]:
     if ctx.kind == "coupled":
         yield from _mismatch(ctx, "tv", "x_token", "y_token")
     elif ctx.kind == "residual":
-        yield from _mismatch(ctx, "branch_tv", "branch_x_token", "branch_y_token")
+        # Age 0 is a divergence *conditioned* on happening, legitimate at any TV > 0
+        # (checked with the branch masks); later ages run the plain coupling again.
+        if "branch_tv" in ctx.arrays:
+            later = np.ones(ctx.arrays["branch_tv"].shape, dtype=bool)
+            later[..., 0] = False
+            yield from _mismatch(ctx, "branch_tv", "branch_x_token", "branch_y_token", later)
         if {"branch_x_token", "branch_y_token"} <= ctx.arrays.keys():
             bx, by = ctx.arrays["branch_x_token"][..., 0], ctx.arrays["branch_y_token"][..., 0]
             same = (bx == by) & (bx >= 0)
@@ -414,11 +421,13 @@ def _branch_vs_shared(ctx: _Ctx, t_star: np.ndarray) -> Iterator[str]:
     T = tv.shape[-1]
     valid = (t_star >= 1) & (t_star <= T)
     at = np.take_along_axis(tv, np.clip(t_star - 1, 0, T - 1)[..., None].astype(np.intp), axis=-1)[..., 0]
-    yield from _report(ctx, "branch_step", valid & ~(at > TV_ZERO_ATOL),
-                       "at a step where the shared path is unobserved or has TV <= "
-                       f"{TV_ZERO_ATOL:g} (divergence there is impossible)")
+    # t* ~ pi_t / (1 - S_T) conditions on divergence: any TV > 0 (however small) may be t*.
+    yield from _report(ctx, "branch_step", valid & ~(at > 0),
+                       "at a step where the shared path is unobserved or has TV 0 (divergence there is impossible)")
     b0 = ctx.arrays["branch_tv"][..., 0]
-    off = valid & (at > TV_ZERO_ATOL) & ~np.isnan(b0) & ~np.isclose(b0, at, rtol=BRANCH_TV_RTOL, atol=TV_ZERO_ATOL)
+    yield from _report(ctx, "branch_tv", _age0(ctx, valid & (b0 <= 0)),
+                       "0 at age 0, where the branches diverge (TV must be > 0)")
+    off = valid & (at > 0) & ~np.isnan(b0) & ~np.isclose(b0, at, rtol=BRANCH_TV_RTOL, atol=TV_ZERO_ATOL)
     yield from _report(ctx, "branch_tv", _age0(ctx, off),
                        "at age 0 differs from shared_tv at branch_step (the same two laws)")
     # No branch although some step could diverge: 1 - S_T > 0 means a branch must be drawn.

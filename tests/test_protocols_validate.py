@@ -168,6 +168,8 @@ CASES = {
                                                                                           "observed where"),
     "branch_step at tv 0": ("residual", setv("shared_tv", 0.0, replicate=0, step=3, **D0),
                             "branch_step: 1 value(s) at a step where the shared path"),
+    "branch age 0 at tv 0": ("residual", setv("branch_tv", 0.0, replicate=0, age=0, **D0),
+                             "branch_tv: 1 value(s) 0 at age 0"),
     "branch_tv[0] != shared_tv[t*]": ("residual", setv("branch_tv", 0.25, replicate=0, age=0, **D0),
                                       "branch_tv: 1 value(s) at age 0 differs"),
     "no branch although possible": ("residual", setv("shared_tv", 0.2, replicate=2, step=1, **D0),
@@ -219,6 +221,14 @@ def test_no_eos_skips_eos_rules():
 def test_tiny_tv_with_equal_tokens_is_fine():
     ds = coupled_base().copy(deep=True)
     ds.tv.values[0, 0, 0, :] = 1e-9             # rounding noise where tokens agree is no problem
+    validate(ds)
+
+
+def test_branch_point_at_tiny_tv_is_fine():
+    # t* is drawn given divergence: a TV of 1e-9 there is legitimate, unlike a coupled mismatch.
+    ds = residual_base().copy(deep=True)
+    ds.shared_tv.loc[dict(D0, replicate=0, step=3)] = 1e-9
+    ds.branch_tv.loc[dict(D0, replicate=0, age=0)] = 1e-9
     validate(ds)
 
 
