@@ -89,6 +89,8 @@ class CollectConfig:
             problems.append("--replicates, --max-new-tokens, --concurrency and attempts must be >= 1")
         if self.window is not None and not 1 <= self.window <= self.max_new_tokens:
             problems.append(f"--window must be in 1..{self.max_new_tokens}, not {self.window}")
+        if self.kind == "coupled" and self.window not in (None, self.max_new_tokens):
+            problems.append("--window applies to residual traces (coupled traces run to the horizon)")
         if self.temperature < 0:
             problems.append("--temperature must be >= 0")
         if problems:
@@ -339,7 +341,7 @@ class Collector:
     def _finish(self, job: _Job, failure: str | None) -> None:
         if failure is not None:
             self.result.failed[job.key] = failure
-            self.progress.bar.write(f"request {job.key} failed: {failure}")
+            self.progress.bar.write(f"request {job.key} failed: {failure}", file=sys.stderr)
         self.pending -= 1
         if self.pending == 0:
             self.finished.set()
@@ -392,6 +394,8 @@ class Collector:
             try:
                 writer.commit(lambda header: self.check(job, header, lines))
             except JournalError as exc:  # truncated, altered or failed on the server
+                if b'"error_type":"validation"' in (lines[-1] if lines else b""):
+                    raise PermanentError(str(exc)) from None  # the request itself is bad
                 raise RetryableError(str(exc)) from None
         finally:
             writer.abort()

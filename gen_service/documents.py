@@ -81,7 +81,13 @@ def load_tokenizer(model_id: str | None = None) -> Any | None:
     """
     if model_id == "approx":
         return None
+    from transformers.utils import logging as hf_logging
+
     from gen_service import models  # the service's loader: ids mean the same thing here
+
+    # Counting whole topics before chunking exceeds model_max_length by design; the
+    # "sequence length is longer than the maximum" warning would only alarm users.
+    hf_logging.set_verbosity_error()
 
     model_id = model_id or models.EMBEDDED_ID
     if model_id in models.TINY_IDS:

@@ -78,12 +78,13 @@ class FakeServer:
 
     def __init__(self, *, delay_s: float = 0.0, model: str = "fake-model") -> None:
         self.faults: list[str] = []      # consumed one per /v1/traces request
+        self.faults_for: dict[tuple[str, str], list[str]] = {}  # (doc_id, candidate) -> its own script
         self.requests: list[dict[str, Any]] = []
         self.delay_s = delay_s
         self.model = model
         self.lock = threading.Lock()
         app = Starlette(routes=[Route("/health", self._health), Route("/v1/traces", self._traces, methods=["POST"])])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical",
                                                     lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -105,8 +106,11 @@ class FakeServer:
         port = self.server.servers[0].sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}"
 
-    def _next_fault(self) -> str:
+    def _next_fault(self, body: dict[str, Any]) -> str:
         with self.lock:
+            own = self.faults_for.get((body.get("doc_id"), body.get("candidate")))
+            if own:
+                return own.pop(0)
             return self.faults.pop(0) if self.faults else "ok"
 
     async def _health(self, request: Request) -> Response:
@@ -114,7 +118,7 @@ class FakeServer:
 
     async def _traces(self, request: Request) -> Response:
         body = await request.json()
-        fault = self._next_fault()
+        fault = self._next_fault(body)
         with self.lock:
             self.requests.append({**body, "fault": fault})
         if fault == "429":

@@ -1,0 +1,295 @@
+"""``kvdiv demo``: the paper's study end to end on the embedded model, on a laptop CPU.
+
+Steps (each shown on stderr as it runs):
+
+1. start ``kvdiv serve`` (embedded SmolLM2-135M-Instruct) on a free loopback port,
+   unless ``--server`` URLs are given;
+2. build the built-in document set (CPython's language reference, chunked with the
+   model's tokenizer) while the server loads;
+3. collect residual-branch traces for the paper's policies: ``snapkv@0.5``,
+   ``snapkv#N`` with N about half the median prompt, ``recent@0.5`` and ``snapkv@0.9``;
+4. stop the server, pack ``traces.nc``;
+5. run the shipped plan (``plans/paper.toml``) with ``snapkv#512`` substituted by
+   ``snapkv#N`` (a recorded deviation: the two budget rows are labelled
+   exploratory), writing ``results.nc``, ``report.html`` and ``summary.md``.
+
+Everything lives in ``--out`` (default ``runs/demo``). The collection is a journal
+(see ``gen_service.journal``), so an interrupted demo rerun with the same options
+resumes where it stopped; the demo's own settings are kept in ``demo.json`` and a
+rerun with different sizes is refused rather than mixed in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from gen_service import documents as D
+from gen_service.collector import CollectConfig, collect, pack_run, save_dataset
+
+PLANNED_BUDGET_POLICY = "snapkv#512"
+SERVER_READY = "kvdiv serve ready: "
+# Tokens the chat template adds around the user turn (ChatML: role markers, newlines).
+CHAT_OVERHEAD_TOKENS = 8
+
+
+class DemoError(RuntimeError):
+    """A demo step that failed, with what to do about it."""
+
+
+@dataclass
+class DemoConfig:
+    """Demo sizes. Defaults fit ~6 minutes on 2 CPU cores (docs/collector.md has the measurement)."""
+
+    out: Path = Path("runs/demo")
+    docs_count: int = 10
+    target_tokens: int = 128
+    replicates: int = 4
+    max_new_tokens: int = 24
+    window: int = 16
+    seed: int = 0
+    servers: list[str] = field(default_factory=list)
+    model: str = "embedded"
+    concurrency: int = 1
+    api_key: str | None = None
+    template: str = "summarise"
+    plan: Path | None = None
+    n_resamples: int = 2000
+    progress: bool = True
+    server_timeout_s: float = 900.0
+
+    def sizes(self) -> dict[str, Any]:
+        """The settings that decide the traces (compared on resume)."""
+        return {k: v for k, v in asdict(self).items()
+                if k in ("docs_count", "target_tokens", "replicates", "max_new_tokens", "window", "seed",
+                         "template", "model")}
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- server
+
+
+class ServerProcess:
+    """``kvdiv serve`` as a child process; its output goes to a log file."""
+
+    def __init__(self, model: str, log_path: Path, api_key: str | None = None) -> None:
+        cmd = [sys.executable, "-m", "kvdiv", "serve", "--model", model, "--port", "0",
+               "--max-queue", "64", "--log-level", "warning"]
+        env = dict(os.environ)
+        if api_key:
+            env["KVDIV_API_KEY"] = api_key
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        self._log: TextIO = open(log_path, "a", encoding="utf-8")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self.url: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        # The server prints its bound URL once it accepts connections (port 0 = any free port).
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._log.write(line)
+            self._log.flush()
+            if line.startswith(SERVER_READY) and self.url is None:
+                self.url = line[len(SERVER_READY):].split()[0]
+                self._ready.set()
+        self._ready.set()  # EOF: the process ended
+
+    def wait_ready(self, timeout_s: float) -> str:
+        if not self._ready.wait(timeout_s) or self.url is None:
+            self.stop()
+            raise DemoError(f"the server did not start within {timeout_s:.0f} s; its log:\n{self._log_tail()}")
+        _wait_health(self.url)
+        return self.url
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(encoding="utf-8").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _wait_health(url: str, timeout_s: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise DemoError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+@contextmanager
+def _serving(cfg: DemoConfig) -> Iterator[ServerProcess | None]:
+    """A started server (stopped on exit, Ctrl-C included), or None when --server is given."""
+    if cfg.servers:
+        yield None
+        return
+    server = ServerProcess(cfg.model, cfg.out / "server.log", cfg.api_key)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# --------------------------------------------------------------------------- documents and policies
+
+
+def budget_for(docs: Sequence[D.Document], template: str, count: D.TokenCounter) -> int:
+    """N for ``snapkv#N``: half the median prompt length (document, template and chat turn)."""
+    prompts = [count(D.render_messages(d, template)[0]["content"]) + CHAT_OVERHEAD_TOKENS for d in docs]
+    return max(1, int(round(statistics.median(prompts) / 2)))
+
+
+def demo_policies(budget: int) -> list[str]:
+    return ["snapkv@0.5", f"snapkv#{budget}", "recent@0.5", "snapkv@0.9"]
+
+
+def _prepare_documents(cfg: DemoConfig) -> tuple[Path, int]:
+    """documents.jsonl and the budget N: built once, then reused so that reruns resume."""
+    settings_path = cfg.out / "demo.json"
+    docs_path = cfg.out / "documents.jsonl"
+    if settings_path.exists() and docs_path.exists():
+        saved = json.loads(settings_path.read_text(encoding="utf-8"))
+        if saved["sizes"] != cfg.sizes():
+            diffs = [f"{k}: {saved['sizes'].get(k)!r} there, {v!r} now" for k, v in cfg.sizes().items()
+                     if saved["sizes"].get(k) != v]
+            raise DemoError(f"{cfg.out} holds a demo with other settings ({'; '.join(diffs)}). "
+                            "Rerun with the same options to resume it, or pass a new --out.")
+        _say(f"      reusing {docs_path} ({saved['n_docs']} documents, snapkv#{saved['budget']})")
+        return docs_path, int(saved["budget"])
+    _say(f"      loading the {cfg.model} tokenizer and chunking pydoc_data.topics to ~{cfg.target_tokens} tokens")
+    tokenizer = D.load_tokenizer(cfg.model)
+    count = D.token_counter(tokenizer)
+    docs = D.select(D.pydoc_documents(tokenizer, target_tokens=cfg.target_tokens), cfg.docs_count)
+    budget = budget_for(docs, cfg.template, count)
+    D.write_jsonl(docs, docs_path)
+    settings = {"sizes": cfg.sizes(), "budget": budget, "n_docs": len(docs), "policies": demo_policies(budget)}
+    settings_path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+    for line in D.iter_summary(docs):
+        _say(f"      {line}")
+    return docs_path, budget
+
+
+# --------------------------------------------------------------------------- analysis
+
+
+def shipped_plan() -> Path:
+    """``plans/paper.toml`` beside the packages (a source checkout, as ``make demo`` uses)."""
+    import divstats
+
+    path = Path(divstats.__file__).resolve().parents[1] / "plans" / "paper.toml"
+    if not path.exists():
+        raise DemoError(f"the shipped plan {path} is missing; pass a plan explicitly")
+    return path
+
+
+def headline(an: Any) -> str:
+    """The plan table, one line per hypothesis, plus per-policy occurrence and rmtd."""
+    table = an.plan_result.table
+    lines = [f"plan {an.plan.name} (sha256 {an.plan.sha256[:12]}…), {int(table['n_docs'].max())} confirmatory docs"]
+    lines.append(f"  {'hypothesis':<18} {'A − B':<34} {'mean A':>8} {'mean B':>8} {'effect':>8} "
+                 f"{'p (Holm)':>9}  reject  label")
+    for r in table.itertuples(index=False):
+        comp = f"{r.a} − {r.b}" + (f" ({r.policy})" if r.policy else "")
+        lines.append(f"  {r.id:<18} {comp:<34} {_num(r.mean_a):>8} {_num(r.mean_b):>8} {_num(r.effect):>8} "
+                     f"{_num(r.p_adjusted):>9}  {'yes' if r.reject else 'no':<6}  {r.label}")
+    agg = an.aggregate
+    shown = [q for q in ("occurrence", "rmtd", "exposure") if q in agg.data_vars]
+    if shown and "model" not in agg.dims:
+        lines.append("")
+        lines.append(f"  {'policy':<14}" + "".join(f"{q:>12}" for q in shown) + "   (all docs, descriptive)")
+        for pol in agg["policy"].values:
+            lines.append(f"  {str(pol):<14}" + "".join(f"{_num(float(agg[q].sel(policy=pol))):>12}" for q in shown))
+    return "\n".join(lines)
+
+
+def _num(x: Any) -> str:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    return "nan" if math.isnan(v) else f"{v:.3g}"
+
+
+def _analyse(cfg: DemoConfig, traces: Path, budget: int) -> Any:
+    from divstats.report import analyze
+
+    plan = cfg.plan or shipped_plan()
+    aliases = {PLANNED_BUDGET_POLICY: f"snapkv#{budget}"} if budget != 512 else {}
+    return analyze(traces, plan, cfg.out, policy_aliases=aliases, seed=cfg.seed,
+                   n_resamples=cfg.n_resamples, progress=cfg.progress)
+
+
+# --------------------------------------------------------------------------- the demo
+
+
+def run_demo(cfg: DemoConfig) -> Any:
+    """Run every step; returns divstats' Analysis. Raises DemoError with advice on failure."""
+    cfg.out = Path(cfg.out)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    _say(f"kvdiv demo → {cfg.out}  ({cfg.docs_count} docs × 4 policies, R={cfg.replicates}, "
+         f"T={cfg.max_new_tokens}, W={cfg.window}, residual traces)")
+    with _serving(cfg) as server:
+        if server is not None:
+            _say(f"[1/5] starting `kvdiv serve --model {cfg.model}` (log: {server.log_path})")
+        else:
+            _say(f"[1/5] using running server(s): {', '.join(cfg.servers)}")
+        _say("[2/5] documents")
+        docs_path, budget = _prepare_documents(cfg)
+        urls = list(cfg.servers) if server is None else [server.wait_ready(cfg.server_timeout_s)]
+        if server is not None:
+            _say(f"      server ready at {urls[0]} after {time.monotonic() - t0:.0f} s")
+        policies = demo_policies(budget)
+        _say(f"[3/5] collecting traces: {', '.join(policies)}")
+        result = collect(CollectConfig(
+            servers=urls, docs_file=docs_path, policies=policies, out=cfg.out / "journal", kind="residual",
+            replicates=cfg.replicates, max_new_tokens=cfg.max_new_tokens, window=cfg.window,
+            temperature=1.0, seed=cfg.seed, template=cfg.template, api_key=cfg.api_key,
+            concurrency=cfg.concurrency, progress=cfg.progress))
+        _say(f"      {result.summary()}")
+        if not result.ok:
+            raise DemoError(f"{len(result.failed)} requests failed; rerun the same command to retry them "
+                            f"({cfg.out / 'journal'} keeps every complete request)")
+    _say("[4/5] packing traces.nc")
+    traces = save_dataset(pack_run(cfg.out / "journal", progress=False), cfg.out / "traces.nc")
+    _say("[5/5] analysing with the paper's plan"
+         + (f" (snapkv#512 → snapkv#{budget}, recorded as a deviation)" if budget != 512 else ""))
+    an = _analyse(cfg, traces, budget)
+    elapsed = time.monotonic() - t0
+    print(headline(an))
+    print(f"\nreport: {cfg.out / 'report.html'}   summary: {cfg.out / 'summary.md'}")
+    print(f"traces: {traces}   results: {cfg.out / 'results.nc'}   ({elapsed:.0f} s)")
+    return an
