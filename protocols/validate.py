@@ -87,6 +87,7 @@ class _Ctx:
     vocab: Any                    # int or array broadcastable to the data (per model)
     eos: Any                      # int or array; -1 = no EOS
     lead: tuple[str, ...]         # ("model",) or ()
+    tv_atol: float = TV_ZERO_ATOL
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     dims: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
@@ -279,15 +280,15 @@ def _rule_token_range(ctx: _Ctx) -> Iterator[str]:
 
 
 def _mismatch(ctx: _Ctx, tv: str, x: str, y: str, observed: np.ndarray | None = None) -> Iterator[str]:
-    """Tokens that differ need TV > TV_ZERO_ATOL (the coupling diverges with probability TV)."""
+    """Tokens that differ need TV > ctx.tv_atol (the coupling diverges with probability TV)."""
     if not {tv, x, y} <= ctx.arrays.keys():
         return
     t, xa, ya = ctx.arrays[tv], ctx.arrays[x], ctx.arrays[y]
     differ = (xa != ya) & (xa >= 0) & (ya >= 0)
     if observed is not None:
         differ &= observed
-    bad = differ & (t <= TV_ZERO_ATOL)      # NaN where observed is the mask rules' business
-    yield from _report(ctx, tv, bad, f"<= {TV_ZERO_ATOL:g} where {x} != {y}: "
+    bad = differ & (t <= ctx.tv_atol)      # NaN where observed is the mask rules' business
+    yield from _report(ctx, tv, bad, f"<= {ctx.tv_atol:g} where {x} != {y}: "
                                      "the coupling cannot diverge at TV 0")
 
 
@@ -431,7 +432,7 @@ def _branch_vs_shared(ctx: _Ctx, t_star: np.ndarray) -> Iterator[str]:
     yield from _report(ctx, "branch_tv", _age0(ctx, off),
                        "at age 0 differs from shared_tv at branch_step (the same two laws)")
     # No branch although some step could diverge: 1 - S_T > 0 means a branch must be drawn.
-    possible = np.where(np.isnan(tv), 0.0, tv).max(axis=-1) > TV_ZERO_ATOL
+    possible = np.where(np.isnan(tv), 0.0, tv).max(axis=-1) > ctx.tv_atol
     yield from _report(ctx, "branch_step", (t_star == 0) & possible,
                        "0 although the shared path has a step with TV > 0 (divergence was possible)")
 
@@ -467,11 +468,13 @@ def _per_model(ds: xr.Dataset, name: str, default: Any) -> Any:
     return default
 
 
-def validate(ds: xr.Dataset, *, source: str | None = None) -> xr.Dataset:
+def validate(ds: xr.Dataset, *, source: str | None = None, tv_atol: float = TV_ZERO_ATOL) -> xr.Dataset:
     """Check ``ds`` against ``kvdiv.trace/1`` and return it unchanged.
 
     Raises :class:`TraceValidationError` listing every problem at once
     (``.problems``); ``source`` (e.g. a file name) is added to the message.
+    ``tv_atol`` is the TV at or below which a token mismatch counts as impossible
+    (module docstring); pass 0.0 for the exact rule "tokens differ => TV > 0".
     """
     if not isinstance(ds, xr.Dataset):
         raise TypeError(f"validate expects an xarray.Dataset, got {type(ds).__name__}")
@@ -485,7 +488,7 @@ def validate(ds: xr.Dataset, *, source: str | None = None) -> xr.Dataset:
             window=int(a["window"]) if _is_int(a.get("window")) else None,
             vocab=_per_model(ds, "vocab_size", a.get("vocab_size") if _is_int(a.get("vocab_size")) else np.inf),
             eos=_per_model(ds, "eos_token_id", a.get("eos_token_id") if _is_int(a.get("eos_token_id")) else -1),
-            lead=("model",) if "model" in ds.dims else (),
+            lead=("model",) if "model" in ds.dims else (), tv_atol=float(tv_atol),
         )
         problems += list(_check_coords(ds, ctx))
         problems += list(_check_vars(ds, ctx))

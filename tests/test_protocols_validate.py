@@ -218,6 +218,17 @@ def test_no_eos_skips_eos_rules():
     validate(ds)
 
 
+def test_tv_atol_can_be_exact():
+    ds = coupled_base().copy(deep=True)
+    ds.tv.loc[dict(D0, replicate=1, step=4)] = 5e-8
+    with pytest.raises(TraceValidationError):
+        validate(ds)
+    validate(ds, tv_atol=0.0)
+    ds.tv.loc[dict(D0, replicate=1, step=4)] = 0.0
+    with pytest.raises(TraceValidationError, match="<= 0 where x_token != y_token"):
+        validate(ds, tv_atol=0.0)
+
+
 def test_tiny_tv_with_equal_tokens_is_fine():
     ds = coupled_base().copy(deep=True)
     ds.tv.values[0, 0, 0, :] = 1e-9             # rounding noise where tokens agree is no problem
