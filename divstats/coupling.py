@@ -150,6 +150,7 @@ def simulate(
         raise ValueError(f"window applies to residual traces only (truncate {kind} traces in estimate)")
     T, n = int(horizon), int(replicates)
     kern = CoupledKernels(p, q, vocab_size, eos)
+    eos = kern.eos
     rng = np.random.default_rng(seed)
     common = dict(vocab_size=vocab_size, docs=[doc], policies=[policy], eos_token_id=eos,
                   producer="divstats.simulate")

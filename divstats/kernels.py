@@ -72,10 +72,11 @@ class CoupledKernels:
     def __init__(self, p: Kernel, q: Kernel, vocab_size: int, eos: int | None = None) -> None:
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
-        if eos is not None and not 0 <= eos < vocab_size:
+        eos = None if eos is None or eos < 0 else int(eos)  # -1 is the schema's "no EOS"
+        if eos is not None and eos >= vocab_size:
             raise ValueError(f"eos {eos} is not a token of a vocabulary of size {vocab_size}")
         self.vocab_size = int(vocab_size)
-        self.eos = None if eos is None or eos < 0 else int(eos)
+        self.eos = eos
         self._p, self._q = p, q
         self._cache_p: dict[tuple[int, ...], np.ndarray] = {}
         self._cache_q: dict[tuple[int, ...], np.ndarray] = {}
