@@ -151,6 +151,14 @@ def test_cli_split_on_documents_jsonl(tmp_path):
     assert strict.exit_code == 1
 
 
+def test_cli_split_on_traces_reports_the_disagreeing_label(traces):
+    _, path = traces
+    result = CliRunner().invoke(split, [str(path), "--plan", str(PAPER)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("<- disagrees") == 1
+    assert "1 of 10 documents carry a dataset split label that disagrees" in result.stderr
+
+
 def test_analysis_modules_never_import_model_stacks():
     code = ("import sys, divstats.cli, divstats.report, divstats.plans, divstats.decompose, divstats.figures;"
             "bad = [m for m in ('torch', 'transformers', 'httpx', 'gen_service') if m in sys.modules];"
