@@ -1,6 +1,8 @@
-"""protocols: the ``kvdiv.trace/1`` contract (xarray layout, wire records, I/O).
+"""protocols: the ``kvdiv.trace/1`` contract (xarray layout, wire records, validation,
+I/O, combining and converters); see docs/contract.md.
 
-Depends on numpy and xarray only; never imports divstats or gen_service.
+Depends on numpy, xarray, h5netcdf, zarr and click; never imports torch, divstats or
+gen_service.
 """
 
 __version__ = "0.1.0"
@@ -13,7 +15,7 @@ from protocols.wire import (
     StreamWriter, branch_record, dataset_lines, encode_line, end_record, error_record, header_record,
     shared_step_record, step_record,
 )
-from protocols.validate import TV_ZERO_ATOL, TraceValidationError, validate
+from protocols.validate import TV_ZERO_ATOL, Problem, TraceValidationError, validate
 from protocols.assemble import StreamError, assemble
 from protocols.io import open_traces, save_traces
 from protocols.combine import CombineError, combine
