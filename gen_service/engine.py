@@ -19,7 +19,8 @@ Residual mode (METHOD §5) in three phases, all batched over rows:
    prefixes of the survival caches. Rows with different t* are batched together by
    masking each row's cache beyond its own prefix (a 2-D attention mask) and
    appending the branch tokens, at positions prompt + t* − 1 + k. No re-prefill and
-   no snapshots; the price is attending over up to T masked slots.
+   no snapshots; the price is attending over up to T masked slots. Rows leave the
+   batch as their branch reaches K = min(W, T − t*).
 """
 
 from __future__ import annotations
@@ -289,39 +290,50 @@ class Engine:
         dev, L, eos = self.device, len(job.prompt_ids), self.lm.eos_token_id
         idx = torch.tensor(rows, dtype=torch.long, device=dev)
         tstar = torch.tensor([ts[r] for r in rows], dtype=torch.long, device=dev)
-        kmax = max(K[r] for r in rows)
         # Row r's prefix z_<t* is the first kept + t* − 1 cache slots; crop to the longest
         # prefix needed and mask the rest per row.
         longest = int(tstar.max()) - 1
-        pmask, qmask = [], []
-        for cache, kept, masks in ((pc, p_kept, pmask), (qc, q_kept, qmask)):
+        masks = []
+        for cache, kept in ((pc, p_kept), (qc, q_kept)):
             if len(set(_lengths(cache))) != 1:
                 raise PolicyError("residual mode needs a press that keeps the same number of tokens per layer")
             cache.batch_select_indices(idx)
             cache.crop(kept + longest)
             slots = torch.arange(kept + longest, device=dev)
             masks.append((slots[None] < (kept + tstar - 1)[:, None]).long())
+        pmask, qmask = masks
         x, y = x0[idx], y0[idx]
         x_done = (x == eos) if eos is not None else torch.zeros_like(x, dtype=torch.bool)
         y_done = (y == eos) if eos is not None else torch.zeros_like(x_done)
-        ones = torch.ones(len(rows), 1, dtype=torch.long, device=dev)
-        for k in range(1, kmax + 1):
+        k = 0
+        while rows:
+            k += 1
             self._check(cancelled)
+            ones = torch.ones(len(rows), 1, dtype=torch.long, device=dev)
+            pmask, qmask = torch.cat([pmask, ones], 1), torch.cat([qmask, ones], 1)
             pos = L + tstar + k - 2
-            pmask[0] = torch.cat([pmask[0], ones], 1)
-            qmask[0] = torch.cat([qmask[0], ones], 1)
-            p = absorb_eos(probs(self.step(pc, x, pos, pmask[0]), job.sampling), x_done, eos)
-            q = absorb_eos(probs(self.step(qc, y, pos, qmask[0]), job.sampling), y_done, eos)
+            p = absorb_eos(probs(self.step(pc, x, pos, pmask), job.sampling), x_done, eos)
+            q = absorb_eos(probs(self.step(qc, y, pos, qmask), job.sampling), y_done, eos)
             d = maximal_coupling(p, q, gen)
-            for i, r in enumerate(rows):
-                if k <= K[r]:
-                    rec[r][0].append(float(d.tv[i]))
-                    rec[r][1].append(int(d.x[i]))
-                    rec[r][2].append(int(d.y[i]))
+            for r, dv, xv, yv in zip(rows, d.tv.tolist(), d.x.tolist(), d.y.tolist()):
+                rec[r][0].append(dv)
+                rec[r][1].append(xv)
+                rec[r][2].append(yv)
             x, y = d.x, d.y
             if eos is not None:
                 x_done |= x == eos
                 y_done |= y == eos
+            # Drop rows whose branch reached K = min(W, T − t*): the batch shrinks as
+            # branches end instead of carrying finished rows to the longest one.
+            live = [i for i, r in enumerate(rows) if K[r] > k]
+            if len(live) < len(rows):
+                sel = torch.tensor(live, dtype=torch.long, device=dev)
+                rows = [rows[i] for i in live]
+                if rows:
+                    pc.batch_select_indices(sel)
+                    qc.batch_select_indices(sel)
+                    pmask, qmask, tstar = pmask[sel], qmask[sel], tstar[sel]
+                    x, y, x_done, y_done = x[sel], y[sel], x_done[sel], y_done[sel]
 
     # ------------------------------------------------------------------ TGI generate
 
