@@ -1,4 +1,7 @@
-"""Figures for the report (matplotlib, Agg backend). Each function returns a Figure.
+"""Figures for the report (matplotlib, Agg canvas). Each function returns a Figure.
+
+Figures are built without pyplot on an Agg canvas, so they render headless and
+importing this module never changes the user's matplotlib backend.
 
 Bands and error bars describe uncertainty *across documents* (the unit of
 inference): the document mean ± z · SD_docs / √n_docs, falling back to the Monte
@@ -11,12 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: the report and the CLI never need a display
-
 import numpy as np
 import xarray as xr
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from scipy import stats
 
@@ -34,8 +34,15 @@ def _models(ds: xr.Dataset | xr.DataArray) -> list[Any]:
     return list(ds["model"].values) if "model" in ds.dims else [None]
 
 
+def _figure(width: float, height: float) -> Figure:
+    """A pyplot-free Figure on an Agg canvas: headless, and the global backend is left alone."""
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def _panels(n: int, width: float = 6.4, height: float = 4.2, sharey: bool = True) -> tuple[Figure, list]:
-    fig = Figure(figsize=(width * n if n > 1 else width, height), layout="constrained")
+    fig = _figure(width * n if n > 1 else width, height)
     axes = fig.subplots(1, n, sharey=sharey, squeeze=False)[0]
     return fig, list(axes)
 
@@ -145,7 +152,7 @@ def gap_figure(rows: Sequence[Mapping[str, Any]]) -> Figure:
     parts = [("first", "Δ first mismatch", "#4c72b0"), ("exposure", "Δ exposure", "#dd8452"),
              ("rate", "Δ rate", "#55a868"), ("gap", "gap (total)", "#333333")]
     n = max(len(rows), 1)
-    fig = Figure(figsize=(7.2, 0.9 * n + 1.6), layout="constrained")
+    fig = _figure(7.2, 0.9 * n + 1.6)
     ax = fig.subplots()
     height = 0.8 / len(parts)
     for i, row in enumerate(rows):
@@ -187,10 +194,10 @@ def branch_tv_figure(bt: xr.Dataset, windows: Mapping[str, tuple[int, int]] | No
             ax.plot(age[ok], mean.values[ok], color=c, lw=1.6, marker="o", ms=2.5, label=str(pol))
             ax.fill_between(age[ok], lo.values[ok].clip(0), hi.values[ok].clip(max=1), color=c, alpha=0.15, lw=0)
         ax.set_xlabel("age k = t − τ (steps since divergence)")
-        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         _title(ax, "Branch-aligned TV", model)
         _legend(ax, sub.sizes["policy"])
+    axes[0].set_ylim(bottom=0)  # after all panels (shared y)
     axes[0].set_ylabel(f"E[TV at age k], document mean, {int(level * 100)}% band")
     return fig
 
@@ -221,10 +228,12 @@ def interval_figure(ivw: xr.Dataset, full: xr.Dataset | None = None) -> Figure:
                 if np.isfinite(float(f["mismatch_fraction"])):
                     ax.axhline(float(f["mismatch_fraction"]), color=c, lw=0.9, ls=":")
         ax.set_xlabel("observation window W (steps observed after divergence)")
-        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         _title(ax, "Sharp interval for the mismatch fraction", model)
         _legend(ax, sub.sizes["policy"])
+    # After every panel is drawn: fixing a limit inside the loop would freeze the
+    # shared y-range at the first panel's data.
+    axes[0].set_ylim(bottom=0)
     axes[0].set_ylabel("lower (solid) – upper (dashed); full value dotted")
     return fig
 
@@ -235,7 +244,7 @@ def variance_figure(vc: xr.Dataset, *, residual: str = "var_residual",
 
     Points below the diagonal are variance reductions (METHOD §5 guarantees ≤).
     """
-    fig = Figure(figsize=(6.0, 5.0), layout="constrained")
+    fig = _figure(6.0, 5.0)
     ax = fig.subplots()
     colors = policy_colors(vc["policy"].values)
     lo_all, hi_all = np.inf, 0.0
