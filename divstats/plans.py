@@ -37,7 +37,7 @@ TABLE_COLUMNS: tuple[str, ...] = (
 EXTRA_COLUMNS: tuple[str, ...] = (
     "label", "model", "a", "b", "policy", "window", "direction", "test", "correction", "split",
     "alpha", "effect_kind", "mean_a", "mean_b", "mean_difference", "mean_ci_low", "mean_ci_high",
-    "hodges_lehmann", "hl_ci_low", "hl_ci_high", "deviation",
+    "hodges_lehmann", "hl_ci_low", "hl_ci_high", "deviation", "note",
 )
 SPLITS: tuple[str, ...] = ("confirmatory", "exploratory", "all")
 CORRECTIONS: tuple[str, ...] = ("holm", "none")
@@ -51,6 +51,14 @@ _TOP_KEYS = {"plan", "windows", "aliases", "hypothesis"}
 
 class PlanError(ValueError):
     """A plan that is ill-formed, or that does not fit the data it is run on."""
+
+
+class NotIdentified(PlanError):
+    """A hypothesis whose metric these traces cannot identify (short horizon or window).
+
+    ``run_plan`` does not stop on it: the row is reported with NaN results and the
+    reason in its ``note``, and the reason is added to the notes.
+    """
 
 
 # ---------------------------------------------------------------------------
@@ -435,16 +443,18 @@ def _metric(data: _Data, h: Hypothesis, plan: Plan, policy: str, which: str | No
     if h.metric in WINDOW_METRICS:
         reason = data.branch["branch_tv"].attrs.get("not_identified")
         if data.branch.attrs.get("kind") == "reference" or (reason and data.branch["branch_tv"].isnull().all()):
-            raise PlanError(f"hypothesis {h.id!r}: branch_tv is not identified for these traces ({reason})")
+            raise NotIdentified(f"hypothesis {h.id!r}: branch_tv is not identified for these traces ({reason})")
         first, last = plan.windows[which]
         ages = data.branch["age"].values
         if ages.size == 0 or first > ages.max():
-            raise PlanError(f"hypothesis {h.id!r}: window {which!r} = [{first}, {last}] starts beyond the "
-                            f"largest age in the data ({int(ages.max()) if ages.size else 'none'})")
+            raise NotIdentified(f"hypothesis {h.id!r}: window {which!r} = [{first}, {last}] starts beyond the "
+                                f"largest age in the data ({int(ages.max()) if ages.size else 'none'}); "
+                                "not identified")
         observed = data.branch.attrs.get("window")
         if observed is not None and last > int(observed) and int(observed) < ages.max():
-            raise PlanError(f"hypothesis {h.id!r}: window {which!r} = [{first}, {last}] needs ages up to {last}, "
-                            f"but branches are observed only to age W = {observed}; not identified")
+            raise NotIdentified(f"hypothesis {h.id!r}: window {which!r} = [{first}, {last}] needs ages up to "
+                                f"{min(last, int(ages.max()))}, but branches are observed only to age W = "
+                                f"{observed}; not identified")
         if last > ages.max():
             note = (f"window {which!r} = [{first}, {last}] extends past the largest age in the data "
                     f"({int(ages.max())}); it was averaged over ages {first}..{int(ages.max())}.")
@@ -524,49 +534,67 @@ def _run_hypothesis(h: Hypothesis, plan: Plan, data: _Data, split: pd.DataFrame,
         pol, dev = _resolve(h.policy, plan.aliases, aliases)
         _check_policy(pol, h.policy, data, h.id)
         devs += [dev] if dev else []
-        va = _metric(data, h, plan, pol, h.compare[0])
-        vb = _metric(data, h, plan, pol, h.compare[1])
-        a_label, b_label, pol_label = h.compare[0], h.compare[1], pol
+        sides, labels = (pol, pol), (h.compare[0], h.compare[1], pol)
+        windows = h.compare
     else:
         pa, dev_a = _resolve(h.compare[0], plan.aliases, aliases)
         pb, dev_b = _resolve(h.compare[1], plan.aliases, aliases)
         for pid, planned in ((pa, h.compare[0]), (pb, h.compare[1])):
             _check_policy(pid, planned, data, h.id)
         devs += [d for d in (dev_a, dev_b) if d]
-        va = _metric(data, h, plan, pa, h.window)
-        vb = _metric(data, h, plan, pb, h.window)
-        a_label, b_label, pol_label = pa, pb, ""
+        sides, labels = (pa, pb), (pa, pb, "")
+        windows = (h.window, h.window)
     deviations.extend(devs)
+    models = _models_for(data, h)
+    try:
+        va = _metric(data, h, plan, sides[0], windows[0])
+        vb = _metric(data, h, plan, sides[1], windows[1])
+    except NotIdentified as exc:
+        data.notes.append(str(exc))
+        return [_row(h, m, data, labels, devs, None, np.array([]), np.array([]), str(exc)) for m in models]
     rows = []
-    for m in _models_for(data, h):
+    for m in models:
         sa = va.sel(model=m) if m is not None else va
         sb = vb.sel(model=m) if m is not None else vb
         xa = sa.sel(doc=docs).values.astype(float)
         xb = sb.sel(doc=docs).values.astype(float)
         if not (np.isfinite(xa) & np.isfinite(xb)).any():
             why = data.est[h.metric].attrs.get("not_identified", "") if h.metric in data.est else ""
-            raise PlanError(f"hypothesis {h.id!r}: no document has a finite {h.metric!r} for both sides"
-                            + (f" ({why})" if why else ""))
+            note = (f"hypothesis {h.id!r}{'' if m is None else f' (model {m})'}: no document has a finite "
+                    f"{h.metric!r} for both sides" + (f" ({why})" if why else "") + "; not identified")
+            data.notes.append(note)
+            rows.append(_row(h, m, data, labels, devs, None, xa, xb, note))
+            continue
         res = paired_test(xa, xb, h.test, h.direction, confidence_level=1 - h.alpha,
                           n_resamples=n_resamples, seed=seed)
-        both = np.isfinite(xa) & np.isfinite(xb)
-        rows.append({
-            "id": h.id if m is None or len(data.ds["model"]) == 1 else f"{h.id}[{m}]",
-            "family": h.family, "metric": h.metric, "n_docs": res.n, "statistic": res.statistic,
-            "p_value": res.pvalue, "p_adjusted": np.nan, "reject": False, "effect": res.effect,
-            "ci_low": res.ci_low, "ci_high": res.ci_high,
-            "confirmatory": h.split == "confirmatory" and not devs,
-            "label": "", "model": "" if m is None else str(m), "a": a_label, "b": b_label,
-            "policy": pol_label, "window": h.window or "", "direction": h.direction, "test": h.test,
-            "correction": h.correction, "split": h.split, "alpha": h.alpha,
-            "effect_kind": res.details["effect_kind"],
-            "mean_a": float(np.mean(xa[both])) if both.any() else np.nan,
-            "mean_b": float(np.mean(xb[both])) if both.any() else np.nan,
-            "mean_difference": res.mean_difference, "mean_ci_low": res.mean_ci_low,
-            "mean_ci_high": res.mean_ci_high, "hodges_lehmann": res.hodges_lehmann,
-            "hl_ci_low": res.hl_ci_low, "hl_ci_high": res.hl_ci_high, "deviation": "; ".join(devs),
-        })
+        rows.append(_row(h, m, data, labels, devs, res, xa, xb, ""))
     return rows
+
+
+def _row(h: Hypothesis, m: Any, data: _Data, labels: tuple[str, str, str], devs: list[str],
+         res: Any, xa: np.ndarray, xb: np.ndarray, note: str) -> dict[str, Any]:
+    """One table row; ``res`` None means not evaluated (NaN results, reason in ``note``)."""
+    both = np.isfinite(xa) & np.isfinite(xb)
+    nan = float("nan")
+    get = (lambda name: getattr(res, name)) if res is not None else (lambda name: nan)  # noqa: E731
+    multi = m is not None and data.ds.sizes.get("model", 1) > 1
+    return {
+        "id": f"{h.id}[{m}]" if multi else h.id,
+        "family": h.family, "metric": h.metric, "n_docs": res.n if res is not None else 0,
+        "statistic": get("statistic"), "p_value": get("pvalue"), "p_adjusted": nan, "reject": False,
+        "effect": get("effect"), "ci_low": get("ci_low"), "ci_high": get("ci_high"),
+        "confirmatory": h.split == "confirmatory" and not devs,
+        "label": "", "model": "" if m is None else str(m), "a": labels[0], "b": labels[1],
+        "policy": labels[2], "window": h.window or "", "direction": h.direction, "test": h.test,
+        "correction": h.correction, "split": h.split, "alpha": h.alpha,
+        "effect_kind": "hodges_lehmann" if h.test == "wilcoxon" else "mean_difference",
+        "mean_a": float(np.mean(xa[both])) if both.any() else nan,
+        "mean_b": float(np.mean(xb[both])) if both.any() else nan,
+        "mean_difference": get("mean_difference"), "mean_ci_low": get("mean_ci_low"),
+        "mean_ci_high": get("mean_ci_high"), "hodges_lehmann": get("hodges_lehmann"),
+        "hl_ci_low": get("hl_ci_low"), "hl_ci_high": get("hl_ci_high"), "deviation": "; ".join(devs),
+        "note": note,
+    }
 
 
 def _correct(table: pd.DataFrame, plan: Plan) -> pd.DataFrame:

@@ -367,7 +367,7 @@ def plan_rows(pr: PlanResult) -> list[dict[str, str]]:
             "effect": f"{fmt(r.effect)} ({'HL' if r.effect_kind == 'hodges_lehmann' else 'mean'})",
             f"{int(round((1 - r.alpha) * 100))}% CI": _ci(r.ci_low, r.ci_high),
             "mean diff [CI]": f"{fmt(r.mean_difference)} {_ci(r.mean_ci_low, r.mean_ci_high)}",
-            "deviation": r.deviation or "",
+            "deviation": r.deviation or "", "note": r.note or "",
         })
     return rows
 

@@ -230,10 +230,22 @@ def test_run_time_refusals():
         run_plan(est, raw, estimates=est, branch=branch)
     with pytest.raises(PlanError, match="which the plan does not use"):
         run_plan(est, minimal_plan(), estimates=est, branch=branch, aliases={"h2o@0.5": "x"})
+
+
+
+def test_unidentified_hypothesis_is_reported_not_fatal():
+    est, branch = fake_data(n_docs=10)
     raw = minimal_plan(metric="branch_tv", window="late")
     raw["windows"]["late"] = [40, 50]
-    with pytest.raises(PlanError, match="starts beyond the largest age"):
-        run_plan(est, raw, estimates=est, branch=branch)
+    raw["hypothesis"].append({**raw["hypothesis"][0], "id": "H2", "metric": "occurrence", "window": None})
+    del raw["hypothesis"][1]["window"]
+    res = run_plan(est, raw, estimates=est, branch=branch)
+    t = res.table.set_index("id")
+    assert np.isnan(t.loc["H1", "p_value"]) and not t.loc["H1", "reject"] and t.loc["H1", "n_docs"] == 0
+    assert "starts beyond the largest age" in t.loc["H1", "note"]
+    assert any("starts beyond the largest age" in n for n in res.notes)
+    # The other hypothesis of the family is still tested and Holm ignores the missing p-value.
+    assert np.isfinite(t.loc["H2", "p_value"]) and t.loc["H2", "p_adjusted"] == t.loc["H2", "p_value"]
 
 
 def test_post_hoc_alias_is_a_deviation_and_exploratory():

@@ -55,20 +55,23 @@ def test_null_comparisons_do_not_reject():
     assert (res.table["n_docs"] == 30).all()
 
 
-def test_unidentified_window_is_refused():
+def test_unidentified_hypotheses_are_reported_with_the_reason():
     ds = simulate_study(4, {"a": PolicyEffect(0.2), "b": PolicyEffect(0.3)}, horizon=12, replicates=6,
                         kind="residual", window=5, seed=2)
-    hyp = [{"id": "w", "family": "f", "metric": "branch_tv", "policy": "a", "compare": ["late", "early"],
-            "split": "all"}]
-    with pytest.raises(PlanError, match="not identified"):
-        run_plan(ds, plan(hyp))
-    loss = [{"id": "m", "family": "f", "metric": "mismatch_fraction", "compare": ["a", "b"], "split": "all"}]
-    with pytest.raises(PlanError, match="no document has a finite 'mismatch_fraction'.*not identified"):
-        run_plan(ds, plan(loss))
+    hyps = [{"id": "w", "family": "f", "metric": "branch_tv", "policy": "a", "compare": ["late", "early"],
+             "split": "all"},
+            {"id": "m", "family": "g", "metric": "mismatch_fraction", "compare": ["a", "b"], "split": "all"},
+            {"id": "o", "family": "g", "metric": "occurrence", "compare": ["a", "b"], "split": "all"}]
+    t = run_plan(ds, plan(hyps)).table.set_index("id")
+    assert "observed only to age W = 5; not identified" in t.loc["w", "note"]
+    assert "no document has a finite 'mismatch_fraction'" in t.loc["m", "note"]
+    assert t.loc[["w", "m"], "p_value"].isna().all() and np.isfinite(t.loc["o", "p_value"])
     ref = simulate_study(3, {"a": PolicyEffect(0.2), "b": PolicyEffect(0.3)}, horizon=12, replicates=4,
                          kind="reference", seed=2)
-    with pytest.raises(PlanError, match="branch_tv is not identified"):
-        run_plan(ref, plan(hyp))
+    t = run_plan(ref, plan(hyps[:1])).table
+    assert "branch_tv is not identified" in t["note"].iloc[0]
+    with pytest.raises(PlanError, match="unknown metric"):
+        run_plan(ref, plan([{**hyps[2], "metric": "occurence"}]))
 
 
 @pytest.mark.parametrize("test", ["wilcoxon", "ttest", "permutation"])
