@@ -16,16 +16,21 @@ Usage: ``python benchmarks/bench_service.py [--rows 8] [--steps 32] [--prompt-to
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-from collections.abc import Callable
+import os
 
-import torch
+# before torch loads OpenMP (see gen_service/server_cli.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from gen_service.coupling import Sampling
-from gen_service.engine import Engine, TraceJob
-from gen_service.models import load_model
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+import torch  # noqa: E402
+
+from gen_service.coupling import Sampling  # noqa: E402
+from gen_service.engine import Engine, TraceJob  # noqa: E402
+from gen_service.models import load_model  # noqa: E402
 
 PARAGRAPH = (
     "A block is a piece of Python program text that is executed as a unit. The following are blocks: a "
