@@ -220,3 +220,28 @@ def test_failure_mid_stream_sends_error_record() -> None:
             assert c.get("/health").status_code == 200 and s.service.admission.count == 0
     finally:
         s.stop()
+
+
+def test_kvdiv_serve_cli_prints_ready_url_and_serves() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvdiv.cli", "serve", "--model", "tiny:llama", "--port", "0",
+                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    try:
+        deadline = time.time() + 60
+        url = None
+        while time.time() < deadline and url is None:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            if "kvdiv serve ready:" in line:
+                url = line.split("ready:", 1)[1].split()[0]
+        assert url and url.startswith("http://127.0.0.1:")
+        assert httpx.get(url + "/health", timeout=10).json()["model"] == "tiny:llama"
+    finally:
+        proc.terminate()
+        proc.wait(10)
