@@ -279,8 +279,12 @@ class _Progress:
 class Collector:
     """One collection run: the queue, the workers and the journal."""
 
-    def __init__(self, cfg: CollectConfig, docs: Sequence[Document], journal: Journal) -> None:
+    def __init__(self, cfg: CollectConfig, docs: Sequence[Document], journal: Journal,
+                 stop_reason: Callable[[], str | None] | None = None) -> None:
         self.cfg, self.docs, self.journal = cfg, list(docs), journal
+        # Asked after each failed attempt: a reason to give up on everything now (e.g. the
+        # demo's server process has exited) instead of retrying into a dead socket.
+        self.stop_reason = stop_reason
         self.check = _Checker(cfg, journal)
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
         self.pending = 0
@@ -292,6 +296,7 @@ class Collector:
         for job in todo:
             self.queue.put_nowait(job)
         self.pending = len(todo)
+        self.unfinished = {job.key: job for job in todo}
 
     async def run(self) -> CollectResult:
         import httpx
@@ -326,7 +331,10 @@ class Collector:
             try:
                 await self._attempt(client, server, job)
             except RetryableError as exc:
-                if job.attempts >= self.cfg.max_attempts:
+                reason = self.stop_reason() if self.stop_reason else None
+                if reason:
+                    self._abort(reason)
+                elif job.attempts >= self.cfg.max_attempts:
                     self._finish(job, f"{exc} (after {job.attempts} attempts)")
                 else:
                     self.progress.retry()
@@ -338,7 +346,18 @@ class Collector:
                 self.progress.done()
                 self._finish(job, None)
 
+    def _abort(self, reason: str) -> None:
+        """Give up on every unfinished request (left incomplete; a rerun resumes them)."""
+        for key in self.unfinished:
+            self.result.failed[key] = reason
+        self.unfinished.clear()
+        self.pending = 0
+        self.progress.bar.write(f"collection stopped: {reason}", file=sys.stderr)
+        self.finished.set()
+
     def _finish(self, job: _Job, failure: str | None) -> None:
+        if self.unfinished.pop(job.key, None) is None:
+            return  # already accounted for by _abort
         if failure is not None:
             self.result.failed[job.key] = failure
             self.progress.bar.write(f"request {job.key} failed: {failure}", file=sys.stderr)
@@ -431,14 +450,18 @@ def prepare_run(cfg: CollectConfig) -> tuple[Journal, list[Document]]:
     return journal, docs
 
 
-async def collect_async(cfg: CollectConfig) -> CollectResult:
+async def collect_async(cfg: CollectConfig, stop_reason: Callable[[], str | None] | None = None) -> CollectResult:
     journal, docs = prepare_run(cfg)
-    return await Collector(cfg, docs, journal).run()
+    return await Collector(cfg, docs, journal, stop_reason).run()
 
 
-def collect(cfg: CollectConfig) -> CollectResult:
-    """Run a collection to completion (or until every remaining request has failed)."""
-    return asyncio.run(collect_async(cfg))
+def collect(cfg: CollectConfig, stop_reason: Callable[[], str | None] | None = None) -> CollectResult:
+    """Run a collection to completion (or until every remaining request has failed).
+
+    ``stop_reason()`` is consulted after each failed attempt; a non-empty answer
+    stops the whole collection at once (the requests stay incomplete for a rerun).
+    """
+    return asyncio.run(collect_async(cfg, stop_reason))
 
 
 def config_summary(cfg: CollectConfig) -> str:

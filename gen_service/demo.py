@@ -114,10 +114,21 @@ class ServerProcess:
 
     def wait_ready(self, timeout_s: float) -> str:
         if not self._ready.wait(timeout_s) or self.url is None:
+            code = self.proc.poll()
             self.stop()
-            raise DemoError(f"the server did not start within {timeout_s:.0f} s; its log:\n{self._log_tail()}")
+            why = (f"exited with code {code} before it was ready" if code is not None
+                   else f"did not start within {timeout_s:.0f} s")
+            raise DemoError(f"the server {why}; the end of {self.log_path}:\n{self._log_tail()}")
         _wait_health(self.url)
         return self.url
+
+    def exit_reason(self) -> str | None:
+        """Why the server is gone, or None while it runs (the collector's stop check)."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        return (f"the demo's server exited (code {code}); see {self.log_path}. "
+                "Rerun the same command to resume.")
 
     def _log_tail(self, lines: int = 15) -> str:
         try:
@@ -318,11 +329,13 @@ def run_demo(cfg: DemoConfig) -> Any:
             servers=urls, docs_file=docs_path, policies=policies, out=cfg.out / "journal", kind="residual",
             replicates=cfg.replicates, max_new_tokens=cfg.max_new_tokens, window=cfg.window,
             temperature=1.0, seed=cfg.seed, template=cfg.template, api_key=cfg.api_key,
-            concurrency=cfg.concurrency, progress=cfg.progress))
+            concurrency=cfg.concurrency, progress=cfg.progress),
+            stop_reason=server.exit_reason if server is not None else None)
         _say(f"      {result.summary()}")
         if not result.ok:
-            raise DemoError(f"{len(result.failed)} requests failed; rerun the same command to retry them "
-                            f"({cfg.out / 'journal'} keeps every complete request)")
+            gone = server.exit_reason() if server is not None else None
+            raise DemoError(gone or f"{len(result.failed)} requests failed; rerun the same command to retry "
+                            f"them ({cfg.out / 'journal'} keeps every complete request)")
     _say("[4/5] packing traces.nc")
     traces = save_dataset(pack_run(cfg.out / "journal", progress=False), cfg.out / "traces.nc")
     _say(f"[5/5] analysing with {plan}")

