@@ -254,10 +254,12 @@ class Engine:
             x0 = torch.where(take, d.x_res, x0)
             y0 = torch.where(take, d.y_res, y0)
             tv_star = torch.where(take, delta, tv_star)
-            shown = alive.tolist()
+            # The step where a path stops keeps its TV (1) but has no token: min(p, q) is
+            # empty, so there is no Z to draw; later steps are null altogether.
+            shown, has_token = alive.tolist(), (alive & ~d.stop).tolist()
             yield shared_step_record(
                 t, [v if a else None for v, a in zip(d.tv.tolist(), shown)],
-                [v if a else None for v, a in zip(d.overlap.tolist(), shown)])
+                [v if a else None for v, a in zip(d.overlap.tolist(), has_token)])
             surv = torch.where(alive, surv * (1.0 - delta), surv)
             alive &= ~d.stop
             if eos is not None:

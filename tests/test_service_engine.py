@@ -191,3 +191,16 @@ def test_qwen2_tiny_model(prompt: list[int]) -> None:
                                    replicates=3, seed=1)))
     assert recs[1]["tv"] == [0.0] * 3
     assemble(stream_lines(recs))
+
+
+def test_greedy_residual_paths_stop_at_tv_one(engine: Engine, prompt: list[int]) -> None:
+    # Point masses: the first step whose argmaxes differ has TV 1 and ends the path.
+    recs = run(engine, prompt, candidate="recent@0.3", kind="residual", horizon=8, replicates=2,
+               sampling=Sampling(do_sample=False), seed=1)
+    shared = [r for r in recs if r["type"] == "shared_step"]
+    stop = next(i for i, r in enumerate(shared) if r["tv"][0] == 1.0)
+    assert shared[stop]["token"][0] is None
+    assert all(r["tv"][0] is None and r["token"][0] is None for r in shared[stop + 1:])
+    branch = next(r for r in recs if r["type"] == "branch" and r["replicate"] == 0)
+    assert branch["branch_step"] == stop + 1 and branch["x_token"][0] != branch["y_token"][0]
+    assemble(stream_lines(recs))
