@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads OpenMP: busy-waiting threads collapse on shared cores (see docs/service.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import numpy as np
 import pytest
 import torch
