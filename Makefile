@@ -5,6 +5,11 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
+# torch's OpenMP threads busy-wait by default, which collapses throughput on a
+# small shared machine (see docs/service.md).
+OMP_WAIT_POLICY ?= PASSIVE
+export OMP_WAIT_POLICY
+
 .PHONY: demo test test-fast venv bench clean
 
 # The venv is (re)installed whenever the project's dependency files change.

@@ -107,8 +107,10 @@ def maximal_coupling(p: torch.Tensor, q: torch.Tensor, gen: torch.Generator) -> 
     overlap = _draw(m, p, gen)
     x_res = _draw((p - q).clamp_min(0.0), p, gen)
     y_res = _draw((q - p).clamp_min(0.0), q, gen)
-    u = torch.rand(p.shape[0], generator=gen, device=p.device)
-    split = u < delta
+    # float64 uniforms: a float32 uniform is exactly 0 with probability 2^-24, which
+    # would split rows whose TV is below that more often than TV says.
+    u = torch.rand(p.shape[0], generator=gen, device=p.device, dtype=torch.float64)
+    split = u < delta.double()
     x = torch.where(split, x_res, overlap)
     y = torch.where(split, y_res, overlap)
     stop = m.sum(-1) <= 0

@@ -1,0 +1,7 @@
+"""Suite-wide settings."""
+
+import os
+
+# torch's OpenMP threads busy-wait by default; on a small shared machine that turns a
+# millisecond matmul into tens of milliseconds. Must be set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
