@@ -57,7 +57,7 @@ class DemoConfig:
     docs_count: int = 14
     target_tokens: int = 128
     replicates: int = 8
-    max_new_tokens: int = 16
+    max_new_tokens: int = 12
     window: int = 8
     seed: int = 0
     servers: list[str] = field(default_factory=list)
@@ -188,6 +188,29 @@ def demo_policies(budget: int) -> list[str]:
     return ["snapkv@0.5", f"snapkv#{budget}", "recent@0.5", "snapkv@0.9"]
 
 
+def select_balanced(docs: Sequence[D.Document], count: int, plan: Path) -> list[D.Document]:
+    """``count`` documents, half in each of the plan's splits (confirmatory first when odd).
+
+    The plan assigns documents by a salted hash of their ids, so a plain subset of
+    14 may hold only 4 confirmatory documents, too few for any test to reject.
+    Choosing by id alone, before any trace exists, leaves the split and the tests
+    as prespecified; within each half the choice is D.select's stable spread.
+    """
+    from divstats.plans import assign_split, load_plan
+
+    spec = load_plan(plan)
+    ranked = sorted(docs, key=D.select_key)
+    labels = dict(zip([d.id for d in ranked], assign_split([d.id for d in ranked], spec.salt,
+                                                           spec.confirmatory_fraction)))
+    want = {"confirmatory": (count + 1) // 2, "exploratory": count // 2}
+    chosen: set[str] = set()
+    for doc in ranked:
+        if want.get(labels[doc.id], 0) > 0:
+            want[labels[doc.id]] -= 1
+            chosen.add(doc.id)
+    return [d for d in docs if d.id in chosen]
+
+
 def _prepare_documents(cfg: DemoConfig) -> tuple[Path, int]:
     """documents.jsonl and the budget N: built once, then reused so that reruns resume."""
     settings_path = cfg.out / "demo.json"
@@ -204,7 +227,8 @@ def _prepare_documents(cfg: DemoConfig) -> tuple[Path, int]:
     _say(f"      loading the {cfg.model} tokenizer and chunking pydoc_data.topics to ~{cfg.target_tokens} tokens")
     tokenizer = D.load_tokenizer(cfg.model)
     count = D.token_counter(tokenizer)
-    docs = D.select(D.pydoc_documents(tokenizer, target_tokens=cfg.target_tokens), cfg.docs_count)
+    docs = select_balanced(D.pydoc_documents(tokenizer, target_tokens=cfg.target_tokens), cfg.docs_count,
+                           cfg.plan or shipped_plan())
     budget = budget_for(docs, cfg.template, count)
     D.write_jsonl(docs, docs_path)
     settings = {"sizes": cfg.sizes(), "budget": budget, "n_docs": len(docs), "policies": demo_policies(budget)}

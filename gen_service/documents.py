@@ -241,6 +241,11 @@ def _check_unique(docs: Sequence[Document], where: str) -> None:
         raise ValueError(f"{where}: duplicate document ids {sorted(dupes)[:5]}")
 
 
+def select_key(doc: Document) -> str:
+    """The order :func:`select` takes documents in (a hash of the id)."""
+    return hashlib.sha256(doc.id.encode("utf-8")).hexdigest()
+
+
 def select(docs: Sequence[Document], count: int | None) -> list[Document]:
     """A deterministic, topic-spread subset of ``count`` documents (all if None).
 
@@ -249,7 +254,7 @@ def select(docs: Sequence[Document], count: int | None) -> list[Document]:
     """
     if count is None or count >= len(docs):
         return list(docs)
-    ranked = sorted(docs, key=lambda d: hashlib.sha256(d.id.encode("utf-8")).hexdigest())
+    ranked = sorted(docs, key=select_key)
     chosen = {d.id for d in ranked[:count]}
     return [d for d in docs if d.id in chosen]
 

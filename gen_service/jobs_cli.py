@@ -11,7 +11,10 @@ from pathlib import Path
 
 import click
 
+from gen_service.demo import DemoConfig
 from gen_service.documents import TEMPLATES
+
+_DEMO = DemoConfig()  # the demo's defaults, shown in its --help
 
 
 def _split_policies(value: str) -> list[str]:
@@ -124,27 +127,35 @@ def pack(run_dir: Path, out: Path, drop_incomplete: bool) -> None:
 
 @click.command("demo")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/demo"), show_default=True)
-@click.option("--docs-count", type=click.IntRange(min=2), default=None, help="Documents to collect (default: demo size).")
-@click.option("--replicates", "-R", type=click.IntRange(min=1), default=None, help="Replicates per request.")
-@click.option("--max-new-tokens", "-T", type=click.IntRange(min=2), default=None, help="Horizon T.")
-@click.option("--window", "-W", type=click.IntRange(min=1), default=None, help="Residual observation window W.")
-@click.option("--target-tokens", type=click.IntRange(min=16), default=None, help="Document length in tokens.")
+@click.option("--docs-count", type=click.IntRange(min=2), default=None, help=f"Documents to collect.  [default: {_DEMO.docs_count}]")
+@click.option("--replicates", "-R", type=click.IntRange(min=1), default=None,
+              help=f"Replicates per request.  [default: {_DEMO.replicates}]")
+@click.option("--max-new-tokens", "-T", type=click.IntRange(min=2), default=None,
+              help=f"Horizon T.  [default: {_DEMO.max_new_tokens}]")
+@click.option("--window", "-W", type=click.IntRange(min=1), default=None,
+              help=f"Residual observation window W.  [default: {_DEMO.window}]")
+@click.option("--target-tokens", type=click.IntRange(min=16), default=None,
+              help=f"Document length in tokens.  [default: {_DEMO.target_tokens}]")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--server", "servers", multiple=True,
               help="Use these running servers instead of starting one (e.g. a GPU box).")
 @click.option("--model", default="embedded", show_default=True, help="Model for the server the demo starts.")
-@click.option("--concurrency", type=click.IntRange(min=1), default=None, help="Requests in flight per server.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=None,
+              help=f"Requests in flight per server.  [default: {_DEMO.concurrency}]")
 @click.option("--api-key", default=None, envvar="KVDIV_API_KEY")
+@click.option("--plan", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Run this plan as written (snapkv#512 substituted post hoc) instead of the derived demo plan.")
 def demo(out: Path, docs_count: int | None, replicates: int | None, max_new_tokens: int | None,
          window: int | None, target_tokens: int | None, seed: int, servers: tuple[str, ...], model: str,
-         concurrency: int | None, api_key: str | None) -> None:
+         concurrency: int | None, api_key: str | None, plan: Path | None) -> None:
     """The paper's study end to end: documents, server, traces, plan, report."""
     from gen_service.demo import DemoConfig, DemoError, run_demo
 
     overrides = {k: v for k, v in dict(docs_count=docs_count, replicates=replicates, max_new_tokens=max_new_tokens,
                                        window=window, target_tokens=target_tokens,
                                        concurrency=concurrency).items() if v is not None}
-    cfg = DemoConfig(out=out, seed=seed, servers=list(servers), model=model, api_key=api_key, **overrides)
+    cfg = DemoConfig(out=out, seed=seed, servers=list(servers), model=model, api_key=api_key, plan=plan,
+                     **overrides)
     try:
         run_demo(cfg)
     except DemoError as exc:

@@ -56,6 +56,20 @@ def test_demo_plan_is_the_paper_plan_fitted_to_the_window(tmp_path: Path) -> Non
     assert path.read_bytes() == before
 
 
+def test_documents_are_balanced_over_the_plan_split() -> None:
+    from divstats.plans import assign_split, load_plan
+
+    from gen_service.demo import select_balanced
+
+    plan = load_plan(shipped_plan())
+    docs = D.pydoc_documents(None, target_tokens=100)
+    for n in (7, 14):
+        pick = select_balanced(docs, n, shipped_plan())
+        labels = assign_split([d.id for d in pick], plan.salt, plan.confirmatory_fraction)
+        assert len(pick) == n and labels.count("confirmatory") == (n + 1) // 2
+        assert [d.id for d in pick] == [d.id for d in select_balanced(docs, n, shipped_plan())]
+
+
 def test_budget_is_half_the_median_prompt() -> None:
     docs = [D.Document(str(i), "w " * n) for i, n in enumerate([10, 20, 30])]
     template_words = len(D.TEMPLATES["summarise"].format(text="").split())

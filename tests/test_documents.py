@@ -108,3 +108,19 @@ def test_templates_put_the_instruction_last() -> None:
     assert D.DEFAULT_QUESTION in D.render_messages(D.Document("e", "x"), "qa")[0]["content"]
     with pytest.raises(ValueError, match="unknown template"):
         D.render_messages(doc, "poem")
+
+
+def test_docs_command_writes_a_counted_subset(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from gen_service.jobs_cli import docs
+
+    out = tmp_path / "d.jsonl"
+    res = CliRunner().invoke(docs, ["-o", str(out), "--tokenizer", "approx", "--target-tokens", "90",
+                                    "--count", "7"])
+    assert res.exit_code == 0, res.output
+    items = D.read_jsonl(out)
+    assert len(items) == 7 and all(45 <= d.meta["n_tokens"] <= 90 for d in items)
+    res = CliRunner().invoke(docs, ["-o", str(out), "--source", str(tmp_path / "missing.jsonl"),
+                                    "--tokenizer", "approx"])
+    assert res.exit_code != 0 and "missing.jsonl" in res.output
