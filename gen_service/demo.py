@@ -57,8 +57,8 @@ class DemoConfig:
     docs_count: int = 14
     target_tokens: int = 128
     replicates: int = 8
-    max_new_tokens: int = 12
-    window: int = 8
+    max_new_tokens: int = 10
+    window: int = 9   # W = T - 1: branches reach the horizon, so every estimand is identified
     seed: int = 0
     servers: list[str] = field(default_factory=list)
     model: str = "embedded"
@@ -84,6 +84,39 @@ def _say(message: str) -> None:
 # --------------------------------------------------------------------------- server
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when the demo dies, even by SIGKILL.
+
+    Without this, a demo killed hard would leave a model server running on the port.
+    """
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """Treat SIGTERM like Ctrl-C, so `kill <demo>` also stops the server and keeps the journal."""
+    import signal
+
+    def raise_interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    except ValueError:  # not the main thread (e.g. called from a worker): leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class ServerProcess:
     """``kvdiv serve`` as a child process; its output goes to a log file."""
 
@@ -96,7 +129,8 @@ class ServerProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         self._log: TextIO = open(log_path, "a", encoding="utf-8")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         self.url: str | None = None
         self._ready = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -332,6 +366,11 @@ def run_demo(cfg: DemoConfig) -> Any:
     """Run every step; returns divstats' Analysis. Raises DemoError with advice on failure."""
     cfg.out = Path(cfg.out)
     cfg.out.mkdir(parents=True, exist_ok=True)
+    with _terminate_as_interrupt():
+        return _run(cfg)
+
+
+def _run(cfg: DemoConfig) -> Any:
     t0 = time.monotonic()
     _say(f"kvdiv demo → {cfg.out}  ({cfg.docs_count} docs × 4 policies, R={cfg.replicates}, "
          f"T={cfg.max_new_tokens}, W={cfg.window}, residual traces)")
