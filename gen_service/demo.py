@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -212,9 +212,25 @@ def _serving(cfg: DemoConfig) -> Iterator[ServerProcess | None]:
 # --------------------------------------------------------------------------- documents and policies
 
 
-def budget_for(docs: Sequence[D.Document], template: str, count: D.TokenCounter) -> int:
+def prompt_length(tokenizer: Any | None) -> Callable[[list[dict[str, str]]], int]:
+    """Tokens the server will prefill for chat ``messages``.
+
+    With a chat template this is exact (SmolLM2's template adds a default system
+    turn of ~20 tokens); otherwise the user turn plus a small allowance.
+    """
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        def exact(messages: list[dict[str, str]]) -> int:
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            return len(ids if isinstance(ids, list) else ids["input_ids"])
+        return exact
+    count = D.token_counter(tokenizer)
+    return lambda messages: sum(count(m["content"]) for m in messages) + CHAT_OVERHEAD_TOKENS
+
+
+def budget_for(docs: Sequence[D.Document], template: str,
+               length: Callable[[list[dict[str, str]]], int]) -> int:
     """N for ``snapkv#N``: half the median prompt length (document, template and chat turn)."""
-    prompts = [count(D.render_messages(d, template)[0]["content"]) + CHAT_OVERHEAD_TOKENS for d in docs]
+    prompts = [length(D.render_messages(d, template)) for d in docs]
     return max(1, int(round(statistics.median(prompts) / 2)))
 
 
@@ -260,10 +276,9 @@ def _prepare_documents(cfg: DemoConfig) -> tuple[Path, int]:
         return docs_path, int(saved["budget"])
     _say(f"      loading the {cfg.model} tokenizer and chunking pydoc_data.topics to ~{cfg.target_tokens} tokens")
     tokenizer = D.load_tokenizer(cfg.model)
-    count = D.token_counter(tokenizer)
     docs = select_balanced(D.pydoc_documents(tokenizer, target_tokens=cfg.target_tokens), cfg.docs_count,
                            cfg.plan or shipped_plan())
-    budget = budget_for(docs, cfg.template, count)
+    budget = budget_for(docs, cfg.template, prompt_length(tokenizer))
     D.write_jsonl(docs, docs_path)
     settings = {"sizes": cfg.sizes(), "budget": budget, "n_docs": len(docs), "policies": demo_policies(budget)}
     settings_path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")

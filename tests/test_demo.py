@@ -73,7 +73,14 @@ def test_documents_are_balanced_over_the_plan_split() -> None:
 def test_budget_is_half_the_median_prompt() -> None:
     docs = [D.Document(str(i), "w " * n) for i, n in enumerate([10, 20, 30])]
     template_words = len(D.TEMPLATES["summarise"].format(text="").split())
-    assert budget_for(docs, "summarise", lambda s: len(s.split())) == round((20 + template_words + 8) / 2)
+    words = lambda messages: sum(len(m["content"].split()) for m in messages)  # noqa: E731
+    assert budget_for(docs, "summarise", words) == round((20 + template_words) / 2)
+    from gen_service.demo import prompt_length
+    from gen_service.models import byte_tokenizer
+
+    tok = byte_tokenizer()  # a real chat template: the count includes its role markers
+    msgs = D.render_messages(docs[0], "summarise")
+    assert prompt_length(tok)(msgs) > len(msgs[0]["content"].encode()) >= prompt_length(None)(msgs) - 8
 
 
 @pytest.mark.service
