@@ -43,7 +43,15 @@ class RetryableError(RuntimeError):
 
 
 class PermanentError(RuntimeError):
-    """A failure that another attempt cannot fix (bad request, wrong model)."""
+    """A failure that another attempt cannot fix (bad request, wrong model).
+
+    ``fatal`` failures (authentication) would fail every request alike, so they stop
+    the whole collection at once.
+    """
+
+    def __init__(self, message: str, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.fatal = fatal
 
 
 @dataclass
@@ -340,7 +348,10 @@ class Collector:
                     self.progress.retry()
                     self._requeue_later(job, self._backoff(job.attempts, exc.retry_after))
             except PermanentError as exc:
-                self._finish(job, str(exc))
+                if exc.fatal:
+                    self._abort(str(exc))
+                else:
+                    self._finish(job, str(exc))
             else:
                 self.result.completed += 1
                 self.progress.done()
@@ -392,6 +403,8 @@ class Collector:
                     message = _error_message(response.status_code, await response.aread())
                     if response.status_code in RETRY_STATUS:
                         raise RetryableError(message, _retry_after(response.headers))
+                    if response.status_code in (401, 403):
+                        raise PermanentError(f"{message} (check --api-key)", fatal=True)
                     raise PermanentError(message)
                 await self._receive(response, job)
         except httpx.TransportError as exc:  # refused, reset, dropped mid-stream, timed out

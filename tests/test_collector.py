@@ -147,6 +147,13 @@ def test_stop_reason_ends_the_run_at_once(docs_file: Path, tmp_path: Path) -> No
     assert result.failed == {f"doc{i} × {p}": "server process exited" for i in range(3) for p in POLICIES}
 
 
+def test_authentication_failure_stops_everything(fake_server: FakeServer, docs_file: Path, tmp_path: Path) -> None:
+    fake_server.faults = ["401"] * 10
+    result = collect(_cfg([fake_server.url], docs_file, tmp_path / "run"))
+    assert len(result.failed) == 6 and len(fake_server.requests) == 1
+    assert all("--api-key" in reason for reason in result.failed.values())
+
+
 def test_seeds_and_bodies() -> None:
     assert derive_seed(1, "d", "p") == derive_seed(1, "d", "p")
     assert len({derive_seed(1, "d", p) for p in POLICIES} | {derive_seed(2, "d", "snapkv@0.5")}) == 3
@@ -175,6 +182,9 @@ def test_cli_collect_and_pack(fake_server: FakeServer, docs_file: Path, tmp_path
 
     ds = protocols.open_traces(tmp_path / "t.nc")
     assert ds.attrs["kind"] == "coupled" and ds.sizes["step"] == 5 and ds.sizes["doc"] == 3
+    res = CliRunner().invoke(pack_cmd, [str(run), "-o", str(tmp_path / "t.zarr")])
+    assert res.exit_code == 0, res.output
+    assert protocols.open_traces(tmp_path / "t.zarr").identical(ds)
     next((run / "requests").glob("doc1--recent*.ndjson")).unlink()
     res = CliRunner().invoke(pack_cmd, [str(run), "-o", str(tmp_path / "u.nc")])
     assert res.exit_code != 0 and "doc1: recent@0.5" in res.output

@@ -126,6 +126,8 @@ class FakeServer:
                                 headers={"Retry-After": "0"})
         if fault == "500":
             return JSONResponse({"error": "boom", "error_type": "internal"}, status_code=500)
+        if fault == "401":
+            return JSONResponse({"error": "Unauthorized", "error_type": "authentication"}, status_code=401)
         if fault == "422":
             return JSONResponse({"error": "candidate: unknown policy", "error_type": "validation"},
                                 status_code=422)
