@@ -551,7 +551,7 @@ def _collection_attrs(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """Dataset attrs recording how the traces were collected (netCDF-safe scalars)."""
     params = manifest["params"]
     return {
-        "template": str(params["template"]),
+        "prompt_template": str(params["template"]),  # the name protocols.assemble uses
         "documents_sha256": str(params["docs_sha256"]),
         "collection_seed": int(params["seed"]),
         "collection": json.dumps(params, sort_keys=True),

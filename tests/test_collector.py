@@ -53,7 +53,7 @@ def test_collect_then_pack(fake_server: FakeServer, docs_file: Path, tmp_path: P
     ds = pack_run(tmp_path / "run", progress=False)
     assert list(ds["doc"].values) == ["doc0", "doc1", "doc2"]
     assert list(ds["policy"].values) == POLICIES
-    assert ds.attrs["template"] == "summarise" and ds.attrs["kind"] == "residual"
+    assert ds.attrs["prompt_template"] == "summarise" and ds.attrs["kind"] == "residual"
 
 
 def test_retries_every_fault_and_never_keeps_a_corrupt_stream(docs_file: Path, tmp_path: Path) -> None:
