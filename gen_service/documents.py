@@ -111,22 +111,30 @@ def paragraphs(text: str) -> list[str]:
     return [p.strip("\n").rstrip() for p in _PARAGRAPH_BREAK.split(text) if p.strip()]
 
 
+def _pack(units: list[str], sep: str, count: TokenCounter, target: int) -> list[str]:
+    """Greedily join consecutive units with ``sep`` while the result fits ``target``.
+
+    A unit that alone exceeds the target becomes a piece of its own.
+    """
+    pieces: list[str] = []
+    current: list[str] = []
+    for unit in units:
+        if current and count(sep.join([*current, unit])) > target:
+            pieces.append(sep.join(current))
+            current = []
+        current.append(unit)
+    if current:
+        pieces.append(sep.join(current))
+    return pieces
+
+
 def _split_long(paragraph: str, count: TokenCounter, target: int) -> list[str]:
     """Cut a paragraph longer than ``target`` at line boundaries (code blocks, lists).
 
     A single line longer than the target stays whole: cutting inside a line would
     produce text no reader wrote.
     """
-    pieces: list[str] = []
-    current: list[str] = []
-    for line in paragraph.split("\n"):
-        if current and count("\n".join([*current, line])) > target:
-            pieces.append("\n".join(current))
-            current = []
-        current.append(line)
-    if current:
-        pieces.append("\n".join(current))
-    return pieces
+    return _pack(paragraph.split("\n"), "\n", count, target)
 
 
 def chunk_text(text: str, count: TokenCounter, target: int) -> list[str]:
@@ -140,16 +148,7 @@ def chunk_text(text: str, count: TokenCounter, target: int) -> list[str]:
     units: list[str] = []
     for para in paragraphs(text):
         units.extend(_split_long(para, count, target) if count(para) > target else [para])
-    chunks: list[str] = []
-    current: list[str] = []
-    for unit in units:
-        if current and count("\n\n".join([*current, unit])) > target:
-            chunks.append("\n\n".join(current))
-            current = []
-        current.append(unit)
-    if current:
-        chunks.append("\n\n".join(current))
-    return chunks
+    return _pack(units, "\n\n", count, target)
 
 
 # --------------------------------------------------------------------------- sources
