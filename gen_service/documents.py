@@ -89,18 +89,7 @@ def load_tokenizer(model_id: str | None = None) -> Any | None:
     # "sequence length is longer than the maximum" warning would only alarm users.
     hf_logging.set_verbosity_error()
 
-    model_id = model_id or models.EMBEDDED_ID
-    if model_id in models.TINY_IDS:
-        return models.byte_tokenizer()
-    from transformers import AutoTokenizer
-
-    if model_id == models.EMBEDDED_ID:
-        gguf = models.embedded_gguf_path()
-        cached = models._gguf_cache_dir(gguf)
-        if (cached / "tokenizer_config.json").exists():
-            return AutoTokenizer.from_pretrained(cached)
-        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    return AutoTokenizer.from_pretrained(model_id)
+    return models.load_tokenizer(model_id)
 
 
 # --------------------------------------------------------------------------- chunking
