@@ -11,7 +11,9 @@ Measures, on a ~500-token prompt with R rows and horizon T:
 4. end-to-end request time for coupled and residual traces (what a client sees).
 
 Usage: ``python benchmarks/bench_service.py [--rows 8] [--steps 32] [--prompt-tokens 500]
-[--model embedded] [--policy snapkv@0.5]``.
+[--model embedded] [--policy snapkv@0.5] [--device cpu|cuda] [--dtype auto]``.
+On a GPU: ``python benchmarks/bench_service.py --model random:llama-1b --device cuda``
+(a random-initialised ~1.2B Llama in bf16).
 """
 
 from __future__ import annotations
@@ -50,6 +52,13 @@ def prompt_ids(engine: Engine, n: int) -> list[int]:
     return list(out if isinstance(out, list) else out["input_ids"])
 
 
+def _clock(engine: Engine) -> float:
+    """Wall time after the device's queued work is done (CUDA runs asynchronously)."""
+    if engine.lm.device.type == "cuda":
+        torch.cuda.synchronize(engine.lm.device)
+    return time.perf_counter()
+
+
 def best(fn: Callable[[], float], repeats: int) -> float:
     """Median of repeats (the 2 shared cores are noisy)."""
     return statistics.median(fn() for _ in range(repeats))
@@ -61,13 +70,13 @@ def time_bare(engine: Engine, ids: list[int], policy: str, rows: int, steps: int
     p0.cache.batch_repeat_interleave(rows)
     q0.cache.batch_repeat_interleave(rows)
     tok = p0.logits.argmax(-1).expand(rows)
-    t0 = time.perf_counter()
+    t0 = _clock(engine)
     for t in range(1, steps):
-        pos = torch.full((rows,), len(ids) + t - 1, dtype=torch.long)
+        pos = torch.full((rows,), len(ids) + t - 1, dtype=torch.long, device=engine.lm.device)
         lp = engine.step(p0.cache, tok, pos)
         engine.step(q0.cache, tok, pos)
         tok = lp.argmax(-1)
-    return (time.perf_counter() - t0) / (steps - 1)
+    return (_clock(engine) - t0) / (steps - 1)
 
 
 def time_coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int, steps: int) -> float:
@@ -75,10 +84,10 @@ def time_coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int, 
     job = TraceJob(prompt_ids=ids, candidate=policy, horizon=steps, replicates=rows, seed=0)
     p0, q0 = engine.prefill_pair(engine.registry.resolve("full"), engine.registry.resolve(policy), ids)
     gen = engine.generator(0)
-    t0 = time.perf_counter()
+    t0 = _clock(engine)
     for _ in engine._coupled(job, p0, q0, gen, lambda: False):
         pass
-    return (time.perf_counter() - t0) / (steps - 1)  # T steps, T−1 forward pairs
+    return (_clock(engine) - t0) / (steps - 1)  # T steps, T−1 forward pairs
 
 
 def time_fused(engine: Engine, ids: list[int], policy: str, rows: int, steps: int) -> float:
@@ -87,19 +96,19 @@ def time_fused(engine: Engine, ids: list[int], policy: str, rows: int, steps: in
     p0, q0 = engine.prefill_pair(engine.registry.resolve("full"), engine.registry.resolve(policy), ids)
     L, m = p0.kept, q0.kept
     for pl, ql in zip(p0.cache.layers, q0.cache.layers):
-        pad = torch.zeros(*ql.keys.shape[:2], L - m, ql.keys.shape[-1], dtype=ql.keys.dtype)
+        pad = ql.keys.new_zeros(*ql.keys.shape[:2], L - m, ql.keys.shape[-1])
         pl.keys = torch.cat([pl.keys.expand(rows, -1, -1, -1), torch.cat([ql.keys, pad], 2).expand(rows, -1, -1, -1)])
         pl.values = torch.cat([pl.values.expand(rows, -1, -1, -1),
                                torch.cat([ql.values, pad], 2).expand(rows, -1, -1, -1)])
-    mask = torch.ones(2 * rows, L, dtype=torch.long)
+    mask = torch.ones(2 * rows, L, dtype=torch.long, device=engine.lm.device)
     mask[rows:, m:] = 0
     tok = p0.logits.argmax(-1).expand(2 * rows)
-    t0 = time.perf_counter()
+    t0 = _clock(engine)
     for t in range(1, steps):
-        mask = torch.cat([mask, torch.ones(2 * rows, 1, dtype=torch.long)], 1)
-        pos = torch.full((2 * rows,), len(ids) + t - 1, dtype=torch.long)
+        mask = torch.cat([mask, mask.new_ones(2 * rows, 1)], 1)
+        pos = torch.full((2 * rows,), len(ids) + t - 1, dtype=torch.long, device=engine.lm.device)
         tok = engine.step(p0.cache, tok, pos, mask).argmax(-1)
-    return (time.perf_counter() - t0) / (steps - 1)
+    return (_clock(engine) - t0) / (steps - 1)
 
 
 def time_generate(engine: Engine, ids: list[int], rows: int, steps: int) -> float:
@@ -107,22 +116,22 @@ def time_generate(engine: Engine, ids: list[int], rows: int, steps: int) -> floa
     cache prefilled once and expanded (as the engine does), so prefill is excluded."""
     pre = engine.prefill(engine.registry.resolve("full"), ids[:-1])
     pre.cache.batch_repeat_interleave(rows)
-    x = torch.tensor([ids] * rows)
+    x = torch.tensor([ids] * rows, device=engine.lm.device)
     with torch.inference_mode():
-        t0 = time.perf_counter()
+        t0 = _clock(engine)
         engine.model.generate(x, attention_mask=torch.ones_like(x), past_key_values=pre.cache,
                               max_new_tokens=steps, min_new_tokens=steps, do_sample=True, top_k=0,
                               pad_token_id=0)
-    return (time.perf_counter() - t0) / steps  # T forwards (the first feeds the last prompt token)
+    return (_clock(engine) - t0) / steps  # T forwards (the first feeds the last prompt token)
 
 
 def time_request(engine: Engine, ids: list[int], policy: str, kind: str, rows: int, steps: int) -> float:
     job = TraceJob(prompt_ids=ids, candidate=policy, kind=kind, horizon=steps, replicates=rows, seed=0,
                    sampling=Sampling())
-    t0 = time.perf_counter()
+    t0 = _clock(engine)
     for _ in engine.trace(job):
         pass
-    return time.perf_counter() - t0
+    return _clock(engine) - t0
 
 
 def main() -> None:
@@ -134,25 +143,27 @@ def main() -> None:
     ap.add_argument("--request-steps", type=int, default=32, help="T for the end-to-end requests")
     ap.add_argument("--prompt-tokens", type=int, default=500)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    ap.add_argument("--dtype", default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
     args = ap.parse_args()
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    engine = Engine(load_model(args.model, device="cpu"))
+    engine = Engine(load_model(args.model, device=args.device, dtype=args.dtype))
     ids = prompt_ids(engine, args.prompt_tokens)
     R, T, pol = args.rows, args.steps, args.policy
-    print(f"model={engine.lm.name} prompt={len(ids)} tokens R={R} T={T} policy={pol} "
-          f"torch threads={torch.get_num_threads()}")
+    print(f"model={engine.lm.name} device={engine.lm.device} dtype={engine.lm.dtype} "
+          f"prompt={len(ids)} tokens R={R} T={T} policy={pol} torch threads={torch.get_num_threads()}")
     time_request(engine, ids, pol, "coupled", 2, 3)  # warm-up
     bare = best(lambda: time_bare(engine, ids, pol, R, T), args.repeats)
     coupled = best(lambda: time_coupled_decode(engine, ids, pol, R, T), args.repeats)
     fused = best(lambda: time_fused(engine, ids, pol, R, T), args.repeats)
     gen = best(lambda: time_generate(engine, ids, R, T), args.repeats)
     TR = args.request_steps
-    t0 = time.perf_counter()
+    t0 = _clock(engine)
     engine.prefill_pair(engine.registry.resolve("full"), engine.registry.resolve(pol), ids)
-    prefill = time.perf_counter() - t0
+    prefill = _clock(engine) - t0
     req_c = best(lambda: time_request(engine, ids, pol, "coupled", R, TR), args.repeats)
     req_r = best(lambda: time_request(engine, ids, pol, "residual", R, TR), args.repeats)
     rows = [

@@ -8,6 +8,9 @@ Model ids understood by :func:`load_model`:
   ``platformdirs.user_cache_dir("kvdiv")`` so later starts take seconds, not ~20 s.
 - ``tiny:llama`` / ``tiny:qwen2``: 2-layer random models (seed 0) with a byte-level
   tokenizer built in memory; no files, no network, start in well under a second.
+- ``random:llama-1b``: a random-initialised ~1.2B-parameter Llama (Llama-3.2-1B
+  shapes, SmolLM2's tokenizer and vocabulary) for benchmarks on a GPU, built
+  directly on the device in the serving dtype; no weights to download;
 - a local directory or hub id (anything ``from_pretrained`` accepts);
 - with ``gguf=PATH``: that GGUF file (dequantised, cached like the embedded one).
 """
@@ -29,6 +32,12 @@ EMBEDDED_ID = "embedded"
 EMBEDDED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_IDS = ("tiny:llama", "tiny:qwen2")
+# Random-initialised benchmark models: Llama-3.2-1B's shapes over SmolLM2's vocabulary.
+RANDOM_CONFIGS: dict[str, dict[str, int | float]] = {
+    "random:llama-1b": dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192,
+                            num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                            max_position_embeddings=8192, rope_theta=500000.0),
+}
 
 # ChatML, as SmolLM2 uses; the tiny tokenizer gets the same template so chat requests
 # exercise the same code path in tests as on the real model.
@@ -164,6 +173,21 @@ def tiny_model(arch: str = "llama", seed: int = 0):
     return model
 
 
+def random_model(model_id: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """A random-initialised benchmark model, allocated on ``device`` in ``dtype`` at once
+    (a 1B model initialised in fp32 on the CPU first would take minutes)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**RANDOM_CONFIGS[model_id], bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = 2
+    return model
+
+
 # --------------------------------------------------------------------------- gguf
 
 def _gguf_cache_dir(gguf: Path) -> Path:
@@ -239,6 +263,8 @@ def load_model(model_id: str | None = None, *, gguf: str | None = None, device: 
         return _finish(model, tok, EMBEDDED_NAME, dev, dt)
     if model_id in TINY_IDS:
         return _finish(tiny_model(model_id.split(":", 1)[1]), byte_tokenizer(), model_id, dev, dt)
+    if model_id in RANDOM_CONFIGS:
+        return _finish(random_model(model_id, dev, dt), load_tokenizer(EMBEDDED_ID), model_id, dev, dt)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dt)
