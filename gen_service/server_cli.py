@@ -50,7 +50,7 @@ def _quiet_libraries() -> None:
 
 @click.command("serve")
 @click.option("--model", default="embedded", show_default=True,
-              help="embedded (SmolLM2-135M-Instruct GGUF), tiny:llama, tiny:qwen2, a local dir or a hub id.")
+              help="embedded (SmolLM2-135M-Instruct GGUF), tiny:llama, tiny:qwen2, random:llama-1b (benchmarks), a local dir or a hub id.")
 @click.option("--gguf", type=click.Path(exists=True, dir_okay=False), default=None, help="Load this GGUF file.")
 @click.option("--eviction", default="full", show_default=True,
               help="Default policy for TGI requests (parameters.eviction overrides).")
