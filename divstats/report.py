@@ -34,7 +34,7 @@ import numpy as np
 import xarray as xr
 
 from divstats import figures as F
-from divstats.decompose import DecompositionInterval, DecompositionResult, decompose
+from divstats.decompose import DecompositionInterval, DecompositionResult, _as_da, decompose
 from divstats.plans import Plan, PlanResult, load_plan, run_plan
 
 #: Aggregate quantities shown in the report's estimates table (in order).
@@ -230,18 +230,14 @@ def _decomposition_dataset(decs: list[tuple[DecompositionResult, DecompositionIn
     for res, ci in decs:
         d = res.to_dataset()
         for name in ("gap", "first", "exposure", "rate"):
-            d[f"{name}_low"] = F_as_da(getattr(ci.low, name))
-            d[f"{name}_high"] = F_as_da(getattr(ci.high, name))
+            d[f"{name}_low"] = _as_da(getattr(ci.low, name))
+            d[f"{name}_high"] = _as_da(getattr(ci.high, name))
         parts.append(d.drop_attrs())
     out = xr.concat(parts, dim="comparison")
     out = out.assign_coords(comparison=[f"{r.a} vs {r.b}" for r, _ in decs],
                             comparison_a=("comparison", [r.a for r, _ in decs]),
                             comparison_b=("comparison", [r.b for r, _ in decs]))
     return _prefixed(out, "decomposition_")
-
-
-def F_as_da(x: Any) -> xr.DataArray:
-    return x if isinstance(x, xr.DataArray) else xr.DataArray(float(x))
 
 
 def _clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
