@@ -35,6 +35,7 @@ import xarray as xr
 
 from divstats import figures as F
 from divstats.decompose import DecompositionInterval, DecompositionResult, _as_da, decompose
+from divstats.estimators import _MEAN_OVER_DOCS, _derive
 from divstats.plans import Plan, PlanResult, load_plan, run_plan
 
 #: Aggregate quantities shown in the report's estimates table (in order).
@@ -42,7 +43,6 @@ SUMMARY_QUANTITIES: tuple[str, ...] = (
     "occurrence", "rmtd", "exposure", "rate", "mismatch_fraction", "first_mismatch_contribution",
     "exposure_contribution", "loss_lower", "loss_upper",
 )
-_DOC_MEANS = ("occurrence", "rmtd", "exposure", "post_mismatch", "window_mismatch", "tail_capacity")
 EXPLORATORY = "exploratory: descriptive, not part of the plan"
 
 
@@ -80,25 +80,20 @@ def aggregate_intervals(est: xr.Dataset, *, level: float = 0.95, n_resamples: in
     document means, rate = Σ post / Σ exposure, and the derived quantities.
     Returns ``<name>_low``/``<name>_high`` over (policy[, model]).
     """
-    T = float(est.attrs["horizon"])
+    T = int(est.attrs["horizon"])
     n = est.sizes["doc"]
     idx = np.random.default_rng(seed).integers(0, n, (n_resamples, n))
     means = {}
-    for name in _DOC_MEANS:
+    for name in _MEAN_OVER_DOCS:
         arr = np.asarray(est[name].transpose("doc", ...).values, dtype=float)
         # Batches of resamples keep memory at ~500 x n_docs x (policy, model) values.
         means[name] = np.concatenate([arr[idx[i:i + 500]].mean(axis=1) for i in range(0, n_resamples, 500)])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        e, p = means["exposure"], means["post_mismatch"]
-        derived = {
-            "occurrence": means["occurrence"], "rmtd": means["rmtd"], "exposure": e,
-            "rate": np.where(e > 0, p / np.where(e > 0, e, 1), np.nan),
-            "mismatch_fraction": (means["occurrence"] + p) / T,
-            "first_mismatch_contribution": means["occurrence"] / T,
-            "exposure_contribution": np.where(e > 0, p, 0.0) / T * np.where(np.isnan(p), np.nan, 1),
-            "loss_lower": means["occurrence"] + means["window_mismatch"],
-            "loss_upper": means["occurrence"] + means["window_mismatch"] + means["tail_capacity"],
-        }
+    parts = _derive(means["occurrence"], means["exposure"], means["post_mismatch"], T)
+    lower = means["occurrence"] + means["window_mismatch"]
+    derived = {**{k: means[k] for k in ("occurrence", "rmtd", "exposure")},
+               **{k: parts[k] for k in ("rate", "mismatch_fraction", "first_mismatch_contribution",
+                                        "exposure_contribution")},
+               "loss_lower": lower, "loss_upper": lower + means["tail_capacity"]}
     template = est["occurrence"].isel(doc=0, drop=True)
     template = template.drop_vars([c for c in template.coords if not template[c].dims])
     a = (1 - level) / 2
