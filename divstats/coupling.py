@@ -14,6 +14,7 @@ import xarray as xr
 
 from protocols import coupled_dataset, reference_dataset, residual_dataset, validate
 from divstats.kernels import CoupledKernels, Kernel, StepLaw
+from divstats.replicates import survival_terms
 
 KINDS = ("coupled", "residual", "reference")
 
@@ -65,9 +66,7 @@ def _survival_path(kern: CoupledKernels, T: int, u: np.ndarray):
 
 def _branch_point(tvs: np.ndarray, u: float) -> int:
     """t* ~ pi_t / (1 - S_T) with pi_t = S_{t-1} tv_t; 0 when 1 - S_T = 0."""
-    d = np.nan_to_num(tvs, nan=0.0)
-    surv = np.cumprod(1.0 - d)
-    pi = np.concatenate(([1.0], surv[:-1])) * d
+    _, pi = survival_terms(tvs)
     if pi.sum() <= 0.0:
         return 0
     return _draw(pi, u) + 1
