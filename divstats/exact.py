@@ -16,14 +16,6 @@ import numpy as np
 
 from divstats.kernels import CoupledKernels, Kernel
 
-#: Scalar estimands reported by ``exact`` (and, with ``_se``, by ``estimate``).
-SCALARS = (
-    "occurrence", "rmtd", "exposure", "post_mismatch", "rate", "loss", "mismatch_fraction",
-    "first_mismatch_contribution", "exposure_contribution", "window_mismatch",
-    "tail_capacity", "loss_lower", "loss_upper",
-)
-
-
 @dataclass(frozen=True)
 class ExactResult:
     """Every estimand of METHOD §3 and §6 for one kernel pair, computed exactly.
