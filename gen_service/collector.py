@@ -23,7 +23,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -475,11 +475,6 @@ def collect(cfg: CollectConfig, stop_reason: Callable[[], str | None] | None = N
     stops the whole collection at once (the requests stay incomplete for a rerun).
     """
     return asyncio.run(collect_async(cfg, stop_reason))
-
-
-def config_summary(cfg: CollectConfig) -> str:
-    shown = {k: v for k, v in asdict(cfg).items() if k not in ("api_key", "progress")}
-    return json.dumps(shown, default=str)
 
 
 # --------------------------------------------------------------------------- pack

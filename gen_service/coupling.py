@@ -115,7 +115,3 @@ def maximal_coupling(p: torch.Tensor, q: torch.Tensor, gen: torch.Generator) -> 
     y = torch.where(split, y_res, overlap)
     stop = m.sum(-1) <= 0
     return CoupledDraw(delta, x, y, x_res, y_res, overlap, stop)
-
-
-def logprob(p: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return p.gather(-1, tokens[:, None]).squeeze(-1).clamp_min(1e-45).log()

@@ -25,7 +25,6 @@ Residual mode (METHOD §5) in three phases, all batched over rows:
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -154,9 +153,6 @@ class Engine:
         out = self.model(input_ids=tokens[:, None], past_key_values=cache, position_ids=positions[:, None],
                          attention_mask=mask, use_cache=True)
         return out.logits[:, -1].float()
-
-    def validate_policy(self, policy_id: str) -> Policy:
-        return self.registry.resolve(policy_id)
 
     # ------------------------------------------------------------------ traces
 
@@ -367,7 +363,7 @@ class Engine:
                  seed: int | None, top_n: int = 0, stop_check: Callable[[list[int]], bool] | None = None,
                  cancelled: Callable[[], bool] = lambda: False) -> Iterator[dict[str, Any]]:
         """Plain sampling from one policy's kernel (TGI's /generate): yields one dict per
-        token with id, logprob (under the sampling distribution) and top tokens, and
+        token with id, logprob (the model's, as TGI reports it) and top tokens, and
         finally a dict with the finish reason."""
         policy = self.registry.resolve(policy_id)
         pre = self.prefill(policy, prompt_ids)
@@ -404,16 +400,3 @@ class Engine:
         lps: list[float | None] = [None]
         lps += logits[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
         return lps
-
-
-def tv_first_steps(engine: Engine, prompt_ids: list[int], candidate: str, steps: int = 2,
-                   sampling: Sampling | None = None, seed: int = 0) -> list[float]:
-    """TV along one greedy-shared path for the first few steps (tests, docs)."""
-    job = TraceJob(prompt_ids=prompt_ids, candidate=candidate, kind="residual", horizon=steps, replicates=1,
-                   sampling=sampling or Sampling(), seed=seed)
-    return [rec["tv"][0] for rec in engine.trace(job) if rec["type"] == "shared_step"]
-
-
-def elapsed(t0: float) -> float:
-    return time.perf_counter() - t0
-

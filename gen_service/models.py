@@ -60,10 +60,6 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
 
-    @property
-    def num_layers(self) -> int:
-        return int(self.model.config.num_hidden_layers)
-
 
 def cache_root() -> Path:
     """Where dequantised weights live; ``KVDIV_CACHE_DIR`` overrides (tests, CI)."""
