@@ -3,11 +3,11 @@
 ``collect`` sends one ``POST /v1/traces`` per (document, policy) to one or more
 servers (httpx, async), ``concurrency`` requests in flight per server, pulling from
 one shared queue so a faster server simply takes more work. Every stream is written
-to the journal as it arrives and becomes complete only after its sha256 (and, when
-``protocols.assemble`` is available, its structure) checks out. Transient failures
-(429, 5xx, dropped connections, truncated or altered streams, server error records)
-are retried with exponential backoff and jitter, on whichever server is free; a
-request that still fails after ``max_attempts`` is reported and left incomplete.
+to the journal as it arrives and becomes complete only after its sha256 and its
+structure (``protocols.assemble``) check out. Transient failures (429, 5xx, dropped
+connections, truncated or altered streams, server error records) are retried with
+exponential backoff and jitter, on whichever server is free; a request that still
+fails after ``max_attempts`` is reported and left incomplete.
 
 Determinism: each request's seed is derived from (seed, document, policy), never from
 the order of completion, so a resumed run produces the same traces as an
@@ -198,15 +198,6 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
         return None
 
 
-def _assembler() -> Callable[..., Any] | None:
-    """``protocols.assemble``: the full structural check before a request counts as complete."""
-    try:
-        from protocols.assemble import assemble
-    except ImportError:  # an older protocols: the digest check alone still guards the journal
-        return None
-    return assemble
-
-
 def _tokens_in(record: Mapping[str, Any]) -> int:
     """Tokens a record reports (progress only): survival-path or coupled tokens, branch tokens."""
     values = record.get("token") or record.get("x_token") or []
@@ -217,8 +208,10 @@ class _Checker:
     """Checks a finished stream's header against the request and the run's model."""
 
     def __init__(self, cfg: CollectConfig, journal: Journal) -> None:
+        from protocols import assemble  # the full structural check before a request counts as complete
+
         self.cfg, self.journal = cfg, journal
-        self.assemble = _assembler()
+        self.assemble = assemble
         manifest = journal.read_manifest() or {}
         self.model: str | None = manifest.get("model")
 
@@ -235,11 +228,10 @@ class _Checker:
             self._record_model(model)
         elif model != self.model:
             raise PermanentError(f"server runs model {model!r}, this collection uses {self.model!r}")
-        if self.assemble is not None:
-            try:
-                self.assemble(list(lines), doc=job.doc.id)
-            except Exception as exc:  # any assembly failure means the stream is unusable
-                raise RetryableError(f"stream does not assemble: {exc}") from None
+        try:
+            self.assemble(list(lines), doc=job.doc.id)
+        except Exception as exc:  # any assembly failure means the stream is unusable
+            raise RetryableError(f"stream does not assemble: {exc}") from None
 
     def _record_model(self, model: str) -> None:
         # The first header fixes the run's model; later servers must serve the same one.
