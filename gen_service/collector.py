@@ -553,18 +553,4 @@ def save_dataset(ds: Any, path: str | Path) -> Path:
     if out.suffix not in (".nc", ".zarr"):
         raise PackError(f"{out}: the output must end in .nc or .zarr")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp{out.suffix}")
-    _remove(tmp)
-    protocols.save_traces(ds, tmp)
-    _remove(out)
-    tmp.rename(out)
-    return out
-
-
-def _remove(path: Path) -> None:
-    import shutil
-
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
+    return protocols.save_traces(ds, out)  # writes a temporary sibling, then renames it over ``out``
