@@ -333,8 +333,10 @@ def create_app(service: Service) -> Starlette:
     def token_text(tid: int) -> str:
         return tok.decode([tid], skip_special_tokens=False)
 
+    special_ids = set(tok.all_special_ids)  # a property that rebuilds its list on every access
+
     def special(tid: int) -> bool:
-        return tid in set(tok.all_special_ids)
+        return tid in special_ids
 
     def parse_generate(data: dict) -> dict[str, Any]:
         params = data.get("parameters") or {}
