@@ -117,7 +117,8 @@ class Engine:
         attended to the whole prompt), so hooks registered before the press's keep
         each layer's uncompressed keys/values for P while the press compresses Q's."""
         L = len(prompt_ids)
-        if ref.plan(L).press is not None:
+        ref_plan = ref.plan(L)
+        if ref_plan.press is not None:
             return self.prefill(ref, prompt_ids), self.prefill(cand, prompt_ids)
         full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -135,7 +136,7 @@ class Engine:
         cache = DynamicCache()
         for idx in sorted(full):
             cache.update(*full[idx], idx)
-        return Prefilled(cache, q0.logits, L, ref.plan(L)), q0
+        return Prefilled(cache, q0.logits, L, ref_plan), q0
 
     def _refuse_headwise(self, policy: Policy) -> None:
         # kvpress's head-wise presses (AdaKV & co.) leave per-module masks for batch 1
@@ -375,14 +376,15 @@ class Engine:
             self._check(cancelled)
             p = probs(logits, sampling)
             tok = p.argmax(-1) if sampling.greedy else torch.multinomial(p, 1, generator=gen).squeeze(-1)
+            tid = int(tok)
             lp = torch.log_softmax(logits, -1)  # TGI reports the model's log-probability
-            item = {"id": int(tok), "logprob": float(lp[0, tok]), "top": []}
+            item = {"id": tid, "logprob": float(lp[0, tid]), "top": []}
             if top_n:
                 vals, ids = lp[0].topk(top_n)
                 item["top"] = list(zip(ids.tolist(), vals.tolist()))
-            out.append(int(tok))
+            out.append(tid)
             yield item
-            if eos is not None and int(tok) == eos:
+            if eos is not None and tid == eos:
                 yield {"finish_reason": "eos_token"}
                 return
             if stop_check is not None and stop_check(out):
