@@ -274,9 +274,9 @@ class Engine:
 
         T, L = job.horizon, len(job.prompt_ids)
         eos = self.lm.eos_token_id
-        ts = t_star.tolist()
+        ts, tv0, xs0, ys0 = t_star.tolist(), tv_star.tolist(), x0.tolist(), y0.tolist()
         K = [min(W, T - t) if t > 0 else 0 for t in ts]
-        rec = {r: ([float(tv_star[r])], [int(x0[r])], [int(y0[r])]) for r, t in enumerate(ts) if t > 0}
+        rec = {r: ([tv0[r]], [xs0[r]], [ys0[r]]) for r, t in enumerate(ts) if t > 0}
         rows = [r for r in rec if K[r] > 0]
         if rows:
             self._run_branches(job, pc, qc, p_kept, q_kept, rows, ts, K, x0, y0, rec, gen, cancelled)
