@@ -67,12 +67,11 @@ class Policy:
         if ratio <= 0.0 or prompt_len < 2:
             return Plan(None, prompt_len, note or ("nothing to evict" if ratio > 0 else ""))
         press, params = self.make_press(ratio, prompt_len)
-        kept = expected_kept(prompt_len, ratio)
         if self.spec.budget >= 1:
             # floating point can make int(L * (1 - ratio)) one short of the budget
             ratio = 1.0 - (self.spec.budget + 0.5) / prompt_len
             press.compression_ratio = ratio
-            kept = expected_kept(prompt_len, ratio)
+        kept = expected_kept(prompt_len, ratio)
         params = {"compression_ratio": ratio, **params}
         return Plan(press, kept, note, params)
 
