@@ -31,7 +31,7 @@ def assert_exact(a: xr.Dataset, b: xr.Dataset) -> None:
 @given(kind=st.sampled_from(["coupled", "residual", "reference"]), fmt=st.sampled_from([".nc", ".zarr"]),
        docs=st.lists(ids, min_size=1, max_size=3, unique=True), seed=st.integers(0, 999),
        R=st.integers(1, 4), T=st.integers(1, 7), split=st.sampled_from(["", "exploratory", "confirmatory"]),
-       note=st.text(max_size=20))
+       note=st.text(st.characters(blacklist_characters="\x00"), max_size=20))  # HDF5 strings hold no NUL
 def test_round_trip_exact(kind, fmt, docs, seed, R, T, split, note):
     ds = example_dataset(kind, docs=docs, policies=2, replicates=R, horizon=T, window=T // 2, seed=seed)
     ds = ds.assign_coords(split=("doc", np.array([split] * len(docs), dtype=object)),
