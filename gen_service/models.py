@@ -218,6 +218,13 @@ def _load_gguf(gguf: Path):
     return model, tokenizer
 
 
+def _with_chatml(tok):
+    """SmolLM2 is a ChatML model; give its GGUF tokenizer the template if it lacks one."""
+    if tok.chat_template is None:
+        tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
 def load_tokenizer(model_id: str | None = None, *, gguf: str | None = None):
     """The tokenizer ``load_model`` would serve with, without loading any weights.
 
@@ -236,9 +243,7 @@ def load_tokenizer(model_id: str | None = None, *, gguf: str | None = None):
             tok = AutoTokenizer.from_pretrained(cached)
         else:
             tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        if model_id == EMBEDDED_ID and tok.chat_template is None:
-            tok.chat_template = CHATML_TEMPLATE
-        return tok
+        return _with_chatml(tok) if model_id == EMBEDDED_ID else tok
     return AutoTokenizer.from_pretrained(model_id)
 
 
@@ -254,9 +259,7 @@ def load_model(model_id: str | None = None, *, gguf: str | None = None, device: 
         return _finish(model, tok, model_id if model_id != EMBEDDED_ID else path.stem, dev, dt)
     if model_id == EMBEDDED_ID:
         model, tok = _load_gguf(embedded_gguf_path())
-        if tok.chat_template is None:
-            tok.chat_template = CHATML_TEMPLATE
-        return _finish(model, tok, EMBEDDED_NAME, dev, dt)
+        return _finish(model, _with_chatml(tok), EMBEDDED_NAME, dev, dt)
     if model_id in TINY_IDS:
         return _finish(tiny_model(model_id.split(":", 1)[1]), byte_tokenizer(), model_id, dev, dt)
     if model_id in RANDOM_CONFIGS:
