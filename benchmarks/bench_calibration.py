@@ -20,7 +20,10 @@ import itertools
 import time
 
 from divstats.calibration import (
-    PolicyEffect, decomposition_coverage, paired_calibration, simulate_study,
+    PolicyEffect,
+    decomposition_coverage,
+    paired_calibration,
+    simulate_study,
 )
 from divstats.plans import run_plan
 

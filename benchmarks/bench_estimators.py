@@ -1,7 +1,7 @@
 """Benchmark the divstats estimators (run: .venv/bin/python benchmarks/bench_estimators.py).
 
 1. ``estimate`` on residual traces against a straightforward per-replicate Python
-   loop computing the same METHOD §5 formulas on the same data (ratio in one run).
+   loop computing the same docs/statistics.md §5 formulas on the same data (ratio in one run).
 2. Paper scale: 288 docs x 4 policies x 64 replicates x T = 512 residual traces,
    synthesised directly with numpy; time and peak memory of
    ``estimate`` + ``aggregate`` + ``sharp_interval``.  Targets: 10 s, 2 GB.
@@ -76,7 +76,7 @@ def synth_residual(docs: int, policies: int, reps: int, T: int, seed: int = 0, v
 
 
 def loop_estimate(ds) -> dict[str, np.ndarray]:
-    """The straightforward version: one Python iteration per replicate, METHOD §5 formulas."""
+    """The straightforward version: one Python iteration per replicate, docs/statistics.md §5 formulas."""
     T = int(ds.attrs["horizon"])
     stv, bs = ds.shared_tv.values, ds.branch_step.values
     bx, by = ds.branch_x_token.values, ds.branch_y_token.values

@@ -1,6 +1,6 @@
 """divstats: estimators of how KV-cache eviction makes generations drift (docs/statistics.md).
 
-The contract is METHOD.md; every estimand there has an exact enumerator
+The contract is docs/statistics.md; every estimand there has an exact enumerator
 (``exact``), a simulator producing trace datasets (``simulate``) and estimators
 for each trace kind (``estimate``, ``survival``, ``branch_tv``, ``sharp_interval``).
 Comparisons between policies (``decompose``, ``paired_test``) and prespecified

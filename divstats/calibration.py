@@ -26,7 +26,6 @@ import xarray as xr
 from divstats.decompose import _split
 from divstats.paired import paired_test
 
-
 # ---------------------------------------------------------------------------
 # Simulated studies (trace datasets)
 # ---------------------------------------------------------------------------

@@ -41,9 +41,8 @@ def _fail(message: str) -> None:
 def analyze(traces: Path, plan_path: Path, out_dir: Path, window: int | None, aliases: tuple[str, ...],
             seed: int, n_resamples: int, level: float, no_validate: bool, quiet: bool) -> None:
     """Estimate everything, run the plan on TRACES and write a self-contained report."""
-    from protocols import open_traces
-
     from divstats.report import analyze as run_analysis
+    from protocols import open_traces
 
     try:
         plan = load_plan(plan_path)

@@ -1,4 +1,4 @@
-"""Simulate trace datasets from tabular kernels (METHOD §2, §5, §7, §9).
+"""Simulate trace datasets from tabular kernels (docs/statistics.md §2, §5, §7, §9).
 
 ``simulate`` draws replicates exactly as a producer must: the stepwise maximal
 coupling for ``coupled`` traces, the survival path plus one residual branch for
@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from protocols import coupled_dataset, reference_dataset, residual_dataset, validate
 from divstats.kernels import CoupledKernels, Kernel, StepLaw
 from divstats.replicates import survival_terms
+from protocols import coupled_dataset, reference_dataset, residual_dataset, validate
 
 KINDS = ("coupled", "residual", "reference")
 
@@ -135,7 +135,7 @@ def simulate(
     """Simulate a validated trace dataset (one doc, one policy) from tabular kernels.
 
     ``kind="coupled"``: complete trajectories of the stepwise maximal coupling
-    (METHOD §2).  ``kind="residual"``: a survival path, a branch point
+    (docs/statistics.md §2).  ``kind="residual"``: a survival path, a branch point
     t* ~ pi / (1 - S_T) and the two branches for K = min(W, T - t*) steps (§5).
     ``kind="reference"``: samples from P with log p and log q of each token (§7).
     ``window`` (residual only) is W; None means the branches run to the horizon.

@@ -1,4 +1,4 @@
-"""Curves over time: the survival function S(t) and branch-aligned TV by age (METHOD §3, §5, §7).
+"""Curves over time: the survival function S(t) and branch-aligned TV by age (docs/statistics.md §3, §5, §7).
 
 ``branch_tv[k] = E[delta_{tau+k} | tau + k <= T]`` is a ratio of expectations, so
 every kind is estimated as mean(numerator) / mean(denominator) over replicates
@@ -6,7 +6,7 @@ with a delta-method SE:
 
 * coupled: numerator tv_{tau+k} 1[tau + k <= T], denominator 1[tau + k <= T];
 * residual: numerator (1 - S_T) delta_{t*+k} 1[t* + k <= T], denominator
-  sum_{t <= T-k} pi_t (METHOD §5);
+  sum_{t <= T-k} pi_t (docs/statistics.md §5);
 * reference: not identified (the TV after divergence is never observed).
 """
 
@@ -16,10 +16,21 @@ import numpy as np
 import xarray as xr
 
 from divstats._arrays import (
-    core_array, kind_of, layout, mean_se, nanmean, present_replicates, ratio_se, row_chunks,
+    core_array,
+    kind_of,
+    layout,
+    mean_se,
+    nanmean,
+    present_replicates,
+    ratio_se,
+    row_chunks,
 )
 from divstats.replicates import (
-    _first_divergence, effective_window, horizon_of, reference_survival, survival_terms,
+    _first_divergence,
+    effective_window,
+    horizon_of,
+    reference_survival,
+    survival_terms,
 )
 
 
@@ -55,7 +66,7 @@ def _survival_rows(ds: xr.Dataset, lay, T: int) -> np.ndarray:
 def survival(ds: xr.Dataset) -> xr.Dataset:
     """S(t) = P(tau > t) for t = 0..T with Monte Carlo SEs, over (doc, policy[, model], step).
 
-    coupled: the empirical survival of tau (METHOD §4); residual: the mean of
+    coupled: the empirical survival of tau (docs/statistics.md §4); residual: the mean of
     S_t = prod_{s<=t} (1 - delta_s) on the survival paths (§5); reference: the mean
     of prod_{s<=t} min(1, q_s/p_s) along P-samples (§7).  ``step`` runs 0..T.
     """

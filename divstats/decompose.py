@@ -1,4 +1,4 @@
-"""Gap decomposition between two policies (METHOD §3).
+"""Gap decomposition between two policies (docs/statistics.md §3).
 
 For policies A and B on the same documents and horizon T, the aggregate mismatch
 fractions satisfy M = o/T + e·ρ/T with o, e the document means of occurrence and
@@ -275,7 +275,7 @@ def _models(est: xr.Dataset) -> list[Any]:
 
 def decompose(ds: xr.Dataset, a: str, b: str, attribution: str = "shapley", *,
               window: int | None = None) -> DecompositionResult:
-    """Split the mismatch-fraction gap between policies ``a`` and ``b`` (METHOD §3).
+    """Split the mismatch-fraction gap between policies ``a`` and ``b`` (docs/statistics.md §3).
 
     ``ds`` is a trace dataset (estimated with ``divstats.estimate``) or an estimate
     dataset. With a ``model`` dim, each model is decomposed separately and the

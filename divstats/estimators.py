@@ -1,4 +1,4 @@
-"""Per-document estimates of every METHOD §3 estimand, and their aggregation.
+"""Per-document estimates of every docs/statistics.md §3 estimand, and their aggregation.
 
 ``estimate`` reduces the replicates of a trace dataset (any kind) to one value
 and one Monte Carlo standard error per (doc, policy[, model]); ``aggregate``
@@ -24,7 +24,7 @@ from divstats.replicates import Replicates, replicate_values
 #: What each reported quantity is (stored in the variable's ``attrs``).
 DESCRIPTIONS: dict[str, str] = {
     "occurrence": "P(tau <= T): probability that the branches diverge within the horizon",
-    "rmtd": ("sum_{t=0}^{T-1} S(t) = E[min(tau, T)]: restricted mean time to divergence (METHOD §3 "
+    "rmtd": ("sum_{t=0}^{T-1} S(t) = E[min(tau, T)]: restricted mean time to divergence (docs/statistics.md §3 "
              "definition; its gloss E[min(tau - 1, T)] equals this minus occurrence, see "
              "docs/statistics.md)"),
     "exposure": "E[(T - tau)+]: expected post-divergence steps inside the horizon",
@@ -38,23 +38,23 @@ DESCRIPTIONS: dict[str, str] = {
                         "after divergence"),
     "tail_capacity": "E[(T - tau - K) 1[not both ended at tau + K]; tau <= T], K = min(W, T - tau): "
                      "steps after the window that could still disagree",
-    "loss_lower": "occurrence + window_mismatch: lower end of the sharp interval for loss (METHOD §6)",
+    "loss_lower": "occurrence + window_mismatch: lower end of the sharp interval for loss (docs/statistics.md §6)",
     "loss_upper": "occurrence + window_mismatch + tail_capacity: upper end of the sharp interval for loss",
 }
 
 SCALARS = tuple(DESCRIPTIONS)
 
 ESTIMATORS = {
-    "coupled": "crude replicate means over complete coupled trajectories (METHOD §4)",
-    "residual": "residual-branch conditional Monte Carlo, per-replicate formulas of METHOD §5",
-    "reference": "importance weights prod min(1, q/p) along P-samples (METHOD §7); post-divergence part "
+    "coupled": "crude replicate means over complete coupled trajectories (docs/statistics.md §4)",
+    "residual": "residual-branch conditional Monte Carlo, per-replicate formulas of docs/statistics.md §5",
+    "reference": "importance weights prod min(1, q/p) along P-samples (docs/statistics.md §7); post-divergence part "
                  "bounded with W = 0 (§6)",
 }
 
 NOT_IDENTIFIED_POST = ("the post-divergence tail beyond the observed window W = {W} < T - 1 = {Tm1} is not "
-                       "identified; use loss_lower/loss_upper (METHOD §6)")
+                       "identified; use loss_lower/loss_upper (docs/statistics.md §6)")
 NOT_IDENTIFIED_REF = ("reference traces observe nothing after divergence (W = 0); use loss_lower/loss_upper "
-                      "(METHOD §6-7)")
+                      "(docs/statistics.md §6-7)")
 
 _POST_DEPENDENT = ("post_mismatch", "rate", "loss", "mismatch_fraction", "exposure_contribution")
 
@@ -167,7 +167,7 @@ def _combine_se(se: xr.DataArray, dim: str) -> xr.DataArray:
 
 
 def aggregate(estimates: xr.Dataset, dim: str = "doc") -> xr.Dataset:
-    """Combine per-document estimates with equal document weights (METHOD §3).
+    """Combine per-document estimates with equal document weights (docs/statistics.md §3).
 
     occurrence, rmtd, exposure, post_mismatch, window_mismatch and tail_capacity
     are document means; rate = sum post_mismatch / sum exposure; loss, fractions

@@ -1,4 +1,4 @@
-"""Exact enumeration of the stepwise maximal coupling for small tabular kernels (METHOD §2-3, §9).
+"""Exact enumeration of the stepwise maximal coupling for small tabular kernels (docs/statistics.md §2-3, §9).
 
 The joint state after t steps is the pair of histories (x_<=t, y_<=t) together with
 the divergence time tau (0 while the histories agree).  A forward pass over the
@@ -16,9 +16,10 @@ import numpy as np
 
 from divstats.kernels import CoupledKernels, Kernel
 
+
 @dataclass(frozen=True)
 class ExactResult:
-    """Every estimand of METHOD §3 and §6 for one kernel pair, computed exactly.
+    """Every estimand of docs/statistics.md §3 and §6 for one kernel pair, computed exactly.
 
     Attributes are the estimands; ``result["name"]`` works too.  ``survival`` is
     indexed by t = 0..T and ``branch_tv`` by age k = 0..T-1 (NaN where
@@ -75,7 +76,7 @@ def exact(
     window: int | None = None,
     eos: int | None = None,
 ) -> ExactResult:
-    """Enumerate the coupled process of METHOD §2 and return every estimand exactly.
+    """Enumerate the coupled process of docs/statistics.md §2 and return every estimand exactly.
 
     Parameters
     ----------

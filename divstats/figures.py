@@ -74,7 +74,7 @@ def _legend(ax, n: int) -> None:
 # ---------------------------------------------------------------------------
 
 def survival_figure(surv: xr.Dataset, *, level: float = 0.95) -> Figure:
-    """Survival S(t) = P(tau > t) per policy, document mean with a band (METHOD §3)."""
+    """Survival S(t) = P(tau > t) per policy, document mean with a band (docs/statistics.md §3)."""
     models = _models(surv)
     fig, axes = _panels(len(models))
     colors = policy_colors(surv["policy"].values)
@@ -203,7 +203,7 @@ def branch_tv_figure(bt: xr.Dataset, windows: Mapping[str, tuple[int, int]] | No
 
 
 def interval_figure(ivw: xr.Dataset, full: xr.Dataset | None = None) -> Figure:
-    """Sharp interval for the mismatch fraction as a function of the window W (METHOD §6).
+    """Sharp interval for the mismatch fraction as a function of the window W (docs/statistics.md §6).
 
     ``ivw``: ``divstats.interval_by_window(ds, windows)``; per-document bounds are
     averaged over documents (equal weights, as the aggregate). ``full``: the
@@ -242,7 +242,7 @@ def variance_figure(vc: xr.Dataset, *, residual: str = "var_residual",
                     crude: str = "var_crude_implied") -> Figure:
     """Residual-branch vs implied crude variance per (document, policy), log–log.
 
-    Points below the diagonal are variance reductions (METHOD §5 guarantees ≤).
+    Points below the diagonal are variance reductions (docs/statistics.md §5 guarantees ≤).
     """
     fig = _figure(6.0, 5.0)
     ax = fig.subplots()

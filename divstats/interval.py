@@ -1,4 +1,4 @@
-"""The sharp interval for a finite observation window, and its explicit construction (METHOD §6).
+"""The sharp interval for a finite observation window, and its explicit construction (docs/statistics.md §6).
 
 With branches observed W steps past divergence, the loss is only known to lie in
 
@@ -55,7 +55,7 @@ def sharp_interval(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
            "mismatch_fraction_upper": hi_se / T, "rate_lower": r_lo_se, "rate_upper": r_hi_se}
     data = {}
     for name, (val, what) in doc.items():
-        data[name] = lay.wrap(val, attrs={"description": f"sharp bound (METHOD §6): {what}"})
+        data[name] = lay.wrap(val, attrs={"description": f"sharp bound (docs/statistics.md §6): {what}"})
         data[name + "_se"] = lay.wrap(ses[name], attrs={"description": f"Monte Carlo SE of {name}"})
     return xr.Dataset(data, attrs={"kind": rep.kind, "horizon": T, "window": rep.window,
                                    "n_replicates": int(rep.counts.max(initial=0))})
@@ -151,7 +151,7 @@ def extremal_kernels(
     bound: str = "lower",
     eos: int | None = None,
 ) -> tuple[Kernel, Kernel, int, Untag]:
-    """A kernel pair attaining one end of the sharp interval (METHOD §6).
+    """A kernel pair attaining one end of the sharp interval (docs/statistics.md §6).
 
     Returns ``(p2, q2, vocab_size2, untag)``: kernels over a tagged alphabet of
     size 4V + 3 and the map back to original tokens.  Before divergence the shared

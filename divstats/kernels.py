@@ -1,4 +1,4 @@
-"""Tabular kernels and the one-step law of the stepwise maximal coupling (METHOD §1-2).
+"""Tabular kernels and the one-step law of the stepwise maximal coupling (docs/statistics.md §1-2).
 
 A *kernel* is a callable ``history: tuple[int, ...] -> probabilities over the
 vocabulary``; the history is the branch's own emitted tokens.  ``exact``,
@@ -66,7 +66,7 @@ class CoupledKernels:
     """The pair (P, Q) with EOS absorption enforced and every evaluation memoised.
 
     P is evaluated on X's history and Q on Y's history.  Once a history ends with
-    EOS its kernel is the point mass on EOS whatever the callable says (METHOD §1).
+    EOS its kernel is the point mass on EOS whatever the callable says (docs/statistics.md §1).
     """
 
     def __init__(self, p: Kernel, q: Kernel, vocab_size: int, eos: int | None = None) -> None:

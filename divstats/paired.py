@@ -1,4 +1,4 @@
-"""Paired comparisons across documents (METHOD §8).
+"""Paired comparisons across documents (docs/statistics.md §8).
 
 The document is the unit of inference: each document contributes one paired
 difference ``d = a - b`` (policy A minus policy B, or late minus early window).

@@ -1,4 +1,4 @@
-"""Prespecified analysis plans (METHOD §8): load, split documents, run, correct.
+"""Prespecified analysis plans (docs/statistics.md §8): load, split documents, run, correct.
 
 A plan is a TOML file written before the data are looked at. It fixes the
 document split (a salted hash of the document id), the early/late age windows and
@@ -313,7 +313,7 @@ def _check_families(hyps: Sequence[Hypothesis], problems: list[str]) -> None:
 
 def split_uniform(doc_id: str, salt: str) -> float:
     """sha256(salt + ":" + doc_id) read as a uniform number in [0, 1) (first 8 bytes)."""
-    digest = hashlib.sha256(f"{salt}:{doc_id}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{salt}:{doc_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2.0 ** 64
 
 

@@ -1,6 +1,6 @@
 """Per-replicate values of every estimand, one function per trace kind.
 
-Each estimator in METHOD is a replicate mean of a per-replicate value (§4 crude,
+Each estimator in docs/statistics.md is a replicate mean of a per-replicate value (§4 crude,
 §5 residual-branch, §7 reference weights).  This module computes those values,
 vectorised over rows (flattened leading dims), replicates and steps, chunk by
 chunk so that temporaries stay small at paper scale.  ``estimators`` turns them
@@ -174,7 +174,7 @@ def _residual_chunk(stv: np.ndarray, tstar: np.ndarray, bx: np.ndarray, by: np.n
 
 
 def reference_survival(logp: np.ndarray, logq: np.ndarray) -> np.ndarray:
-    """S_t = prod_{s<=t} min(1, q_s/p_s) along P's own sample (METHOD §7), t = 1..T."""
+    """S_t = prod_{s<=t} min(1, q_s/p_s) along P's own sample (docs/statistics.md §7), t = 1..T."""
     with np.errstate(invalid="ignore"):
         log_ratio = np.minimum(0.0, logq.astype(np.float64) - logp.astype(np.float64))
     return np.exp(np.cumsum(log_ratio, axis=-1))

@@ -508,7 +508,7 @@ def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
         _html_table(estimate_rows(an)),
         img("decomposition", "decomposition bars"),
         f"<h2>Gap decomposition <span class='badge expl'>{EXPLORATORY}</span></h2>",
-        "<p>gap = M_A − M_B = Δfirst + Δexposure + Δrate (Shapley split, METHOD §3); paired BCa bootstrap "
+        "<p>gap = M_A − M_B = Δfirst + Δexposure + Δrate (Shapley split, docs/statistics.md §3); paired BCa bootstrap "
         "over documents.</p>",
         _html_table(dec_rows), img("gap", "gap attribution"),
         f"<h2>Survival <span class='badge expl'>{EXPLORATORY}</span></h2>", img("survival", "survival curves"),

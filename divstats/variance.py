@@ -1,4 +1,4 @@
-"""Variance dominance of the residual-branch estimator, demonstrated per document (METHOD §5).
+"""Variance dominance of the residual-branch estimator, demonstrated per document (docs/statistics.md §5).
 
 The crude total loss has the law of B (1 + R_{t*}) with B ~ Bernoulli(1 - S_T)
 independent of the branch; the residual-branch value (1 - S_T)(1 + R_{t*}) is its

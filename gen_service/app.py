@@ -36,10 +36,9 @@ from starlette.routing import Route
 from gen_service.coupling import Sampling
 from gen_service.engine import Cancelled, Engine, TraceJob
 from gen_service.presses import PolicyError
+from protocols import __version__ as VERSION
 
 log = logging.getLogger("kvdiv.service")
-
-VERSION = "0.1.0"
 
 
 class ApiError(Exception):

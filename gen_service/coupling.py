@@ -1,4 +1,4 @@
-"""The coupling math of METHOD.md §1, §2 and §5, batched over rows, in torch.
+"""The coupling math of docs/statistics.md §1, §2 and §5, batched over rows, in torch.
 
 Everything here works on (rows, V) tensors on the model's device, so a step of
 coupled decoding costs a handful of elementwise kernels next to the two forwards.
@@ -13,7 +13,7 @@ import torch
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling transform applied identically to the P and Q logits (METHOD §1)."""
+    """Sampling transform applied identically to the P and Q logits (docs/statistics.md §1)."""
 
     temperature: float = 1.0
     top_k: int | None = None
@@ -96,7 +96,7 @@ class CoupledDraw:
 
 
 def maximal_coupling(p: torch.Tensor, q: torch.Tensor, gen: torch.Generator) -> CoupledDraw:
-    """METHOD §2 for every row at once.
+    """docs/statistics.md §2 for every row at once.
 
     With probability 1 − δ both sides take one draw Z ~ min(p, q)/(1 − δ); otherwise
     X ~ (p − q)⁺/δ and Y ~ (q − p)⁺/δ independently. All three draws are made for

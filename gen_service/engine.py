@@ -7,7 +7,7 @@ step runs one forward per model over all R rows, with explicit ``position_ids``
 (prompt length + step − 1): the evicted cache is shorter than the sequence, and
 letting transformers infer positions from the cache length would shift RoPE.
 
-Residual mode (METHOD §5) in three phases, all batched over rows:
+Residual mode (docs/statistics.md §5) in three phases, all batched over rows:
 
 1. survival: both models decode the shared history z for T steps; each step records
    δ_t, draws z_t from min(p, q)/(1 − δ_t) and also draws the residual pair

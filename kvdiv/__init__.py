@@ -1,8 +1,20 @@
 """kvdiv: measure how and when KV-cache eviction makes generations drift.
 
-This package holds only the ``kvdiv`` command-line entry point. The work lives in
-``protocols`` (the trace contract), ``divstats`` (the statistics) and
-``gen_service`` (the HTTP service and collector).
+The distribution holds five packages, one job each (docs/architecture.md):
+
+- ``protocols``: the ``kvdiv.trace/1`` contract;
+- ``divstats``: the statistics over trace datasets;
+- ``collector``: the torch-free HTTP client that collects traces;
+- ``gen_service``: the torch trace server;
+- ``kvdiv``: this application layer, the ``kvdiv`` command and the study (``demo``),
+  the only place that joins the others.
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("kvdiv")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = ["__version__"]

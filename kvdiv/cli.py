@@ -20,10 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("divstats.cli:analyze", "Estimate, test a plan and write a report."),
     "split": ("divstats.cli:split", "Show the plan's exploratory/confirmatory split."),
     "serve": ("gen_service.server_cli:serve", "Run the TGI-compatible trace service."),
-    "collect": ("gen_service.jobs_cli:collect", "Collect traces from one or more servers."),
-    "pack": ("gen_service.jobs_cli:pack", "Assemble a collection journal into a dataset."),
-    "docs": ("gen_service.jobs_cli:docs", "Build a JSONL document set."),
-    "demo": ("gen_service.jobs_cli:demo", "Run the paper's study end to end on the embedded model."),
+    "collect": ("collector.cli:collect", "Collect traces from one or more servers."),
+    "pack": ("collector.cli:pack", "Assemble a collection journal into a dataset."),
+    "docs": ("kvdiv.commands:docs", "Build a JSONL document set."),
+    "demo": ("kvdiv.commands:demo", "Run the paper's study end to end on the embedded model."),
 }
 
 

@@ -1,4 +1,4 @@
-"""Wire stream → dataset (SCHEMA.md §3): :func:`assemble` one request's lines.
+"""Wire stream → dataset (docs/contract.md §3): :func:`assemble` one request's lines.
 
 The records are parsed one line at a time (the digest has to be), then every
 per-step array is stacked once with numpy, so a 64-replicate × 512-step stream

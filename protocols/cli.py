@@ -14,7 +14,8 @@ import xarray as xr
 
 from protocols.assemble import StreamError, assemble
 from protocols.io import SUFFIXES, open_traces
-from protocols.validate import TraceValidationError, validate as _validate
+from protocols.validate import TraceValidationError
+from protocols.validate import validate as _validate
 
 STREAM_SUFFIXES = (".ndjson",)   # a journal request file; .jsonl is left to eval logs
 

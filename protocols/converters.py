@@ -1,4 +1,4 @@
-"""Bring your own traces (SCHEMA.md §4): converters into ``kvdiv.trace/1``.
+"""Bring your own traces (docs/contract.md §4): converters into ``kvdiv.trace/1``.
 
 * :func:`from_probabilities` — per-step next-token laws of the two models along
   coupled histories → a ``coupled`` dataset (TV computed as 1 − Σ min(p, q)).
@@ -280,7 +280,7 @@ def from_eval_logs(
     sampling: Mapping[str, Any] | str | None = None,
     producer: str = "eval logs (protocols.converters.from_eval_logs)",
 ) -> xr.Dataset:
-    """A ``reference`` dataset from evaluation logs (METHOD.md §7).
+    """A ``reference`` dataset from evaluation logs (docs/statistics.md §7).
 
     ``source`` is a JSONL path, an iterable of JSON lines or of dicts. Each row
     holds ``tokens`` (sampled from the full model), ``logp_full`` (log p of each

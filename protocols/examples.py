@@ -1,6 +1,6 @@
 """Valid example traces, simulated from random tabular kernels.
 
-:func:`example_dataset` runs the stepwise maximal coupling (METHOD.md §2) or the
+:func:`example_dataset` runs the stepwise maximal coupling (docs/statistics.md §2) or the
 residual-branch scheme (§5) on random next-token laws, vectorised over
 (doc, policy, replicate), so tests, benchmarks and docs get traces that obey
 every rule of the contract. The kernels depend only on the step and on whether a

@@ -1,4 +1,4 @@
-"""Trace files (SCHEMA.md §2): NetCDF-4 (``.nc``, h5netcdf) and Zarr v3 (``.zarr``).
+"""Trace files (docs/contract.md §2): NetCDF-4 (``.nc``, h5netcdf) and Zarr v3 (``.zarr``).
 
 Both formats round-trip values, dtypes, coordinates (string ones included) and
 attributes exactly. Writes go to a temporary sibling first and are renamed into

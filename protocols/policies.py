@@ -1,6 +1,6 @@
 """Eviction policy ids: the grammar shared by traces, the service and the plans.
 
-Grammar (SERVICE.md)::
+Grammar (docs/service.md)::
 
     full                       no eviction (the reference)
     <name>@<retention>         keep a fraction in (0, 1] of the prompt cache

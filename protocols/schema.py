@@ -292,7 +292,7 @@ def reference_dataset(
 ) -> xr.Dataset:
     """Build a ``reference`` dataset: tokens sampled from P with log p and log q of each.
 
-    The window attribute is 0: nothing after divergence is observed (METHOD §7).
+    The window attribute is 0: nothing after divergence is observed (docs/statistics.md §7).
     """
     xt = _as4("x_token", x_token, TOKEN_DTYPE)
     lp = _as4("x_logp", x_logp, PROB_DTYPE)

@@ -1,4 +1,4 @@
-"""Validation of ``kvdiv.trace/1`` datasets (SCHEMA.md §1).
+"""Validation of ``kvdiv.trace/1`` datasets (docs/contract.md §1).
 
 :func:`validate` checks a dataset against the contract and raises one
 :class:`TraceValidationError` that lists *every* problem found, each naming the
@@ -34,8 +34,16 @@ import numpy as np
 import xarray as xr
 
 from protocols.schema import (
-    COUPLING, KINDS, MISSING_TOKEN, OPTIONAL_VARS, PROB_DTYPE, REQUIRED_ATTRS, REQUIRED_VARS, SCHEMA,
-    SPLITS, TOKEN_DTYPE,
+    COUPLING,
+    KINDS,
+    MISSING_TOKEN,
+    OPTIONAL_VARS,
+    PROB_DTYPE,
+    REQUIRED_ATTRS,
+    REQUIRED_VARS,
+    SCHEMA,
+    SPLITS,
+    TOKEN_DTYPE,
 )
 
 #: A mismatch (tokens differ) needs TV above this; see the module docstring.

@@ -1,4 +1,4 @@
-"""Wire records of ``kvdiv.trace/1`` (SCHEMA.md §3): one serialiser per record type.
+"""Wire records of ``kvdiv.trace/1`` (docs/contract.md §3): one serialiser per record type.
 
 A stream is NDJSON: one JSON object per line, ``header``, then ``step`` records
 (coupled) or ``shared_step`` then ``branch`` records (residual), then ``end``,

@@ -7,8 +7,8 @@ diverges, and history dependence (so the branches' laws differ after divergence)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import xarray as xr

@@ -9,14 +9,22 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from gen_service import documents as D
-from gen_service.collector import (
-    CollectConfig, Collector, PackError, collect, derive_seed, pack_run, prepare_run, request_body,
-)
-from gen_service.jobs_cli import _split_policies, collect as collect_cmd, pack as pack_cmd
-from gen_service.journal import Journal, ManifestMismatch, verify_stream
 from test_collector_support import FakeServer, fake_server  # noqa: F401  (fixture)
+
+from collector import documents as D
+from collector.cli import _split_policies
+from collector.cli import collect as collect_cmd
+from collector.cli import pack as pack_cmd
+from collector.collect import (
+    CollectConfig,
+    Collector,
+    collect,
+    derive_seed,
+    prepare_run,
+    request_body,
+)
+from collector.journal import ManifestMismatch, verify_stream
+from collector.pack import PackError, pack_run
 
 POLICIES = ["snapkv@0.5", "recent@0.5"]
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from gen_service import documents as D
-from gen_service.collector import CollectConfig, Collector, collect, pack_run, prepare_run
-from gen_service.demo import ServerProcess
+from collector import documents as D
+from collector.collect import CollectConfig, Collector, collect, prepare_run
+from collector.pack import pack_run
+from kvdiv.demo import ServerProcess
 
 pytestmark = pytest.mark.service
 

@@ -26,8 +26,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from protocols import StreamWriter, branch_record, encode_line, error_record, header_record
-from protocols import shared_step_record, step_record
+from protocols import (
+    StreamWriter,
+    branch_record,
+    encode_line,
+    error_record,
+    header_record,
+    shared_step_record,
+    step_record,
+)
 
 VOCAB = 50
 FAULTS = ("ok", "429", "500", "drop", "truncate", "bad_digest", "error")

@@ -5,12 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from gen_service import documents as D
-from gen_service.demo import (
-    DemoConfig, DemoError, budget_for, demo_policies, demo_windows, run_demo, shipped_plan, write_demo_plan,
-)
 from test_collector_support import FakeServer
+
+from collector import documents as D
+from kvdiv.demo import (
+    DemoConfig,
+    DemoError,
+    budget_for,
+    demo_policies,
+    demo_windows,
+    run_demo,
+    shipped_plan,
+    write_demo_plan,
+)
 
 OUTPUTS = ("traces.nc", "results.nc", "report.html", "summary.md", "plan.toml", "documents.jsonl")
 
@@ -60,8 +67,7 @@ def test_demo_plan_is_the_paper_plan_fitted_to_the_window(tmp_path: Path) -> Non
 
 def test_documents_are_balanced_over_the_plan_split() -> None:
     from divstats.plans import assign_split, load_plan
-
-    from gen_service.demo import select_balanced
+    from kvdiv.demo import select_balanced
 
     plan = load_plan(shipped_plan())
     docs = D.pydoc_documents(None, target_tokens=100)
@@ -77,8 +83,8 @@ def test_budget_is_half_the_median_prompt() -> None:
     template_words = len(D.TEMPLATES["summarise"].format(text="").split())
     words = lambda messages: sum(len(m["content"].split()) for m in messages)  # noqa: E731
     assert budget_for(docs, "summarise", words) == round((20 + template_words) / 2)
-    from gen_service.demo import prompt_length
     from gen_service.models import byte_tokenizer
+    from kvdiv.demo import prompt_length
 
     tok = byte_tokenizer()  # a real chat template: the count includes its role markers
     msgs = D.render_messages(docs[0], "summarise")

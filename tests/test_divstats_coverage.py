@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from divstats_cases import CASE_IDS, CASES, split_replicates
 
 import divstats as dv
-from divstats_cases import CASE_IDS, CASES, split_replicates
 
 QUANTITIES = ("occurrence", "rmtd", "exposure", "post_mismatch", "rate", "loss", "loss_lower",
               "loss_upper")

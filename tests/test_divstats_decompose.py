@@ -1,4 +1,4 @@
-"""Gap decomposition (METHOD §3): exactness, hand computation, pairing, bootstrap coverage."""
+"""Gap decomposition (docs/statistics.md §3): exactness, hand computation, pairing, bootstrap coverage."""
 
 from __future__ import annotations
 

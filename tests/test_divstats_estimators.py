@@ -12,9 +12,9 @@ import functools
 import numpy as np
 import pytest
 import xarray as xr
+from divstats_cases import CASE_IDS, CASES, Case
 
 import divstats as dv
-from divstats_cases import CASE_IDS, CASES, Case
 
 N = 3000
 Z = 4.5
@@ -27,14 +27,14 @@ def windows(case: Case) -> list[int]:
     return [0, 2, case.horizon]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traces(name: str, kind: str, window: int | None = None) -> xr.Dataset:
     case = CASES[CASE_IDS.index(name)]
     return dv.simulate(case.p, case.q, case.vocab_size, case.horizon, N, kind=kind, window=window,
                        seed=hash((name, kind, window)) % 2**32, eos=case.eos)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def truth(name: str, window: int | None) -> dv.ExactResult:
     case = CASES[CASE_IDS.index(name)]
     return dv.exact(case.p, case.q, case.vocab_size, case.horizon, window, case.eos)

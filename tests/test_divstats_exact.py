@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from divstats_cases import CASE_IDS, CASES
 
 import divstats as dv
 from divstats.kernels import CoupledKernels
-from divstats_cases import CASE_IDS, CASES
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "statistics.md"
 

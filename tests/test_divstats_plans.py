@@ -19,7 +19,13 @@ from scipy import stats
 
 from divstats.paired import hodges_lehmann, holm, paired_test, signed_rank_null_cdf
 from divstats.plans import (
-    TABLE_COLUMNS, PlanError, assign_split, load_plan, parse_aliases, run_plan, split_table,
+    TABLE_COLUMNS,
+    PlanError,
+    assign_split,
+    load_plan,
+    parse_aliases,
+    run_plan,
+    split_table,
     split_uniform,
 )
 

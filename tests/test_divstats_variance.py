@@ -1,13 +1,13 @@
-"""Variance dominance of the residual-branch estimator (METHOD §5), checked against an
+"""Variance dominance of the residual-branch estimator (docs/statistics.md §5), checked against an
 independent crude (coupled) simulation of the same kernel pair."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from divstats_cases import CASE_IDS, CASES
 
 import divstats as dv
-from divstats_cases import CASE_IDS, CASES
 
 N = 4000
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gen_service import documents as D
+from collector import documents as D
 
 
 def _count_words(text: str) -> int:
@@ -113,7 +113,7 @@ def test_templates_put_the_instruction_last() -> None:
 def test_docs_command_writes_a_counted_subset(tmp_path) -> None:
     from click.testing import CliRunner
 
-    from gen_service.jobs_cli import docs
+    from kvdiv.commands import docs
 
     out = tmp_path / "d.jsonl"
     res = CliRunner().invoke(docs, ["-o", str(out), "--tokenizer", "approx", "--target-tokens", "90",

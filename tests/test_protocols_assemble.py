@@ -13,8 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocols import (
-    StreamError, StreamWriter, TraceValidationError, assemble, dataset_lines, encode_line, error_record,
-    header_record, step_record,
+    StreamError,
+    StreamWriter,
+    TraceValidationError,
+    assemble,
+    dataset_lines,
+    encode_line,
+    error_record,
+    header_record,
+    step_record,
 )
 from protocols.examples import example_dataset
 from protocols.schema import REQUIRED_ATTRS

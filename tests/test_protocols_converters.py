@@ -7,11 +7,15 @@ import json
 import numpy as np
 import pytest
 
+from protocols import TraceValidationError
 from protocols.converters import (
-    ConversionError, _validate_naming_rows, from_eval_logs, from_probabilities, residual_from_probabilities,
+    ConversionError,
+    _validate_naming_rows,
+    from_eval_logs,
+    from_probabilities,
+    residual_from_probabilities,
     tv_from_probabilities,
 )
-from protocols import TraceValidationError
 
 
 def coupled_inputs(seed=0, R=3, T=5, V=4):

@@ -1,4 +1,4 @@
-"""The coupling math (METHOD §1, §2) on synthetic distributions: exact statistics."""
+"""The coupling math (docs/statistics.md §1, §2) on synthetic distributions: exact statistics."""
 
 from __future__ import annotations
 

@@ -72,26 +72,6 @@ def token_counter(tokenizer: Any | None) -> TokenCounter:
     raise TypeError(f"expected a tokenizer (with .encode) or a callable, got {type(tokenizer).__name__}")
 
 
-def load_tokenizer(model_id: str | None = None) -> Any | None:
-    """The tokenizer of a model id as ``kvdiv serve --model`` understands it, without its weights.
-
-    ``approx`` gives None (the tokenizer-free count). The embedded SmolLM2 reads the
-    server's dequantised cache when a server has started once (fast), else parses the
-    GGUF (~8 s on 2 cores).
-    """
-    if model_id == "approx":
-        return None
-    from transformers.utils import logging as hf_logging
-
-    from gen_service import models  # the service's loader: ids mean the same thing here
-
-    # Counting whole topics before chunking exceeds model_max_length by design; the
-    # "sequence length is longer than the maximum" warning would only alarm users.
-    hf_logging.set_verbosity_error()
-
-    return models.load_tokenizer(model_id)
-
-
 # --------------------------------------------------------------------------- chunking
 
 

@@ -1,4 +1,4 @@
-"""The collector's journal (SCHEMA.md §2): one NDJSON file per (document, policy) request.
+"""The collector's journal (docs/contract.md §2): one NDJSON file per (document, policy) request.
 
 Layout of a run directory::
 
@@ -92,7 +92,7 @@ def _slug(text: str, limit: int = 60) -> str:
 
 def request_name(doc_id: str, policy: str) -> str:
     """File stem for a request: readable slugs plus a hash so that distinct keys never collide."""
-    key = hashlib.sha256(f"{doc_id}\0{policy}".encode("utf-8")).hexdigest()[:12]
+    key = hashlib.sha256(f"{doc_id}\0{policy}".encode()).hexdigest()[:12]
     return f"{_slug(doc_id)}--{_slug(policy)}--{key}"
 
 

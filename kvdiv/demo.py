@@ -14,7 +14,7 @@ Steps (each shown on stderr as it runs):
    exploratory), writing ``results.nc``, ``report.html`` and ``summary.md``.
 
 Everything lives in ``--out`` (default ``runs/demo``). The collection is a journal
-(see ``gen_service.journal``), so an interrupted demo rerun with the same options
+(see ``collector.journal``), so an interrupted demo rerun with the same options
 resumes where it stopped; the demo's own settings are kept in ``demo.json`` and a
 rerun with different sizes is refused rather than mixed in.
 """
@@ -36,8 +36,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from gen_service import documents as D
-from gen_service.collector import CollectConfig, collect, pack_run, save_dataset
+from collector import documents as D
+from collector.collect import CollectConfig, collect
+from collector.pack import pack_run, save_dataset
 
 PLANNED_BUDGET_POLICY = "snapkv#512"
 SERVER_READY = "kvdiv serve ready: "
@@ -212,6 +213,26 @@ def _serving(cfg: DemoConfig) -> Iterator[ServerProcess | None]:
 # --------------------------------------------------------------------------- documents and policies
 
 
+def load_tokenizer(model_id: str | None = None) -> Any | None:
+    """The tokenizer of a model id as ``kvdiv serve --model`` understands it, without its weights.
+
+    ``approx`` gives None (the tokenizer-free count). The embedded SmolLM2 reads the
+    server's dequantised cache when a server has started once (fast), else parses the
+    GGUF (~8 s on 2 cores).
+    """
+    if model_id == "approx":
+        return None
+    from transformers.utils import logging as hf_logging
+
+    from gen_service import models  # the service's loader: ids mean the same thing here
+
+    # Counting whole topics before chunking exceeds model_max_length by design; the
+    # "sequence length is longer than the maximum" warning would only alarm users.
+    hf_logging.set_verbosity_error()
+
+    return models.load_tokenizer(model_id)
+
+
 def prompt_length(tokenizer: Any | None) -> Callable[[list[dict[str, str]]], int]:
     """Tokens the server will prefill for chat ``messages``.
 
@@ -275,7 +296,7 @@ def _prepare_documents(cfg: DemoConfig) -> tuple[Path, int]:
         _say(f"      reusing {docs_path} ({saved['n_docs']} documents, snapkv#{saved['budget']})")
         return docs_path, int(saved["budget"])
     _say(f"      loading the {cfg.model} tokenizer and chunking pydoc_data.topics to ~{cfg.target_tokens} tokens")
-    tokenizer = D.load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
     docs = select_balanced(D.pydoc_documents(tokenizer, target_tokens=cfg.target_tokens), cfg.docs_count,
                            cfg.plan or shipped_plan())
     budget = budget_for(docs, cfg.template, prompt_length(tokenizer))
