@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from collector.errors import DocumentsError
+
 TokenCounter = Callable[[str], int]
 
 # Paragraphs are separated by one or more blank lines (pydoc topics, .txt files).
@@ -113,7 +115,7 @@ def chunk_text(text: str, count: TokenCounter, target: int) -> list[str]:
     at line boundaries. Chunks are joined with a blank line, as in the source.
     """
     if target < 1:
-        raise ValueError(f"target tokens must be >= 1, got {target}")
+        raise DocumentsError(f"target tokens must be >= 1, got {target}")
     units: list[str] = []
     for para in paragraphs(text):
         units.extend(_split_long(para, count, target) if count(para) > target else [para])
@@ -155,21 +157,32 @@ def _mostly_table(text: str) -> bool:
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[Document]:
-    """Documents from a JSONL file (``id`` and ``text`` required; other keys kept as metadata)."""
+    """Documents from a JSONL file (``id`` and ``text`` required; other keys kept as metadata).
+
+    Raises :class:`DocumentsError` naming the file and line for anything else (not
+    UTF-8, not JSON, too deeply nested, a line without ``id`` or ``text``, duplicate ids).
+    """
     docs: list[Document] = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-            if not isinstance(obj, dict) or "id" not in obj or not isinstance(obj.get("text"), str):
-                raise ValueError(f"{path}:{lineno}: each line needs an 'id' and a string 'text'")
-            docs.append(Document.from_json(obj))
+    lineno = 0
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if line.strip():
+                    docs.append(_document(json.loads(line), path, lineno))
+    except UnicodeDecodeError as exc:
+        raise DocumentsError(f"{path}:{lineno + 1}: not UTF-8 text ({exc.reason})") from None
+    except (ValueError, RecursionError) as exc:
+        if isinstance(exc, DocumentsError):
+            raise
+        raise DocumentsError(f"{path}:{lineno}: not JSON ({getattr(exc, 'msg', exc)})") from None
     _check_unique(docs, str(path))
     return docs
+
+
+def _document(obj: Any, path: str | os.PathLike[str], lineno: int) -> Document:
+    if not isinstance(obj, dict) or not isinstance(obj.get("id"), (str, int)) or not isinstance(obj.get("text"), str):
+        raise DocumentsError(f"{path}:{lineno}: each line needs an 'id' and a string 'text'")
+    return Document.from_json(obj)
 
 
 def read_txt_dir(path: str | os.PathLike[str]) -> list[Document]:
@@ -178,7 +191,7 @@ def read_txt_dir(path: str | os.PathLike[str]) -> list[Document]:
     docs = [Document(p.stem, p.read_text(encoding="utf-8").strip(), {"source": str(p)})
             for p in sorted(folder.glob("*.txt"))]
     if not docs:
-        raise ValueError(f"{folder}: no .txt files")
+        raise DocumentsError(f"{folder}: no .txt files")
     return docs
 
 
@@ -206,7 +219,7 @@ def _check_unique(docs: Sequence[Document], where: str) -> None:
     for doc in docs:
         (dupes if doc.id in seen else seen).add(doc.id)
     if dupes:
-        raise ValueError(f"{where}: duplicate document ids {sorted(dupes)[:5]}")
+        raise DocumentsError(f"{where}: duplicate document ids {sorted(dupes)[:5]}")
 
 
 def select_key(doc: Document) -> str:
@@ -263,7 +276,7 @@ TEMPLATES: dict[str, str] = {
 def render_messages(doc: Document, template: str) -> list[dict[str, str]]:
     """Chat messages for one document under a named template (the server applies the chat template)."""
     if template not in TEMPLATES:
-        raise ValueError(f"unknown template {template!r}; choose from {sorted(TEMPLATES)}")
+        raise DocumentsError(f"unknown template {template!r}; choose from {sorted(TEMPLATES)}")
     question = str(doc.meta.get("question") or DEFAULT_QUESTION)
     return [{"role": "user", "content": TEMPLATES[template].format(text=doc.text, question=question)}]
 

@@ -13,10 +13,10 @@ except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
 from protocols import converters
-from protocols.assemble import StreamError, assemble
+from protocols.assemble import StreamError, assemble, assemble_stream
 from protocols.combine import CombineError, combine
 from protocols.converters import ConversionError, from_eval_logs, from_probabilities, residual_from_probabilities
-from protocols.io import open_traces, save_traces
+from protocols.io import OutputExistsError, open_traces, save_traces
 from protocols.policies import PolicyIdError, PolicySpec, parse_policy_id, policy_coords
 from protocols.schema import (
     COUPLING,
@@ -27,6 +27,7 @@ from protocols.schema import (
     residual_dataset,
     sampling_params,
 )
+from protocols.stream import Limits, Stream, StreamReader, read_stream
 from protocols.validate import TV_ZERO_ATOL, Problem, TraceValidationError, validate
 from protocols.wire import (
     StreamWriter,
@@ -36,6 +37,7 @@ from protocols.wire import (
     end_record,
     error_record,
     header_record,
+    prompt_digest,
     shared_step_record,
     step_record,
 )

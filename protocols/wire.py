@@ -20,6 +20,31 @@ from protocols.schema import SCHEMA
 RECORD_TYPES = ("header", "step", "shared_step", "branch", "end", "error")
 
 
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """The header's ``prompt_sha256``: sha256 of the prompt token ids as decimal ASCII joined by ``,``.
+
+    A producer-independent digest of exactly the tokens the server prefilled, so a
+    client can tell that every policy of a document saw the same prompt
+    (docs/contract.md §3).
+
+    Parameters
+    ----------
+    token_ids : sequence of int
+        The prompt's token ids, in order (special tokens included).
+
+    Returns
+    -------
+    str
+        64 lowercase hex digits.
+
+    Examples
+    --------
+    >>> prompt_digest([1, 2, 3]) == hashlib.sha256(b"1,2,3").hexdigest()
+    True
+    """
+    return hashlib.sha256(",".join(str(int(t)) for t in token_ids).encode("ascii")).hexdigest()
+
+
 def _clean(values: Sequence[Any] | None, *, floats: bool) -> list[Any] | None:
     """JSON-safe list: NaN (floats) and None become null, numpy scalars become Python."""
     if values is None:
@@ -54,9 +79,15 @@ def header_record(
     doc: str | None = None,
     request_id: str = "",
     reference: Mapping[str, Any] | None = None,
+    prompt_sha256: str | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """The stream's first record: everything needed to build the dataset's attrs."""
+    """The stream's first record: everything needed to build the dataset's attrs.
+
+    ``prompt_sha256`` is :func:`prompt_digest` of the prompt's token ids (null when
+    the producer does not know them); a client checks it against the other requests
+    for the same document.
+    """
     rec = {
         "type": "header", "schema": SCHEMA, "kind": kind, "horizon": int(horizon),
         "window": int(window), "model": model,
@@ -64,7 +95,7 @@ def header_record(
         "sampling": dict(sampling), "reference": dict(reference or {"policy": "full"}),
         "candidate": dict(candidate), "seed": seed, "prompt_tokens": int(prompt_tokens),
         "retained_tokens": int(retained_tokens), "replicates": int(replicates),
-        "vocab_size": int(vocab_size), "doc": doc, "request_id": request_id,
+        "vocab_size": int(vocab_size), "doc": doc, "request_id": request_id, "prompt_sha256": prompt_sha256,
     }
     rec.update(extra)
     return rec
