@@ -77,6 +77,56 @@ def token_counter(tokenizer: Any | None) -> TokenCounter:
 # --------------------------------------------------------------------------- chunking
 
 
+def server_token_counter(url: str, api_key: str | None = None, timeout_s: float = 30.0) -> TokenCounter:
+    """Count tokens with a running trace server's ``POST /tokenize`` (no local tokenizer, no torch).
+
+    Parameters
+    ----------
+    url : str
+        The server's base URL (``kvdiv serve`` or any TGI-compatible server).
+    api_key : str, optional
+        Bearer token, when the server requires one.
+    timeout_s : float
+        Seconds per call.
+
+    Returns
+    -------
+    callable
+        ``text -> number of tokens`` (the server's count, special tokens included);
+        repeated texts are counted once.
+
+    Raises
+    ------
+    DocumentsError
+        When the server cannot be reached or answers something other than a token list
+        (raised by the counter on first use).
+    """
+    import functools
+
+    import httpx
+
+    base = url.rstrip("/")
+    client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+
+    @functools.lru_cache(maxsize=65536)
+    def count(text: str) -> int:
+        if not text:
+            return 0
+        try:
+            response = client.post(f"{base}/tokenize", json={"inputs": text})
+            response.raise_for_status()
+            tokens = response.json()
+        except httpx.HTTPError as exc:
+            raise DocumentsError(f"{base}/tokenize: {type(exc).__name__}: {exc}") from None
+        except ValueError:
+            raise DocumentsError(f"{base}/tokenize: the answer is not JSON") from None
+        if not isinstance(tokens, list):
+            raise DocumentsError(f"{base}/tokenize: expected a list of tokens, got {type(tokens).__name__}")
+        return len(tokens)
+
+    return count
+
+
 def paragraphs(text: str) -> list[str]:
     """Non-empty paragraphs of ``text`` (blank-line separated), trailing spaces trimmed."""
     return [p.strip("\n").rstrip() for p in _PARAGRAPH_BREAK.split(text) if p.strip()]

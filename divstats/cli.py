@@ -63,7 +63,7 @@ def analyze(traces: Path, plan_path: Path, out_dir: Path, window: int | None, al
         click.echo(f"note: {note}", err=True)
     for dev in an.plan_result.deviations:
         click.echo(f"deviation: {dev}", err=True)
-    for name, path in an.paths.items():
+    for path in an.paths.values():
         click.echo(f"wrote {path}")
 
 
@@ -109,7 +109,10 @@ def split(source: Path, plan_path: Path, fmt: str, strict: bool) -> None:
         plan = load_plan(plan_path)
     except PlanError as exc:
         _fail(str(exc))
-    ids, labels, what = _doc_ids(source)
+    try:
+        ids, labels, what = _doc_ids(source)
+    except (OSError, ValueError, KeyError, RecursionError) as exc:  # damaged, foreign or not UTF-8
+        _fail(f"{source}: cannot read document ids ({type(exc).__name__}: {exc})")
     table = split_table(ids, plan, labels)
     if fmt == "jsonl":
         for r in table.itertuples(index=False):

@@ -16,7 +16,7 @@ from protocols import converters
 from protocols.assemble import StreamError, assemble, assemble_stream
 from protocols.combine import CombineError, combine
 from protocols.converters import ConversionError, from_eval_logs, from_probabilities, residual_from_probabilities
-from protocols.io import OutputExistsError, open_traces, save_traces
+from protocols.io import OutputExistsError, TraceFileError, open_traces, save_traces
 from protocols.policies import PolicyIdError, PolicySpec, parse_policy_id, policy_coords
 from protocols.schema import (
     COUPLING,

@@ -24,7 +24,7 @@ import xarray as xr
 
 from protocols.validate import validate as _validate
 
-__all__ = ["ORDER_ATTR", "SUFFIXES", "OutputExistsError", "open_traces", "save_traces"]
+__all__ = ["ORDER_ATTR", "SUFFIXES", "OutputExistsError", "TraceFileError", "open_traces", "save_traces"]
 
 SUFFIXES = (".nc", ".zarr")
 #: Attribute holding the variable order while on disk (both backends reorder variables).
@@ -33,6 +33,10 @@ ORDER_ATTR = "protocols_variable_order"
 
 class OutputExistsError(FileExistsError):
     """An output path that exists (or is a symbolic link) and may not be replaced."""
+
+
+class TraceFileError(ValueError):
+    """A trace file that the NetCDF or Zarr backend cannot read (damaged, or something else)."""
 
 
 def _written_by_kvdiv(path: Path) -> bool:
@@ -226,11 +230,14 @@ def open_traces(path: str | os.PathLike[str], validate: bool = True) -> xr.Datas
     fmt = _format(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such trace file")
-    if fmt == ".nc":
-        with xr.open_dataset(path, engine="h5netcdf") as f:
-            ds = f.load()
-    else:
-        with xr.open_dataset(path, engine="zarr", consolidated=False, chunks=None) as f:
-            ds = f.load()
+    try:
+        if fmt == ".nc":
+            with xr.open_dataset(path, engine="h5netcdf") as f:
+                ds = f.load()
+        else:
+            with xr.open_dataset(path, engine="zarr", consolidated=False, chunks=None) as f:
+                ds = f.load()
+    except Exception as exc:  # h5py, zarr and json each fail their own way on a damaged file
+        raise TraceFileError(f"{path}: not a readable {fmt} file ({type(exc).__name__}: {exc})") from None
     ds = _restore_order(_strings(_clear(ds)))
     return _validate(ds, source=f"({path.name})") if validate else ds
