@@ -166,6 +166,17 @@ def read_request(journal: Journal, doc_id: str, policy: str, params: Mapping[str
                  ledger: RunLedger) -> tuple[Stream | None, str | None]:
     """Read and check one complete request file of the journal.
 
+    Parameters
+    ----------
+    journal : Journal
+        The run.
+    doc_id, policy : str
+        The slot.
+    params : mapping
+        The run's parameters (the manifest's ``params``).
+    ledger : RunLedger
+        The run's model and per-document prompts so far (updated when the file checks out).
+
     Returns
     -------
     (Stream, None)
@@ -197,9 +208,27 @@ def audit_document(journal: Journal, doc_id: str, policies: Sequence[str], param
                    ledger: RunLedger) -> tuple[dict[str, Stream], dict[str, str]]:
     """Check every complete request of one document (see :func:`read_request`).
 
-    Returns ``(streams, rejected)``: policy -> checked stream, and policy -> problem for
-    each file that cannot be trusted. When the document's files disagree on the prompt,
-    none of them can be trusted (which one is right is unknown): all are rejected.
+    When the document's files disagree on the prompt, none of them can be trusted
+    (which one is right is unknown): all are rejected.
+
+    Parameters
+    ----------
+    journal : Journal
+        The run.
+    doc_id : str
+        The document.
+    policies : sequence of str
+        The run's policies.
+    params : mapping
+        The run's parameters.
+    ledger : RunLedger
+        The run's model and per-document prompts so far.
+
+    Returns
+    -------
+    (dict, dict)
+        policy -> checked :class:`protocols.Stream`, and policy -> problem (naming the
+        file) for each file that cannot be trusted; absent files are in neither.
     """
     streams: dict[str, Stream] = {}
     rejected: dict[str, str] = {}

@@ -48,7 +48,40 @@ KINDS = ("coupled", "residual")
 
 @dataclass
 class CollectConfig:
-    """Everything ``collect`` needs; the fields in :meth:`params` are the resume contract."""
+    """Everything ``collect`` needs; the fields in :meth:`params` are the resume contract.
+
+    Attributes
+    ----------
+    servers : list of str
+        Trace server URLs; requests are spread over them.
+    docs_file, out : Path
+        The JSONL documents and the run directory.
+    policies : list of str
+        Candidate policy ids (the reference is ``full``).
+    kind, replicates, max_new_tokens, window : str, int, int, int or None
+        Trace kind, R, T and W (W defaults to T).
+    temperature, top_k, top_p, seed, template
+        Sampling, the run seed and the prompt template.
+    api_key, concurrency, max_attempts, backoff_s, backoff_max_s
+        Authentication, requests in flight per server, tries per request and the
+        exponential backoff.
+    read_timeout_s, request_timeout_s : float
+        Longest silence while reading, and longest whole request (None: no limit).
+    progress : bool
+        Show a progress bar on stderr.
+
+    Raises
+    ------
+    ConfigError
+        Listing every parameter that cannot work.
+
+    Examples
+    --------
+    >>> cfg = CollectConfig(servers=["http://127.0.0.1:8080/"], docs_file="d.jsonl", policies=["snapkv@0.5"],
+    ...                     out="runs/x", max_new_tokens=8)
+    >>> cfg.servers, cfg.effective_window
+    (['http://127.0.0.1:8080'], 8)
+    """
 
     servers: list[str]
     docs_file: Path
@@ -116,7 +149,21 @@ class CollectConfig:
 
 @dataclass
 class CollectResult:
-    """What a collection did: counts, failures (request -> last error), throughput."""
+    """What a collection did: counts, failures (request -> last error), throughput.
+
+    Attributes
+    ----------
+    total, skipped, completed : int
+        Requests in the run, already complete before, collected now.
+    failed : dict
+        ``"doc × policy"`` -> the reason it failed.
+    set_aside : dict
+        ``"doc × policy"`` -> why its journal file was set aside for recollection.
+    retries, tokens : int
+        Attempts repeated, tokens received.
+    elapsed_s : float
+        Wall time.
+    """
 
     total: int
     skipped: int
@@ -158,7 +205,28 @@ class _Job:
 
 
 def request_body(cfg: CollectConfig, doc: Document, policy: str) -> dict[str, Any]:
-    """The ``/v1/traces`` JSON for one (document, policy)."""
+    """The ``/v1/traces`` JSON for one (document, policy).
+
+    Parameters
+    ----------
+    cfg : CollectConfig
+        The run.
+    doc : Document
+        The document (rendered with ``cfg.template``).
+    policy : str
+        The candidate policy id.
+
+    Returns
+    -------
+    dict
+        The request body (docs/service.md); its seed is :func:`derive_seed`.
+
+    Examples
+    --------
+    >>> cfg = CollectConfig(servers=["http://x"], docs_file="d.jsonl", policies=["snapkv@0.5"], out="o")
+    >>> request_body(cfg, Document("d1", "Text."), "snapkv@0.5")["doc_id"]
+    'd1'
+    """
     parameters: dict[str, Any] = {
         "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "do_sample": cfg.temperature > 0, "seed": derive_seed(cfg.seed, doc.id, policy),
@@ -473,7 +541,27 @@ def _stream_failure(exc: StreamError) -> RetryableError | PermanentError:
 
 
 def prepare_run(cfg: CollectConfig) -> tuple[Journal, list[Document]]:
-    """Create or check the run directory: copy the documents and write/compare the manifest."""
+    """Create or check the run directory: copy the documents and write/compare the manifest.
+
+    Parameters
+    ----------
+    cfg : CollectConfig
+        The run.
+
+    Returns
+    -------
+    (Journal, list of Document)
+        The run's journal and its documents.
+
+    Raises
+    ------
+    DocumentsError
+        An unreadable or empty documents file.
+    ManifestMismatch
+        A resume with other trace-deciding parameters (each difference named).
+    JournalError
+        An unreadable manifest, or an ``--out`` folder that is not a run.
+    """
     journal = Journal(cfg.out)
     docs = read_jsonl(cfg.docs_file)
     if not docs:
@@ -490,6 +578,7 @@ def prepare_run(cfg: CollectConfig) -> tuple[Journal, list[Document]]:
 
 
 async def collect_async(cfg: CollectConfig, stop_reason: Callable[[], str | None] | None = None) -> CollectResult:
+    """:func:`collect` inside a running event loop."""
     journal, docs = prepare_run(cfg)
     return await Collector(cfg, docs, journal, stop_reason).run()
 
@@ -497,7 +586,29 @@ async def collect_async(cfg: CollectConfig, stop_reason: Callable[[], str | None
 def collect(cfg: CollectConfig, stop_reason: Callable[[], str | None] | None = None) -> CollectResult:
     """Run a collection to completion (or until every remaining request has failed).
 
-    ``stop_reason()`` is consulted after each failed attempt; a non-empty answer
-    stops the whole collection at once (the requests stay incomplete for a rerun).
+    Parameters
+    ----------
+    cfg : CollectConfig
+        The run; rerunning with the same ``cfg`` resumes it.
+    stop_reason : callable, optional
+        Consulted after each failed attempt; a non-empty answer stops the whole
+        collection at once (the requests stay incomplete for a rerun).
+
+    Returns
+    -------
+    CollectResult
+        Counts, failures and throughput; ``ok`` when every request is complete.
+
+    Raises
+    ------
+    CollectorError
+        Only for the run as a whole (documents, manifest, ``--out``); a failure of
+        one request is reported in the result, never raised.
+
+    Examples
+    --------
+    >>> result = collect(CollectConfig(servers=["http://127.0.0.1:8080"], docs_file="docs.jsonl",
+    ...                                policies=["snapkv@0.5"], out="runs/x", seed=1))  # doctest: +SKIP
+    >>> print(result.summary())                                                       # doctest: +SKIP
     """
     return asyncio.run(collect_async(cfg, stop_reason))

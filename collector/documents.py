@@ -26,6 +26,13 @@ from typing import Any
 
 from collector.errors import DocumentsError
 
+__all__ = [
+    "DEFAULT_QUESTION", "TEMPLATES", "Document", "DocumentsError", "TokenCounter", "approx_token_count",
+    "chunk_text", "file_sha256", "iter_summary", "load_source", "paragraphs", "pydoc_documents", "read_jsonl",
+    "read_txt_dir", "render_messages", "select", "select_key", "server_token_counter", "token_counter",
+    "write_jsonl",
+]
+
 TokenCounter = Callable[[str], int]
 
 # Paragraphs are separated by one or more blank lines (pydoc topics, .txt files).
@@ -54,7 +61,23 @@ class Document:
 
 
 def approx_token_count(text: str) -> int:
-    """A tokenizer-free count (words and punctuation marks), for tests and previews."""
+    """A tokenizer-free count (words and punctuation marks), for tests and previews.
+
+    Parameters
+    ----------
+    text : str
+        Any text.
+
+    Returns
+    -------
+    int
+        Words plus punctuation marks.
+
+    Examples
+    --------
+    >>> approx_token_count("Hello, world!")
+    4
+    """
     return len(_APPROX_TOKEN.findall(text))
 
 
@@ -64,6 +87,28 @@ def token_counter(tokenizer: Any | None) -> TokenCounter:
     A Hugging Face tokenizer is itself callable (returning an encoding), so objects
     with ``encode`` are recognised first; special tokens are left out because the
     chat template adds its own.
+
+    Parameters
+    ----------
+    tokenizer : object with ``encode``, callable, or None
+        None gives :func:`approx_token_count`.
+
+    Returns
+    -------
+    callable
+        ``text -> int``.
+
+    Raises
+    ------
+    TypeError
+        For anything else.
+
+    Examples
+    --------
+    >>> token_counter(None)("two words")
+    2
+    >>> token_counter(len)("abc")
+    3
     """
     if tokenizer is None:
         return approx_token_count
@@ -72,9 +117,6 @@ def token_counter(tokenizer: Any | None) -> TokenCounter:
     if callable(tokenizer):
         return tokenizer
     raise TypeError(f"expected a tokenizer (with .encode) or a callable, got {type(tokenizer).__name__}")
-
-
-# --------------------------------------------------------------------------- chunking
 
 
 def server_token_counter(url: str, api_key: str | None = None, timeout_s: float = 30.0) -> TokenCounter:
@@ -92,14 +134,21 @@ def server_token_counter(url: str, api_key: str | None = None, timeout_s: float 
     Returns
     -------
     callable
-        ``text -> number of tokens`` (the server's count, special tokens included);
-        repeated texts are counted once.
+        ``text -> number of tokens``. Tokens the server adds (a BOS, with an empty
+        offset span) are not counted, like :func:`token_counter` leaves special tokens
+        out; repeated texts are asked once.
 
     Raises
     ------
     DocumentsError
         When the server cannot be reached or answers something other than a token list
         (raised by the counter on first use).
+
+    Examples
+    --------
+    >>> count = server_token_counter("http://127.0.0.1:8080")  # doctest: +SKIP
+    >>> count("Summarise the text above.")                      # doctest: +SKIP
+    6
     """
     import functools
 
@@ -120,11 +169,14 @@ def server_token_counter(url: str, api_key: str | None = None, timeout_s: float 
             raise DocumentsError(f"{base}/tokenize: {type(exc).__name__}: {exc}") from None
         except ValueError:
             raise DocumentsError(f"{base}/tokenize: the answer is not JSON") from None
-        if not isinstance(tokens, list):
-            raise DocumentsError(f"{base}/tokenize: expected a list of tokens, got {type(tokens).__name__}")
-        return len(tokens)
+        if not isinstance(tokens, list) or not all(isinstance(t, dict) for t in tokens):
+            raise DocumentsError(f"{base}/tokenize: expected a list of tokens, got {str(tokens)[:80]}")
+        return sum(1 for t in tokens if t.get("stop", 1) != t.get("start", 0))
 
     return count
+
+
+# --------------------------------------------------------------------------- chunking
 
 
 def paragraphs(text: str) -> list[str]:
@@ -184,6 +236,26 @@ def pydoc_documents(
     and target. Chunks shorter than ``min_tokens`` (default: half the target; the
     tails of topics) are dropped so that prompt lengths stay comparable, and so are
     chunks that are mostly ASCII tables.
+
+    Parameters
+    ----------
+    tokenizer : object with ``encode``, callable, or None
+        Counts tokens (see :func:`token_counter`).
+    target_tokens : int
+        Chunk length to aim for.
+    min_tokens : int, optional
+        Shortest chunk kept.
+
+    Returns
+    -------
+    list of Document
+        With metadata ``source``, ``topic``, ``chunk`` and ``n_tokens``.
+
+    Examples
+    --------
+    >>> docs = pydoc_documents(None, target_tokens=128)
+    >>> docs[0].id.startswith("pydoc:") and docs[0].meta["n_tokens"] >= 64
+    True
     """
     from pydoc_data.topics import topics  # stdlib; imported lazily (~0.5 MB of text)
 
@@ -209,8 +281,30 @@ def _mostly_table(text: str) -> bool:
 def read_jsonl(path: str | os.PathLike[str]) -> list[Document]:
     """Documents from a JSONL file (``id`` and ``text`` required; other keys kept as metadata).
 
-    Raises :class:`DocumentsError` naming the file and line for anything else (not
-    UTF-8, not JSON, too deeply nested, a line without ``id`` or ``text``, duplicate ids).
+    Parameters
+    ----------
+    path : path
+        The JSONL file; blank lines are skipped.
+
+    Returns
+    -------
+    list of Document
+        In file order.
+
+    Raises
+    ------
+    DocumentsError
+        Naming the file and line: not UTF-8, not JSON, too deeply nested, a line
+        without ``id`` or ``text``, duplicate ids.
+    OSError
+        When the file cannot be opened.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> path = write_jsonl([Document("a", "text")], Path(tempfile.mkdtemp()) / "d.jsonl")
+    >>> read_jsonl(path)[0].id
+    'a'
     """
     docs: list[Document] = []
     lineno = 0
@@ -236,7 +330,23 @@ def _document(obj: Any, path: str | os.PathLike[str], lineno: int) -> Document:
 
 
 def read_txt_dir(path: str | os.PathLike[str]) -> list[Document]:
-    """One document per ``*.txt`` file (sorted by name; id = file stem)."""
+    """One document per ``*.txt`` file (sorted by name; id = file stem).
+
+    Parameters
+    ----------
+    path : path
+        A folder.
+
+    Returns
+    -------
+    list of Document
+        With metadata ``source`` (the file).
+
+    Raises
+    ------
+    DocumentsError
+        When the folder holds no ``.txt`` file.
+    """
     folder = Path(path)
     docs = [Document(p.stem, p.read_text(encoding="utf-8").strip(), {"source": str(p)})
             for p in sorted(folder.glob("*.txt"))]
@@ -251,6 +361,32 @@ def load_source(source: str, tokenizer: Any | None = None, *, target_tokens: int
 
     User documents are taken whole unless ``chunk`` is set, in which case they are
     cut like the built-in set (ids ``<id>:<chunk>``).
+
+    Parameters
+    ----------
+    source : str
+        ``"pydoc"``, a JSONL path or a folder path.
+    tokenizer : object with ``encode``, callable, or None
+        Counts tokens (``n_tokens`` metadata, chunk lengths).
+    target_tokens : int
+        Chunk length to aim for.
+    chunk : bool
+        Cut user documents at paragraph boundaries.
+
+    Returns
+    -------
+    list of Document
+        Each with ``n_tokens``.
+
+    Raises
+    ------
+    DocumentsError, OSError
+        From :func:`read_jsonl` or :func:`read_txt_dir`.
+
+    Examples
+    --------
+    >>> len(load_source("pydoc", None, target_tokens=256)) > 100
+    True
     """
     if source == "pydoc":
         return pydoc_documents(tokenizer, target_tokens=target_tokens)
@@ -273,7 +409,23 @@ def _check_unique(docs: Sequence[Document], where: str) -> None:
 
 
 def select_key(doc: Document) -> str:
-    """The order :func:`select` takes documents in (a hash of the id)."""
+    """The order :func:`select` takes documents in (a hash of the id).
+
+    Parameters
+    ----------
+    doc : Document
+        Any document.
+
+    Returns
+    -------
+    str
+        sha256 of the id, hex.
+
+    Examples
+    --------
+    >>> len(select_key(Document("a", "x")))
+    64
+    """
     return hashlib.sha256(doc.id.encode("utf-8")).hexdigest()
 
 
@@ -282,6 +434,24 @@ def select(docs: Sequence[Document], count: int | None) -> list[Document]:
 
     Ordering by a hash of the id rather than taking the first ``count`` avoids a
     demo made only of topics starting with "a".
+
+    Parameters
+    ----------
+    docs : sequence of Document
+        The candidates.
+    count : int or None
+        How many to keep.
+
+    Returns
+    -------
+    list of Document
+        The chosen ones, in their original order.
+
+    Examples
+    --------
+    >>> docs = [Document(str(i), "x") for i in range(10)]
+    >>> len(select(docs, 3)), select(docs, 3) == select(docs, 3)
+    (3, True)
     """
     if count is None or count >= len(docs):
         return list(docs)
@@ -291,7 +461,26 @@ def select(docs: Sequence[Document], count: int | None) -> list[Document]:
 
 
 def write_jsonl(docs: Iterable[Document], path: str | os.PathLike[str]) -> Path:
-    """Write documents as JSONL atomically (temp file + rename)."""
+    """Write documents as JSONL atomically (temp file + rename).
+
+    Parameters
+    ----------
+    docs : iterable of Document
+        What to write.
+    path : path
+        The JSONL file (its folder is created).
+
+    Returns
+    -------
+    Path
+        ``path``.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> write_jsonl([Document("a", "x")], Path(tempfile.mkdtemp()) / "d.jsonl").name
+    'd.jsonl'
+    """
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -303,7 +492,26 @@ def write_jsonl(docs: Iterable[Document], path: str | os.PathLike[str]) -> Path:
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
-    """Hex SHA-256 of a file's bytes (the manifest's record of which documents were used)."""
+    """Hex SHA-256 of a file's bytes (the manifest's record of which documents were used).
+
+    Parameters
+    ----------
+    path : path
+        Any file.
+
+    Returns
+    -------
+    str
+        64 hex digits.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "f"
+    >>> _ = path.write_bytes(b"")
+    >>> file_sha256(path)[:12]
+    'e3b0c44298fc'
+    """
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -324,7 +532,30 @@ TEMPLATES: dict[str, str] = {
 
 
 def render_messages(doc: Document, template: str) -> list[dict[str, str]]:
-    """Chat messages for one document under a named template (the server applies the chat template)."""
+    """Chat messages for one document under a named template (the server applies the chat template).
+
+    Parameters
+    ----------
+    doc : Document
+        The document.
+    template : str
+        A key of :data:`TEMPLATES`.
+
+    Returns
+    -------
+    list of dict
+        One user turn (``role``, ``content``).
+
+    Raises
+    ------
+    DocumentsError
+        For an unknown template.
+
+    Examples
+    --------
+    >>> render_messages(Document("a", "Body."), "summarise")[0]["content"].splitlines()[0]
+    'Body.'
+    """
     if template not in TEMPLATES:
         raise DocumentsError(f"unknown template {template!r}; choose from {sorted(TEMPLATES)}")
     question = str(doc.meta.get("question") or DEFAULT_QUESTION)

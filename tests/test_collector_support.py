@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -125,7 +126,8 @@ class FakeServer:
         self.delay_s = delay_s
         self.model = model
         self.lock = threading.Lock()
-        app = Starlette(routes=[Route("/health", self._health), Route("/v1/traces", self._traces, methods=["POST"])])
+        app = Starlette(routes=[Route("/health", self._health), Route("/v1/traces", self._traces, methods=["POST"]),
+                                Route("/tokenize", self._tokenize, methods=["POST"])])
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical",
                                                     lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -162,6 +164,13 @@ class FakeServer:
 
     async def _health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
+
+    async def _tokenize(self, request: Request) -> Response:
+        # TGI's shape: a BOS with an empty span, then one token per whitespace-separated word.
+        text = (await request.json())["inputs"]
+        words = [{"id": i + 1, "text": m.group(), "start": m.start(), "stop": m.end()}
+                 for i, m in enumerate(re.finditer(r"\S+", text))]
+        return JSONResponse([{"id": 0, "text": "<s>", "start": 0, "stop": 0}, *words])
 
     async def _traces(self, request: Request) -> Response:
         body = await request.json()
