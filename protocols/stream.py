@@ -36,6 +36,8 @@ REASONS = ("malformed", "truncated", "altered", "failed")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _BRACKET = re.compile(rb"[\[\]{}]")
+#: bytes.translate table: digits -> b"0", everything else -> b" " (C-speed digit-run check).
+_DIGIT_MAP = bytes(0x30 if chr(i).isdigit() and i < 128 else 0x20 for i in range(256))
 
 
 class StreamError(ValueError):
@@ -138,9 +140,13 @@ def parse_record(line: bytes, number: int = 1, limits: Limits = LIMITS) -> dict[
     # Cheap C-speed pre-checks; the exact (slower) ones only for lines that could fail.
     if line.count(b"[") + line.count(b"{") > limits.depth and (d := _depth(line)) > limits.depth:
         raise StreamError(f"{where}: nesting {d} deep (limit {limits.depth})")
+    # Integer literals are bounded with a per-int hook only when some digit run is long
+    # enough to need it: the hook costs a Python call per integer of a token array.
+    long_digits = b"0" * (limits.int_digits + 1) in line.translate(_DIGIT_MAP)
     try:
         text = line.decode("utf-8")
-        record = json.loads(text, parse_int=_bounded_int(limits.int_digits), parse_constant=_reject_constant)
+        record = json.loads(text, parse_int=_bounded_int(limits.int_digits) if long_digits else None,
+                            parse_constant=_reject_constant)
     except StreamError as exc:
         raise StreamError(f"{where}: {exc}") from None
     except UnicodeDecodeError as exc:

@@ -48,6 +48,7 @@ PERMANENT = {  # fault -> words the failure reason must contain
     "header_no_prompt_sha256": "prompt_sha256",
     "budget_overflow": "budget",
     "422": "HTTP 422",
+    "error_validation": "validation",
 }
 assert set(PERMANENT) | set(TRANSIENT) >= {*REWRITES, *HEADER_EDITS, *BYTE_FAULTS}
 
@@ -156,6 +157,31 @@ def test_a_damaged_journal_line_is_named_by_pack_and_repaired_by_collect(
         again = collect(_cfg([server.url], docs_file, run))
     assert again.ok and again.completed == 1
     assert _journal(run) == clean_run[1]
+
+
+@pytest.mark.timeout(60)
+def test_pack_never_writes_over_a_run_or_a_foreign_folder(docs_file: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from collector.cli import pack as pack_cmd
+
+    run = tmp_path / "self.zarr"   # a run directory that happens to look like a store name
+    with FakeServer() as server:
+        assert collect(_cfg([server.url], docs_file, run)).ok
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    folder = tmp_path / "precious.zarr"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    for out in (run, folder):
+        for extra in ([], ["--overwrite"]):
+            res = CliRunner().invoke(pack_cmd, [str(run), "-o", str(out), *extra])
+            assert res.exit_code != 0 and str(out) in res.output, res.output
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert (folder / "notes.txt").read_text() == "mine" and len(list(folder.iterdir())) == 1
+    res = CliRunner().invoke(pack_cmd, [str(run), "-o", str(tmp_path / "t.zarr")])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(pack_cmd, [str(run), "-o", str(tmp_path / "t.zarr"), "--overwrite"])
+    assert res.exit_code == 0, res.output   # its own earlier output may be replaced
 
 
 @pytest.mark.timeout(60)

@@ -216,11 +216,14 @@ class FakeServer:
 
         records = self._records(body, fault)
         for i, record in enumerate(records):
-            if i == len(records) // 2 and fault in ("drop", "truncate", "error"):
+            if i == len(records) // 2 and fault in ("drop", "truncate", "error", "error_validation"):
                 if fault == "drop":
                     raise ConnectionResetError("simulated connection drop")
                 if fault == "error":
                     yield encode_line(error_record("out of memory", "internal"))
+                if fault == "error_validation":  # the server refuses the request mid-stream, with spaces
+                    yield json.dumps({"type": "error", "error": "window: too large",
+                                      "error_type": "validation"}).encode() + b"\n"
                 return
             if i == 2 and fault in BAD_LINES:
                 yield line(BAD_LINES[fault])
