@@ -216,7 +216,7 @@ MUST_SHOW_FAULTS = ("drop", "rewrite_policy", "drip", "gzip_garbage", "huge_int"
 
 @pytest.mark.timeout(240)
 def test_two_servers_with_a_fault_every_fifth_request_give_the_fault_free_dataset(tmp_path: Path) -> None:
-    docs = [D.Document(f"doc{i}", f"Document {i}.\n\nIts second paragraph, number {i}.") for i in range(12)]
+    docs = [D.Document(f"doc{i}", f"Document {i}.\n\nIts second paragraph, number {i}.") for i in range(40)]
     docs_file = D.write_jsonl(docs, tmp_path / "docs.jsonl")
     with FakeServer() as a, FakeServer() as b:
         assert collect(_cfg([a.url, b.url], docs_file, tmp_path / "clean")).ok
@@ -230,6 +230,8 @@ def test_two_servers_with_a_fault_every_fifth_request_give_the_fault_free_datase
         faults = [r["fault"] for r in a.requests + b.requests if r["fault"] != "ok"]
     assert passes[-1].ok, passes[-1].summary()
     assert len(faults) >= len(docs) * 2 // 5
+    print(f"{len(a.requests) + len(b.requests)} requests, {len(faults)} faults injected, {len(passes)} passes, "
+          f"failed per pass {[len(p.failed) for p in passes]}, retries {[p.retries for p in passes]}")
     clean = pack_run(tmp_path / "clean", progress=False)
     faulty = pack_run(tmp_path / "faulty", progress=False)
     assert list(faulty.data_vars) == list(clean.data_vars)
