@@ -67,7 +67,8 @@ def _sampling_problems(sampling: Any, params: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def header_problems(header: Mapping[str, Any], params: Mapping[str, Any], doc_id: str, policy: str) -> list[str]:
+def header_problems(header: Mapping[str, Any], params: Mapping[str, Any], doc_id: str, policy: str, *,
+                    require_prompt_sha256: bool = True) -> list[str]:
     """Every way a stream's header does not answer the request for (doc_id, policy).
 
     Parameters
@@ -79,6 +80,9 @@ def header_problems(header: Mapping[str, Any], params: Mapping[str, Any], doc_id
         max_new_tokens, window, temperature, top_k, top_p, seed, reference).
     doc_id, policy : str
         The request's document and candidate policy.
+    require_prompt_sha256 : bool
+        Refuse a header without ``prompt_sha256``. True for streams arriving now;
+        journal files collected before the field existed are read with False.
 
     Returns
     -------
@@ -113,7 +117,7 @@ def header_problems(header: Mapping[str, Any], params: Mapping[str, Any], doc_id
     n = header.get("prompt_tokens")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         problems.append(f"prompt_tokens is {n!r}, not a positive count")
-    if not isinstance(header.get("prompt_sha256"), str):
+    if require_prompt_sha256 and not isinstance(header.get("prompt_sha256"), str):
         problems.append("prompt_sha256 is missing (the server predates docs/contract.md §3's prompt digest)")
     return problems
 
@@ -141,7 +145,7 @@ class RunLedger:
             problems.append(f"model is {model!r}, this run uses {self.model!r}")
         prompt = (header.get("prompt_tokens"), header.get("prompt_sha256"))
         seen = self.prompts.get(doc_id)
-        if seen is not None and prompt != seen:
+        if seen is not None and not _same_prompt(prompt, seen):
             problems.append(f"prompt (tokens, sha256) is {_short(prompt)}, the document's other requests "
                             f"saw {_short(seen)}")
         return problems
@@ -150,11 +154,19 @@ class RunLedger:
         """Remember a complete request's model and prompt."""
         if self.model is None:
             self.model = header.get("model")
-        self.prompts.setdefault(doc_id, (header.get("prompt_tokens"), header.get("prompt_sha256")))
+        n, sha = header.get("prompt_tokens"), header.get("prompt_sha256")
+        seen = self.prompts.get(doc_id)
+        if seen is None or seen[1] is None:  # a digest fills in what an older file lacked
+            self.prompts[doc_id] = (n, sha if sha is not None else (seen or (None, None))[1])
 
     def forget(self, doc_id: str) -> None:
         """Drop a document's prompt (its requests were set aside)."""
         self.prompts.pop(doc_id, None)
+
+
+def _same_prompt(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    """Token counts must agree; digests too, where both requests carry one."""
+    return a[0] == b[0] and (a[1] is None or b[1] is None or a[1] == b[1])
 
 
 def _short(prompt: tuple[Any, Any]) -> str:
@@ -197,7 +209,9 @@ def read_request(journal: Journal, doc_id: str, policy: str, params: Mapping[str
         return None, f"{path.name}: {exc}"
     except OSError as exc:
         return None, f"{path.name}: cannot read ({exc.strerror or exc})"
-    problems = header_problems(stream.header, params, doc_id, policy) + ledger.problems(stream.header, doc_id)
+    # Files from before prompt_sha256 existed stay readable; new streams must carry it.
+    problems = (header_problems(stream.header, params, doc_id, policy, require_prompt_sha256=False)
+                + ledger.problems(stream.header, doc_id))
     if problems:
         return None, f"{path.name}: not the request for {doc_id} × {policy}: " + "; ".join(problems)
     ledger.record(stream.header, doc_id)

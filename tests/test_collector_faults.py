@@ -238,3 +238,27 @@ def test_two_servers_with_a_fault_every_fifth_request_give_the_fault_free_datase
     for name in clean.data_vars:  # bitwise: the same bytes, NaNs in the same places
         assert faulty[name].values.tobytes() == clean[name].values.tobytes(), name
     assert faulty.identical(clean)
+
+
+@pytest.mark.timeout(60)
+def test_a_journal_from_before_prompt_sha256_still_packs_and_resumes(docs_file: Path, tmp_path: Path,
+                                                                     clean_run: tuple[Path, dict[str, bytes]]) -> None:
+    from protocols import StreamWriter
+
+    run = tmp_path / "run"
+    with FakeServer() as server:
+        assert collect(_cfg([server.url], docs_file, run)).ok
+    for path in (run / "requests").glob("*.ndjson"):   # as an older server wrote them: no prompt digest
+        records = [json.loads(line) for line in path.read_bytes().splitlines()]
+        del records[0]["prompt_sha256"]
+        w = StreamWriter()
+        lines = [w.line(r) for r in records[:-1]]
+        path.write_bytes(b"".join([*lines, w.end(records[-1]["steps"], records[-1]["replicates"], 0.0)]))
+    old = pack_run(run, progress=False)
+    assert old.sizes["doc"] == 3
+    with FakeServer() as server:
+        again = collect(_cfg([server.url], docs_file, run))
+        assert again.ok and again.skipped == 6 and not server.requests
+    clean = pack_run(clean_run[0], progress=False)
+    for name in clean.data_vars:
+        assert old[name].values.tobytes() == clean[name].values.tobytes(), name
