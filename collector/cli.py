@@ -29,8 +29,13 @@ def _split_policies(value: str) -> list[str]:
 
 
 @click.command("collect")
-@click.option("--server", "servers", multiple=True, required=True,
+@click.option("--server", "servers", multiple=True,
               help="Trace server URL (repeat to spread requests over several servers).")
+@click.option("--servers-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="File of server URLs, one a line (# comments), re-read every few seconds: servers may "
+                   "join and leave during the run. Adds to --server.")
+@click.option("--wait-for-servers", type=click.FloatRange(min=0), default=300.0, show_default=True,
+              help="Seconds to wait while no listed server answers before stopping (a rerun resumes).")
 @click.option("--docs", "docs_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
               help="JSONL document set (see `kvdiv docs`).")
 @click.option("--policies", required=True, help="Comma-separated candidate policy ids, e.g. snapkv@0.5,recent@0.5.")
@@ -55,7 +60,7 @@ def _split_policies(value: str) -> list[str]:
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True,
               help="Seconds one request may take in all (covers servers that drip bytes); then it is retried.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
-def collect(servers: tuple[str, ...], docs_file: Path, policies: str, kind: str, replicates: int,
+def collect(servers: tuple[str, ...], servers_file: Path | None, wait_for_servers: float, docs_file: Path, policies: str, kind: str, replicates: int,
             max_new_tokens: int, window: int | None, temperature: float, top_k: int | None,
             top_p: float | None, seed: int, out: Path, api_key: str | None, concurrency: int,
             template: str, max_attempts: int, request_timeout: float, progress: bool) -> None:
@@ -65,7 +70,8 @@ def collect(servers: tuple[str, ...], docs_file: Path, policies: str, kind: str,
     from collector.errors import CollectorError
 
     try:
-        cfg = CollectConfig(servers=list(servers), docs_file=docs_file, policies=_split_policies(policies),
+        cfg = CollectConfig(servers=list(servers), servers_file=servers_file, wait_for_servers_s=wait_for_servers,
+                            docs_file=docs_file, policies=_split_policies(policies),
                             out=out, kind=kind, replicates=replicates, max_new_tokens=max_new_tokens,
                             window=window, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             template=template, api_key=api_key, concurrency=concurrency,

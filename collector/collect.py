@@ -1,8 +1,13 @@
 """The collector: drive trace servers over HTTP into a journal, then pack a dataset.
 
 ``collect`` sends one ``POST /v1/traces`` per (document, policy) to one or more
-servers (httpx, async), ``concurrency`` requests in flight per server, pulling from
-one shared queue so a faster server simply takes more work. Every stream is written
+servers (httpx, async), ``concurrency`` requests in flight per server, from one
+shared queue: whenever a server has a free slot it gets the next request, so a
+faster server simply takes more work. The servers may change during the run
+(``servers_file``, re-read every few seconds); a server that stops answering is
+taken out of rotation with a backoff (``collector.servers.ServerPool``); when no
+server answers the run waits, up to ``wait_for_servers_s``, then stops with the
+requests left incomplete for a rerun. Every stream is written
 to the journal as it arrives, read once by ``protocols.StreamReader`` (limits,
 digest, order, shapes), and becomes complete only after its header answers the
 request (``collector.checks``) and its dataset assembles and validates. Transient
@@ -26,6 +31,7 @@ import json
 import random
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +41,7 @@ from collector.checks import RunLedger, audit_document, derive_seed, header_prob
 from collector.documents import TEMPLATES, Document, file_sha256, read_jsonl, render_messages
 from collector.errors import ConfigError, DocumentsError, PermanentError, RetryableError
 from collector.journal import DOCUMENTS, Journal, RequestWriter
+from collector.servers import Server, ServerPool, ServerStats, read_servers_file
 from protocols.stream import LIMITS, StreamError, StreamReader
 
 __all__ = [
@@ -54,6 +61,9 @@ class CollectConfig:
     ----------
     servers : list of str
         Trace server URLs; requests are spread over them.
+    servers_file : Path, optional
+        A file of server URLs, one a line, re-read every ``servers_poll_s`` seconds
+        during the run (servers may join and leave); used with ``servers``.
     docs_file, out : Path
         The JSONL documents and the run directory.
     policies : list of str
@@ -67,6 +77,11 @@ class CollectConfig:
         exponential backoff.
     read_timeout_s, request_timeout_s : float
         Longest silence while reading, and longest whole request (None: no limit).
+    wait_for_servers_s : float
+        How long the run waits while no listed server answers before it stops
+        (the requests left stay incomplete for a rerun).
+    server_backoff_s, server_backoff_max_s : float
+        First and longest time a server that stops answering is out of rotation.
     progress : bool
         Show a progress bar on stderr.
 
@@ -104,13 +119,24 @@ class CollectConfig:
     read_timeout_s: float = 600.0
     request_timeout_s: float | None = 3600.0
     progress: bool = True
+    servers_file: Path | None = None
+    servers_poll_s: float = 2.0
+    wait_for_servers_s: float = 300.0
+    server_backoff_s: float = 1.0
+    server_backoff_max_s: float = 60.0
 
     def __post_init__(self) -> None:
         self.servers = [s.rstrip("/") for s in self.servers]
         self.docs_file, self.out = Path(self.docs_file), Path(self.out)
+        self.servers_file = Path(self.servers_file) if self.servers_file is not None else None
+        problems = self._problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def _problems(self) -> list[str]:
         problems = []
-        if not self.servers:
-            problems.append("at least one --server is needed")
+        if not self.servers and self.servers_file is None:
+            problems.append("at least one --server or a --servers-file is needed")
         if not self.policies:
             problems.append("at least one policy is needed")
         if len(set(self.policies)) != len(self.policies):
@@ -129,8 +155,9 @@ class CollectConfig:
             problems.append("--temperature must be >= 0")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             problems.append("--request-timeout must be > 0 seconds")
-        if problems:
-            raise ConfigError("; ".join(problems))
+        if not self.wait_for_servers_s >= 0 or not self.servers_poll_s > 0:
+            problems.append("--wait-for-servers must be >= 0 seconds and the servers file's poll interval > 0")
+        return problems
 
     def params(self, docs_sha256: str) -> dict[str, Any]:
         """The parameters that decide the traces' values (compared on resume and by ``pack``)."""
@@ -163,6 +190,9 @@ class CollectResult:
         Attempts repeated, tokens received.
     elapsed_s : float
         Wall time.
+    servers : dict
+        url -> :class:`collector.servers.ServerStats` (requests, failures, tokens/s),
+        for every server that was listed during the run.
     """
 
     total: int
@@ -173,16 +203,29 @@ class CollectResult:
     retries: int = 0
     tokens: int = 0
     elapsed_s: float = 0.0
+    servers: dict[str, ServerStats] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    def server_table(self) -> str:
+        """Per-server throughput: requests completed, failed attempts, tokens, tokens/s while busy."""
+        if not self.servers:
+            return ""
+        width = max(len("server"), *(len(url) for url in self.servers))
+        lines = [f"  {'server':<{width}}  requests  failures    tokens  tokens/s"]
+        lines += [f"  {s.url:<{width}}  {s.requests:>8}  {s.failures:>8}  {s.tokens:>8}  {s.tokens_per_s:>8.1f}"
+                  for s in self.servers.values()]
+        return "\n".join(lines)
 
     def summary(self) -> str:
         rate = self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
         text = (f"{self.completed} requests collected, {self.skipped} already complete, "
                 f"{len(self.failed)} failed, {self.retries} retries; {self.tokens} tokens in "
                 f"{self.elapsed_s:.1f} s ({rate:.1f} tokens/s)")
+        if self.servers:
+            text += "\n" + self.server_table()
         for key, reason in sorted(self.set_aside.items()):
             text += f"\n  SET ASIDE {key}: {reason}"
         for key, reason in sorted(self.failed.items()):
@@ -195,6 +238,7 @@ class _Job:
     doc: Document
     policy: str
     attempts: int = 0
+    tokens: int = 0   # received in the current attempt
 
     @property
     def key(self) -> str:
@@ -293,7 +337,7 @@ class _RequestCheck:
 
 
 class _Progress:
-    """tqdm on stderr: requests done, tokens/s, retries, ETA."""
+    """tqdm on stderr: requests done, tokens/s, retries, servers busy, ETA."""
 
     def __init__(self, total: int, initial: int, enabled: bool) -> None:
         from tqdm.auto import tqdm
@@ -303,6 +347,7 @@ class _Progress:
         self.start = time.monotonic()
         self.tokens = 0
         self.retries = 0
+        self.server_note = ""
 
     def add_tokens(self, n: int) -> None:
         self.tokens += n
@@ -316,9 +361,15 @@ class _Progress:
         self.retries += 1
         self._postfix()
 
+    def servers(self, pool: ServerPool) -> None:
+        listed = pool.listed
+        busy = sum(s.in_flight > 0 for s in listed)
+        self.server_note = f", {busy}/{len(listed)} servers busy"
+        self._postfix()
+
     def _postfix(self) -> None:
         rate = self.tokens / max(time.monotonic() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{rate:.0f} tok/s, {self.retries} retries", refresh=False)
+        self.bar.set_postfix_str(f"{rate:.0f} tok/s, {self.retries} retries{self.server_note}", refresh=False)
 
     def close(self) -> None:
         self.bar.close()
@@ -328,7 +379,7 @@ class _Progress:
 
 
 class Collector:
-    """One collection run: the queue, the workers and the journal."""
+    """One collection run: the queue of requests, the servers, the dispatcher and the journal."""
 
     def __init__(self, cfg: CollectConfig, docs: Sequence[Document], journal: Journal,
                  stop_reason: Callable[[], str | None] | None = None) -> None:
@@ -340,15 +391,14 @@ class Collector:
         params = manifest.get("params") or cfg.params(file_sha256(cfg.docs_file))
         ledger = RunLedger(model=manifest.get("model"))
         self.check = _RequestCheck(cfg, journal, params, ledger)
-        self.queue: asyncio.Queue[_Job] = asyncio.Queue()
-        self.pending = 0
-        self.finished = asyncio.Event()
+        self.ready: deque[_Job] = deque()       # requests waiting for a free server slot
+        self.wake = asyncio.Event()             # something changed: a slot freed, a request is ready
         self.timers: set[asyncio.Task[None]] = set()
+        self.running: set[asyncio.Task[None]] = set()
         todo, set_aside = self._resume(params, ledger)
         self.result = CollectResult(total=len(self.docs) * len(cfg.policies),
                                     skipped=len(self.docs) * len(cfg.policies) - len(todo), set_aside=set_aside)
-        for job in todo:
-            self.queue.put_nowait(job)
+        self.ready.extend(todo)
         self.pending = len(todo)
         self.unfinished = {job.key: job for job in todo}
 
@@ -372,74 +422,143 @@ class Collector:
 
         start = time.monotonic()
         self.progress = _Progress(self.result.total, self.result.skipped, self.cfg.progress)
-        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
-        timeout = httpx.Timeout(30.0, read=self.cfg.read_timeout_s)
-        limits = httpx.Limits(max_connections=self.cfg.concurrency * len(self.cfg.servers) + 2)
+        cfg = self.cfg
+        self.pool = ServerPool(cfg.servers, cfg.servers_file, concurrency=cfg.concurrency,
+                               backoff_s=cfg.server_backoff_s, backoff_max_s=cfg.server_backoff_max_s,
+                               poll_s=cfg.servers_poll_s, say=self._say)
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        timeout = httpx.Timeout(30.0, read=cfg.read_timeout_s)
+        # The pool bounds requests per server; the client must not queue them a second time.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         try:
             async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
-                workers = [asyncio.create_task(self._worker(client, server))
-                           for server in self.cfg.servers for _ in range(self.cfg.concurrency)]
                 try:
-                    if self.pending:
-                        await self.finished.wait()
+                    await self._dispatch(client)
                 finally:
-                    for task in [*workers, *self.timers]:
+                    for task in [*self.running, *self.timers]:
                         task.cancel()
-                    await asyncio.gather(*workers, *self.timers, return_exceptions=True)
+                    await asyncio.gather(*self.running, *self.timers, return_exceptions=True)
         finally:
             self.progress.close()
             self.result.tokens = self.progress.tokens
             self.result.retries = self.progress.retries
             self.result.elapsed_s = time.monotonic() - start
+            self.result.servers = self.pool.stats()
         return self.result
 
-    async def _worker(self, client: Any, server: str) -> None:
-        while True:
-            job = await self.queue.get()
-            job.attempts += 1
-            try:
-                await self._attempt(client, server, job)
-            except RetryableError as exc:
-                reason = self.stop_reason() if self.stop_reason else None
-                if reason:
-                    self._abort(reason)
-                elif job.attempts >= self.cfg.max_attempts:
-                    self._finish(job, f"{exc} (after {job.attempts} attempts)")
-                else:
-                    self.progress.retry()
-                    self._requeue_later(job, self._backoff(job.attempts, exc.retry_after))
-            except PermanentError as exc:
-                if exc.fatal:
-                    self._abort(str(exc))
-                else:
-                    self._finish(job, str(exc))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a bug or an unforeseen failure: this request ends, the run goes on
-                self._finish(job, f"unexpected {type(exc).__name__}: {exc}")
-            else:
-                self.result.completed += 1
-                self.progress.done()
-                self._finish(job, None)
+    async def _dispatch(self, client: Any) -> None:
+        """Hand each ready request to the least loaded server with a free slot, until none is left."""
+        waiting_since: float | None = None
+        while self.pending:
+            self.wake.clear()
+            self.pool.refresh(force=False)
+            waiting_since = self._watch_servers(waiting_since)
+            if not self.pending:
+                break  # the wait for servers ran out
+            server = self.pool.pick() if self.ready else None
+            if server is None:
+                await self._sleep_until_change()
+                continue
+            self.pool.started(server)  # before the task runs: the next pick must see the slot taken
+            task = asyncio.create_task(self._run_job(client, server, self.ready.popleft()))
+            self.running.add(task)
+            task.add_done_callback(self.running.discard)
+
+    def _watch_servers(self, since: float | None) -> float | None:
+        """Track how long no listed server has answered; stop the run once that exceeds the wait."""
+        if self.pool.healthy:
+            if since is not None:
+                self._say(f"servers available again ({len(self.pool.listed)} listed); collecting")
+            return None
+        now = time.monotonic()
+        if since is None:
+            self._say(f"{self.pool.describe()}; waiting up to {self.cfg.wait_for_servers_s:g} s for one "
+                      "(--wait-for-servers); complete requests are kept")
+            return now
+        if now - since > self.cfg.wait_for_servers_s and not self.running:
+            self._abort(f"{self.pool.describe()} for {self.cfg.wait_for_servers_s:g} s (--wait-for-servers)")
+        return since
+
+    async def _sleep_until_change(self) -> None:
+        timeout = self.cfg.servers_poll_s
+        if not self.pool.healthy:  # check the wait for servers often enough to keep its deadline
+            timeout = min(timeout, max(self.cfg.wait_for_servers_s, 0.01))
+        soon = self.pool.next_change()
+        if soon is not None:
+            timeout = min(timeout, soon)
+        try:
+            async with asyncio.timeout(max(timeout, 0.001)):
+                await self.wake.wait()
+        except TimeoutError:
+            pass
+
+    def _say(self, message: str) -> None:
+        bar = getattr(self, "progress", None)
+        if bar is not None:
+            bar.bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr)
+
+    async def _run_job(self, client: Any, server: Server, job: _Job) -> None:
+        """One attempt of ``job`` on ``server`` (whose slot the dispatcher took), and what follows from it."""
+        self.progress.servers(self.pool)
+        job.attempts += 1
+        job.tokens = 0
+        outcome: dict[str, Any] = {}
+        try:
+            await self._attempt(client, server.url, job)
+        except asyncio.CancelledError:  # the run is ending: not the server's failure
+            outcome["counted"] = False
+            raise
+        except RetryableError as exc:
+            outcome["unreachable"] = exc.unreachable
+            self._retry(job, exc)
+        except PermanentError as exc:
+            self._abort(str(exc)) if exc.fatal else self._finish(job, str(exc))
+        except Exception as exc:  # a bug or an unforeseen failure: this request ends, the run goes on
+            self._finish(job, f"unexpected {type(exc).__name__}: {exc}")
+        else:
+            outcome["tokens"] = job.tokens
+            self.result.completed += 1
+            self.progress.done()
+            self._finish(job, None)
+        finally:  # also on cancellation: the slot is free again
+            self.pool.finished(server, **outcome)
+            self.progress.servers(self.pool)
+            self.wake.set()
+
+    def _retry(self, job: _Job, exc: RetryableError) -> None:
+        """Put a failed attempt back on the queue (after a backoff), or end the request."""
+        reason = self.stop_reason() if self.stop_reason else None
+        if reason:
+            self._abort(reason)
+        elif not exc.sent:  # never reached the server: another server takes it at once, attempt not counted
+            job.attempts -= 1
+            self.ready.appendleft(job)
+        elif job.attempts >= self.cfg.max_attempts:
+            self._finish(job, f"{exc} (after {job.attempts} attempts)")
+        else:
+            self.progress.retry()
+            self._requeue_later(job, self._backoff(job.attempts, exc.retry_after))
 
     def _abort(self, reason: str) -> None:
         """Give up on every unfinished request (left incomplete; a rerun resumes them)."""
         for key in self.unfinished:
             self.result.failed[key] = reason
         self.unfinished.clear()
+        self.ready.clear()
         self.pending = 0
-        self.progress.bar.write(f"collection stopped: {reason}", file=sys.stderr)
-        self.finished.set()
+        self._say(f"collection stopped: {reason}")
+        self.wake.set()
 
     def _finish(self, job: _Job, failure: str | None) -> None:
         if self.unfinished.pop(job.key, None) is None:
             return  # already accounted for by _abort
         if failure is not None:
             self.result.failed[job.key] = failure
-            self.progress.bar.write(f"request {job.key} failed: {failure}", file=sys.stderr)
+            self._say(f"request {job.key} failed: {failure}")
         self.pending -= 1
-        if self.pending == 0:
-            self.finished.set()
+        self.wake.set()
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
         # Full jitter: spreads retries of requests that failed together (one 429 burst).
@@ -450,7 +569,9 @@ class Collector:
     def _requeue_later(self, job: _Job, delay: float) -> None:
         async def later() -> None:
             await asyncio.sleep(delay)
-            self.queue.put_nowait(job)
+            if job.key in self.unfinished:
+                self.ready.append(job)
+                self.wake.set()
 
         task = asyncio.create_task(later())
         self.timers.add(task)
@@ -481,7 +602,11 @@ class Collector:
                     raise PermanentError(message)
                 await self._receive(response, job)
         except httpx.HTTPError as exc:  # refused, reset, dropped mid-stream, timed out, undecodable body
-            raise RetryableError(f"{type(exc).__name__}: {exc or 'connection lost'}") from None
+            # A refused connection never reached the server; a silent one may be down: both take the
+            # server out of rotation for a while.
+            unreachable = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadTimeout))
+            raise RetryableError(f"{type(exc).__name__} from {server}: {exc or 'connection lost'}",
+                                 unreachable=unreachable, sent=not isinstance(exc, httpx.ConnectError)) from None
         except OSError as exc:  # the journal's disk (full, removed): worth another attempt
             raise RetryableError(f"{type(exc).__name__}: {exc}") from None
 
@@ -494,23 +619,25 @@ class Collector:
                 buffer += chunk
                 *complete, buffer = buffer.split(b"\n")
                 for raw in complete:
-                    self._take(writer, reader, raw + b"\n")
+                    self._take(writer, reader, raw + b"\n", job)
                 if len(buffer) > LIMITS.line_bytes:
                     raise RetryableError(f"a line longer than {LIMITS.line_bytes} bytes")
             if buffer.strip():
-                self._take(writer, reader, buffer)  # a final line without newline: kept, so truncation is seen
+                self._take(writer, reader, buffer, job)  # a final line without newline: kept, so truncation is seen
             self._complete(writer, reader, job)
         finally:
             writer.abort()
 
-    def _take(self, writer: RequestWriter, reader: StreamReader, raw: bytes) -> None:
+    def _take(self, writer: RequestWriter, reader: StreamReader, raw: bytes, job: _Job) -> None:
         writer.write(raw)
         try:
             record = reader.feed(raw)
         except StreamError as exc:
             raise _stream_failure(exc) from None
         if record is not None and record["type"] in ("step", "shared_step", "branch"):
-            self.progress.add_tokens(_tokens_in(record))
+            n = _tokens_in(record)
+            job.tokens += n
+            self.progress.add_tokens(n)
 
     def _complete(self, writer: RequestWriter, reader: StreamReader, job: _Job) -> None:
         """Check the whole stream and its header, assemble it, then make the request complete."""
@@ -561,14 +688,22 @@ def prepare_run(cfg: CollectConfig) -> tuple[Journal, list[Document]]:
         A resume with other trace-deciding parameters (each difference named).
     JournalError
         An unreadable manifest, or an ``--out`` folder that is not a run.
+    ConfigError
+        An unreadable ``servers_file``.
     """
+    if cfg.servers_file is not None:  # a typo in the path is refused now, not after a wait for servers
+        try:
+            read_servers_file(cfg.servers_file)
+        except OSError as exc:
+            raise ConfigError(f"{cfg.servers_file}: cannot read the servers file ({exc.strerror or exc})") from None
     journal = Journal(cfg.out)
     docs = read_jsonl(cfg.docs_file)
     if not docs:
         raise DocumentsError(f"{cfg.docs_file}: no documents")
     digest = file_sha256(cfg.docs_file)
     journal.start(cfg.params(digest), {
-        "servers": cfg.servers, "concurrency": cfg.concurrency, "docs_file": str(cfg.docs_file),
+        "servers": cfg.servers, "servers_file": str(cfg.servers_file) if cfg.servers_file else None,
+        "concurrency": cfg.concurrency, "docs_file": str(cfg.docs_file),
         "documents": DOCUMENTS, "n_docs": len(docs),
     })
     copy = journal.dir / DOCUMENTS

@@ -67,11 +67,19 @@ class RetryableError(CollectorError):
         What went wrong.
     retry_after : float, optional
         The server's ``Retry-After``, in seconds.
+    unreachable : bool
+        The server did not answer (refused, connect or read timeout): it is taken out
+        of rotation for a while.
+    sent : bool
+        False when the request never reached the server (connection refused): the
+        attempt does not count against ``max_attempts``.
     """
 
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, message: str, retry_after: float | None = None, *, unreachable: bool = False,
+                 sent: bool = True) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.unreachable, self.sent = unreachable, sent
 
 
 class PermanentError(CollectorError):
