@@ -60,7 +60,8 @@ def _split_policies(value: str) -> list[str]:
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True,
               help="Seconds one request may take in all (covers servers that drip bytes); then it is retried.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
-def collect(servers: tuple[str, ...], servers_file: Path | None, wait_for_servers: float, docs_file: Path, policies: str, kind: str, replicates: int,
+def collect(servers: tuple[str, ...], servers_file: Path | None, wait_for_servers: float, docs_file: Path,
+            policies: str, kind: str, replicates: int,
             max_new_tokens: int, window: int | None, temperature: float, top_k: int | None,
             top_p: float | None, seed: int, out: Path, api_key: str | None, concurrency: int,
             template: str, max_attempts: int, request_timeout: float, progress: bool) -> None:
