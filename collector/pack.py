@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,11 +79,12 @@ def _documents(journal: Journal, manifest: Mapping[str, Any]) -> list[Document]:
 
 
 def pack_run(run_dir: str | Path, *, drop_incomplete: bool = False, progress: bool = True) -> Any:
-    """Assemble every complete request of a run into one validated dataset.
+    """Assemble every complete request of a run into one validated dataset, in memory.
 
     Each request's stream becomes a one-doc one-policy dataset
     (``protocols.assemble_stream``); they are combined along ``policy`` (in the
-    manifest's order) and then ``doc`` (in the documents file's order).
+    manifest's order) and then ``doc`` (in the documents file's order). For runs that
+    do not fit in memory, :func:`pack_to` writes the same documents one by one.
 
     Parameters
     ----------
@@ -106,40 +107,65 @@ def pack_run(run_dir: str | Path, *, drop_incomplete: bool = False, progress: bo
         cannot be trusted (each named with its problem), or missing requests (unless
         ``drop_incomplete``).
     """
-    from tqdm.auto import tqdm
-
     import protocols
 
-    journal = Journal(run_dir)
-    manifest = _manifest(journal)
-    params = manifest["params"]
-    policies: list[str] = params["policies"]
-    docs = _documents(journal, manifest)
-    ledger = RunLedger(model=manifest.get("model"))
-    per_doc, missing, refused = [], {}, []
-    for doc in tqdm(docs, desc="pack", unit="doc", file=sys.stderr, disable=not progress):
-        streams, rejected = audit_document(journal, doc.id, policies, params, ledger)
-        refused += rejected.values()
-        lacking = [p for p in policies if p not in streams]
-        if lacking:
-            missing[doc.id] = lacking
-        elif not refused:  # once anything is refused nothing will be written: only check the rest
-            per_doc.append(_assemble_doc(journal, doc.id, policies, streams))
-    if refused:
-        raise PackError(f"{len(refused)} request files in {journal.requests} cannot be trusted:\n  "
-                        + "\n  ".join(refused[:20]) + (f"\n  ... and {len(refused) - 20} more" if len(refused) > 20
-                                                        else "")
-                        + "\nRerun the same `kvdiv collect` command: it sets them aside and recollects them.")
-    if missing and not drop_incomplete:
-        raise PackError(_missing_message(missing, len(docs)))
-    if not per_doc:
-        raise PackError(f"{run_dir}: no document has every policy complete\n" + _missing_message(missing, len(docs)))
+    run = _Run(run_dir)
+    per_doc = list(run.pieces(drop_incomplete=drop_incomplete, progress=progress))
     try:
         ds = protocols.combine(per_doc, dim="doc")
-        ds.attrs.update(_collection_attrs(manifest))
         return protocols.validate(ds)
     except (protocols.CombineError, protocols.TraceValidationError) as exc:
         raise PackError(f"{run_dir}: the requests do not form one dataset: {exc}") from None
+
+
+class _Run:
+    """A run to pack: its manifest, checked documents, and its requests read back one document at a time."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.dir = Path(run_dir)
+        self.journal = Journal(run_dir)
+        self.manifest = _manifest(self.journal)
+        self.params = self.manifest["params"]
+        self.policies: list[str] = self.params["policies"]
+        self.docs = _documents(self.journal, self.manifest)
+        self.attrs = _collection_attrs(self.manifest)
+
+    def pieces(self, *, drop_incomplete: bool, progress: bool, skip: Collection[str] = ()) -> Iterator[Any]:
+        """One checked, assembled dataset per complete document (in file order), each with the run's attrs.
+
+        Missing request files are found (by name) before any work, so a gap fails fast.
+        A file that cannot be trusted stops the pieces but not the checking: every such
+        file is named in the :class:`PackError` raised after the last document.
+        """
+        from tqdm.auto import tqdm
+
+        docs = [doc for doc in self.docs if doc.id not in skip]
+        missing = missing_requests(self.journal, docs, self.policies)
+        if missing and not drop_incomplete:
+            raise PackError(_missing_message(missing, len(docs)))
+        ledger = RunLedger(model=self.manifest.get("model"))
+        refused: list[str] = []
+        yielded = 0
+        for doc in tqdm(docs, desc="pack", unit="doc", file=sys.stderr, disable=not progress):
+            streams, rejected = audit_document(self.journal, doc.id, self.policies, self.params, ledger)
+            refused += rejected.values()
+            if refused or len(streams) < len(self.policies):
+                continue  # once anything is refused nothing will be written: only check the rest
+            piece = _assemble_doc(self.journal, doc.id, self.policies, streams)
+            piece.attrs.update(self.attrs)
+            yielded += 1
+            yield piece
+        if refused:
+            raise PackError(_refused_message(refused, self.journal))
+        if not yielded and not skip:
+            raise PackError(f"{self.dir}: no document has every policy complete\n"
+                            + _missing_message(missing, len(docs)))
+
+
+def _refused_message(refused: Sequence[str], journal: Journal) -> str:
+    more = f"\n  ... and {len(refused) - 20} more" if len(refused) > 20 else ""
+    return (f"{len(refused)} request files in {journal.requests} cannot be trusted:\n  " + "\n  ".join(refused[:20])
+            + more + "\nRerun the same `kvdiv collect` command: it sets them aside and recollects them.")
 
 
 def _assemble_doc(journal: Journal, doc_id: str, policies: Sequence[str], streams: Mapping[str, Any]) -> Any:
