@@ -155,8 +155,9 @@ class CollectConfig:
             problems.append("--temperature must be >= 0")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             problems.append("--request-timeout must be > 0 seconds")
-        if not self.wait_for_servers_s >= 0 or not self.servers_poll_s > 0:
-            problems.append("--wait-for-servers must be >= 0 seconds and the servers file's poll interval > 0")
+        if not self.wait_for_servers_s >= 0 or not self.servers_poll_s > 0 or not self.server_backoff_s > 0:
+            problems.append("--wait-for-servers must be >= 0 seconds, the servers file's poll interval and the "
+                            "server backoff > 0")
         return problems
 
     def params(self, docs_sha256: str) -> dict[str, Any]:
