@@ -17,7 +17,7 @@ from protocols.assemble import StreamError, assemble
 from protocols.combine import CombineError, combine
 from protocols.converters import ConversionError, from_eval_logs, from_probabilities, residual_from_probabilities
 from protocols.io import open_traces, save_traces
-from protocols.policies import PolicyIdError, PolicySpec, parse_policy_id, policy_coords
+from protocols.policies import PolicyIdError, PolicySpec, PressTerm, parse_policy_id, policy_coords
 from protocols.schema import (
     COUPLING,
     KINDS,
