@@ -97,10 +97,17 @@ class Side:
     press: Any | None = None
 
     def rows(self, n: int) -> None:
-        """Batch 1 -> n identical rows."""
+        """Batch 1 -> n identical rows (cache, masks and the decoding press's buffers)."""
         self.cache.batch_repeat_interleave(n)
         if self.masks:
             self.masks = [None if m is None else m.repeat(n, 1, 1) for m in self.masks]
+        for press in _presses(self.press) if self.press is not None else ():
+            # per-layer buffers kvpress keeps across decoding steps, batch first
+            for name in ("hidden_states_buffer", "scores_buffer"):
+                buffers = getattr(press, name, None)
+                for layer, buf in (buffers or {}).items():
+                    buffers[layer] = ([t.repeat_interleave(n, 0) for t in buf] if isinstance(buf, list)
+                                      else buf.repeat_interleave(n, 0))
 
     def select(self, idx: torch.Tensor) -> None:
         self.cache.batch_select_indices(idx)

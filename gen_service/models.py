@@ -184,6 +184,18 @@ def random_model(model_id: str, device: torch.device, dtype: torch.dtype, seed: 
     return model
 
 
+def _name_by_tokenizer_dir(model: torch.nn.Module, tokenizer: object, model_id: str) -> None:
+    """Point ``config.name_or_path`` at a local copy of the tokenizer: presses that load
+    the tokenizer by the model's name (KVzip, KVgrad) then find it offline."""
+    target = cache_root() / "tokenizers" / model_id.replace(":", "-")
+    try:
+        if not (target / "tokenizer_config.json").exists():
+            tokenizer.save_pretrained(target)
+        model.config.name_or_path = str(target)
+    except OSError as exc:  # read-only cache: those presses then fail with their own error
+        log.warning("could not save the tokenizer at %s: %s", target, exc)
+
+
 # --------------------------------------------------------------------------- gguf
 
 def _gguf_cache_dir(gguf: Path) -> Path:
@@ -261,7 +273,9 @@ def load_model(model_id: str | None = None, *, gguf: str | None = None, device: 
         model, tok = _load_gguf(embedded_gguf_path())
         return _finish(model, _with_chatml(tok), EMBEDDED_NAME, dev, dt)
     if model_id in TINY_IDS:
-        return _finish(tiny_model(model_id.split(":", 1)[1]), byte_tokenizer(), model_id, dev, dt)
+        model, tok = tiny_model(model_id.split(":", 1)[1]), byte_tokenizer()
+        _name_by_tokenizer_dir(model, tok, model_id)
+        return _finish(model, tok, model_id, dev, dt)
     if model_id in RANDOM_CONFIGS:
         return _finish(random_model(model_id, dev, dt), load_tokenizer(EMBEDDED_ID), model_id, dev, dt)
     from transformers import AutoModelForCausalLM, AutoTokenizer

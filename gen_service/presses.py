@@ -59,7 +59,7 @@ ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     "lagkv": ("LagKVPress", {}),
     "keydiff": ("KeyDiffPress", {}),
     "kvcompose": ("KVComposePress", {}),
-    "dms": ("DMSPress(KnormPress)", {"threshold": -4.0, "sliding_window_size": 16}),
+    "dms": ("DMSPress(KnormPress)", {"threshold": -9.0, "sliding_window_size": 16}),
     "decoding-knorm": ("DecodingPress(KnormPress)", {}),
 }
 
@@ -78,6 +78,7 @@ ARTIFACT = {
     "FastKVzipPress": "Fast-KVzip gate weights for this model (hub repo Jang-Hyun/Fast-KVzip)",
     "DuoAttentionPress": "DuoAttention head patterns for this model (downloaded from GitHub)",
     "LUKVPress": "an LU-KV budget curve for this model (downloaded from GitHub)",
+    "RestoreKVPress": "RestoreKV weights for this model (hub repo higokri/RestoreKV-<model>)",
 }
 _SERVER_KEYS = {"allow_download"}
 # Presses the engine cannot run, with the reason (a 422 names it).
