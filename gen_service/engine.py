@@ -151,7 +151,6 @@ class Prefilled:
         return self.side.cache
 
 
-
 def _lengths(cache: DynamicCache) -> list[int]:
     return [layer.keys.shape[-2] for layer in cache.layers]
 
