@@ -42,7 +42,9 @@ POLICIES = {
                                          "#{half}):compression_interval=4",
     "re-rotation: KeyRerotation(Knorm)": "kvpress:KeyRerotationPress(KnormPress)@0.5",
     "key channels: Composed(SnapKV, ThinK)": "kvpress:ComposedPress(SnapKVPress@0.5, ThinKPress@0.5)",
+    "SnapKV, residual branches replayed (forced)": "snapkv@0.5",
 }
+FORCED = "forced"   # rows whose label says so run the replayed-branch path on purpose: its price alone
 
 
 def prompt_ids(engine: Engine, n: int) -> list[int]:
@@ -74,6 +76,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--only", default="", help="run only mechanisms whose label contains this (plus SnapKV)")
     args = ap.parse_args()
     engine = Engine(load_model(args.model, device=args.device))
     ids = prompt_ids(engine, args.prompt_tokens)
@@ -85,7 +88,10 @@ def main() -> None:
     print(f"{'mechanism':42s} {'coupled s':>10s} {'ratio':>6s} {'residual s':>11s} {'ratio':>6s}")
     base: dict[str, float] = {}
     for label, policy in POLICIES.items():
+        if args.only and args.only not in label and label != "SnapKV (baseline)":
+            continue
         policy = policy.format(half=len(ids) // 2)
+        engine.force_replay = FORCED in label
         row = []
         for kind in ("coupled", "residual"):
             times = [request_time(engine, TraceJob(prompt_ids=ids, candidate=policy, kind=kind, horizon=args.steps,
