@@ -7,6 +7,7 @@ Each package owns its subcommands; they are imported only when invoked, so that
 from __future__ import annotations
 
 import importlib
+import os
 
 import click
 
@@ -27,6 +28,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# Modules that only an extra installs -> that extra (pyproject.toml).
+EXTRA_FOR: dict[str, str] = {m: "service" for m in (
+    "torch", "transformers", "kvpress", "tokenizers", "accelerate", "gguf", "safetensors",
+    "starlette", "uvicorn", "prometheus_client")}
+
+
 class LazyGroup(click.Group):
     """A click group whose commands are imported on first use."""
 
@@ -38,7 +45,28 @@ class LazyGroup(click.Group):
             return None
         target, _ = SUBCOMMANDS[name]
         module_name, attr = target.split(":")
-        return getattr(importlib.import_module(module_name), attr)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            # A base install lacks the server's stack: say which extra brings it.
+            if exc.name and exc.name.split(".")[0] in EXTRA_FOR:
+                extra = EXTRA_FOR[exc.name.split(".")[0]]
+                raise click.ClickException(
+                    f"`kvdiv {name}` needs {exc.name}, which this install lacks: "
+                    f"pip install 'kvdiv[{extra}]'") from None
+            raise
+        return getattr(module, attr)
+
+    def invoke(self, ctx: click.Context) -> object:
+        # The last line of defence for item "errors without tracebacks": an input error a
+        # subcommand did not word itself still ends as one line (KVDIV_DEBUG=1 re-raises).
+        try:
+            return super().invoke(ctx)
+        except (OSError, ValueError, KeyError, RecursionError) as exc:
+            if os.environ.get("KVDIV_DEBUG"):
+                raise
+            where = f" {exc.filename}:" if isinstance(exc, OSError) and exc.filename else ""
+            raise click.ClickException(f"kvdiv {ctx.invoked_subcommand}:{where} {type(exc).__name__}: {exc}") from None
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Help text comes from the table so `kvdiv --help` stays import-free.

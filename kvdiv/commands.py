@@ -21,7 +21,8 @@ _DEMO = DemoConfig()  # the demo's defaults, shown in its --help
 
 @click.command("docs")
 @click.option("--source", default="pydoc", show_default=True,
-              help="'pydoc' (CPython's built-in language reference), a JSONL file (id, text) or a folder of .txt files.")
+              help="'pydoc' (CPython's built-in language reference), a JSONL file (id, text) "
+                   "or a folder of .txt files.")
 @click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="JSONL file to write.")
 @click.option("--target-tokens", default=256, show_default=True, type=click.IntRange(min=8),
@@ -32,18 +33,28 @@ _DEMO = DemoConfig()  # the demo's defaults, shown in its --help
               help="Cut user documents at paragraph boundaries like the built-in set.")
 @click.option("--tokenizer", "tokenizer_id", default="embedded", show_default=True,
               help="Count tokens with this model's tokenizer (a `kvdiv serve --model` id), or 'approx'.")
-def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: bool, tokenizer_id: str) -> None:
+@click.option("--server", default=None, metavar="URL",
+              help="Count tokens with this running server's POST /tokenize instead (no torch needed).")
+@click.option("--api-key", default=None, envvar="KVDIV_API_KEY", help="Bearer token for --server.")
+def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: bool, tokenizer_id: str,
+         server: str | None, api_key: str | None) -> None:
     """Build a JSONL document set (id, text, source, n_tokens, ...)."""
     from collector import documents as D
-    from kvdiv.demo import load_tokenizer
 
-    tokenizer = load_tokenizer(tokenizer_id)
+    if server is not None:
+        tokenizer = D.server_token_counter(server, api_key)
+    else:
+        from kvdiv.demo import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer_id)
     try:
         items = D.load_source(source, tokenizer, target_tokens=target_tokens, chunk=chunk)
-    except (OSError, ValueError) as exc:
+        items = D.select(items, count)
+        D.write_jsonl(items, out)
+    except OSError as exc:
+        raise click.ClickException(f"{exc.filename or out}: {exc.strerror or exc}") from None
+    except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    items = D.select(items, count)
-    D.write_jsonl(items, out)
     for line in D.iter_summary(items):
         click.echo(line, err=True)
     click.echo(str(out))
@@ -51,7 +62,8 @@ def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: b
 
 @click.command("demo")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/demo"), show_default=True)
-@click.option("--docs-count", type=click.IntRange(min=2), default=None, help=f"Documents to collect.  [default: {_DEMO.docs_count}]")
+@click.option("--docs-count", type=click.IntRange(min=2), default=None,
+              help=f"Documents to collect.  [default: {_DEMO.docs_count}]")
 @click.option("--replicates", "-R", type=click.IntRange(min=1), default=None,
               help=f"Replicates per request.  [default: {_DEMO.replicates}]")
 @click.option("--max-new-tokens", "-T", type=click.IntRange(min=2), default=None,
