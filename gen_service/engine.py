@@ -21,13 +21,27 @@ Residual mode (docs/statistics.md §5) in three phases, all batched over rows:
    appending the branch tokens, at positions prompt + t* − 1 + k. No re-prefill and
    no snapshots; the price is attending over up to T masked slots. Rows leave the
    batch as their branch reaches K = min(W, T − t*).
+
+   When that shortcut does not hold — a press that compresses while decoding, or
+   caches whose layers keep different numbers of tokens — the branches are *replayed*
+   instead: both sides restart from a snapshot of their state right after prefill,
+   every branch row re-feeds its own shared history z_<t* and then its branch tokens,
+   all rows in lockstep, so a decoding press compresses each row at exactly the steps
+   it did on the survival path and each branch continues from Q's true state at t*.
+   The price is up to T − 1 more forwards per side (docs/service.md measures it).
+
+Each side (P, Q) is a :class:`Side`: its cache plus what its policy applies to its
+own forwards only — per-head masks of head-wise presses (AdaKV & co.) and the hooks of
+a decoding-time press — installed around that side's forward and removed after, so
+nothing leaks into the other model's forwards through the shared modules.
 """
 
 from __future__ import annotations
 
+import copy
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +49,9 @@ import torch
 from transformers import DynamicCache
 
 from gen_service.coupling import Sampling, absorb_eos, maximal_coupling, probs
+from gen_service.head_masks import HIDDEN_ATTR, indices_to_mask, install, pad
 from gen_service.models import LoadedModel
-from gen_service.presses import Plan, Policy, PolicyError, PolicyRegistry
+from gen_service.presses import ModelInfo, Plan, Policy, PolicyRegistry, iter_presses
 
 PRODUCER = "kvdiv.gen_service"
 
@@ -49,7 +64,7 @@ class Cancelled(Exception):
 class TraceJob:
     """A validated ``/v1/traces`` request."""
 
-    prompt_ids: list[int]
+    prompt_ids: list[int]                 # the context: the part a press compresses
     candidate: str
     reference: str = "full"
     kind: str = "coupled"
@@ -60,16 +75,80 @@ class TraceJob:
     seed: int | None = None
     doc: str | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    question_ids: list[int] = field(default_factory=list)   # prefilled after compression, never compressed
+
+    @property
+    def prompt_len(self) -> int:
+        """Positions taken by the prompt (context + question)."""
+        return len(self.prompt_ids) + len(self.question_ids)
+
+
+@dataclass
+class Side:
+    """One model's decoding state: its cache and what its policy applies to its forwards.
+
+    ``masks[l]`` (rows, kv_heads, slots) marks keys hidden from layer l's attention
+    (head-wise presses); ``press`` is a press whose hooks run during this side's
+    decoding forwards; ``next_pos`` is the position of the next token fed.
+    """
+
+    cache: DynamicCache
+    next_pos: int
+    masks: list[torch.Tensor | None] | None = None
+    press: Any | None = None
+
+    def rows(self, n: int) -> None:
+        """Batch 1 -> n identical rows (cache, masks and the decoding press's buffers)."""
+        self.cache.batch_repeat_interleave(n)
+        if self.masks:
+            self.masks = [None if m is None else m.repeat(n, 1, 1) for m in self.masks]
+        for press in iter_presses(self.press) if self.press is not None else ():
+            # per-layer buffers kvpress keeps across decoding steps, batch first
+            for name in ("hidden_states_buffer", "scores_buffer"):
+                buffers = getattr(press, name, None)
+                for layer, buf in (buffers or {}).items():
+                    buffers[layer] = ([t.repeat_interleave(n, 0) for t in buf] if isinstance(buf, list)
+                                      else buf.repeat_interleave(n, 0))
+
+    def select(self, idx: torch.Tensor) -> None:
+        self.cache.batch_select_indices(idx)
+        if self.masks:
+            self.masks = [None if m is None else m[idx] for m in self.masks]
+
+    def crop(self, lengths: list[int]) -> None:
+        for layer, n in zip(self.cache.layers, lengths, strict=True):
+            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+        if self.masks:
+            self.masks = [None if m is None else m[..., :n] for m, n in zip(self.masks, lengths, strict=True)]
+
+    def snapshot(self) -> Side:
+        """An independent copy (cache, masks and press state)."""
+        return Side(copy.deepcopy(self.cache), self.next_pos,
+                    None if self.masks is None else [None if m is None else m.clone() for m in self.masks],
+                    copy.deepcopy(self.press))
+
+    def kept(self) -> int:
+        """Prompt slots visible on average over layers and heads (masked keys excluded)."""
+        total = 0.0
+        for i, n in enumerate(_lengths(self.cache)):
+            m = self.masks[i] if self.masks else None
+            total += n - (0.0 if m is None else float(m[0].sum()) / m.shape[1])
+        return int(round(total / max(len(self.cache.layers), 1)))
 
 
 @dataclass
 class Prefilled:
-    """One policy's prompt cache (batch 1) and the step-1 logits."""
+    """One policy's prompt state (batch 1) and the step-1 logits."""
 
-    cache: DynamicCache
+    side: Side
     logits: torch.Tensor   # (1, V)
-    kept: int              # tokens in the cache (layer 0) after compression
+    kept: int              # prompt slots in the cache after compression (mean over layers)
     plan: Plan
+    kept_slots: list[int] = field(default_factory=list)  # cache slots per layer before decoding
+
+    @property
+    def cache(self) -> DynamicCache:
+        return self.side.cache
 
 
 def _lengths(cache: DynamicCache) -> list[int]:
@@ -81,10 +160,14 @@ class Engine:
     all model work on one worker thread."""
 
     def __init__(self, lm: LoadedModel, registry: PolicyRegistry | None = None):
+        install()  # head-wise masks through SDPA's own mask (gen_service.head_masks)
         self.lm = lm
         self.model = lm.model
         self.registry = registry or PolicyRegistry()
         self.device = lm.device
+        # replay residual branches even when they could be prefixes of the survival
+        # caches (benchmarks measure the replay's price with it)
+        self.force_replay = False
 
     # ------------------------------------------------------------------ basics
 
@@ -93,33 +176,84 @@ class Engine:
         gen.manual_seed(int(seed))
         return gen
 
+    def _layers(self) -> list[torch.nn.Module]:
+        return [layer.self_attn for layer in self.model.model.layers]
+
     @torch.inference_mode()
-    def prefill(self, policy: Policy, prompt_ids: list[int]) -> Prefilled:
+    def prefill(self, policy: Policy, prompt_ids: list[int], question_ids: list[int] = ()) -> Prefilled:
         """Prefill under the policy's press: the forward attends to the whole prompt and
         each layer's cache is compressed right after that layer, so the returned
-        logits are the full model's whatever the press."""
+        logits are the full model's whatever the press. A question is prefilled after
+        compression, as kvpress's pipeline does, and is never compressed."""
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         plan = policy.plan(len(prompt_ids))
         cache = DynamicCache()
         positions = torch.arange(len(prompt_ids), device=self.device)[None]
-        if plan.press is None:
+        press = plan.press  # a decoding-only press's hooks do nothing during prefill
+        with self._prefill_attention(press), (press(self.model) if press is not None else nullcontext()):
             out = self.model(input_ids=ids, past_key_values=cache, position_ids=positions, logits_to_keep=1)
+        return self._finish(plan, cache, out.logits[:, -1].float(), len(prompt_ids), question_ids)
+
+    def _finish(self, plan: Plan, cache: DynamicCache, logits: torch.Tensor, context_len: int,
+                question_ids: list[int]) -> Prefilled:
+        side = Side(cache, context_len, masks=self._take_masks(cache), press=plan.press if plan.decoding else None)
+        if plan.rerotates:  # kept keys were re-rotated to 0..kept-1: continue from there (as kvpress does)
+            side.next_pos = _lengths(cache)[0]
+        kept = side.kept()
+        if question_ids:
+            logits = self._prefill_question(side, list(question_ids))
+        return Prefilled(side, logits, kept, plan, _lengths(cache))
+
+    def _prefill_question(self, side: Side, question_ids: list[int]) -> torch.Tensor:
+        """Feed the question after compression. When layers keep different numbers of
+        slots (PyramidKV & co.) one causal mask cannot fit them all, so the question goes
+        in one token at a time (the same attention, without a mask)."""
+        q = torch.tensor([question_ids], dtype=torch.long, device=self.device)
+        pos = torch.arange(side.next_pos, side.next_pos + q.shape[1], device=self.device)[None]
+        if len(set(_lengths(side.cache))) == 1:
+            logits = self.forward(side, q, pos, logits_to_keep=1)
         else:
-            with plan.press(self.model):
-                out = self.model(input_ids=ids, past_key_values=cache, position_ids=positions, logits_to_keep=1)
-            self._refuse_headwise(policy)
-        return Prefilled(cache, out.logits[:, -1].float(), _lengths(cache)[0], plan)
+            for i in range(q.shape[1]):
+                logits = self.forward(side, q[:, i:i + 1], pos[:, i:i + 1])
+        side.next_pos += q.shape[1]
+        return logits
+
+    def _take_masks(self, cache: DynamicCache) -> list[torch.Tensor | None] | None:
+        """Move head-wise masks (kvpress's ``masked_key_indices``, left on the shared
+        modules for batch 1) into the side that owns them, as boolean (1, heads, slots)."""
+        masks: list[torch.Tensor | None] = []
+        for attn, layer in zip(self._layers(), cache.layers, strict=True):
+            idx = getattr(attn, "masked_key_indices", None)
+            attn.masked_key_indices = None
+            masks.append(None if idx is None else indices_to_mask(idx, 1, layer.keys.shape[1], layer.keys.shape[-2]))
+        return masks if any(m is not None for m in masks) else None
+
+    @contextmanager
+    def _prefill_attention(self, press: Any) -> Iterator[None]:
+        """Eager attention for presses that score with the attention weights."""
+        if not _wants_eager(press):
+            yield
+            return
+        before = self.model.config._attn_implementation
+        self.model.set_attn_implementation("eager")
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(before)
 
     @torch.inference_mode()
-    def prefill_pair(self, ref: Policy, cand: Policy, prompt_ids: list[int]) -> tuple[Prefilled, Prefilled]:
-        """P's and Q's prompt caches. With a full reference both come from ONE forward:
+    def prefill_pair(self, ref: Policy, cand: Policy, prompt_ids: list[int],
+                     question_ids: list[int] = ()) -> tuple[Prefilled, Prefilled]:
+        """P's and Q's prompt states. With a full reference both come from ONE forward:
         compression does not change a layer's output (it runs after the layer has
         attended to the whole prompt), so hooks registered before the press's keep
         each layer's uncompressed keys/values for P while the press compresses Q's."""
         L = len(prompt_ids)
         ref_plan = ref.plan(L)
-        if ref_plan.press is not None:
-            return self.prefill(ref, prompt_ids), self.prefill(cand, prompt_ids)
+        # A press scoring with attention weights prefills under eager attention, whose
+        # logits differ from SDPA's in the last bits: P then gets its own forward.
+        if ref_plan.press is not None or _wants_eager(cand.plan(L).press):
+            return self.prefill(ref, prompt_ids, question_ids), self.prefill(cand, prompt_ids, question_ids)
         full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def keep(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -127,33 +261,66 @@ class Engine:
             # clone: a press may edit the tensors it is handed
             full[module.layer_idx] = (layer.keys.clone(), layer.values.clone())
 
-        hooks = [layer.self_attn.register_forward_hook(keep, with_kwargs=True) for layer in self.model.model.layers]
+        hooks = [attn.register_forward_hook(keep, with_kwargs=True) for attn in self._layers()]
         try:
-            q0 = self.prefill(cand, prompt_ids)
+            q0 = self.prefill(cand, prompt_ids, question_ids)
         finally:
             for hook in hooks:
                 hook.remove()
         cache = DynamicCache()
         for idx in sorted(full):
             cache.update(*full[idx], idx)
-        return Prefilled(cache, q0.logits, L, ref_plan), q0
-
-    def _refuse_headwise(self, policy: Policy) -> None:
-        # kvpress's head-wise presses (AdaKV & co.) leave per-module masks for batch 1
-        # on the shared model; they would leak into the other policy's forwards.
-        for layer in self.model.model.layers:
-            if getattr(layer.self_attn, "masked_key_indices", None) is not None:
-                for lyr in self.model.model.layers:
-                    lyr.self_attn.masked_key_indices = None
-                raise PolicyError(f"policy {policy.spec.id!r}: head-wise presses are not supported")
+        p0 = self._finish(ref_plan, cache, q0.logits if not question_ids else None, L, question_ids)
+        return p0, q0
 
     @torch.inference_mode()
-    def step(self, cache: DynamicCache, tokens: torch.Tensor, positions: torch.Tensor,
+    def forward(self, side: Side, tokens: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+        """One forward of ``side`` over (rows, n) tokens -> (rows, V) float logits of the
+        last one, with that side's head masks and decoding hooks in place."""
+        with self._side_applied(side, tokens.shape[1]):
+            out = self.model(input_ids=tokens, past_key_values=side.cache, position_ids=positions,
+                             attention_mask=mask, use_cache=True, logits_to_keep=logits_to_keep)
+        return out.logits[:, -1].float()
+
+    @contextmanager
+    def _side_applied(self, side: Side, n_new: int) -> Iterator[None]:
+        """Install ``side``'s head masks and decoding hooks for one forward, then take
+        them off the shared modules (with any masks a press added meanwhile)."""
+        if side.masks is None and side.press is None:
+            yield
+            return
+        attns = self._layers()
+        hooks = []
+        if side.masks is not None:
+            for attn, m, n in zip(attns, side.masks, _lengths(side.cache), strict=True):
+                setattr(attn, HIDDEN_ATTR, None if m is None else pad(m, n + n_new))
+        if side.press is not None:
+            hooks = [attn.register_forward_hook(side.press.forward_hook, with_kwargs=True) for attn in attns]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            shape = side.cache.layers[0].keys.shape
+            masks = []
+            for attn, n in zip(attns, _lengths(side.cache), strict=True):
+                m, added = getattr(attn, HIDDEN_ATTR, None), getattr(attn, "masked_key_indices", None)
+                setattr(attn, HIDDEN_ATTR, None)
+                attn.masked_key_indices = None
+                if added is not None:  # e.g. DMS evicting while decoding
+                    fresh = indices_to_mask(added, shape[0], shape[1], n)
+                    m = fresh if m is None else pad(m, fresh.shape[-1]) | fresh
+                masks.append(None if m is None else pad(m, n))
+            side.masks = masks if any(m is not None for m in masks) else None
+
+    @torch.inference_mode()
+    def step(self, side: Side | DynamicCache, tokens: torch.Tensor, positions: torch.Tensor,
              mask: torch.Tensor | None = None) -> torch.Tensor:
         """One decoding forward over all rows: (rows,) tokens -> (rows, V) float logits."""
-        out = self.model(input_ids=tokens[:, None], past_key_values=cache, position_ids=positions[:, None],
-                         attention_mask=mask, use_cache=True)
-        return out.logits[:, -1].float()
+        if isinstance(side, DynamicCache):
+            side = Side(side, 0)
+        return self.forward(side, tokens[:, None], positions[:, None], mask)
 
     # ------------------------------------------------------------------ traces
 
@@ -164,22 +331,25 @@ class Engine:
         candidate = cand.describe()
         candidate.update(params=q0.plan.params, note=q0.plan.note)
         reference = ref.describe()
+        nq = len(job.question_ids)
+        extra = {"question_tokens": nq} if nq else {}
         return header_record(
             kind=job.kind, horizon=job.horizon, window=job.window or job.horizon, model=self.lm.name,
             eos_token_id=self.lm.eos_token_id, sampling=job.sampling.as_dict(), candidate=candidate,
-            reference=reference, seed=seed, prompt_tokens=len(job.prompt_ids),
-            prompt_sha256=prompt_digest(job.prompt_ids), retained_tokens=q0.kept,
+            reference=reference, seed=seed, prompt_tokens=job.prompt_len,
+            prompt_sha256=prompt_digest([*job.prompt_ids, *job.question_ids]), retained_tokens=q0.kept + nq,
             replicates=job.replicates, vocab_size=self.lm.vocab_size, doc=job.doc, request_id=job.request_id,
-            coupling="stepwise-maximal", producer=PRODUCER, reference_retained_tokens=p0.kept,
+            coupling="stepwise-maximal", producer=PRODUCER, reference_retained_tokens=p0.kept + nq, **extra,
         )
 
     def trace(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[dict[str, Any]]:
         """Yield the stream's records (header, steps / shared steps + branches); the
         caller adds the ``end`` record (it owns the digest)."""
         seed = job.seed if job.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-        cand = self.registry.resolve(job.candidate)
-        ref = self.registry.resolve(job.reference)
-        p0, q0 = self.prefill_pair(ref, cand, job.prompt_ids)
+        info = ModelInfo.of(self.lm)
+        cand = self.registry.build(job.candidate, info)
+        ref = self.registry.build(job.reference, info)
+        p0, q0 = self.prefill_pair(ref, cand, job.prompt_ids, job.question_ids)
         yield self.header(job, seed, cand, ref, p0, q0)
         gen = self.generator(seed)
         if job.kind == "coupled":
@@ -187,21 +357,23 @@ class Engine:
         else:
             yield from self._residual(job, p0, q0, gen, cancelled)
 
-    def _expand(self, pre: Prefilled, rows: int) -> DynamicCache:
-        pre.cache.batch_repeat_interleave(rows)
-        return pre.cache
-
     def _check(self, cancelled: Callable[[], bool]) -> None:
         if cancelled():
             raise Cancelled()
+
+    def _pos(self, side: Side, rows: int, t: int) -> torch.Tensor:
+        """Positions of the step-t input (the token drawn at step t) for every row."""
+        return torch.full((rows,), side.next_pos + t - 1, dtype=torch.long, device=self.device)
 
     def _coupled(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
                  cancelled: Callable[[], bool]) -> Iterator[dict[str, Any]]:
         from protocols import step_record
 
-        R, T, L = job.replicates, job.horizon, len(job.prompt_ids)
+        R, T = job.replicates, job.horizon
         eos = self.lm.eos_token_id
-        pc, qc = self._expand(p0, R), self._expand(q0, R)
+        ps, qs = p0.side, q0.side
+        ps.rows(R)
+        qs.rows(R)
         lp, lq = p0.logits.expand(R, -1), q0.logits.expand(R, -1)
         x_done = torch.zeros(R, dtype=torch.bool, device=self.device)
         y_done = torch.zeros_like(x_done)
@@ -215,19 +387,22 @@ class Engine:
                 x_done |= d.x == eos
                 y_done |= d.y == eos
             if t < T:
-                pos = torch.full((R,), L + t - 1, dtype=torch.long, device=self.device)
-                lp = self.step(pc, d.x, pos)
-                lq = self.step(qc, d.y, pos)
+                lp = self.step(ps, d.x, self._pos(ps, R, t))
+                lq = self.step(qs, d.y, self._pos(qs, R, t))
 
     def _residual(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
                   cancelled: Callable[[], bool]) -> Iterator[dict[str, Any]]:
         from protocols import shared_step_record
 
-        R, T, L = job.replicates, job.horizon, len(job.prompt_ids)
+        R, T = job.replicates, job.horizon
         W = job.window or T
         eos = self.lm.eos_token_id
         dev = self.device
-        pc, qc = self._expand(p0, R), self._expand(q0, R)
+        replay = self.force_replay or _needs_replay(p0, q0)
+        start = (p0.side.snapshot(), q0.side.snapshot()) if replay else None
+        ps, qs = p0.side, q0.side
+        ps.rows(R)
+        qs.rows(R)
         lp, lq = p0.logits.expand(R, -1), q0.logits.expand(R, -1)
         z_done = torch.zeros(R, dtype=torch.bool, device=dev)
         alive = torch.ones(R, dtype=torch.bool, device=dev)       # survival path not stopped
@@ -237,6 +412,7 @@ class Engine:
         x0 = torch.zeros(R, dtype=torch.long, device=dev)
         y0 = torch.zeros(R, dtype=torch.long, device=dev)
         tv_star = torch.zeros(R, dtype=torch.float64, device=dev)
+        shared: list[torch.Tensor] = []                          # z_t, kept for replayed branches
         for t in range(1, T + 1):
             self._check(cancelled)
             p = absorb_eos(probs(lp, job.sampling), z_done, eos)
@@ -256,55 +432,44 @@ class Engine:
             # empty, so there is no Z to draw; later steps are null altogether.
             shown, has_token = alive.tolist(), (alive & ~d.stop).tolist()
             yield shared_step_record(
-                t, [v if a else None for v, a in zip(d.tv.tolist(), shown)],
-                [v if a else None for v, a in zip(d.overlap.tolist(), has_token)])
+                t, [v if a else None for v, a in zip(d.tv.tolist(), shown, strict=True)],
+                [v if a else None for v, a in zip(d.overlap.tolist(), has_token, strict=True)])
             surv = torch.where(alive, surv * (1.0 - delta), surv)
             alive &= ~d.stop
             if eos is not None:
                 z_done |= d.overlap == eos
+            shared.append(d.overlap)
             if t < T:
-                pos = torch.full((R,), L + t - 1, dtype=torch.long, device=dev)
-                lp = self.step(pc, d.overlap, pos)
-                lq = self.step(qc, d.overlap, pos)
-        yield from self._branches(job, pc, qc, p0.kept, q0.kept, t_star, x0, y0, tv_star, W, gen, cancelled)
+                lp = self.step(ps, d.overlap, self._pos(ps, R, t))
+                lq = self.step(qs, d.overlap, self._pos(qs, R, t))
+        branch = _Branches(t_star, x0, y0, tv_star, W, T)
+        if branch.rows and start is not None:
+            self._replay_branches(job, start, torch.stack(shared, 1), branch, gen, cancelled)
+        elif branch.rows:
+            self._run_branches(job, ps, qs, p0.kept_slots, q0.kept_slots, branch, gen, cancelled)
+        yield from branch.records()
 
-    def _branches(self, job: TraceJob, pc: DynamicCache, qc: DynamicCache, p_kept: int, q_kept: int,
-                  t_star: torch.Tensor, x0: torch.Tensor, y0: torch.Tensor, tv_star: torch.Tensor, W: int,
-                  gen: torch.Generator, cancelled: Callable[[], bool]) -> Iterator[dict[str, Any]]:
-        from protocols import branch_record
-
-        T, L = job.horizon, len(job.prompt_ids)
-        eos = self.lm.eos_token_id
-        ts, tv0, xs0, ys0 = t_star.tolist(), tv_star.tolist(), x0.tolist(), y0.tolist()
-        K = [min(W, T - t) if t > 0 else 0 for t in ts]
-        rec = {r: ([tv0[r]], [xs0[r]], [ys0[r]]) for r, t in enumerate(ts) if t > 0}
-        rows = [r for r in rec if K[r] > 0]
-        if rows:
-            self._run_branches(job, pc, qc, p_kept, q_kept, rows, ts, K, x0, y0, rec, gen, cancelled)
-        for r in sorted(rec):
-            tvs, xs, ys = rec[r]
-            yield branch_record(r, ts[r], tvs, xs, ys)
-
-    def _run_branches(self, job: TraceJob, pc: DynamicCache, qc: DynamicCache, p_kept: int, q_kept: int,
-                      rows: list[int], ts: list[int], K: list[int], x0: torch.Tensor, y0: torch.Tensor,
-                      rec: dict, gen: torch.Generator, cancelled: Callable[[], bool]) -> None:
+    def _run_branches(self, job: TraceJob, ps: Side, qs: Side, p_kept: list[int], q_kept: list[int],
+                      br: _Branches, gen: torch.Generator, cancelled: Callable[[], bool]) -> None:
+        """Branches as prefixes of the survival caches (uniform, prefill-only presses)."""
         dev = self.device
+        rows = br.rows
         idx = torch.tensor(rows, dtype=torch.long, device=dev)
-        tstar = torch.tensor([ts[r] for r in rows], dtype=torch.long, device=dev)
+        tstar = torch.tensor([br.ts[r] for r in rows], dtype=torch.long, device=dev)
         # Row r's prefix z_<t* is the first kept + t* − 1 cache slots; crop to the longest
         # prefix needed and mask the rest per row.
         longest = int(tstar.max()) - 1
         masks = []
-        for cache, kept in ((pc, p_kept), (qc, q_kept)):
-            if len(set(_lengths(cache))) != 1:
-                raise PolicyError("residual mode needs a press that keeps the same number of tokens per layer")
-            cache.batch_select_indices(idx)
-            cache.crop(kept + longest)
+        for side, kept in ((ps, p_kept[0]), (qs, q_kept[0])):
+            side.select(idx)
+            side.crop([kept + longest] * len(side.cache.layers))
             slots = torch.arange(kept + longest, device=dev)
             masks.append((slots[None] < (kept + tstar - 1)[:, None]).long())
         pmask, qmask = masks
-        with self._masked_attention():
-            self._branch_loop(job, pc, qc, rows, K, tstar, pmask, qmask, x0[idx], y0[idx], rec, gen, cancelled)
+        # head masks ride on kvpress's patched SDPA; eager attention would drop them
+        fast = nullcontext() if (ps.masks or qs.masks) else self._masked_attention()
+        with fast:
+            self._branch_loop(job, ps, qs, rows, br, tstar, pmask, qmask, br.x0[idx], br.y0[idx], gen, cancelled)
 
     @contextmanager
     def _masked_attention(self) -> Iterator[None]:
@@ -322,10 +487,10 @@ class Engine:
         finally:
             self.model.set_attn_implementation(before)
 
-    def _branch_loop(self, job: TraceJob, pc: DynamicCache, qc: DynamicCache, rows: list[int], K: list[int],
+    def _branch_loop(self, job: TraceJob, ps: Side, qs: Side, rows: list[int], br: _Branches,
                      tstar: torch.Tensor, pmask: torch.Tensor, qmask: torch.Tensor, x: torch.Tensor,
-                     y: torch.Tensor, rec: dict, gen: torch.Generator, cancelled: Callable[[], bool]) -> None:
-        dev, L, eos = self.device, len(job.prompt_ids), self.lm.eos_token_id
+                     y: torch.Tensor, gen: torch.Generator, cancelled: Callable[[], bool]) -> None:
+        dev, eos = self.device, self.lm.eos_token_id
         x_done = (x == eos) if eos is not None else torch.zeros_like(x, dtype=torch.bool)
         y_done = (y == eos) if eos is not None else torch.zeros_like(x_done)
         k = 0
@@ -334,29 +499,60 @@ class Engine:
             self._check(cancelled)
             ones = torch.ones(len(rows), 1, dtype=torch.long, device=dev)
             pmask, qmask = torch.cat([pmask, ones], 1), torch.cat([qmask, ones], 1)
-            pos = L + tstar + k - 2
-            p = absorb_eos(probs(self.step(pc, x, pos, pmask), job.sampling), x_done, eos)
-            q = absorb_eos(probs(self.step(qc, y, pos, qmask), job.sampling), y_done, eos)
+            p = absorb_eos(probs(self.step(ps, x, ps.next_pos + tstar + k - 2, pmask), job.sampling), x_done, eos)
+            q = absorb_eos(probs(self.step(qs, y, qs.next_pos + tstar + k - 2, qmask), job.sampling), y_done, eos)
             d = maximal_coupling(p, q, gen)
-            for r, dv, xv, yv in zip(rows, d.tv.tolist(), d.x.tolist(), d.y.tolist()):
-                rec[r][0].append(dv)
-                rec[r][1].append(xv)
-                rec[r][2].append(yv)
+            br.add(rows, d)
             x, y = d.x, d.y
             if eos is not None:
                 x_done |= x == eos
                 y_done |= y == eos
             # Drop rows whose branch reached K = min(W, T − t*): the batch shrinks as
             # branches end instead of carrying finished rows to the longest one.
-            live = [i for i, r in enumerate(rows) if K[r] > k]
+            live = [i for i, r in enumerate(rows) if br.K[r] > k]
             if len(live) < len(rows):
                 sel = torch.tensor(live, dtype=torch.long, device=dev)
                 rows = [rows[i] for i in live]
                 if rows:
-                    pc.batch_select_indices(sel)
-                    qc.batch_select_indices(sel)
+                    ps.select(sel)
+                    qs.select(sel)
                     pmask, qmask, tstar = pmask[sel], qmask[sel], tstar[sel]
                     x, y, x_done, y_done = x[sel], y[sel], x_done[sel], y_done[sel]
+
+    def _replay_branches(self, job: TraceJob, start: tuple[Side, Side], shared: torch.Tensor, br: _Branches,
+                         gen: torch.Generator, cancelled: Callable[[], bool]) -> None:
+        """Branches replayed from the post-prefill state: row r feeds z_1..z_{t*-1}, then its
+        residual pair (X, Y) at step t*, then its own branch draws, all rows in lockstep.
+        A decoding-time press thus compresses each row at the steps it did on the survival
+        path, and each branch continues from Q's true state at t*."""
+        dev, eos = self.device, self.lm.eos_token_id
+        rows = br.rows
+        idx = torch.tensor(rows, dtype=torch.long, device=dev)
+        ts = torch.tensor([br.ts[r] for r in rows], dtype=torch.long, device=dev)
+        last = torch.tensor([br.ts[r] + br.K[r] - 1 for r in rows], dtype=torch.long, device=dev)
+        z = shared[idx]                                           # (B, T)
+        ps, qs = start
+        ps.rows(len(rows))
+        qs.rows(len(rows))
+        x, y = br.x0[idx], br.y0[idx]
+        x_done = (x == eos) if eos is not None else torch.zeros_like(x, dtype=torch.bool)
+        y_done = (y == eos) if eos is not None else torch.zeros_like(x_done)
+        for s in range(1, int(last.max()) + 1):
+            self._check(cancelled)
+            before, at = s < ts, s == ts
+            xin = torch.where(before, z[:, s - 1], torch.where(at, br.x0[idx], x))
+            yin = torch.where(before, z[:, s - 1], torch.where(at, br.y0[idx], y))
+            lp = self.step(ps, xin, self._pos(ps, len(rows), s))
+            lq = self.step(qs, yin, self._pos(qs, len(rows), s))
+            d = maximal_coupling(absorb_eos(probs(lp, job.sampling), x_done, eos),
+                                 absorb_eos(probs(lq, job.sampling), y_done, eos), gen)
+            active = ((s >= ts) & (s <= last)).tolist()
+            br.add([r for r, a in zip(rows, active, strict=True) if a], d, [i for i, a in enumerate(active) if a])
+            on = (s >= ts)
+            x, y = torch.where(on, d.x, x), torch.where(on, d.y, y)
+            if eos is not None:
+                x_done |= on & (x == eos)
+                y_done |= on & (y == eos)
 
     # ------------------------------------------------------------------ TGI generate
 
@@ -367,10 +563,10 @@ class Engine:
         """Plain sampling from one policy's kernel (TGI's /generate): yields one dict per
         token with id, logprob (the model's, as TGI reports it) and top tokens, and
         finally a dict with the finish reason."""
-        policy = self.registry.resolve(policy_id)
+        policy = self.registry.build(policy_id, ModelInfo.of(self.lm))
         pre = self.prefill(policy, prompt_ids)
         gen = self.generator(seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item()))
-        logits, cache, L = pre.logits, pre.cache, len(prompt_ids)
+        logits, side = pre.logits, pre.side
         out: list[int] = []
         eos = self.lm.eos_token_id
         for t in range(1, max_new_tokens + 1):
@@ -382,7 +578,7 @@ class Engine:
             item = {"id": tid, "logprob": float(lp[0, tid]), "top": []}
             if top_n:
                 vals, ids = lp[0].topk(top_n)
-                item["top"] = list(zip(ids.tolist(), vals.tolist()))
+                item["top"] = list(zip(ids.tolist(), vals.tolist(), strict=True))
             out.append(tid)
             yield item
             if eos is not None and tid == eos:
@@ -392,7 +588,7 @@ class Engine:
                 yield {"finish_reason": "stop_sequence"}
                 return
             if t < max_new_tokens:
-                logits = self.step(cache, tok, torch.tensor([L + t - 1], device=self.device))
+                logits = self.step(side, tok, self._pos(side, 1, t))
         yield {"finish_reason": "length"}
 
     @torch.inference_mode()
@@ -403,3 +599,45 @@ class Engine:
         lps: list[float | None] = [None]
         lps += logits[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
         return lps
+
+
+def _wants_eager(press: Any) -> bool:
+    """Presses that score with the attention weights (only eager attention returns them)."""
+    from kvpress import KVComposePress, ObservedAttentionPress
+
+    scorers = (ObservedAttentionPress, KVComposePress)
+    return press is not None and any(isinstance(p, scorers) for p in iter_presses(press))
+
+
+class _Branches:
+    """Branch points, residual pairs and the records being filled, per replicate."""
+
+    def __init__(self, t_star: torch.Tensor, x0: torch.Tensor, y0: torch.Tensor, tv_star: torch.Tensor,
+                 W: int, T: int):
+        self.ts = t_star.tolist()
+        self.x0, self.y0 = x0, y0
+        self.K = [min(W, T - t) if t > 0 else 0 for t in self.ts]
+        self.rec = {r: ([tv], [x], [y]) for r, (t, tv, x, y) in
+                    enumerate(zip(self.ts, tv_star.tolist(), x0.tolist(), y0.tolist(), strict=True)) if t > 0}
+        self.rows = [r for r in self.rec if self.K[r] > 0]
+
+    def add(self, rows: list[int], d: Any, at: list[int] | None = None) -> None:
+        """Append one age's draws for ``rows`` (positions ``at`` of the batch, default all)."""
+        tv, xs, ys = d.tv.tolist(), d.x.tolist(), d.y.tolist()
+        for r, i in zip(rows, at if at is not None else range(len(rows)), strict=True):
+            self.rec[r][0].append(tv[i])
+            self.rec[r][1].append(xs[i])
+            self.rec[r][2].append(ys[i])
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        from protocols import branch_record
+
+        for r in sorted(self.rec):
+            tvs, xs, ys = self.rec[r]
+            yield branch_record(r, self.ts[r], tvs, xs, ys)
+
+
+def _needs_replay(p0: Prefilled, q0: Prefilled) -> bool:
+    """Branch caches are prefixes of the survival caches only when no press acts while
+    decoding and every layer of each side keeps the same number of prompt slots."""
+    return any(pre.side.press is not None or len(set(_lengths(pre.cache))) != 1 for pre in (p0, q0))

@@ -184,6 +184,18 @@ def random_model(model_id: str, device: torch.device, dtype: torch.dtype, seed: 
     return model
 
 
+def _name_by_tokenizer_dir(model: torch.nn.Module, tokenizer: object, model_id: str) -> None:
+    """Point ``config.name_or_path`` at a local copy of the tokenizer: presses that load
+    the tokenizer by the model's name (KVzip, KVgrad) then find it offline."""
+    target = cache_root() / "tokenizers" / model_id.replace(":", "-")
+    try:
+        if not (target / "tokenizer_config.json").exists():
+            tokenizer.save_pretrained(target)
+        model.config.name_or_path = str(target)
+    except OSError as exc:  # read-only cache: those presses then fail with their own error
+        log.warning("could not save the tokenizer at %s: %s", target, exc)
+
+
 # --------------------------------------------------------------------------- gguf
 
 def _gguf_cache_dir(gguf: Path) -> Path:
@@ -247,6 +259,32 @@ def load_tokenizer(model_id: str | None = None, *, gguf: str | None = None):
     return AutoTokenizer.from_pretrained(model_id)
 
 
+def context_question_ids(tokenizer: object, context: str, question: str = "") -> tuple[list[int], list[int]]:
+    """Token ids of a context (the part a press compresses) and of the question with the
+    chat template's tail, split exactly as kvpress's ``kv-press-text-generation`` pipeline
+    splits them: the user turn is ``context + question``; the template's text after the
+    context goes with the question, so only the context is compressed.
+
+    Examples
+    --------
+    >>> tok = byte_tokenizer()
+    >>> ctx, q = context_question_ids(tok, "Some long text.", "What is it?")
+    >>> tok.decode(ctx).split(chr(10))[0], tok.decode(q).split("<")[0]
+    ('<|im_start|>user', 'What is it?')
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        bos = getattr(tokenizer, "bos_token", None) or ""
+        text, suffix = bos + context, "\n"
+    else:
+        separator = "#" * (len(context) + 10)
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": context + separator}],
+                                                 add_generation_prompt=True, tokenize=False)
+        text, suffix = rendered.split(separator)
+    ctx = list(tokenizer.encode(text, add_special_tokens=False))
+    q = list(tokenizer.encode(question + suffix, add_special_tokens=False))
+    return ctx, q
+
+
 def load_model(model_id: str | None = None, *, gguf: str | None = None, device: str | None = None,
                dtype: str | None = None) -> LoadedModel:
     """Load a model for serving; see the module docstring for the ids."""
@@ -261,7 +299,9 @@ def load_model(model_id: str | None = None, *, gguf: str | None = None, device: 
         model, tok = _load_gguf(embedded_gguf_path())
         return _finish(model, _with_chatml(tok), EMBEDDED_NAME, dev, dt)
     if model_id in TINY_IDS:
-        return _finish(tiny_model(model_id.split(":", 1)[1]), byte_tokenizer(), model_id, dev, dt)
+        model, tok = tiny_model(model_id.split(":", 1)[1]), byte_tokenizer()
+        _name_by_tokenizer_dir(model, tok, model_id)
+        return _finish(model, tok, model_id, dev, dt)
     if model_id in RANDOM_CONFIGS:
         return _finish(random_model(model_id, dev, dt), load_tokenizer(EMBEDDED_ID), model_id, dev, dt)
     from transformers import AutoModelForCausalLM, AutoTokenizer

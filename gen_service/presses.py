@@ -1,16 +1,23 @@
 """Policy registry: policy ids (``protocols.parse_policy_id``) -> kvpress presses.
 
-One small class per policy behind one interface, :class:`Policy`: given the prompt
-length it builds the kvpress press to use during prefill (or ``None`` for no
-eviction) and says how many prompt tokens it is expected to keep. Compression
-happens during prefill, as kvpress does it: each attention layer attends to the
-whole prompt and its cache is compressed right after, so the first new token's
-distribution is exactly the full model's (step-1 TV = 0) and eviction acts from
-step 2 on.
+One interface, :class:`Policy`: given the prompt length it builds a *fresh* kvpress
+press (presses keep per-run state) and says what to expect. Compression happens
+during prefill, as kvpress does it: each attention layer attends to the whole prompt
+and its cache is compressed right after, so the first new token's distribution is
+exactly the full model's (step-1 TV = 0) and eviction acts from step 2 on. Presses
+that also act while decoding (DecodingPress, PrefillDecodingPress, DMSPress with
+``decoding=true``, CAMPress) are flagged in the :class:`Plan`; the engine runs their
+hooks around the candidate's decoding forwards only.
 
-Built-in names: ``full``, ``snapkv``, ``recent``, ``streaming``, ``kvpress:<Class>``.
-More come from the entry point group ``kvdiv.presses`` (name -> press class) or
-``--press module:Class`` at server start (never from a request).
+Names: the short aliases in :data:`ALIASES` (``snapkv``, ``adakv``, ``pyramidkv``...),
+any kvpress press class (``kvpress:SnapKVPress`` or ``SnapKVPress``), wrappers with
+inner presses in parentheses, entry point group ``kvdiv.presses`` (name -> press
+class) and ``--press NAME=module:Class`` at server start (never from a request).
+
+The one validation entry point is :meth:`PolicyRegistry.build`: it parses the id,
+checks every parameter (type, range, server-side or not, budgets within the model's
+context) and constructs the press once, raising :class:`PolicyError` before anything
+streams.
 """
 
 from __future__ import annotations
@@ -18,62 +25,233 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, ClassVar
+from typing import Any
 
-from protocols import PolicyIdError, PolicySpec, parse_policy_id
+from gen_service.press_params import ATTRIBUTE_PARAMS, PolicyError, check_value, param_specs, press_slots
+from protocols import PolicyIdError, PolicySpec, PressTerm, parse_policy_id
+
+__all__ = ["ALIASES", "ModelInfo", "Plan", "Policy", "PolicyError", "PolicyRegistry", "expected_kept",
+           "iter_presses", "load_class", "parse_press_option"]
 
 log = logging.getLogger("kvdiv.service")
 
 ENTRY_POINT_GROUP = "kvdiv.presses"
 
+# Short names for the methods people compare (expression, default parameters).
+ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "snapkv": ("SnapKVPress", {}),
+    "recent": ("StreamingLLMPress", {"n_sink": 0}),
+    "streaming": ("StreamingLLMPress", {"n_sink": 4}),
+    "streamingllm": ("StreamingLLMPress", {"n_sink": 4}),
+    "knorm": ("KnormPress", {}),
+    "tova": ("TOVAPress", {}),
+    "h2o": ("ObservedAttentionPress", {}),
+    "expected-attention": ("ExpectedAttentionPress", {}),
+    "pyramidkv": ("PyramidKVPress", {}),
+    "adakv": ("AdaKVPress(SnapKVPress)", {}),
+    "critical-adakv": ("CriticalAdaKVPress(SnapKVPress)", {}),
+    "criticalkv": ("CriticalKVPress(SnapKVPress)", {}),
+    "chunkkv": ("ChunkKVPress(SnapKVPress)", {}),
+    "think": ("ThinKPress", {}),
+    "simlayerkv": ("SimLayerKVPress", {}),
+    "lagkv": ("LagKVPress", {}),
+    "keydiff": ("KeyDiffPress", {}),
+    "kvcompose": ("KVComposePress", {}),
+    "dms": ("DMSPress(KnormPress)", {"threshold": -9.0, "sliding_window_size": 16}),
+    "decoding-knorm": ("DecodingPress(KnormPress)", {}),
+}
 
-class PolicyError(ValueError):
-    """A policy id the server cannot serve (unknown name, bad parameter...)."""
+# Where an "@r" (fraction kept) goes when the press has no compression_ratio.
+_RATIO_FIELD = {"ThinKPress": "key_channel_compression_ratio", "DuoAttentionPress": "head_compression_ratio",
+                "CompressionRatioDecodingPress": "target_compression_ratio",
+                "PerLayerCompressionPress": "compression_ratios"}
+# Where a "#b" goes when it is an absolute size, not a fraction of the prompt.
+_BUDGET_FIELD = {"DecodingPress": "target_size", "CAMPress": "target_size"}
+# Presses whose artifact (weights, statistics, patterns) comes from the hub or the web:
+# the server must supply it or allow the download (``--press-option Class:allow_download=true``).
+ARTIFACT = {
+    "QFilterPress": "Q-filters for this model (hub repo nthngdy/<model>_qfilt)",
+    "KVzapPress": "a KVzap scorer for this model (hub repo nvidia/KVzap-<type>-<model>)",
+    "ExpectedAttentionStatsPress": "query statistics: --press-option ExpectedAttentionStatsPress:stats_folder=DIR",
+    "FastKVzipPress": "Fast-KVzip gate weights for this model (hub repo Jang-Hyun/Fast-KVzip)",
+    "DuoAttentionPress": "DuoAttention head patterns for this model (downloaded from GitHub)",
+    "LUKVPress": "an LU-KV budget curve for this model (downloaded from GitHub)",
+    "RestoreKVPress": "RestoreKV weights for this model (hub repo higokri/RestoreKV-<model>)",
+}
+_SERVER_KEYS = {"allow_download"}
+# Presses the engine cannot run, with the reason (a 422 names it).
+UNSUPPORTED: dict[str, str] = {}
+_ABSTRACT = {"BasePress", "ScorerPress"}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model facts a policy is checked against."""
+
+    max_context: int = 1 << 20
+    num_layers: int = 0
+
+    @classmethod
+    def of(cls, lm: Any) -> ModelInfo:
+        """From a :class:`gen_service.models.LoadedModel` (or anything with those fields)."""
+        config = getattr(getattr(lm, "model", None), "config", None)
+        return cls(max_context=int(lm.max_context), num_layers=int(getattr(config, "num_hidden_layers", 0) or 0))
 
 
 @dataclass
 class Plan:
     """What a policy will do to one prompt."""
 
-    press: Any | None          # a kvpress press, or None: keep the whole prompt
-    expected_kept: int         # prompt tokens expected to stay in the cache
+    press: Any | None          # a fresh kvpress press, or None: keep the whole prompt
+    expected_kept: int         # prompt tokens expected to stay in the cache (uniform presses)
     note: str = ""             # e.g. "prompt shorter than budget: kept whole"
     params: dict[str, Any] = field(default_factory=dict)
+    decoding: bool = False     # the press also compresses during decoding
+    rerotates: bool = False    # kept keys are re-rotated to positions 0..kept-1
+
+
+def iter_presses(press: Any) -> Iterator[Any]:
+    """A press and every press inside it (wrappers, compositions), outermost first."""
+    yield press
+    for name in ("press", "base_press", "prefilling_press", "decoding_press"):
+        inner = getattr(press, name, None)
+        if inner is not None and inner is not press and hasattr(inner, "forward_hook"):
+            yield from iter_presses(inner)
+    for inner in getattr(press, "presses", None) or ():
+        yield from iter_presses(inner)
+
+
+def _acts_while_decoding(press: Any) -> bool:
+    from kvpress import DecodingPress, DMSPress
+
+    return isinstance(press, DecodingPress) or (isinstance(press, DMSPress) and press.decoding)
+
+
+def _rerotates(press: Any) -> bool:
+    from kvpress import FinchPress, KeyRerotationPress
+
+    return isinstance(press, KeyRerotationPress) or (isinstance(press, FinchPress) and press.rerotate_keys)
+
+
+@dataclass
+class _Node:
+    """One press of a policy, checked: class, request parameters, inner presses, amount."""
+
+    cls: type
+    kwargs: dict[str, Any]
+    children: list[_Node]
+    retention: float = math.nan
+    budget: int = -1
+    amount_field: str | None = None
+    shown: set[str] = field(default_factory=set)   # parameters the header reports (not server options)
+
+    @property
+    def name(self) -> str:
+        return self.cls.__name__
+
+    def ratio(self, prompt_len: int) -> float:
+        if self.budget >= 1:
+            return 0.0 if prompt_len <= self.budget else 1.0 - (self.budget + 0.5) / prompt_len
+        return 1.0 - self.retention
+
+    def make(self, prompt_len: int, num_layers: int) -> Any:
+        kwargs = dict(self.kwargs)
+        kids = [c.make(prompt_len, num_layers) for c in self.children]
+        for (slot, is_list, _), chunk in zip(press_slots(self.cls), _split_children(self.cls, kids), strict=True):
+            if is_list:
+                kwargs[slot] = chunk
+            elif chunk:
+                kwargs[slot] = chunk[0]
+        if self.amount_field == "compression_ratios":
+            kwargs.setdefault("compression_ratios", [self.ratio(prompt_len)] * max(num_layers, 1))
+        elif self.amount_field == "target_size":
+            kwargs["target_size"] = self.budget
+        elif self.amount_field:
+            kwargs[self.amount_field] = max(self.ratio(prompt_len), 0.0)
+        attrs = {k: kwargs.pop(k) for k in list(kwargs) if k in ATTRIBUTE_PARAMS.get(self.name, {})}
+        if self.name == "FinchPress":
+            attrs.setdefault("window_size", 64)
+        _fit(self, kwargs, attrs, prompt_len)
+        press = self.cls(**kwargs)
+        for key, value in attrs.items():
+            setattr(press, key, value)
+        if self.name == "FinchPress":
+            press.delimiter_token_id = -1  # no delimiter in the prompt: the window is given
+        return press
+
+
+def _fit(node: _Node, kwargs: dict[str, Any], attrs: dict[str, Any], prompt_len: int) -> None:
+    """kvpress asserts windows and sinks shorter than the prompt; short prompts use what
+    they have (the header's candidate.params report the values used)."""
+    for key in ("window_size", "n_sink", "sink"):
+        if key in param_specs(node.cls) and prompt_len > 1:
+            where = attrs if key in attrs else kwargs
+            value = where.get(key, _default(node.cls, key))
+            if isinstance(value, int) and value >= prompt_len:
+                where[key] = prompt_len - 1
+
+
+def _default(cls: type, name: str) -> Any:
+    import inspect
+
+    param = inspect.signature(cls.__init__).parameters.get(name)
+    return None if param is None or param.default is inspect.Parameter.empty else param.default
+
+
+def _split_children(cls: type, kids: list[Any]) -> list[list[Any]]:
+    """Inner presses in slot order; a list slot takes all the rest."""
+    out, i = [], 0
+    for _, is_list, _ in press_slots(cls):
+        if is_list:
+            out.append(kids[i:])
+            i = len(kids)
+        else:
+            out.append(kids[i:i + 1])
+            i += 1
+    return out
 
 
 @dataclass
 class Policy:
-    """Base policy: a parsed id plus a press factory. Subclasses set ``press_name``."""
+    """A checked policy id: builds a fresh press per prompt."""
 
     spec: PolicySpec
-    press_name: ClassVar[str] = "none"
+    root: _Node | None = None
+    info: ModelInfo = field(default_factory=ModelInfo)
+
+    @property
+    def press_name(self) -> str:
+        return "none" if self.root is None else self.root.name
 
     def compression_ratio(self, prompt_len: int) -> tuple[float, str]:
-        """kvpress's compression_ratio (fraction removed) = 1 - retention, or the
-        ratio that keeps ``budget`` tokens of this prompt."""
+        """kvpress's compression_ratio (fraction removed) of the outer amount, and a note
+        when a budget keeps the whole prompt."""
+        if self.root is None or self.root.amount_field == "target_size":
+            return math.nan, ""   # nothing removed at prefill, or no single outer ratio
+        if self.spec.budget >= 1 and prompt_len <= self.spec.budget:
+            return 0.0, f"prompt of {prompt_len} tokens is within the budget {self.spec.budget}: kept whole"
         if self.spec.budget >= 1:
-            if prompt_len <= self.spec.budget:
-                return 0.0, f"prompt of {prompt_len} tokens is within the budget {self.spec.budget}: kept whole"
-            return 1.0 - self.spec.budget / prompt_len, ""
+            return 1.0 - (self.spec.budget + 0.5) / prompt_len, ""
         return 1.0 - self.spec.retention, ""
 
-    def make_press(self, ratio: float, prompt_len: int) -> tuple[Any, dict[str, Any]]:
-        raise NotImplementedError
-
     def plan(self, prompt_len: int) -> Plan:
+        if self.root is None:
+            return Plan(None, prompt_len)
         ratio, note = self.compression_ratio(prompt_len)
-        if ratio <= 0.0 or prompt_len < 2:
-            return Plan(None, prompt_len, note or ("nothing to evict" if ratio > 0 else ""))
-        press, params = self.make_press(ratio, prompt_len)
-        if self.spec.budget >= 1:
-            # floating point can make int(L * (1 - ratio)) one short of the budget
-            ratio = 1.0 - (self.spec.budget + 0.5) / prompt_len
-            press.compression_ratio = ratio
-        kept = expected_kept(prompt_len, ratio)
-        params = {"compression_ratio": ratio, **params}
-        return Plan(press, kept, note, params)
+        if note or prompt_len < 2:
+            return Plan(None, prompt_len, note or "nothing to evict")
+        press = self.root.make(prompt_len, self.info.num_layers)
+        params: dict[str, Any] = {} if math.isnan(ratio) else {"compression_ratio": ratio}
+        shown = {k: self.root.kwargs[k] for k in self.root.shown}
+        shown.update((k, v) for k, v in self.spec.params.items() if "." not in k)
+        params.update({k: _plain(getattr(press, k, v)) for k, v in shown.items()})
+        decoding = any(_acts_while_decoding(p) for p in iter_presses(press))
+        rerotates = any(_rerotates(p) for p in iter_presses(press))
+        kept = prompt_len if math.isnan(ratio) else expected_kept(prompt_len, ratio)
+        return Plan(press, kept, note, params, decoding=decoding, rerotates=rerotates)
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.spec.id, "press": self.press_name,
@@ -81,101 +259,14 @@ class Policy:
                 "budget": self.spec.budget}
 
 
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (int, float, bool, str, type(None), list)) else repr(value)
+
+
 def expected_kept(prompt_len: int, ratio: float) -> int:
     from kvpress.utils import compute_n_kept
 
-    return compute_n_kept(prompt_len, ratio)
-
-
-def _set_params(press: Any, params: dict[str, Any], policy_id: str) -> dict[str, Any]:
-    """Apply ``:k=v`` parameters to a press, refusing names the press does not have."""
-    known = {f.name for f in fields(press)} if is_dataclass(press) else set(vars(press))
-    for key, value in params.items():
-        if key == "compression_ratio":
-            raise PolicyError(f"policy {policy_id!r}: set the ratio with @<retention>, not compression_ratio")
-        if key not in known:
-            raise PolicyError(f"policy {policy_id!r}: press {type(press).__name__} has no parameter {key!r}")
-        setattr(press, key, value)
-    return dict(params)
-
-
-@dataclass
-class FullPolicy(Policy):
-    """No eviction: the reference kernel P."""
-
-    press_name: ClassVar[str] = "none"
-
-    def plan(self, prompt_len: int) -> Plan:
-        return Plan(None, prompt_len)
-
-
-@dataclass
-class SnapKVPolicy(Policy):
-    """SnapKV: keep the prompt tokens the last ``window_size`` queries attend to most."""
-
-    press_name: ClassVar[str] = "SnapKVPress"
-
-    def make_press(self, ratio: float, prompt_len: int) -> tuple[Any, dict[str, Any]]:
-        from kvpress import SnapKVPress
-
-        press = SnapKVPress(compression_ratio=ratio)
-        params = _set_params(press, self.spec.params, self.spec.id)
-        # kvpress asserts prompt_len > window_size; short prompts use every token but
-        # the last as observation window (the header reports the effective value).
-        if press.window_size >= prompt_len:
-            press.window_size = prompt_len - 1
-            params["window_size"] = press.window_size
-        return press, params
-
-
-@dataclass
-class RecentPolicy(Policy):
-    """Keep the most recent tokens only (StreamingLLM without sink tokens)."""
-
-    press_name: ClassVar[str] = "StreamingLLMPress"
-    n_sink: ClassVar[int] = 0
-
-    def make_press(self, ratio: float, prompt_len: int) -> tuple[Any, dict[str, Any]]:
-        from kvpress import StreamingLLMPress
-
-        press = StreamingLLMPress(compression_ratio=ratio, n_sink=self.n_sink)
-        params = {"n_sink": self.n_sink, **_set_params(press, self.spec.params, self.spec.id)}
-        press.n_sink = min(press.n_sink, prompt_len - 1)  # kvpress asserts k_len > n_sink
-        return press, params
-
-
-@dataclass
-class StreamingPolicy(RecentPolicy):
-    """StreamingLLM: 4 attention-sink tokens plus the most recent tokens."""
-
-    n_sink: ClassVar[int] = 4
-
-
-@dataclass
-class PressClassPolicy(Policy):
-    """Any press class taking ``compression_ratio`` (kvpress by name, entry points, --press)."""
-
-    press_cls: Any = None
-
-    @property
-    def press_name(self) -> str:  # type: ignore[override]
-        return self.press_cls.__name__
-
-    def make_press(self, ratio: float, prompt_len: int) -> tuple[Any, dict[str, Any]]:
-        try:
-            press = self.press_cls(compression_ratio=ratio)
-        except TypeError as exc:
-            raise PolicyError(f"policy {self.spec.id!r}: {self.press_cls.__name__} cannot be built "
-                              f"from a compression_ratio ({exc})") from None
-        return press, _set_params(press, self.spec.params, self.spec.id)
-
-
-BUILTIN: dict[str, type[Policy]] = {
-    "full": FullPolicy,
-    "snapkv": SnapKVPolicy,
-    "recent": RecentPolicy,
-    "streaming": StreamingPolicy,
-}
+    return compute_n_kept(prompt_len, ratio) if ratio > 0 else prompt_len
 
 
 def load_class(target: str) -> type:
@@ -186,10 +277,33 @@ def load_class(target: str) -> type:
     return getattr(importlib.import_module(module_name), attr)
 
 
-class PolicyRegistry:
-    """Maps policy names to policies; resolves ids from requests."""
+def parse_press_option(text: str) -> tuple[str, str, Any]:
+    """``Class:key=value`` (``kvdiv serve --press-option``) -> (Class, key, value)."""
+    from protocols.policies import _value
 
-    def __init__(self, extra: dict[str, type] | None = None, *, entry_points_group: str | None = ENTRY_POINT_GROUP):
+    cls_name, sep, rest = text.partition(":")
+    key, eq, value = rest.partition("=")
+    if not sep or not eq or not cls_name or not key:
+        raise PolicyError(f"--press-option {text!r}: expected Class:key=value")
+    return cls_name.strip(), key.strip(), _value(value.strip())
+
+
+class PolicyRegistry:
+    """Maps policy names to policies; builds and checks ids from requests.
+
+    Parameters
+    ----------
+    extra : dict, optional
+        Custom presses, name -> press class (``--press``).
+    entry_points_group : str or None
+        Entry point group to load more presses from; None loads none.
+    press_options : dict, optional
+        Server-side options, press class name -> {parameter: value}
+        (``--press-option Class:key=value``): paths, datasets, download permission.
+    """
+
+    def __init__(self, extra: dict[str, type] | None = None, *, entry_points_group: str | None = ENTRY_POINT_GROUP,
+                 press_options: dict[str, dict[str, Any]] | None = None):
         self.custom: dict[str, type] = {}
         if entry_points_group:
             for ep in entry_points(group=entry_points_group):
@@ -198,43 +312,207 @@ class PolicyRegistry:
                 except Exception as exc:  # one broken plugin must not stop the server
                     log.warning("press entry point %s failed to load: %s", ep.name, exc)
         self.custom.update(extra or {})
+        self.press_options = {k: dict(v) for k, v in (press_options or {}).items()}
 
     def names(self) -> list[str]:
-        return [*BUILTIN, *self.custom, "kvpress:<PressClass>"]
+        return ["full", *ALIASES, *self.custom, "kvpress:<PressClass>"]
 
     def examples(self) -> list[str]:
         return ["full", "snapkv@0.5", "snapkv#512", "snapkv@0.5:window_size=32", "recent@0.5",
-                "streaming@0.5", "kvpress:KnormPress@0.5", *(f"{n}@0.5" for n in self.custom)]
+                "streaming@0.5", "adakv@0.5", "kvpress:KnormPress@0.5",
+                "kvpress:ChunkKVPress(SnapKVPress)@0.5:chunk_length=8",
+                "kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=64",
+                *(f"{n}@0.5" for n in self.custom)]
 
-    def resolve(self, policy_id: str) -> Policy:
-        """Parse and look up a policy id; raises :class:`PolicyError` with the reason."""
+    def build(self, policy_id: str, model_info: ModelInfo | None = None) -> Policy:
+        """Parse, check and build a policy id once; the validation entry point.
+
+        Parameters
+        ----------
+        policy_id : str
+            A policy id (docs/service.md, "Eviction policies").
+        model_info : ModelInfo, optional
+            Bounds to check budgets and sizes against (the model's context).
+
+        Returns
+        -------
+        Policy
+            Ready to :meth:`Policy.plan` a prompt.
+
+        Raises
+        ------
+        PolicyError
+            Naming what is wrong (``field`` names the parameter when there is one).
+        """
+        info = model_info or ModelInfo()
         try:
             spec = parse_policy_id(policy_id)
         except PolicyIdError as exc:
             raise PolicyError(str(exc)) from None
-        if spec.name in BUILTIN:
-            policy: Policy = BUILTIN[spec.name](spec)
-        elif spec.name in self.custom:
-            policy = PressClassPolicy(spec, press_cls=self.custom[spec.name])
-        elif spec.name.startswith("kvpress:"):
-            policy = PressClassPolicy(spec, press_cls=_kvpress_class(spec))
-        else:
-            raise PolicyError(f"unknown policy {spec.name!r}; known: {', '.join(self.names())}")
-        if not spec.is_full and spec.budget < 1 and math.isnan(spec.retention):
-            raise PolicyError(f"policy {policy_id!r} needs @<retention> or #<budget>")
-        if spec.params and isinstance(policy, FullPolicy):
-            raise PolicyError(f"policy {policy_id!r}: 'full' takes no parameters")
-        # Build once on a notional prompt so bad :k=v parameters fail at validation.
-        if not isinstance(policy, FullPolicy):
-            policy.make_press(0.5, 1 << 16)
+        if spec.is_full:
+            return Policy(spec, None, info)
+        assert spec.press is not None
+        if spec.budget > info.max_context:
+            raise PolicyError(f"policy {spec.id!r}: budget {spec.budget} exceeds the model's context "
+                              f"({info.max_context} tokens)", "budget")
+        root = self._node(spec.id, spec.press, defaults={})
+        _route_params(spec.id, root, spec.params, info)
+        _assign_amounts(spec.id, root, inherited=False)
+        policy = Policy(spec, root, info)
+        try:  # construct once on a notional prompt so kvpress's own checks fail now
+            root.make(min(info.max_context, 4096), info.num_layers)
+        except PolicyError:
+            raise
+        except (AssertionError, TypeError, ValueError, AttributeError) as exc:
+            raise PolicyError(f"policy {spec.id!r}: {root.name} cannot be built: {exc or type(exc).__name__}") from None
         return policy
 
+    resolve = build  # the name the HTTP layer used before build() existed
 
-def _kvpress_class(spec: PolicySpec) -> type:
-    import kvpress
+    # ------------------------------------------------------------------ building
 
-    cls_name = spec.name.split(":", 1)[1]
-    cls = getattr(kvpress, cls_name, None)
-    if not isinstance(cls, type) or not cls_name.endswith("Press"):
-        raise PolicyError(f"unknown kvpress press {cls_name!r}")
-    return cls
+    def _class(self, policy_id: str, name: str) -> type:
+        bare = name.split(":", 1)[1] if name.startswith("kvpress:") else name
+        if not name.startswith("kvpress:") and name in self.custom:
+            return self.custom[name]
+        import kvpress
+
+        cls = getattr(kvpress, bare, None)
+        if not isinstance(cls, type) or not bare.endswith("Press") or bare not in kvpress.__all__:
+            raise PolicyError(f"policy {policy_id!r}: unknown press {name!r}; known: {', '.join(self.names())}",
+                              "press")
+        if bare in _ABSTRACT:
+            raise PolicyError(f"policy {policy_id!r}: {bare} is an abstract base class, not a method", "press")
+        return cls
+
+    def _node(self, policy_id: str, term: PressTerm, defaults: dict[str, Any]) -> _Node:
+        if term.name in ALIASES:
+            expression, alias_defaults = ALIASES[term.name]
+            if term.args:
+                raise PolicyError(f"policy {policy_id!r}: alias {term.name!r} ({expression}) takes no inner press")
+            inner = parse_policy_id(expression).press
+            assert inner is not None
+            inner = PressTerm(inner.name, inner.args, term.retention, term.budget)
+            return self._node(policy_id, inner, {**alias_defaults, **defaults})
+        cls = self._class(policy_id, term.name)
+        self._check_artifact(policy_id, cls)
+        if cls.__name__ in UNSUPPORTED:
+            raise PolicyError(f"policy {policy_id!r}: {cls.__name__} {UNSUPPORTED[cls.__name__]}", "press")
+        slots = press_slots(cls)
+        required = sum(1 for _, is_list, req in slots if req and not is_list)
+        has_list = any(is_list for _, is_list, _ in slots)
+        if len(term.args) < required or (not has_list and len(term.args) > len(slots)) or (has_list and not term.args):
+            names = ", ".join(s for s, _, _ in slots) or "none"
+            raise PolicyError(f"policy {policy_id!r}: {cls.__name__} takes inner presses ({names}); "
+                              f"got {len(term.args)}", "press")
+        children = [self._node(policy_id, arg, {}) for arg in term.args]
+        kwargs = {k: v for k, v in self.press_options.get(cls.__name__, {}).items() if k not in _SERVER_KEYS}
+        kwargs.update(defaults)
+        return _Node(cls, kwargs, children, term.retention, term.budget, shown=set(defaults))
+
+    def _check_artifact(self, policy_id: str, cls: type) -> None:
+        need = ARTIFACT.get(cls.__name__)
+        options = self.press_options.get(cls.__name__, {})
+        if need is None or options.get("allow_download") is True:
+            return
+        if cls.__name__ == "ExpectedAttentionStatsPress" and options.get("stats_folder"):
+            return
+        raise PolicyError(f"policy {policy_id!r}: {cls.__name__} needs {need}; this server has none. The operator "
+                          f"supplies it with `kvdiv serve --press-option {cls.__name__}:...` (never a request)",
+                          "press")
+
+
+def _walk(node: _Node) -> list[_Node]:
+    return [node, *(n for c in node.children for n in _walk(c))]
+
+
+def _target(policy_id: str, root: _Node, key: str) -> tuple[_Node, str]:
+    """The node a (possibly dotted) parameter key addresses, and the bare name."""
+    *hops, name = key.split(".")
+    node = root
+    for hop in hops:
+        slot_names = [s for s, _, _ in press_slots(node.cls)]
+        if hop.isdigit() and int(hop) < len(node.children):
+            node = node.children[int(hop)]
+        elif hop in slot_names and slot_names.index(hop) < len(node.children):
+            node = node.children[slot_names.index(hop)]
+        else:
+            raise PolicyError(f"policy {policy_id!r}: parameter {key!r}: {node.name} has no inner press {hop!r}", key)
+    if hops:
+        return node, name
+    owners = [n for n in _walk(root) if name in param_specs(n.cls)]
+    if name in param_specs(root.cls):
+        return root, name
+    if len(owners) == 1:
+        return owners[0], name
+    if len(owners) > 1:
+        raise PolicyError(f"policy {policy_id!r}: parameter {key!r} fits several inner presses; "
+                          f"address one as <index>.{name}", key)
+    return root, name
+
+
+def _route_params(policy_id: str, root: _Node, params: dict[str, object], info: ModelInfo) -> None:
+    for key, value in params.items():
+        node, name = _target(policy_id, root, key)
+        where = f"policy {policy_id!r}"
+        if name in ("compression_ratio", "key_channel_compression_ratio", "head_compression_ratio",
+                    "target_compression_ratio") and name in param_specs(node.cls):
+            raise PolicyError(f"{where}: set the amount kept with @<retention> or #<budget>, not {name}", key)
+        specs = param_specs(node.cls)
+        if name not in specs:
+            if name in _server_side_names(node.cls):
+                raise PolicyError(f"{where}: {node.name}.{name} names a file, dataset or hub repository: it is a "
+                                  f"server-side option (`kvdiv serve --press-option {node.name}:{name}=...`), "
+                                  f"never a request field", key)
+            known = ", ".join(specs) or "none"
+            raise PolicyError(f"{where}: press {node.name} has no parameter {name!r} (request-settable: {known})", key)
+        node.kwargs[name] = check_value(specs[name], value, where, info.max_context)
+        node.shown.add(name)
+        if name == "compression_ratios" and info.num_layers and len(node.kwargs[name]) != info.num_layers:
+            raise PolicyError(f"{where}: compression_ratios needs one ratio per layer ({info.num_layers})", key)
+
+
+def _server_side_names(cls: type) -> set[str]:
+    import inspect
+
+    return {p for p in inspect.signature(cls.__init__).parameters if p != "self"} - set(param_specs(cls))
+
+
+def _own_amount_field(cls: type, budget: bool) -> str | None:
+    for base in cls.__mro__:
+        if base.__name__ in _BUDGET_FIELD:
+            return _BUDGET_FIELD[base.__name__] if budget else None
+        if base.__name__ in _RATIO_FIELD:
+            return _RATIO_FIELD[base.__name__]
+    return "compression_ratio" if "compression_ratio" in param_specs(cls) else None
+
+
+def _assign_amounts(policy_id: str, node: _Node, inherited: bool) -> None:
+    """Give each amount ("@r", "#b") a field: the press's own ratio, else its single inner
+    press's. Presses that need one and get none are refused."""
+    from kvpress import DecodingPress, DMSPress, PerLayerCompressionPress
+
+    where = f"policy {policy_id!r}"
+    has = node.budget >= 1 or not math.isnan(node.retention)
+    # these wrappers set their inner press's ratio themselves
+    sets_inner = issubclass(node.cls, (DecodingPress, DMSPress, PerLayerCompressionPress))
+    own = _own_amount_field(node.cls, node.budget >= 1)
+    if has and issubclass(node.cls, DecodingPress) and own is None:
+        raise PolicyError(f"{where}: {node.name} keeps an absolute number of tokens: use #<budget> "
+                          f"or target_size=, not @", "press")
+    if has and own is None:
+        if len(node.children) == 1 and not (node.children[0].budget >= 1 or not math.isnan(node.children[0].retention)):
+            kid = node.children[0]
+            kid.retention, kid.budget = node.retention, node.budget
+            node.retention, node.budget = math.nan, -1
+        else:
+            raise PolicyError(f"{where}: {node.name} takes no @<retention> or #<budget>; give its inner presses "
+                              f"their own, or set its parameters", "press")
+    elif has:
+        if own == "key_channel_compression_ratio" and node.budget >= 1:
+            raise PolicyError(f"{where}: {node.name} prunes key channels: use @<fraction of channels kept>", "press")
+        node.amount_field = own
+    elif own in ("compression_ratio",) and not inherited and own not in node.kwargs:
+        raise PolicyError(f"{where}: {node.name} needs @<retention> or #<budget>", "press")
+    for kid in node.children:
+        _assign_amounts(policy_id, kid, inherited=inherited or sets_inner)

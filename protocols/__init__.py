@@ -19,7 +19,7 @@ from protocols.combine import CombineError, combine
 from protocols.converters import ConversionError, from_eval_logs, from_probabilities, residual_from_probabilities
 from protocols.errors import ProtocolError
 from protocols.io import OutputExistsError, TraceFileError, open_traces, save_traces
-from protocols.policies import PolicyIdError, PolicySpec, parse_policy_id, policy_coords
+from protocols.policies import PolicyIdError, PolicySpec, PressTerm, parse_policy_id, policy_coords
 from protocols.schema import (
     COUPLING,
     KINDS,
@@ -46,7 +46,8 @@ from protocols.wire import (
 
 __all__ = [
     "COUPLING", "KINDS", "SCHEMA", "CombineError", "ConversionError", "Limits", "OutputExistsError",
-    "PolicyIdError", "PolicySpec", "Problem", "Stream", "StreamReader", "TraceFileError", "assemble_stream",
+    "PolicyIdError", "PolicySpec", "PressTerm", "Problem", "Stream", "StreamReader", "TraceFileError",
+    "assemble_stream",
     "prompt_digest", "read_stream",
     "ProtocolError", "StreamError", "StreamWriter", "TV_ZERO_ATOL", "TraceValidationError", "__version__",
     "assemble", "branch_record", "combine", "converters", "coupled_dataset", "dataset_lines", "encode_line",

@@ -1,14 +1,23 @@
 """Eviction policy ids: the grammar shared by traces, the service and the plans.
 
-Grammar (docs/service.md)::
+Grammar (docs/contract.md, "Policy ids"; every press has an example in docs/service.md)::
 
-    full                       no eviction (the reference)
-    <name>@<retention>         keep a fraction in (0, 1] of the prompt cache
-    <name>#<budget>            keep a fixed number >= 1 of prompt tokens
-    kvpress:<PressClass>@<r>   any kvpress press by class name
-    <id>:<key>=<value>,...     press parameters on any id
+    policy := "full" | term [":" params]
+    term   := name ["(" term {"," term} ")"] ["@" retention | "#" budget]
+    name   := ["kvpress:"] identifier         a short alias (snapkv) or a press class
+    params := key "=" value {"," key "=" value}
+    key    := {hop "."} identifier            hop: an inner press's index or slot name
 
-This module only parses; which press implements a name is the service's business.
+- ``@r`` keeps a fraction r in (0, 1] of the prompt cache; ``#b`` keeps b >= 1 tokens
+  (b fits in int32: traces store it as int32).
+- A wrapper takes its inner presses in parentheses:
+  ``kvpress:AdaKVPress(SnapKVPress)@0.5``, ``kvpress:ComposedPress(SnapKVPress@0.5, ThinKPress@0.5)``,
+  ``kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=64``.
+- Values are integers, floats, ``true``/``false`` or bare words; ``;`` separates the
+  items of a list value (``compression_ratios=0.2;0.6``).
+
+This module only parses; which press implements a name, and which parameters a
+request may set, is the service's business.
 """
 
 from __future__ import annotations
@@ -19,13 +28,14 @@ from dataclasses import dataclass, field
 
 from protocols.errors import ProtocolError
 
-__all__ = ["PolicyIdError", "PolicySpec", "parse_policy_id", "policy_coords"]
+__all__ = ["PolicyIdError", "PolicySpec", "PressTerm", "parse_policy_id", "policy_coords", "MAX_POLICY_ID",
+           "MAX_BUDGET"]
 
-_ID = re.compile(
-    r"^(?P<name>(?:kvpress:)?[A-Za-z_][A-Za-z0-9_.\-]*)"
-    r"(?:(?P<sep>[@#])(?P<amount>[^:]+))?"
-    r"(?::(?P<params>.+))?$"
-)
+MAX_POLICY_ID = 1000            # characters; longer ids are refused before parsing
+MAX_BUDGET = 2**31 - 1          # traces store budgets as int32
+_NAME = re.compile(r"(?:kvpress:)?[A-Za-z_][A-Za-z0-9_.\-]*")
+_KEY = re.compile(r"^(?:[A-Za-z0-9_]+\.)*[A-Za-z_][A-Za-z0-9_]*$")
+_INT = re.compile(r"^[+-]?\d{1,18}$")
 
 
 class PolicyIdError(ProtocolError, ValueError):
@@ -33,14 +43,44 @@ class PolicyIdError(ProtocolError, ValueError):
 
 
 @dataclass(frozen=True)
+class PressTerm:
+    """One press in a policy id: a name, its inner presses and its own amount."""
+
+    name: str                              # e.g. "snapkv", "kvpress:AdaKVPress", "SnapKVPress"
+    args: tuple[PressTerm, ...] = ()       # inner presses of a wrapper
+    retention: float = math.nan            # from "@r"; NaN when absent
+    budget: int = -1                       # from "#b"; -1 when absent
+
+    @property
+    def class_name(self) -> str:
+        """The name without the ``kvpress:`` prefix (``SnapKVPress`` for ``kvpress:SnapKVPress``)."""
+        return self.name.split(":", 1)[1] if self.name.startswith("kvpress:") else self.name
+
+    @property
+    def has_amount(self) -> bool:
+        """True when the term carries its own ``@r`` or ``#b``."""
+        return self.budget >= 1 or not math.isnan(self.retention)
+
+    def text(self, amount: bool = True) -> str:
+        """Canonical text (no spaces); without the outer amount when ``amount`` is False."""
+        out = self.name + (f"({', '.join(a.text() for a in self.args)})" if self.args else "")
+        if amount and self.budget >= 1:
+            out += f"#{self.budget}"
+        elif amount and not math.isnan(self.retention):
+            out += f"@{self.retention:g}"
+        return out
+
+
+@dataclass(frozen=True)
 class PolicySpec:
     """A parsed policy id."""
 
     id: str
-    name: str                      # e.g. "snapkv", "kvpress:TOVAPress", "full"
-    retention: float = math.nan    # fraction of prompt tokens kept; NaN if budget-based
-    budget: int = -1               # prompt tokens kept; -1 if ratio-based
+    name: str                      # the press expression without amount, e.g. "kvpress:AdaKVPress(SnapKVPress)"
+    retention: float = math.nan    # fraction of prompt tokens kept; NaN if budget-based or none
+    budget: int = -1               # prompt tokens kept; -1 if ratio-based or none
     params: dict[str, object] = field(default_factory=dict)
+    press: PressTerm | None = None  # the parsed press tree; None for "full"
 
     @property
     def is_full(self) -> bool:
@@ -49,9 +89,11 @@ class PolicySpec:
 
 
 def _value(text: str) -> object:
-    for cast in (int, float):
+    if _INT.match(text):
+        return int(text)
+    if len(text) <= 40:
         try:
-            return cast(text)
+            return float(text)
         except ValueError:
             pass
     if text.lower() in ("true", "false"):
@@ -59,65 +101,128 @@ def _value(text: str) -> object:
     return text
 
 
+class _Parser:
+    """Recursive descent over one policy id."""
+
+    def __init__(self, text: str):
+        self.text, self.pos = text, 0
+
+    def fail(self, why: str) -> PolicyIdError:
+        return PolicyIdError(f"policy id {self.text!r}: {why} at character {self.pos + 1}")
+
+    def peek(self) -> str:
+        return self.text[self.pos] if self.pos < len(self.text) else ""
+
+    def skip_spaces(self) -> None:
+        while self.peek() == " ":
+            self.pos += 1
+
+    def term(self, depth: int = 0) -> PressTerm:
+        if depth > 8:
+            raise self.fail("presses nested more than 8 deep")
+        self.skip_spaces()
+        m = _NAME.match(self.text, self.pos)
+        if not m:
+            raise self.fail("expected a press name")
+        name, self.pos = m.group(), m.end()
+        args: list[PressTerm] = []
+        if self.peek() == "(":
+            self.pos += 1
+            args.append(self.term(depth + 1))
+            while self.peek() == ",":
+                self.pos += 1
+                args.append(self.term(depth + 1))
+            if self.peek() != ")":
+                raise self.fail("expected ',' or ')'")
+            self.pos += 1
+        retention, budget = self.amount()
+        self.skip_spaces()
+        return PressTerm(name, tuple(args), retention, budget)
+
+    def amount(self) -> tuple[float, int]:
+        sep = self.peek()
+        if sep not in ("@", "#"):
+            return math.nan, -1
+        self.pos += 1
+        m = re.compile(r"[^:,()\s]+").match(self.text, self.pos)
+        if not m:
+            raise self.fail(f"expected a number after {sep!r}")
+        amount, self.pos = m.group(), m.end()
+        if sep == "@":
+            try:
+                retention = float(amount)
+            except ValueError:
+                raise self.fail(f"retention {amount!r} is not a number") from None
+            if not 0.0 < retention <= 1.0:
+                raise self.fail(f"retention {amount} is outside (0, 1]")
+            return retention, -1
+        if not _INT.match(amount):
+            raise self.fail(f"budget {amount!r} is not an integer")
+        budget = int(amount)
+        if not 1 <= budget <= MAX_BUDGET:
+            raise self.fail(f"budget {budget} is outside [1, {MAX_BUDGET}]")
+        return math.nan, budget
+
+
+def _params(policy_id: str, text: str) -> dict[str, object]:
+    params: dict[str, object] = {}
+    for item in text.split(","):
+        key, eq, val = item.partition("=")
+        key = key.strip()
+        if not eq or not _KEY.match(key):
+            raise PolicyIdError(f"policy id {policy_id!r}: parameter {item.strip()!r} is not key=value")
+        if key in params:
+            raise PolicyIdError(f"policy id {policy_id!r}: parameter {key!r} is given twice")
+        params[key] = _value(val.strip())
+    return params
+
+
 def parse_policy_id(policy_id: str) -> PolicySpec:
-    """Parse a policy id, raising :class:`PolicyIdError` naming what is wrong.
+    """Parse a policy id.
 
     Parameters
     ----------
     policy_id : str
-        An id following the grammar in the module docstring.
+        e.g. ``"snapkv@0.5"``, ``"kvpress:AdaKVPress(SnapKVPress)@0.5:alpha_safeguard=0.1"``.
 
     Returns
     -------
     PolicySpec
-        Name, retention (NaN if budget-based), budget (-1 if ratio-based) and
-        parameters; ``full`` has retention 1.
+        The id, the press expression as ``name``, the outer amount and parameters,
+        and the press tree as ``press``.
 
     Raises
     ------
     PolicyIdError
-        The id does not follow the grammar; the message says which part.
+        When the id does not follow the grammar; the message names what is wrong.
 
     Examples
     --------
-    >>> parse_policy_id("snapkv@0.5")
-    PolicySpec(id='snapkv@0.5', name='snapkv', retention=0.5, budget=-1, params={})
-    >>> parse_policy_id("streaming_llm#64:sink=4").params
-    {'sink': 4}
+    >>> spec = parse_policy_id("snapkv@0.5")
+    >>> spec.name, spec.retention, spec.budget, spec.params
+    ('snapkv', 0.5, -1, {})
+    >>> spec = parse_policy_id("kvpress:ChunkKVPress(SnapKVPress)@0.5:chunk_length=8")
+    >>> spec.name, spec.retention, spec.params, spec.press.args[0].name
+    ('kvpress:ChunkKVPress(SnapKVPress)', 0.5, {'chunk_length': 8}, 'SnapKVPress')
     """
-    m = _ID.match(policy_id.strip()) if isinstance(policy_id, str) else None
-    if not m:
-        raise PolicyIdError(f"policy id {policy_id!r} does not match <name>[@ratio|#budget][:k=v,...]")
-    name, sep, amount, params_text = m["name"], m["sep"], m["amount"], m["params"]
-    retention, budget = math.nan, -1
-    if sep == "@":
-        try:
-            retention = float(amount)
-        except ValueError:
-            raise PolicyIdError(f"policy id {policy_id!r}: retention {amount!r} is not a number") from None
-        if not 0.0 < retention <= 1.0:
-            raise PolicyIdError(f"policy id {policy_id!r}: retention {retention} is outside (0, 1]")
-    elif sep == "#":
-        try:
-            budget = int(amount)
-        except ValueError:
-            raise PolicyIdError(f"policy id {policy_id!r}: budget {amount!r} is not an integer") from None
-        if budget < 1:
-            raise PolicyIdError(f"policy id {policy_id!r}: budget {budget} is < 1")
-    elif name != "full" and name != "candidate" and name.startswith("kvpress:"):
-        raise PolicyIdError(f"policy id {policy_id!r}: kvpress presses need @<retention> or #<budget>")
-    if name == "full" and sep:
-        raise PolicyIdError(f"policy id {policy_id!r}: 'full' takes no retention or budget")
-    if name == "full":
-        retention = 1.0
+    if not isinstance(policy_id, str):
+        raise PolicyIdError(f"policy id must be a string, not {type(policy_id).__name__}")
+    text = policy_id.strip()
+    if len(text) > MAX_POLICY_ID:
+        raise PolicyIdError(f"policy id of {len(text)} characters is longer than {MAX_POLICY_ID}")
+    if text == "full":
+        return PolicySpec(id=text, name="full", retention=1.0)
+    parser = _Parser(text)
+    term = parser.term()
     params: dict[str, object] = {}
-    if params_text:
-        for item in params_text.split(","):
-            key, eq, val = item.partition("=")
-            if not eq or not key.strip():
-                raise PolicyIdError(f"policy id {policy_id!r}: parameter {item!r} is not key=value")
-            params[key.strip()] = _value(val.strip())
-    return PolicySpec(id=policy_id.strip(), name=name, retention=retention, budget=budget, params=params)
+    if parser.peek() == ":":
+        params = _params(text, text[parser.pos + 1:])
+    elif parser.peek():
+        raise parser.fail(f"unexpected {parser.peek()!r}")
+    if term.name == "full":
+        raise PolicyIdError(f"policy id {text!r}: 'full' takes no retention, budget, inner press or parameters")
+    return PolicySpec(id=text, name=term.text(amount=False), retention=term.retention, budget=term.budget,
+                      params=params, press=term)
 
 
 def policy_coords(policy_id: str) -> tuple[str, float, int]:
@@ -145,6 +250,8 @@ def policy_coords(policy_id: str) -> tuple[str, float, int]:
     --------
     >>> policy_coords("snapkv#512")
     ('snapkv', nan, 512)
+    >>> policy_coords("kvpress:AdaKVPress(SnapKVPress)@0.5")
+    ('kvpress:AdaKVPress(SnapKVPress)', 0.5, -1)
     >>> policy_coords("my tool's policy")
     ("my tool's policy", nan, -1)
     """
