@@ -8,10 +8,11 @@ memory (``ru_maxrss``) and wall time:
 - ``memory``: ``collector.pack.pack_run`` (the whole dataset in memory) +
   ``save_dataset``, the way `kvdiv pack` worked before it streamed;
 - ``stream``: ``collector.pack.pack_to``, document by document (what `kvdiv pack`
-  runs now).
+  runs now), written in batches of about 4 MiB; ``stream:0`` writes each
+  document on its own (the least memory), ``stream:64`` in batches of 64 MiB.
 
 Usage: python benchmarks/bench_pack.py [--docs 200] [--policies 4] [-R 32] [-T 64] [--repeat 1]
-       [--format zarr|nc] [--modes memory,stream]
+       [--format zarr|nc] [--modes memory,stream,stream:0]
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def child(mode: str, run: str, out: str) -> None:
     start = time.perf_counter()
     if mode == "memory":
         P.save_dataset(P.pack_run(run, progress=False), out)
-    else:
-        P.pack_to(run, out, progress=False)
+    else:  # "stream" or "stream:<batch MiB>"
+        batch = float(mode.split(":")[1]) if ":" in mode else 4.0
+        P.pack_to(run, out, progress=False, batch_mib=batch)
     took = time.perf_counter() - start
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"mode": mode, "seconds": took, "peak_mib": peak_mib}))

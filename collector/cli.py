@@ -95,24 +95,24 @@ def collect(servers: tuple[str, ...], servers_file: Path | None, wait_for_server
 @click.option("--drop-incomplete", is_flag=True, help="Leave out documents lacking a policy instead of failing.")
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing --out, but only a traces file or store that kvdiv wrote.")
-def pack(run_dir: Path, out: Path, drop_incomplete: bool, overwrite: bool) -> None:
-    """Assemble a collection's complete requests into one validated traces file."""
+@click.option("--append", is_flag=True,
+              help="Add the run's documents that --out does not hold yet (packed earlier from the same run).")
+def pack(run_dir: Path, out: Path, drop_incomplete: bool, overwrite: bool, append: bool) -> None:
+    """Assemble a collection's complete requests into one validated traces file, document by document."""
     from collector.errors import CollectorError
-    from collector.pack import pack_run, save_dataset
+    from collector.pack import pack_to
 
     try:
         if out.suffix not in (".nc", ".zarr"):  # before the work, not after
             raise click.ClickException(f"{out}: the output must end in .nc or .zarr")
-        if (out.exists() or out.is_symlink()) and not overwrite:
-            raise click.ClickException(f"{out}: exists; pass --overwrite to replace a kvdiv traces file")
-        ds = pack_run(run_dir, drop_incomplete=drop_incomplete)
-        save_dataset(ds, out, overwrite=overwrite)
+        if append and overwrite:
+            raise click.ClickException("--append adds to --out and --overwrite replaces it: choose one")
+        result = pack_to(run_dir, out, append=append, overwrite=overwrite, drop_incomplete=drop_incomplete)
     except CollectorError as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
         raise click.ClickException(f"{exc.filename or out}: {exc.strerror or exc}") from None
-    click.echo(f"{out}: {ds.sizes['doc']} documents × {ds.sizes['policy']} policies × "
-               f"{ds.sizes['replicate']} replicates, kind {ds.attrs['kind']}, T={ds.attrs['horizon']}", err=True)
+    click.echo(result.summary(), err=True)
 
 
 __all__ = ["collect", "pack"]

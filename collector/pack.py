@@ -1,5 +1,11 @@
 """Pack a collection run: its complete requests into one validated ``kvdiv.trace/1`` dataset.
 
+:func:`pack_to` (what ``kvdiv pack`` runs) writes the traces file document by
+document through ``protocols.TraceStoreWriter``, so packing holds one document in
+memory, never the whole dataset, and ``append=True`` adds the documents collected
+since to a file packed earlier. :func:`pack_run` returns the whole dataset in memory
+(small runs, tests, the demo).
+
 Nothing is packed on trust. The manifest must be readable, the run's copy of the
 documents must be the one it names (sha256 and count), and every request file is
 read again (``protocols.StreamReader``: digest, order, shapes) and its header checked
@@ -10,9 +16,11 @@ A file that fails is named, with its problem, and nothing is written; rerunning
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +29,7 @@ from collector.documents import Document, file_sha256, read_jsonl
 from collector.errors import CollectorError, PackError
 from collector.journal import DOCUMENTS, Journal
 
-__all__ = ["PackError", "missing_requests", "pack_run", "save_dataset"]
+__all__ = ["PackError", "PackResult", "missing_requests", "pack_run", "pack_to", "save_dataset"]
 
 
 def missing_requests(journal: Journal, docs: Sequence[Document], policies: Sequence[str]) -> dict[str, list[str]]:
@@ -143,6 +151,7 @@ class _Run:
         missing = missing_requests(self.journal, docs, self.policies)
         if missing and not drop_incomplete:
             raise PackError(_missing_message(missing, len(docs)))
+        self.dropped = list(missing)
         ledger = RunLedger(model=self.manifest.get("model"))
         refused: list[str] = []
         yielded = 0
@@ -160,6 +169,223 @@ class _Run:
         if not yielded and not skip:
             raise PackError(f"{self.dir}: no document has every policy complete\n"
                             + _missing_message(missing, len(docs)))
+
+
+@dataclass(frozen=True)
+class PackResult:
+    """What :func:`pack_to` wrote.
+
+    Attributes
+    ----------
+    path : Path
+        The traces file.
+    written : int
+        Documents this call wrote.
+    kept : int
+        Documents the file already held (``append``).
+    dropped : tuple of str
+        Incomplete documents left out (``drop_incomplete``).
+    policies : tuple of str
+        The policies, in the file's order.
+    """
+
+    path: Path
+    written: int
+    kept: int
+    dropped: tuple[str, ...]
+    policies: tuple[str, ...]
+
+    @property
+    def total(self) -> int:
+        """Documents in the file now."""
+        return self.written + self.kept
+
+    def summary(self) -> str:
+        """One line for the command line."""
+        text = f"{self.path}: {self.total} documents × {len(self.policies)} policies"
+        if self.kept:
+            text += f" ({self.written} appended to {self.kept})"
+        if self.dropped:
+            text += f"; {len(self.dropped)} incomplete documents left out"
+        return text
+
+
+def pack_to(run_dir: str | Path, out: str | Path, *, append: bool = False, overwrite: bool = False,
+            drop_incomplete: bool = False, batch_mib: float = 4.0, progress: bool = True) -> PackResult:
+    """Pack a run into a ``.zarr`` or ``.nc`` traces file, document by document, in bounded memory.
+
+    Every request file is checked as in :func:`pack_run`; each complete document is
+    assembled, validated and appended (``protocols.TraceStoreWriter``), a few at a
+    time (about ``batch_mib`` of traces, at least one document), so memory holds a
+    batch, never the whole dataset. The file appears under
+    its name only when every document is written: a file that cannot be trusted, a
+    gap, or an interruption leaves no new file (and, with ``append``, the documents
+    that were there).
+
+    Parameters
+    ----------
+    run_dir : path
+        The run directory (``kvdiv collect --out``).
+    out : path
+        ``*.zarr`` or ``*.nc``.
+    append : bool
+        Add the run's documents that ``out`` does not hold yet to it. ``out`` must
+        have been packed from the same collection (its ``collection`` attribute).
+    overwrite : bool
+        Replace an existing ``out`` (only a traces file kvdiv wrote).
+    drop_incomplete : bool
+        Leave out documents lacking a policy instead of failing.
+    batch_mib : float
+        Documents are written in batches of about this many MiB (at least one
+        document): fewer, larger writes are faster; one document at a time is the
+        least memory.
+    progress : bool
+        Show a progress bar on stderr.
+
+    Returns
+    -------
+    PackResult
+        Documents written, kept and left out.
+
+    Raises
+    ------
+    PackError
+        As :func:`pack_run`; also an ``out`` that exists (without ``overwrite`` or
+        ``append``), is missing (``append``), or holds another collection.
+
+    Examples
+    --------
+    >>> pack_to("runs/study", "runs/study/traces.zarr").summary()            # doctest: +SKIP
+    'runs/study/traces.zarr: 200 documents × 4 policies'
+    >>> pack_to("runs/study", "runs/study/traces.zarr", append=True).written  # doctest: +SKIP
+    40
+    """
+    out = Path(out)
+    if append and _writer_class() is _WholeFileWriter:
+        raise PackError(f"{out}: --append needs protocols.TraceStoreWriter, which this kvdiv lacks")
+    run = _Run(run_dir)
+    kept = _existing_documents(out, run) if append else set()
+    if not append:
+        _check_new_output(out, overwrite)
+    pieces = run.pieces(drop_incomplete=drop_incomplete, progress=progress, skip=kept)
+    first = next(pieces, None)  # checks and gaps fail here, before any file is touched
+    written = 0
+    if first is not None:
+        try:
+            with _open_writer(out, append=append, overwrite=overwrite) as writer:
+                for batch in _batched(itertools.chain([first], pieces), batch_mib * 2**20):
+                    _write(writer, batch, out)
+                    written += sum(piece.sizes["doc"] for piece in batch)
+        except (ValueError, OSError) as exc:  # finishing the file (close): the writer has rolled back
+            raise PackError(_named(out, exc)) from None
+    return PackResult(out, written, len(kept), tuple(run.dropped), tuple(run.policies))
+
+
+def _batched(pieces: Iterator[Any], max_bytes: float) -> Iterator[list[Any]]:
+    """Consecutive pieces, grouped until a group holds ``max_bytes`` (each group has at least one)."""
+    batch: list[Any] = []
+    size = 0
+    for piece in pieces:
+        batch.append(piece)
+        size += piece.nbytes
+        if size >= max_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _open_writer(out: Path, *, append: bool, overwrite: bool) -> Any:
+    """The one place packing creates its writer: ``protocols.TraceStoreWriter``."""
+    try:
+        return _writer_class()(out, append=append, overwrite=overwrite)
+    except (ValueError, OSError) as exc:  # an output that may not be replaced, a store that cannot be appended to
+        raise PackError(_named(out, exc)) from None
+
+
+def _writer_class() -> Any:
+    import protocols
+
+    return getattr(protocols, "TraceStoreWriter", None) or _WholeFileWriter
+
+
+class _WholeFileWriter:
+    """Stand-in for ``protocols.TraceStoreWriter`` until it is merged (issue 15, branch ``scale``): the same
+    interface, but it keeps every piece and writes the file at ``close`` (``save_dataset``), so memory is
+    not bounded and ``append`` is refused. Delete this class once ``protocols`` exports the writer."""
+
+    def __init__(self, path: Path, *, append: bool = False, overwrite: bool = False) -> None:
+        self.path, self.overwrite, self.pieces = Path(path), overwrite, []
+
+    def append(self, ds: Any) -> None:
+        self.pieces.append(ds)
+
+    def close(self) -> Path:
+        import protocols
+
+        return save_dataset(protocols.combine(self.pieces, dim="doc"), self.path, overwrite=self.overwrite)
+
+    def abort(self) -> None:
+        self.pieces = []
+
+    def __enter__(self) -> _WholeFileWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        self.close() if exc_type is None else self.abort()
+
+
+def _named(out: Path, exc: BaseException) -> str:
+    return str(exc) if str(out) in str(exc) else f"{out}: {exc}"
+
+
+def _write(writer: Any, batch: list[Any], out: Path) -> None:
+    import protocols
+
+    piece = batch[0] if len(batch) == 1 else protocols.combine(batch, dim="doc")
+    try:
+        writer.append(piece)
+    except (protocols.TraceValidationError, ValueError) as exc:  # StoreError is a ValueError
+        docs = ", ".join(str(d) for d in piece["doc"].values[:3])
+        raise PackError(f"{out}: cannot add {docs}: {exc}") from None
+
+
+def _check_new_output(out: Path, overwrite: bool) -> None:
+    if out.suffix not in (".nc", ".zarr"):
+        raise PackError(f"{out}: the output must end in .nc or .zarr")
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        raise PackError(f"{out}: exists; pass --overwrite to replace a kvdiv traces file, or --append to add "
+                        "documents to it")
+
+
+def _existing_documents(out: Path, run: _Run) -> set[str]:
+    """The documents an ``append`` target holds, after checking it was packed from this collection."""
+    import protocols
+
+    if not out.exists():
+        raise PackError(f"{out}: no traces file to append to; pack without --append first")
+    try:
+        existing = protocols.open_traces(out, validate=False, chunks=1)  # lazy: ids and attrs only
+    except (ValueError, OSError) as exc:
+        raise PackError(f"{out}: cannot be read as a traces file: {exc}") from None
+    try:
+        ids = {str(d) for d in existing["doc"].values} if "doc" in existing.coords else set()
+        theirs = existing.attrs.get("collection")
+    finally:
+        existing.close()
+    if not isinstance(theirs, str) or not ids:
+        raise PackError(f"{out}: has no 'collection' attribute (not written by `kvdiv pack`); pack into a new file")
+    ours = run.attrs["collection"]
+    if theirs != ours:
+        diffs = _param_diffs(json.loads(theirs), run.params)
+        raise PackError(f"{out} holds another collection's traces ({'; '.join(diffs) or 'different parameters'}); "
+                        "--append adds documents of the run it was packed from only")
+    return ids
+
+
+def _param_diffs(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    return [f"{key}: the file has {old.get(key)!r}, the run {new.get(key)!r}"
+            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
 
 
 def _refused_message(refused: Sequence[str], journal: Journal) -> str:
