@@ -1,0 +1,82 @@
+"""divstats where data are sparse and n is small (issue 13).
+
+Every statistical claim here is checked against exact enumeration (``divstats.exact``)
+or against simulation with a known truth, never against earlier output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from divstats_cases import _hashed, split_replicates
+
+import divstats as dv
+from divstats.curves import MIN_SE_COUNT
+
+V, T = 3, 7
+_BASE, _NOISE = _hashed(11, V, 0.5), _hashed(12, V, 0.5)
+
+
+def _mixed(weight: float):
+    """Q = (1 - weight) P + weight noise: a history-dependent pair whose late ages are sparse."""
+    return lambda h: (1.0 - weight) * _BASE(h) + weight * _NOISE(h)
+
+
+def _sampling(kind: str, weight: float, groups: int = 400, per_group: int = 20, seed: int = 1):
+    """branch_tv on `groups` independent datasets of `per_group` replicates, and the exact truth."""
+    q = _mixed(weight)
+    ds = dv.simulate(_BASE, q, V, T, groups * per_group, kind=kind, seed=seed)
+    bt = dv.branch_tv(split_replicates(ds, groups))
+    get = lambda name: bt[name].values.reshape(groups, T)  # noqa: E731
+    return get("branch_tv"), get("branch_tv_se"), get("branch_tv_count"), dv.exact(_BASE, q, V, T).branch_tv
+
+
+# --------------------------------------------------------------------------- item 1
+
+def _constant_tv_residual(replicates: int = 5, horizon: int = 12, seed: int = 3):
+    P, Q = np.array([0.5, 0.3, 0.2]), np.array([0.4, 0.3, 0.3])    # TV 0.1 at every step
+    return dv.simulate(lambda h: P, lambda h: Q, 3, horizon, replicates, kind="residual", seed=seed)
+
+
+def test_residual_branch_tv_is_nan_where_no_branch_reached() -> None:
+    bt = dv.branch_tv(_constant_tv_residual()).isel(doc=0, policy=0)
+    count, r = bt["branch_tv_count"].values, bt["branch_tv"].values
+    assert count[-1] == 0                                   # no branch reaches age 11
+    assert np.isnan(r[count == 0]).all()                    # not 0 +- 0
+    assert np.isnan(bt["branch_tv_se"].values[count == 0]).all()
+    np.testing.assert_allclose(r[count > 0], 0.1, atol=1e-12)   # history-free: TV 0.1 exactly
+    assert (bt["branch_tv_denominator"].values > 0).all()   # P(tau + k <= T) is still estimated
+    win = dv.branch_tv_window(_constant_tv_residual(), 8, 12).isel(doc=0, policy=0)
+    assert float(win["branch_tv_window"]) == pytest.approx(0.1)  # age 11 is not averaged in as 0
+    assert int(win["branch_tv_window_ages"]) == 3
+
+
+def test_residual_branch_tv_lies_in_unit_interval() -> None:
+    # Large TVs: the old numerator-from-the-branch / denominator-from-the-law ratio exceeded 1.
+    r, _, _, _ = _sampling("residual", 0.9, groups=300, per_group=5, seed=4)
+    assert np.nanmax(r) <= 1.0
+    assert np.nanmin(r) >= 0.0
+
+
+def test_residual_branch_tv_unbiased_against_exact() -> None:
+    r, _, count, truth = _sampling("residual", 0.3)
+    for k in range(T):
+        ok = count[:, k] > 0
+        v = r[ok, k]
+        assert abs(v.mean() - truth[k]) <= 3.5 * v.std(ddof=1) / np.sqrt(v.size) + 1e-12, k
+
+
+# --------------------------------------------------------------------------- item 2
+
+@pytest.mark.parametrize("kind", ["coupled", "residual"])
+def test_branch_tv_se_covers_where_reported(kind: str) -> None:
+    r, se, count, truth = _sampling(kind, 0.3)
+    reported = np.isfinite(se)
+    assert not reported[count < MIN_SE_COUNT].any()         # "not available" below the stated count
+    assert reported[count >= MIN_SE_COUNT].all()
+    hit = np.abs(r - truth) <= 1.96 * se
+    pooled = hit[reported].mean()
+    assert pooled >= 0.93, pooled
+    for k in range(T):
+        if reported[:, k].sum() >= 100:
+            assert hit[reported[:, k], k].mean() >= 0.90, (k, hit[reported[:, k], k].mean())
