@@ -24,7 +24,7 @@ import numpy as np
 import xarray as xr
 
 from divstats.decompose import _split
-from divstats.paired import paired_test
+from divstats.paired import paired_test, rejects
 
 # ---------------------------------------------------------------------------
 # Simulated studies (trace datasets)
@@ -132,7 +132,7 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
         d = shift + 0.1 * rng.standard_t(5, n_docs)
         res = paired_test(a + d, a, test, alternative, confidence_level=1 - alpha,
                           n_resamples=n_resamples, seed=i, mean_ci=mean_ci)
-        rej += res.pvalue < alpha
+        rej += rejects(res.pvalue, alpha)
         cov += res.ci_low <= shift <= res.ci_high
         cov_m += res.mean_ci_low <= shift <= res.mean_ci_high
         cov_hl += res.hl_ci_low <= shift <= res.hl_ci_high

@@ -80,3 +80,88 @@ def test_branch_tv_se_covers_where_reported(kind: str) -> None:
     for k in range(T):
         if reported[:, k].sum() >= 100:
             assert hit[reported[:, k], k].mean() >= 0.90, (k, hit[reported[:, k], k].mean())
+
+
+# --------------------------------------------------------------------------- item 4
+
+def test_permutation_with_one_document_is_not_estimable() -> None:
+    res = dv.paired_test(np.array([0.3]), np.array([0.1]), "permutation", "greater")
+    assert np.isnan(res.pvalue) and np.isnan(res.ci_low) and np.isnan(res.ci_high)
+    assert res.n == 1 and "not estimable" in res.reason
+
+
+@pytest.mark.parametrize("a", [[0.1, 0.1], [0.1, 0.1 + 1e-17], [0.2, 0.2, 0.2, 0.2], [0.0, 0.0, 0.0]])
+@pytest.mark.parametrize("test", ["ttest", "bootstrap-t"])
+def test_zero_spread_is_not_estimable(a, test) -> None:
+    res = dv.paired_test(np.array(a), np.zeros(len(a)), test, "two-sided")
+    assert np.isnan(res.pvalue), res.pvalue                 # never p = 0 (or 1.4e-49)
+    assert np.isnan(res.mean_ci_low) and np.isnan(res.mean_ci_high)  # never a zero-width interval
+    assert "not estimable" in res.reason
+
+
+def test_constant_differences_have_no_zero_width_mean_interval() -> None:
+    res = dv.paired_test(np.full(6, 0.3), np.zeros(6), "wilcoxon", "two-sided")
+    assert not res.reason                                   # the rank test is defined
+    assert not res.mean_ci_low == res.mean_ci_high          # NaN, not [0.3, 0.3]
+
+
+# --------------------------------------------------------------------------- item 5
+
+@pytest.mark.parametrize("alternative", ["two-sided", "greater", "less"])
+def test_hl_interval_excludes_zero_iff_wilcoxon_rejects(alternative) -> None:
+    rng = np.random.default_rng(17)
+    for _ in range(300):
+        n = int(rng.integers(3, 40))
+        d = np.round(rng.normal(0.25, 1.0, n), 1)           # zeros and ties on purpose
+        res = dv.paired_test(d, np.zeros(n), "wilcoxon", alternative)
+        rejected = res.pvalue <= 0.05
+        excluded = not (res.ci_low <= 0.0 <= res.ci_high)
+        assert rejected == excluded, (d.tolist(), res.pvalue, res.ci_low, res.ci_high)
+        assert res.ci_low <= res.effect <= res.ci_high
+
+
+def test_hl_interval_is_the_inverted_test_at_its_ends() -> None:
+    from divstats.paired import _wilcoxon
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n = int(rng.integers(5, 25))
+        d = np.round(rng.normal(0.2, 1.0, n), 1)
+        res = dv.paired_test(d, np.zeros(n), "wilcoxon", "two-sided")
+        for end, inward in ((res.ci_low, +1), (res.ci_high, -1)):
+            assert _wilcoxon(d - (end + inward * 1e-9), "two-sided")[1] > 0.05     # just inside: accepted
+        # the test rejects just beyond the nearest Walsh average outside each end
+        i, j = np.triu_indices(n)
+        walsh = np.unique((d[i] + d[j]) / 2)
+        below, above = walsh[walsh < res.ci_low], walsh[walsh > res.ci_high]
+        if below.size:
+            assert _wilcoxon(d - (below[-1] - 1e-9), "two-sided")[1] <= 0.05
+        if above.size:
+            assert _wilcoxon(d - (above[0] + 1e-9), "two-sided")[1] <= 0.05
+
+
+def test_wilcoxon_matches_scipy_with_ties_and_zeros() -> None:
+    from scipy import stats
+
+    from divstats.paired import _wilcoxon
+
+    rng = np.random.default_rng(8)
+    for _ in range(12):                  # scipy's permutation path is slow (~0.5 s a call)
+        n = int(rng.integers(4, 11))
+        d = np.round(rng.normal(0.3, 1.0, n), 1)
+        nz = d[d != 0]
+        if nz.size == 0:
+            continue
+        for alt in ("two-sided", "greater", "less"):
+            assert _wilcoxon(d, alt)[1] == pytest.approx(stats.wilcoxon(nz, alternative=alt).pvalue, abs=1e-12)
+
+
+# --------------------------------------------------------------------------- item 7
+
+def test_one_rejection_rule_at_the_boundary() -> None:
+    from divstats.paired import holm, rejects
+
+    reject, adjusted = holm(np.array([0.025, 0.025]), 0.05)
+    np.testing.assert_allclose(adjusted, [0.05, 0.05])
+    assert reject.all()                                     # Holm: p_adjusted <= alpha
+    assert rejects(0.05, 0.05) and not rejects(0.0500001, 0.05) and not rejects(np.nan, 0.05)
