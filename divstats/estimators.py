@@ -27,6 +27,8 @@ DESCRIPTIONS: dict[str, str] = {
     "rmtd": ("sum_{t=0}^{T-1} S(t) = E[min(tau, T)]: restricted mean time to divergence (docs/statistics.md §3 "
              "definition; its gloss E[min(tau - 1, T)] equals this minus occurrence, see "
              "docs/statistics.md)"),
+    "agreeing_tokens": ("rmtd - occurrence = E[min(tau - 1, T)]: expected number of agreeing tokens before "
+                        "the divergence (the tokens both models emit identically)"),
     "exposure": "E[(T - tau)+]: expected post-divergence steps inside the horizon",
     "post_mismatch": "E[R], R = sum_{t > tau} D_t: expected mismatches after the first one",
     "rate": "post_mismatch / exposure (ratio of expectations); NaN when exposure = 0",
@@ -81,6 +83,8 @@ def _point_and_se(rep: Replicates) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name in ("occurrence", "exposure", "rmtd", "post_mismatch", "window_mismatch", "tail_capacity"):
         out[name], out[name + "_se"] = mean_se(v[name])
+    # min(tau, T) - 1[tau <= T] = min(tau - 1, T) per replicate: the agreeing tokens
+    out["agreeing_tokens"], out["agreeing_tokens_se"] = mean_se(v["rmtd"] - v["occurrence"])
     out.update(_derive(out["occurrence"], out["exposure"], out["post_mismatch"], T))
     _, out["rate_se"] = ratio_se(v["post_mismatch"], v["exposure"])
     out["rate_se"] = np.where(np.isnan(out["rate"]), np.nan, out["rate_se"])
@@ -156,7 +160,7 @@ def estimate(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
 
 # --------------------------------------------------------------------------- aggregate
 
-_MEAN_OVER_DOCS = ("occurrence", "rmtd", "exposure", "post_mismatch", "window_mismatch",
+_MEAN_OVER_DOCS = ("occurrence", "rmtd", "agreeing_tokens", "exposure", "post_mismatch", "window_mismatch",
                    "tail_capacity")
 
 
@@ -169,8 +173,8 @@ def _combine_se(se: xr.DataArray, dim: str) -> xr.DataArray:
 def aggregate(estimates: xr.Dataset, dim: str = "doc") -> xr.Dataset:
     """Combine per-document estimates with equal document weights (docs/statistics.md §3).
 
-    occurrence, rmtd, exposure, post_mismatch, window_mismatch and tail_capacity
-    are document means; rate = sum post_mismatch / sum exposure; loss, fractions
+    occurrence, rmtd, agreeing_tokens, exposure, post_mismatch, window_mismatch and
+    tail_capacity are document means; rate = sum post_mismatch / sum exposure; loss, fractions
     and contributions are derived from those parts so the identity holds exactly.
 
     Two kinds of uncertainty are reported:

@@ -33,6 +33,7 @@ class ExactResult:
     occurrence: float
     survival: np.ndarray
     rmtd: float
+    agreeing_tokens: float
     exposure: float
     post_mismatch: float
     rate: float
@@ -117,15 +118,7 @@ def exact(
                 post += prob * d
                 if k <= W:
                     win += prob * d
-            if law.shared is not None:
-                for v in np.flatnonzero(law.shared):
-                    nxt[(xh + (int(v),), yh + (int(v),), tau)] += prob * (1.0 - d) * law.shared[v]
-            if law.x_res is not None:
-                new_tau = tau if tau else t
-                for a in np.flatnonzero(law.x_res):
-                    pa = prob * d * law.x_res[a]
-                    for b in np.flatnonzero(law.y_res):
-                        nxt[(xh + (int(a),), yh + (int(b),), new_tau)] += pa * law.y_res[b]
+            _advance(nxt, law, xh, yh, tau, t, prob)
         states = nxt
         n_states += len(states)
         # The observation window closes after step tau + W; what is left of the horizon
@@ -136,6 +129,21 @@ def exact(
                     tail += prob * (T - t)
 
     return _assemble(T, W, diverge_at, post, win, tail, bt_num, n_states)
+
+
+def _advance(nxt: dict, law, xh: tuple[int, ...], yh: tuple[int, ...], tau: int, t: int,
+             prob: float) -> None:
+    """Add the successors of one state under the coupling's step law to ``nxt``."""
+    d = law.tv
+    if law.shared is not None:
+        for v in np.flatnonzero(law.shared):
+            nxt[(xh + (int(v),), yh + (int(v),), tau)] += prob * (1.0 - d) * law.shared[v]
+    if law.x_res is not None:
+        new_tau = tau if tau else t
+        for a in np.flatnonzero(law.x_res):
+            pa = prob * d * law.x_res[a]
+            for b in np.flatnonzero(law.y_res):
+                nxt[(xh + (int(a),), yh + (int(b),), new_tau)] += pa * law.y_res[b]
 
 
 def _assemble(T: int, W: int, diverge_at: np.ndarray, post: float, win: float, tail: float,
@@ -156,6 +164,7 @@ def _assemble(T: int, W: int, diverge_at: np.ndarray, post: float, win: float, t
     return ExactResult(
         horizon=T, window=W,
         occurrence=occurrence, survival=survival, rmtd=float(survival[:T].sum()),
+        agreeing_tokens=float(survival[1:].sum()),  # E[min(tau - 1, T)] = sum_{t=1}^{T} S(t)
         exposure=exposure, post_mismatch=post, rate=rate, loss=loss,
         mismatch_fraction=occurrence / T + contrib / T,
         first_mismatch_contribution=occurrence / T, exposure_contribution=contrib / T,

@@ -165,3 +165,20 @@ def test_one_rejection_rule_at_the_boundary() -> None:
     np.testing.assert_allclose(adjusted, [0.05, 0.05])
     assert reject.all()                                     # Holm: p_adjusted <= alpha
     assert rejects(0.05, 0.05) and not rejects(0.0500001, 0.05) and not rejects(np.nan, 0.05)
+
+
+# --------------------------------------------------------------------------- item 9
+
+def test_agreeing_tokens_reported_beside_rmtd() -> None:
+    q = _mixed(0.3)
+    ds = dv.simulate(_BASE, q, V, T, 400, kind="coupled", seed=2)
+    est = dv.estimate(ds).isel(doc=0, policy=0)
+    x, y = ds["x_token"].values[0, 0], ds["y_token"].values[0, 0]
+    agree = np.where((x != y).any(-1), (x != y).argmax(-1), T)      # tokens before the first mismatch
+    assert float(est["agreeing_tokens"]) == pytest.approx(agree.mean())
+    assert float(est["agreeing_tokens"]) == pytest.approx(float(est["rmtd"] - est["occurrence"]))
+    ex = dv.exact(_BASE, q, V, T)
+    assert ex.agreeing_tokens == pytest.approx(ex.rmtd - ex.occurrence)
+    assert abs(float(est["agreeing_tokens"]) - ex.agreeing_tokens) <= 4 * float(est["agreeing_tokens_se"])
+    agg = dv.aggregate(dv.estimate(ds))
+    assert "agreeing_tokens" in agg and "agreeing_tokens_se" in agg
