@@ -24,7 +24,14 @@ from dataclasses import dataclass
 import numpy as np
 import xarray as xr
 
+from divstats.decompose import split_gap
 from divstats.paired import paired_test, rejects
+
+__all__ = [
+    "POPULATIONS", "DecompositionCoverage", "PairedCalibration", "PolicyEffect", "decomposition_coverage",
+    "document_population", "draw_differences", "markov_kernels", "pseudo_median",
+    "paired_calibration", "simulate_study"
+]
 
 # ---------------------------------------------------------------------------
 # Simulated studies (trace datasets)
@@ -50,6 +57,30 @@ def markov_kernels(doc_seed: int, policy_seed: int, effect: PolicyEffect, vocab_
     The chain's rows share a common base law (weight 1 − ``row_mix``), so two
     branches that differ only in their last token have close next-token laws and
     the branch-aligned TV is driven by the policy's ε_t rather than by the chain.
+
+    Parameters
+    ----------
+    doc_seed, policy_seed : int
+        Seeds of the document's chain and of the policy's perturbation.
+    effect : PolicyEffect
+        The policy's strength.
+    vocab_size : int
+        V.
+    doc_scale : float
+        The document's strength multiplier.
+    row_mix : float
+        Weight of the row-specific part of each transition row.
+
+    Returns
+    -------
+    (callable, callable)
+        p and q: a history (tuple of tokens) → probabilities.
+
+    Examples
+    --------
+    >>> p, q = markov_kernels(0, 0, PolicyEffect(0.1))
+    >>> round(float(p((1,)).sum()), 12), round(float(q((1,)).sum()), 12)
+    (1.0, 1.0)
     """
     rng = np.random.default_rng([doc_seed, 17])
     base = rng.dirichlet(np.full(vocab_size, 1.0))
@@ -77,6 +108,40 @@ def simulate_study(n_docs: int, policies: Mapping[str, PolicyEffect], *, horizon
 
     Each document has its own chain and a random strength multiplier exp(N(0, doc_sd))
     shared by its policies (so paired comparisons see correlated documents).
+
+    Parameters
+    ----------
+    n_docs : int
+        Documents.
+    policies : mapping of str to PolicyEffect
+        Policy id → its simulated strength.
+    horizon, replicates : int
+        T and replicates per (doc, policy).
+    kind : {"coupled", "residual", "reference"}
+        Trace kind.
+    window : int, optional
+        W for residual traces.
+    vocab_size : int
+        V.
+    seed : int
+        Seed of the whole study.
+    doc_prefix : str
+        Document ids are ``doc_prefix + index``.
+    models : sequence of str, optional
+        Simulate each model separately and stack along a ``model`` dim.
+    doc_sd : float
+        SD of the log strength multiplier across documents.
+
+    Returns
+    -------
+    xarray.Dataset
+        A trace dataset over (doc, policy[, model], replicate, step).
+
+    Examples
+    --------
+    >>> ds = simulate_study(3, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2)}, horizon=4, replicates=2)
+    >>> dict(ds.sizes)["doc"], ds["policy"].values.tolist()
+    (3, ['a', 'b'])
     """
     from divstats import simulate
 
@@ -113,7 +178,35 @@ _EXP_PSEUDO_MEDIAN = 0.5 * 1.6783469900166608 - 1.0
 
 
 def draw_differences(population: str, n: int, shift: float, rng: np.random.Generator) -> np.ndarray:
-    """Per-document differences from one of :data:`POPULATIONS` (mean = ``shift``)."""
+    """Per-document differences from one of :data:`POPULATIONS` (mean = ``shift``).
+
+    Parameters
+    ----------
+    population : {"symmetric", "skewed"}
+        The law.
+    n : int
+        Documents.
+    shift : float
+        The mean.
+    rng : numpy.random.Generator
+        Randomness.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``n`` differences.
+
+    Raises
+    ------
+    ValueError
+        For an unknown population.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> draw_differences("skewed", 4, 0.0, np.random.default_rng(0)).shape
+    (4,)
+    """
     if population == "symmetric":
         return shift + 0.1 * rng.standard_t(5, n)
     if population == "skewed":
@@ -122,12 +215,32 @@ def draw_differences(population: str, n: int, shift: float, rng: np.random.Gener
 
 
 def pseudo_median(population: str, shift: float) -> float:
-    """The Hodges–Lehmann location of a population of :func:`draw_differences`."""
+    """The Hodges–Lehmann location of a population of :func:`draw_differences`.
+
+    Parameters
+    ----------
+    population : {"symmetric", "skewed"}
+        The law.
+    shift : float
+        Its mean.
+
+    Returns
+    -------
+    float
+        The pseudo-median.
+
+    Examples
+    --------
+    >>> round(pseudo_median("skewed", 0.0), 4)
+    -0.0161
+    """
     return shift + (0.1 * _EXP_PSEUDO_MEDIAN if population == "skewed" else 0.0)
 
 
 @dataclass(frozen=True)
 class PairedCalibration:
+    """Outcome of :func:`paired_calibration`: rejection rate and interval coverages at one setting."""
+
     test: str
     alternative: str
     n_docs: int
@@ -151,6 +264,38 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
     shift 0 is the size *for the mean*; the mean intervals are checked against the
     shift and the Hodges–Lehmann interval against the population's pseudo-median.
     The test's own interval is checked against its own estimand.
+
+    Parameters
+    ----------
+    test : str
+        The paired test (``divstats.paired.TESTS``).
+    n_docs, n_sims : int
+        Documents per simulated study and studies.
+    shift : float
+        The true mean of the differences (0: the null for the mean).
+    alpha : float
+        Level of the test; intervals are at 1 − alpha.
+    alternative : str
+        H1 about A − B.
+    seed : int
+        Seed of the simulation.
+    n_resamples : int
+        Resamples of each test.
+    mean_ci : {"t", "bootstrap"}
+        Interval for the mean difference.
+    population : {"symmetric", "skewed"}
+        Law of the differences (:func:`draw_differences`).
+
+    Returns
+    -------
+    PairedCalibration
+        Rejection rate, the three coverages and the not-estimable fraction.
+
+    Examples
+    --------
+    >>> r = paired_calibration("ttest", n_docs=10, n_sims=20, population="skewed")
+    >>> 0 <= r.rejection_rate <= 1
+    True
     """
     rng = np.random.default_rng(seed)
     rej = cov = cov_m = cov_hl = bad = 0
@@ -181,6 +326,33 @@ def document_population(n: int, rng: np.random.Generator, horizon: int,
 
     ``skewed``: occurrence levels log-normal (most documents rarely diverge, a few
     often), rates Beta(1, 6); ``symmetric``: levels Beta(3, 3), rates Beta(4, 4) / 2.
+
+    Parameters
+    ----------
+    n : int
+        Documents.
+    rng : numpy.random.Generator
+        Randomness.
+    horizon : int
+        T.
+    population : {"symmetric", "skewed"}
+        The population.
+
+    Returns
+    -------
+    tuple of numpy.ndarray
+        (o_A, o_B, e_A, e_B, post_A, post_B).
+
+    Raises
+    ------
+    ValueError
+        For an unknown population.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> len(document_population(5, np.random.default_rng(0), 10))
+    6
     """
     if population == "skewed":
         base = np.clip(np.exp(rng.normal(-1.8, 0.9, n)), 0, 0.75)
@@ -200,6 +372,8 @@ def document_population(n: int, rng: np.random.Generator, horizon: int,
 
 @dataclass(frozen=True)
 class DecompositionCoverage:
+    """Outcome of :func:`decomposition_coverage`: coverage per part and the true values."""
+
     n_docs: int
     n_sims: int
     level: float
@@ -221,9 +395,40 @@ def decomposition_coverage(*, n_docs: int = 30, n_sims: int = 100, level: float 
     """Coverage of the document intervals for gap, Δfirst, Δexposure, Δrate and the shares.
 
     Coverage is over the studies where the interval was reported (``min_docs``
-    overrides the refusal threshold, so coverage below it can be measured).
+    overrides the refusal threshold, so coverage below it can be measured); the
+    shares' coverage is over the studies where the gap's interval excluded 0.
+
+    Parameters
+    ----------
+    n_docs, n_sims : int
+        Documents per simulated study and studies.
+    level : float
+        Confidence level.
+    method : str
+        ``divstats.resample.METHODS``.
+    n_resamples : int
+        Resamples per interval (bootstrap methods).
+    horizon : int
+        T of the simulated population.
+    seed : int
+        Seed of the simulation.
+    population : {"symmetric", "skewed"}
+        :func:`document_population`.
+    min_docs : int, optional
+        Refusal threshold (default ``divstats.resample.MIN_DOCS``).
+
+    Returns
+    -------
+    DecompositionCoverage
+        Coverage and truth per quantity, and the refused fractions.
+
+    Examples
+    --------
+    >>> c = decomposition_coverage(n_docs=12, n_sims=5, n_resamples=99)
+    >>> sorted(c.coverage)[:2]
+    ['exposure', 'first']
     """
-    from divstats.decompose import parts_and_shares, split_gap
+    from divstats.decompose import parts_and_shares
     from divstats.resample import MIN_DOCS, document_interval
 
     rng = np.random.default_rng(seed)

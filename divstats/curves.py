@@ -23,7 +23,7 @@ import numpy as np
 import xarray as xr
 from scipy import stats
 
-from divstats._arrays import (
+from divstats.arrays import (
     core_array,
     kind_of,
     layout,
@@ -33,13 +33,16 @@ from divstats._arrays import (
     ratio_se,
     row_chunks,
 )
+from divstats.errors import DivstatsError
 from divstats.replicates import (
-    _first_divergence,
     effective_window,
+    first_divergence,
     horizon_of,
     reference_survival,
     survival_terms,
 )
+
+__all__ = ["MIN_SE_COUNT", "branch_tv", "branch_tv_window", "small_count_se", "survival"]
 
 
 def _n_replicates(ds: xr.Dataset, lay) -> int:
@@ -57,7 +60,7 @@ def _survival_rows(ds: xr.Dataset, lay, T: int) -> np.ndarray:
     if kind == "coupled":
         x, y = (core_array(ds, v, lay, core) for v in ("x_token", "y_token"))
         for sl in row_chunks(lay.rows, n * T):
-            _, tau = _first_divergence(x[sl], y[sl], T)
+            _, tau = first_divergence(x[sl], y[sl], T)
             out[sl, :, 1:] = tau[..., None] > np.arange(1, T + 1)
     elif kind == "residual":
         stv = core_array(ds, "shared_tv", lay, core)
@@ -77,6 +80,24 @@ def survival(ds: xr.Dataset) -> xr.Dataset:
     coupled: the empirical survival of tau (docs/statistics.md §4); residual: the mean of
     S_t = prod_{s<=t} (1 - delta_s) on the survival paths (§5); reference: the mean
     of prod_{s<=t} min(1, q_s/p_s) along P-samples (§7).  ``step`` runs 0..T.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset of any kind.
+
+    Returns
+    -------
+    xarray.Dataset
+        ``survival`` and ``survival_se`` over (doc, policy[, model], step).
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.2)}, horizon=5, replicates=4)
+    >>> s = survival(ds)
+    >>> s["survival"].dims, float(s["survival"].isel(step=0).min())
+    (('doc', 'policy', 'step'), 1.0)
     """
     lay, T = layout(ds), horizon_of(ds)
     s = _survival_rows(ds, lay, T)
@@ -107,6 +128,26 @@ def small_count_se(se: np.ndarray, count: np.ndarray, min_count: int | None = No
     t_{0.975, c-1} / z_{0.975}, so that +- 1.96 SE is the Student-t interval on
     c - 1 degrees of freedom, and is NaN where c < ``min_count`` (default
     :data:`MIN_SE_COUNT`).
+
+    Parameters
+    ----------
+    se : numpy.ndarray
+        Delta-method SEs.
+    count : numpy.ndarray
+        Replicates reaching each age (same shape).
+    min_count : int, optional
+        Fewest replicates for a reported SE.
+
+    Returns
+    -------
+    numpy.ndarray
+        The corrected SEs, NaN below ``min_count``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> small_count_se(np.array([0.1, 0.1]), np.array([3, 20])).round(3).tolist()
+    [nan, 0.11]
     """
     c = np.asarray(count, dtype=float)
     ok = c >= max(MIN_SE_COUNT if min_count is None else min_count, 2)
@@ -117,7 +158,7 @@ def small_count_se(se: np.ndarray, count: np.ndarray, min_count: int | None = No
 
 def _coupled_branch(tv: np.ndarray, x: np.ndarray, y: np.ndarray, T: int, W: int):
     """(numerator, denominator, observed, law denominator) per replicate and age, coupled traces."""
-    _, tau = _first_divergence(x, y, T)
+    _, tau = first_divergence(x, y, T)
     ages = np.arange(T)
     idx = tau[..., None] - 1 + ages                      # 0-based step of tau + k
     valid = (idx <= T - 1) & (ages <= W)
@@ -173,8 +214,8 @@ def _branch_rows(ds: xr.Dataset, window: int | None, reducer):
     return lay, T, W, [np.concatenate(p, axis=0) for p in zip(*parts, strict=True)]
 
 
-class _NotIdentified(ValueError):
-    pass
+class _NotIdentified(DivstatsError, ValueError):
+    """Branch TV cannot be estimated from these traces (caught in branch_tv: NaN with the reason)."""
 
 
 def _per_age(num: np.ndarray, den: np.ndarray, observed: np.ndarray, law: np.ndarray):
@@ -194,6 +235,27 @@ def branch_tv(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     (replicates whose branch was observed at that age; report it beside every
     value).  Ages beyond the observed window W, and ages no replicate reached
     (count 0), are NaN.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Coupled or residual traces (reference traces give NaN with the reason in
+        ``attrs["not_identified"]``).
+    window : int, optional
+        Truncate the observation window W after divergence.
+
+    Returns
+    -------
+    xarray.Dataset
+        ``branch_tv``, ``branch_tv_se``, ``branch_tv_denominator``, ``branch_tv_count``
+        over (doc, policy[, model], age).
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.2)}, horizon=5, replicates=4)
+    >>> branch_tv(ds)["branch_tv"].sizes["age"]
+    5
     """
     T = horizon_of(ds)
     age = {"age": np.arange(T)}
@@ -234,6 +296,32 @@ def branch_tv_window(ds: xr.Dataset, start: int, stop: int, window: int | None =
     (1/m) sum_k (num_ik - r_k den_ik) / mean(den_k), so the correlation between
     ages of one replicate is accounted for.  Ages beyond the observed window make
     the average NaN (not identified) rather than silently shorter.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Coupled or residual traces.
+    start, stop : int
+        Ages ``start <= k < stop``.
+    window : int, optional
+        Truncate the observation window W after divergence.
+
+    Returns
+    -------
+    xarray.Dataset
+        ``branch_tv_window``, its ``_se`` and ``branch_tv_window_ages`` over (doc, policy[, model]).
+
+    Raises
+    ------
+    ValueError
+        Unless 0 <= start < stop <= T.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.2)}, horizon=5, replicates=4)
+    >>> sorted(branch_tv_window(ds, 1, 3).data_vars)[0]
+    'branch_tv_window'
     """
     T = horizon_of(ds)
     if not 0 <= start < stop <= T:

@@ -37,6 +37,11 @@ import xarray as xr
 
 from divstats.resample import document_interval
 
+__all__ = [
+    "ATTRIBUTIONS", "PARTS", "DecompositionInterval", "DecompositionResult", "Parts", "as_estimates",
+    "PartIntervals", "decompose", "decomposition_interval", "horizon_of", "parts_and_shares", "split_gap"
+]
+
 ATTRIBUTIONS: tuple[str, ...] = ("shapley", "exposure-first", "rate-first")
 PARTS: tuple[str, ...] = ("gap", "first", "exposure", "rate")
 _NEEDED = ("occurrence", "exposure", "post_mismatch")
@@ -71,6 +76,15 @@ class DecompositionInterval:
     reason: str = ""
     share_reason: str = ""
 
+    def to_dataset(self) -> xr.Dataset:
+        """The bounds as ``<part>_low`` / ``<part>_high`` variables (scalars or over ``model``)."""
+        data = {}
+        for name in PARTS:
+            data[f"{name}_low"] = _as_da(getattr(self.low, name))
+            data[f"{name}_high"] = _as_da(getattr(self.high, name))
+        return xr.Dataset(data, attrs={"confidence_level": self.confidence_level, "method": self.method,
+                                       "n_resamples": self.n_resamples})
+
     def to_frame(self):
         """One row per quantity (and model), columns ``low``/``high`` (shares as ``share_<part>``)."""
         import pandas as pd
@@ -95,10 +109,36 @@ class DecompositionInterval:
 # ---------------------------------------------------------------------------
 
 def split_gap(o_a, o_b, e_a, e_b, p_a, p_b, horizon: float, attribution: str) -> np.ndarray:
-    """Aggregate and split; inputs are per-document arrays, documents on axis -1.
+    """Aggregate two policies' per-document parts and split the gap.
 
-    Returns an array stacked as (gap, first, exposure, rate, M_A, M_B, rho_A, rho_B)
-    on axis 0, with the per-document axis reduced.
+    Parameters
+    ----------
+    o_a, o_b, e_a, e_b, p_a, p_b : numpy.ndarray
+        Per-document occurrence, exposure and post_mismatch of A and B, documents
+        on the last axis (any leading axes, e.g. bootstrap resamples).
+    horizon : float
+        T.
+    attribution : str
+        One of :data:`ATTRIBUTIONS`.
+
+    Returns
+    -------
+    numpy.ndarray
+        Stacked on axis 0 as (gap, first, exposure, rate, M_A, M_B, rho_A, rho_B),
+        the document axis reduced.
+
+    Raises
+    ------
+    ValueError
+        For an unknown attribution.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> one = np.ones(3)
+    >>> out = split_gap(one * 0.5, one * 0.25, one * 4, one * 2, one, one * 0.5, 10, "shapley")
+    >>> bool(np.isclose(out[0], out[1] + out[2] + out[3]))
+    True
     """
     oa, ob = o_a.mean(-1), o_b.mean(-1)
     ea, eb = e_a.mean(-1), e_b.mean(-1)
@@ -136,7 +176,33 @@ def _is_estimate(ds: xr.Dataset) -> bool:
 
 
 def as_estimates(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
-    """Per-document estimates from a trace dataset, or ``ds`` itself if it already is one."""
+    """Per-document estimates from a trace dataset, or ``ds`` itself if it already is one.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Traces or per-document estimates.
+    window : int, optional
+        Observation window for ``divstats.estimate``.
+
+    Returns
+    -------
+    xarray.Dataset
+        Per-document estimates.
+
+    Raises
+    ------
+    ValueError
+        For a dataset that is neither.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=5, replicates=4)
+    >>> est = as_estimates(ds)
+    >>> as_estimates(est) is est
+    True
+    """
     if _is_estimate(ds):
         return ds
     if "replicate" not in ds.dims:
@@ -148,7 +214,29 @@ def as_estimates(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
 
 
 def horizon_of(est: xr.Dataset) -> int:
-    """T from the attrs, else from loss / mismatch_fraction."""
+    """T from the attrs, else from loss / mismatch_fraction.
+
+    Parameters
+    ----------
+    est : xarray.Dataset
+        Per-document estimates.
+
+    Returns
+    -------
+    int
+        T.
+
+    Raises
+    ------
+    ValueError
+        When neither the attribute nor loss / mismatch_fraction give it.
+
+    Examples
+    --------
+    >>> import xarray as xr
+    >>> horizon_of(xr.Dataset(attrs={"horizon": 8}))
+    8
+    """
     if "horizon" in est.attrs:
         return int(est.attrs["horizon"])
     if "loss" in est and "mismatch_fraction" in est:
@@ -284,7 +372,28 @@ class PartIntervals:
 
 
 def parts_and_shares(horizon: int, attribution: str):
-    """Statistic for document_interval: (gap, first, exposure, rate, shares of the three parts)."""
+    """Statistic for document_interval: (gap, first, exposure, rate, shares of the three parts).
+
+    Parameters
+    ----------
+    horizon : int
+        T.
+    attribution : str
+        One of :data:`ATTRIBUTIONS`.
+
+    Returns
+    -------
+    callable
+        ``statistic(o_A, o_B, e_A, e_B, post_A, post_B)`` → 7 values (documents on the last axis).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> f = parts_and_shares(10, "shapley")
+    >>> v = f(*(np.array([x]) for x in (0.5, 0.3, 4.0, 2.0, 1.0, 0.4)))
+    >>> bool(np.isclose(v[1:4].sum(), v[0])), bool(np.isclose(v[4:].sum(), 1.0))
+    (True, True)
+    """
     def statistic(*xs):
         v = split_gap(*xs, horizon, attribution)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -300,6 +409,35 @@ def decomposition_interval(arrays: tuple[np.ndarray, ...], horizon: int, attribu
 
     ``arrays`` is ``(o_A, o_B, e_A, e_B, post_A, post_B)`` over the same documents.
     Shares are refused (NaN) when the gap's interval covers 0.
+
+    Parameters
+    ----------
+    arrays : tuple of numpy.ndarray
+        Per-document values, as :func:`split_gap` takes them.
+    horizon : int
+        T.
+    attribution : str
+        One of :data:`ATTRIBUTIONS`.
+    level : float
+        Confidence level.
+    method : str
+        ``divstats.resample.METHODS``.
+    n_resamples, seed : int
+        For the bootstrap methods.
+
+    Returns
+    -------
+    PartIntervals
+        Bounds of (gap, first, exposure, rate) and of the shares, with the reasons.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> o = rng.uniform(0.2, 0.8, (2, 12)); e = o * 5; p = e * 0.3
+    >>> ci = decomposition_interval((o[0], o[1] * 1.5, e[0], e[1], p[0], p[1]), 10, n_resamples=199)
+    >>> bool(ci.low[0] <= ci.high[0]), ci.reason
+    (True, '')
     """
     ci = document_interval(arrays, parts_and_shares(horizon, attribution), level=level, method=method,
                            n_resamples=n_resamples, seed=seed)
@@ -326,6 +464,36 @@ def decompose(ds: xr.Dataset, a: str, b: str, attribution: str = "shapley", *,
     dataset. With a ``model`` dim, each model is decomposed separately and the
     fields are DataArrays over ``model``. Documents missing for either policy are
     dropped; ``n_docs`` is the number used.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Traces or per-document estimates.
+    a, b : str
+        The two policies; the gap is M_A − M_B.
+    attribution : {"shapley", "exposure-first", "rate-first"}
+        How the exposure × rate term is split.
+    window : int, optional
+        Observation window when ``ds`` holds traces.
+
+    Returns
+    -------
+    DecompositionResult
+        The gap, its parts and shares; ``confidence_interval()`` bootstraps them.
+
+    Raises
+    ------
+    ValueError
+        For an unknown attribution or policy, no common documents, or a
+        post-divergence part that is not identified.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=5, replicates=4)
+    >>> d = decompose(ds, "b", "a")
+    >>> bool(abs(d.gap - (d.first + d.exposure + d.rate)) < 1e-12)
+    True
     """
     if attribution not in ATTRIBUTIONS:
         raise ValueError(f"unknown attribution {attribution!r}; expected one of {ATTRIBUTIONS}")

@@ -50,6 +50,13 @@ from typing import Literal
 import numpy as np
 from scipy import stats
 
+__all__ = [
+    "ALTERNATIVES", "EXACT_PERMUTATION_MAX_N", "EXACT_SIGNED_RANK_MAX_N", "TESTS", "Alternative",
+    "ESTIMANDS", "MIN_DOCS", "PairedTestResult", "TestName", "hodges_lehmann", "holm",
+    "mean_difference_bootstrap", "mean_difference_t", "not_estimable_reason", "paired_test", "rejects",
+    "signed_rank_null_cdf", "signed_rank_test"
+]
+
 Alternative = Literal["two-sided", "less", "greater"]
 TestName = Literal["wilcoxon", "ttest", "permutation"]
 
@@ -126,6 +133,21 @@ def signed_rank_null_cdf(n: int) -> np.ndarray:
     Returns ``cdf`` with ``cdf[w] = P(W+ <= w)`` for w = 0..n(n+1)/2, from the
     subset-sum recursion (counts of subsets of {1..n} summing to w) in floats
     normalised as we go so that large n does not overflow.
+
+    Parameters
+    ----------
+    n : int
+        Number of pairs.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``cdf`` of length n(n+1)/2 + 1.
+
+    Examples
+    --------
+    >>> signed_rank_null_cdf(2).tolist()
+    [0.25, 0.5, 0.75, 1.0]
     """
     m = n * (n + 1) // 2
     pmf = np.zeros(m + 1)
@@ -186,7 +208,7 @@ class _Inversion:
 
     def accepts(self, i: int) -> bool:
         if i not in self._memo:
-            p = _wilcoxon(self.d - self.pts[i], self.alternative)[1]
+            p = signed_rank_test(self.d - self.pts[i], self.alternative)[1]
             self._memo[i] = not rejects(p, self.alpha)
         return self._memo[i]
 
@@ -236,6 +258,27 @@ def hodges_lehmann(d: np.ndarray, confidence_level: float = 0.95,
     The tabled ranks (:func:`signed_rank_null_cdf`) give the starting point of the
     search.  Returns ``(estimate, low, high)``; one-sided alternatives give a
     one-sided bound.
+    Returns ``(estimate, low, high)``; one-sided alternatives give a one-sided bound.
+
+    Parameters
+    ----------
+    d : numpy.ndarray
+        Paired differences (NaN-free).
+    confidence_level : float
+        Level of the interval.
+    alternative : {"two-sided", "less", "greater"}
+        Side of the bound.
+
+    Returns
+    -------
+    (float, float, float)
+        Estimate, lower and upper bound.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> hodges_lehmann(np.array([1.0, 2.0, 3.0]))[0]
+    2.0
     """
     d = np.asarray(d, dtype=float)
     d = d[np.isfinite(d)]
@@ -248,7 +291,7 @@ def hodges_lehmann(d: np.ndarray, confidence_level: float = 0.95,
     lo = inv.lower(k) if alternative != "less" else -math.inf
     hi = inv.upper(k) if alternative != "greater" else math.inf
     # The acceptance set can have holes with zeros and ties; the test at 0 decides 0.
-    if rejects(_wilcoxon(d, alternative)[1], alpha):
+    if rejects(signed_rank_test(d, alternative)[1], alpha):
         if lo <= 0.0 <= hi:
             lo, hi = (float(np.nextafter(0.0, math.inf)), hi) if est > 0 else (lo, float(np.nextafter(0.0, -math.inf)))
     else:
@@ -262,6 +305,26 @@ def mean_difference_t(d: np.ndarray, confidence_level: float = 0.95,
 
     With one document the interval is (-inf, inf); with zero spread it is NaN
     (not estimable: a zero-width interval would claim certainty).
+    Parameters
+    ----------
+    d : numpy.ndarray
+        Paired differences (NaN-free).
+    confidence_level : float
+        Level of the interval.
+    alternative : {"two-sided", "less", "greater"}
+        Side of the bound.
+
+    Returns
+    -------
+    (float, float, float)
+        Mean, lower and upper bound.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> m, lo, hi = mean_difference_t(np.array([1.0, 2.0, 3.0]), alternative="greater")
+    >>> m, hi
+    (2.0, inf)
     """
     d = np.asarray(d, dtype=float)
     d = d[np.isfinite(d)]
@@ -338,7 +401,33 @@ def _bootstrap_t(d: np.ndarray, alternative: str, n_resamples: int, seed: int,
 def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
                               alternative: Alternative = "two-sided", *, n_resamples: int = 9999,
                               seed: int = 0) -> tuple[float, float, float]:
-    """Mean of paired differences with a BCa bootstrap interval over documents."""
+    """Mean of paired differences with a BCa bootstrap interval over documents.
+
+    Parameters
+    ----------
+    d : numpy.ndarray
+        Paired differences (NaN-free).
+    confidence_level : float
+        Level of the interval.
+    alternative : {"two-sided", "less", "greater"}
+        Side of the bound.
+    n_resamples : int
+        Bootstrap resamples.
+    seed : int
+        Seed of the resampling.
+
+    Returns
+    -------
+    (float, float, float)
+        Mean, lower and upper bound.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> m, lo, hi = mean_difference_bootstrap(np.arange(10.0), n_resamples=999)
+    >>> lo < m < hi
+    True
+    """
     d = np.asarray(d, dtype=float)
     d = d[np.isfinite(d)]
     if d.size == 0:
@@ -372,7 +461,7 @@ def _signed_rank_null(doubled_ranks: np.ndarray) -> np.ndarray:
     return pmf
 
 
-def _wilcoxon(d: np.ndarray, alternative: str) -> tuple[float, float, bool]:
+def signed_rank_test(d: np.ndarray, alternative: str) -> tuple[float, float, bool]:
     """Wilcoxon signed-rank test of ``d`` (statistic, p-value, exact).
 
     Zero differences are dropped (Wilcoxon's rule); ties get average ranks. The
@@ -381,6 +470,25 @@ def _wilcoxon(d: np.ndarray, alternative: str) -> tuple[float, float, bool]:
     exact test without ties, its exact permutation test with ties), and the
     tie-corrected normal approximation with continuity correction beyond.
     The statistic is scipy's: min(W+, W-) for two-sided tests, W+ otherwise.
+
+    Parameters
+    ----------
+    d : numpy.ndarray
+        Paired differences (NaN-free).
+    alternative : {"two-sided", "less", "greater"}
+        H1 about the location of ``d``.
+
+    Returns
+    -------
+    (float, float, bool)
+        Statistic, p-value, and whether the p-value is exact.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> stat, p, exact = signed_rank_test(np.array([0.5, 1.0, 1.0, 0.0, 2.0]), "greater")
+    >>> round(p, 4), exact
+    (0.0625, True)
     """
     nz = d[d != 0]
     n = nz.size
@@ -427,7 +535,26 @@ MIN_DOCS: dict[str, int] = {"wilcoxon": 1, "ttest": 2, "permutation": 2, "bootst
 
 
 def not_estimable_reason(d: np.ndarray, test: str) -> str:
-    """Why ``test`` cannot be run on the differences ``d`` ("" when it can)."""
+    """Why ``test`` cannot be run on the differences ``d`` ("" when it can).
+
+    Parameters
+    ----------
+    d : numpy.ndarray
+        Paired differences (NaN-free).
+    test : str
+        One of :data:`TESTS`.
+
+    Returns
+    -------
+    str
+        The reason, or "" when the test is defined on ``d``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> not_estimable_reason(np.array([0.1, 0.1]), "ttest")[:15]
+    'not estimable: '
+    """
     if d.size < MIN_DOCS[test]:
         return (f"not estimable: {test} needs at least {MIN_DOCS[test]} documents with both values, "
                 f"got {d.size}")
@@ -472,6 +599,43 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
     test cannot handle give a result with NaN p-value and interval and the reason
     in ``reason`` (see :func:`not_estimable_reason`); ``estimand`` says what the
     test is about.
+    value (NaN) on either side are dropped; ``n`` is the number used.
+
+    Parameters
+    ----------
+    a, b : numpy.ndarray
+        Per-document values of the two sides (same length).
+    test : {"wilcoxon", "ttest", "permutation", "bootstrap-t"}
+        The test (docs/plans.md).
+    alternative : {"two-sided", "less", "greater"}
+        H1 about A − B.
+    confidence_level : float
+        Level of the effect-size intervals (one-sided bounds for one-sided H1).
+    n_resamples : int
+        Monte Carlo permutations (beyond exact enumeration) and bootstrap resamples.
+    seed : int
+        Seed of every resampling.
+    mean_ci : {"t", "bootstrap"}
+        Interval for the mean difference.
+
+    Returns
+    -------
+    PairedTestResult
+        Statistic, p-value, the test's effect size with its interval, both effect
+        sizes with their intervals, and ``n``.
+
+    Raises
+    ------
+    ValueError
+        For unequal lengths or an unknown test, alternative or ``mean_ci``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> a = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6]); b = a + np.array([0.1, 0.12, 0.09, 0.11, 0.1, 0.13])
+    >>> res = paired_test(a, b, "ttest", "less")
+    >>> res.n, res.pvalue < 0.05
+    (6, True)
     """
     _check_args(test, alternative, mean_ci)
     d = _clean_pairs(a, b)
@@ -479,7 +643,7 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
     if reason:
         return _not_estimable(test, alternative, d, reason, confidence_level)
     if test == "wilcoxon":
-        statistic, pvalue, exact = _wilcoxon(d, alternative)
+        statistic, pvalue, exact = signed_rank_test(d, alternative)
     elif test == "ttest":
         statistic, pvalue, exact = _ttest(d, alternative)
     elif test == "permutation":
@@ -510,7 +674,25 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
 
 
 def rejects(pvalue, alpha: float):
-    """The one rejection rule: reject when the (adjusted) p-value is <= alpha; NaN never rejects."""
+    """The one rejection rule: reject when the (adjusted) p-value is <= alpha; NaN never rejects.
+
+    Parameters
+    ----------
+    pvalue : float or numpy.ndarray
+        (Adjusted) p-values; NaN means not estimable.
+    alpha : float
+        The level.
+
+    Returns
+    -------
+    bool or numpy.ndarray
+        The decision(s).
+
+    Examples
+    --------
+    >>> rejects(0.05, 0.05), rejects(float("nan"), 0.05)
+    (True, False)
+    """
     p = np.asarray(pvalue, dtype=float)
     out = np.nan_to_num(p, nan=np.inf) <= alpha
     return bool(out) if out.ndim == 0 else out
@@ -521,6 +703,24 @@ def holm(pvalues: np.ndarray, alpha: float = 0.05) -> tuple[np.ndarray, np.ndarr
 
     ``p_adjusted`` is statsmodels' Holm adjustment; ``reject`` is :func:`rejects`
     (p_adjusted <= alpha), the same rule as an unadjusted test.
+    Parameters
+    ----------
+    pvalues : numpy.ndarray
+        The family's p-values (NaN: not evaluated).
+    alpha : float
+        The family's level.
+
+    Returns
+    -------
+    (numpy.ndarray, numpy.ndarray)
+        Boolean rejections and adjusted p-values.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> reject, adj = holm(np.array([0.01, 0.04, np.nan]))
+    >>> reject.tolist(), [round(float(x), 2) for x in adj]
+    ([True, True, False], [0.02, 0.04, nan])
     """
     from statsmodels.stats.multitest import multipletests
 

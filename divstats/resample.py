@@ -58,7 +58,25 @@ class DocumentInterval:
 
 
 def too_few_documents(n_docs: int, min_docs: int = MIN_DOCS) -> str:
-    """The refusal reason for ``n_docs`` documents ("" when there are enough)."""
+    """The refusal reason for ``n_docs`` documents ("" when there are enough).
+
+    Parameters
+    ----------
+    n_docs : int
+        Documents with data.
+    min_docs : int
+        The threshold.
+
+    Returns
+    -------
+    str
+        The reason, or "".
+
+    Examples
+    --------
+    >>> too_few_documents(12)
+    ''
+    """
     if n_docs >= min_docs:
         return ""
     return (f"interval not reported: {n_docs} documents, fewer than {min_docs}; with so few documents "

@@ -8,13 +8,26 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from divstats_cases import _hashed, split_replicates
+from divstats_cases import split_replicates
 
 import divstats as dv
 from divstats.curves import MIN_SE_COUNT
 
 V, T = 3, 7
-_BASE, _NOISE = _hashed(11, V, 0.5), _hashed(12, V, 0.5)
+
+
+def _hashed(seed: int, conc: float):
+    """A kernel with full history dependence: a Dirichlet law keyed by the whole history."""
+    cache: dict[tuple[int, ...], np.ndarray] = {}
+
+    def k(h):
+        if h not in cache:
+            cache[h] = np.random.default_rng([seed, len(h), *h]).dirichlet(np.full(V, conc))
+        return cache[h]
+    return k
+
+
+_BASE, _NOISE = _hashed(11, 0.5), _hashed(12, 0.5)
 
 
 def _mixed(weight: float):
@@ -121,7 +134,7 @@ def test_hl_interval_excludes_zero_iff_wilcoxon_rejects(alternative) -> None:
 
 
 def test_hl_interval_is_the_inverted_test_at_its_ends() -> None:
-    from divstats.paired import _wilcoxon
+    from divstats.paired import signed_rank_test
 
     rng = np.random.default_rng(3)
     for _ in range(50):
@@ -129,21 +142,21 @@ def test_hl_interval_is_the_inverted_test_at_its_ends() -> None:
         d = np.round(rng.normal(0.2, 1.0, n), 1)
         res = dv.paired_test(d, np.zeros(n), "wilcoxon", "two-sided")
         for end, inward in ((res.ci_low, +1), (res.ci_high, -1)):
-            assert _wilcoxon(d - (end + inward * 1e-9), "two-sided")[1] > 0.05     # just inside: accepted
+            assert signed_rank_test(d - (end + inward * 1e-9), "two-sided")[1] > 0.05     # just inside: accepted
         # the test rejects just beyond the nearest Walsh average outside each end
         i, j = np.triu_indices(n)
         walsh = np.unique((d[i] + d[j]) / 2)
         below, above = walsh[walsh < res.ci_low], walsh[walsh > res.ci_high]
         if below.size:
-            assert _wilcoxon(d - (below[-1] - 1e-9), "two-sided")[1] <= 0.05
+            assert signed_rank_test(d - (below[-1] - 1e-9), "two-sided")[1] <= 0.05
         if above.size:
-            assert _wilcoxon(d - (above[0] + 1e-9), "two-sided")[1] <= 0.05
+            assert signed_rank_test(d - (above[0] + 1e-9), "two-sided")[1] <= 0.05
 
 
 def test_wilcoxon_matches_scipy_with_ties_and_zeros() -> None:
     from scipy import stats
 
-    from divstats.paired import _wilcoxon
+    from divstats.paired import signed_rank_test
 
     rng = np.random.default_rng(8)
     for _ in range(12):                  # scipy's permutation path is slow (~0.5 s a call)
@@ -153,7 +166,7 @@ def test_wilcoxon_matches_scipy_with_ties_and_zeros() -> None:
         if nz.size == 0:
             continue
         for alt in ("two-sided", "greater", "less"):
-            assert _wilcoxon(d, alt)[1] == pytest.approx(stats.wilcoxon(nz, alternative=alt).pvalue, abs=1e-12)
+            assert signed_rank_test(d, alt)[1] == pytest.approx(stats.wilcoxon(nz, alternative=alt).pvalue, abs=1e-12)
 
 
 # --------------------------------------------------------------------------- item 7
