@@ -248,3 +248,82 @@ def test_default_document_interval_covers_from_min_docs(population) -> None:
     for name in ("gap", "first", "exposure", "rate"):
         # nominal 0.95 (measured 0.90-0.96 at n = 10); binomial SD with 300 studies is 0.013
         assert cov.coverage[name] >= 0.87, (name, cov.coverage)
+
+
+# --------------------------------------------------------------------------- plans: items 1, 6, 7
+
+def _window_plan(test: str = "ttest") -> dict:
+    return {"plan": {"name": "sparse", "alpha": 0.05, "salt": "s", "confirmatory_fraction": 0.5},
+            "windows": {"early": [0, 3], "late": [10, 11]},
+            "hypothesis": [{"id": "tv", "family": "f", "metric": "branch_tv", "policy": "p",
+                            "compare": ["late", "early"], "direction": "greater", "test": test,
+                            "split": "all"}]}
+
+
+@pytest.mark.parametrize("kind", ["coupled", "residual"])
+def test_plan_drops_documents_whose_window_no_branch_reached(kind) -> None:
+    from divstats.calibration import PolicyEffect, simulate_study
+    from divstats.planrun import run_plan
+
+    ds = simulate_study(16, {"p": PolicyEffect(0.05, growth=0.2)}, horizon=12, replicates=5, kind=kind, seed=3)
+    reached = (dv.branch_tv(ds)["branch_tv_count"].sel(policy="p", age=[10, 11]).sum("age") > 0).values
+    assert 0 < reached.sum() < reached.size                 # some documents never reach ages 10-11
+    res = run_plan(ds, _window_plan())
+    row = res.table.iloc[0]
+    assert row["n_docs"] == reached.sum()                   # residual used to enter them with late = 0
+    assert row["n_dropped"] == reached.size - reached.sum()
+    assert any(f"{reached.size - reached.sum()} of {reached.size} documents dropped" in n for n in res.notes)
+
+
+def test_plan_rows_state_their_estimand_and_survive_degenerate_tests(monkeypatch) -> None:
+    from divstats.calibration import PolicyEffect, simulate_study
+    from divstats.planrun import run_plan
+
+    ds = simulate_study(3, {"p": PolicyEffect(0.3, growth=0.2)}, horizon=12, replicates=8, kind="coupled", seed=1)
+    plan = _window_plan("permutation")
+    plan["hypothesis"][0]["split"] = "confirmatory"
+    plan["plan"]["confirmatory_fraction"] = 0.34          # with salt "s": only doc1 is confirmatory
+    res = run_plan(ds, plan)                                # must not raise inside scipy
+    row = res.table.iloc[0]
+    assert row["estimand"].startswith("mean paired difference")
+    assert row["n_docs"] == 1
+    assert np.isnan(row["p_value"]) and not row["reject"] and "not estimable" in row["note"]
+
+
+def test_plan_rejection_rule_is_the_same_with_and_without_holm(monkeypatch) -> None:
+    from divstats.calibration import PolicyEffect, simulate_study
+    from divstats.paired import paired_test as real
+    from divstats.planrun import run_plan
+
+    pvalues = iter([0.025, 0.025, 0.05])
+
+    def fake(*args, **kwargs):
+        import dataclasses
+
+        return dataclasses.replace(real(*args, **kwargs), pvalue=next(pvalues))
+
+    monkeypatch.setattr("divstats.planrun.paired_test", fake)
+    ds = simulate_study(12, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2)}, horizon=6, replicates=4)
+    hyp = {"metric": "occurrence", "compare": ["a", "b"], "split": "all", "test": "ttest"}
+    plan = {"plan": {"name": "rule", "alpha": 0.05, "salt": "s"}, "windows": {},
+            "hypothesis": [{**hyp, "id": "h1", "family": "holm"}, {**hyp, "id": "h2", "family": "holm"},
+                           {**hyp, "id": "h3", "family": "raw", "correction": "none"}]}
+    t = run_plan(ds, plan).table.set_index("id")
+    np.testing.assert_allclose(t["p_adjusted"], [0.05, 0.05, 0.05])
+    assert t["reject"].all()                                # p_adjusted = alpha rejects in both families
+
+
+def test_paper_plan_tests_the_mean_with_a_test_whose_size_holds_better() -> None:
+    from pathlib import Path
+
+    from divstats.calibration import paired_calibration
+    from divstats.plans import load_plan
+
+    plan = load_plan(Path(dv.__file__).parent / "shipped_plans" / "paper.toml")
+    assert {h.test for h in plan.hypotheses} == {"bootstrap-t"}
+    # Skewed differences with mean 0: the Wilcoxon test (pseudo-median) rejects far too often
+    # for a claim about the mean; the bootstrap-t test stays near alpha.
+    w = paired_calibration("wilcoxon", n_docs=30, n_sims=300, population="skewed", seed=2)
+    b = paired_calibration("bootstrap-t", n_docs=30, n_sims=300, population="skewed", seed=2, n_resamples=499)
+    assert w.rejection_rate > 0.10, w
+    assert b.rejection_rate < 0.09, b
