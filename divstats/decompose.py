@@ -20,7 +20,8 @@ still sum to the gap exactly. The result records when this happened.
 
 Uncertainty: intervals over documents (A and B always on the same documents) from
 :func:`divstats.resample.document_interval` — studentized bootstrap (bootstrap-t)
-by default; jackknife-t, BCa or percentile on request — for the gap, its parts and the shares
+below 50 documents and jackknife-t from there on by default; BCa or percentile on
+request — for the gap, its parts and the shares
 part / gap. Below ``resample.MIN_DOCS`` documents no interval is reported, and the
 shares are refused (NaN, with the reason) whenever the gap's interval covers 0: a
 share of a gap that may be 0 or of either sign means nothing.
@@ -306,11 +307,12 @@ class DecompositionResult:
     def parts(self) -> Parts:
         return Parts(self.gap, self.first, self.exposure, self.rate)
 
-    def confidence_interval(self, level: float = 0.95, *, method: str = "bootstrap-t",
+    def confidence_interval(self, level: float = 0.95, *, method: str = "auto",
                             n_resamples: int = 1999, seed: int = 0) -> DecompositionInterval:
         """Intervals over documents (the same documents for A and B) for the gap, parts and shares.
 
-        ``method`` is ``"bootstrap-t"`` (default), ``"jackknife-t"``, ``"BCa"`` or ``"percentile"``
+        ``method`` is ``"auto"`` (bootstrap-t below 50 documents, jackknife-t from 50),
+        ``"bootstrap-t"``, ``"jackknife-t"``, ``"BCa"`` or ``"percentile"``
         (:func:`divstats.resample.document_interval`); see docs/plans.md for the
         coverage each reaches by number of documents.
         """
@@ -403,7 +405,7 @@ def parts_and_shares(horizon: int, attribution: str):
 
 
 def decomposition_interval(arrays: tuple[np.ndarray, ...], horizon: int, attribution: str = "shapley",
-                           level: float = 0.95, method: str = "bootstrap-t", n_resamples: int = 1999,
+                           level: float = 0.95, method: str = "auto", n_resamples: int = 1999,
                            seed: int = 0) -> PartIntervals:
     """Intervals for the gap, its parts and the shares from per-document arrays (one model).
 

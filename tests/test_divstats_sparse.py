@@ -215,7 +215,7 @@ def test_decomposition_shares_have_intervals_and_refuse_when_gap_covers_zero() -
     pop = document_population(40, np.random.default_rng(0), 32, "skewed")
     res = dv.decompose(_estimates(*pop), "A", "B")
     ci = res.confidence_interval()
-    assert ci.method == "bootstrap-t" and not ci.reason and not ci.share_reason
+    assert ci.method == "auto" and not ci.reason and not ci.share_reason
     assert not (ci.low.gap <= 0 <= ci.high.gap)
     for part in ("first", "exposure", "rate"):
         assert getattr(ci.share_low, part) <= getattr(res.shares, part) <= getattr(ci.share_high, part)
@@ -327,3 +327,26 @@ def test_paper_plan_tests_the_mean_with_a_test_whose_size_holds_better() -> None
     b = paired_calibration("bootstrap-t", n_docs=30, n_sims=300, population="skewed", seed=2, n_resamples=499)
     assert w.rejection_rate > 0.10, w
     assert b.rejection_rate < 0.09, b
+
+
+# --------------------------------------------------------------------------- item 10
+
+def test_aggregate_intervals_drop_missing_documents_explicitly() -> None:
+    from divstats.calibration import PolicyEffect, simulate_study
+
+    ds = simulate_study(14, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=6, replicates=6, seed=4)
+    est = dv.estimate(ds)
+    holed = est.copy(deep=True)
+    for name in holed.data_vars:                               # doc0..doc2 missing for policy b
+        if "doc" in holed[name].dims and "policy" in holed[name].dims:
+            holed[name].loc[{"doc": ["doc0", "doc1", "doc2"], "policy": "b"}] = np.nan
+    ci = dv.aggregate_intervals(holed, n_resamples=499)
+    assert int(ci["n_dropped"].sel(policy="b")) == 3 and int(ci["n_docs"].sel(policy="b")) == 11
+    assert int(ci["n_dropped"].sel(policy="a")) == 0
+    # b's interval is exactly the one over its 11 documents with data (not NaN-skipping resamples)
+    alone = dv.aggregate_intervals(est.sel(doc=[f"doc{i}" for i in range(3, 14)]), n_resamples=499)
+    for q in ("occurrence", "rate"):
+        assert float(ci[f"{q}_low"].sel(policy="b")) == pytest.approx(float(alone[f"{q}_low"].sel(policy="b")))
+    # fewer documents than resample.MIN_DOCS: refused, not a finite interval
+    few = dv.aggregate_intervals(est.isel(doc=slice(0, 3)), n_resamples=199)
+    assert np.isnan(few["occurrence_low"]).all()
