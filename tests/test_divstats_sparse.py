@@ -350,3 +350,8 @@ def test_aggregate_intervals_drop_missing_documents_explicitly() -> None:
     # fewer documents than resample.MIN_DOCS: refused, not a finite interval
     few = dv.aggregate_intervals(est.isel(doc=slice(0, 3)), n_resamples=199)
     assert np.isnan(few["occurrence_low"]).all()
+
+
+def test_bootstrap_mean_interval_refused_with_few_documents() -> None:
+    res = dv.paired_test(np.array([0.3, 0.5]), np.array([0.1, 0.2]), "ttest", mean_ci="bootstrap")
+    assert np.isnan(res.mean_ci_low) and np.isnan(res.mean_ci_high)   # no finite interval from 2 documents
