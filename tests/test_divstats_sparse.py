@@ -355,3 +355,28 @@ def test_aggregate_intervals_drop_missing_documents_explicitly() -> None:
 def test_bootstrap_mean_interval_refused_with_few_documents() -> None:
     res = dv.paired_test(np.array([0.3, 0.5]), np.array([0.1, 0.2]), "ttest", mean_ci="bootstrap")
     assert np.isnan(res.mean_ci_low) and np.isnan(res.mean_ci_high)   # no finite interval from 2 documents
+
+
+def test_report_shows_counts_beside_per_age_branch_tv_all_within_unit_interval() -> None:
+    import re
+
+    from divstats.analysis import compute
+    from divstats.calibration import PolicyEffect, simulate_study
+    from divstats.render import render_html
+    from divstats.tables import branch_tv_rows
+
+    ds = simulate_study(12, {"a": PolicyEffect(0.1, growth=0.3), "b": PolicyEffect(0.3, growth=0.3)},
+                        horizon=10, replicates=4, kind="residual", seed=2)
+    an = compute(ds, n_resamples=199, progress=False)
+    rows = branch_tv_rows(an.branch_tv)
+    cells = [c for r in rows for k, c in r.items() if k.startswith("age")]
+    assert len(cells) == 2 * 10
+    for c in cells:
+        if c != "—":
+            value, count, docs = re.fullmatch(r"(\S+) \((\d+); (\d+) docs\)", c).groups()
+            assert 0.0 <= float(value) <= 1.0 and int(count) > 0 and int(docs) > 0
+    assert "—" in cells or all(c != "—" for c in cells)
+    page = render_html(an, {})
+    assert "replicates whose branch reached the age" in page and cells[0] in page
+    per_doc = an.branch_tv["branch_tv"].values
+    assert np.nanmax(per_doc) <= 1.0 and np.nanmin(per_doc) >= 0.0
