@@ -95,9 +95,9 @@ def main() -> None:
         interval_table(60, [5, 20], 299)
         plan_null_table(2)
     else:
-        paired_table(300, [10, 20, 50], shift=0.08)
-        interval_table(250, [3, 5, 10, 20, 50], 399)
-        plan_null_table(10)
+        paired_table(500, [10, 20, 50], shift=0.08)
+        interval_table(400, [3, 5, 10, 20, 50], 399)
+        plan_null_table(20)
     print(f"\n(total {time.time() - t0:.0f} s)")
 
 
