@@ -78,13 +78,19 @@ class DecompositionInterval:
     share_reason: str = ""
 
     def to_dataset(self) -> xr.Dataset:
-        """The bounds as ``<part>_low`` / ``<part>_high`` variables (scalars or over ``model``)."""
+        """The bounds as ``<part>_low`` / ``<part>_high`` and ``share_<part>_low`` / ``_high``
+        variables (scalars or over ``model``; shares NaN where refused)."""
         data = {}
         for name in PARTS:
             data[f"{name}_low"] = _as_da(getattr(self.low, name))
             data[f"{name}_high"] = _as_da(getattr(self.high, name))
+        if self.share_low is not None:
+            for name in PARTS[1:]:
+                data[f"share_{name}_low"] = _as_da(getattr(self.share_low, name))
+                data[f"share_{name}_high"] = _as_da(getattr(self.share_high, name))
         return xr.Dataset(data, attrs={"confidence_level": self.confidence_level, "method": self.method,
-                                       "n_resamples": self.n_resamples})
+                                       "n_resamples": self.n_resamples, "reason": self.reason,
+                                       "share_reason": self.share_reason})
 
     def to_frame(self):
         """One row per quantity (and model), columns ``low``/``high`` (shares as ``share_<part>``)."""

@@ -152,7 +152,7 @@ def _notes(an: Analysis) -> list[str]:
     devs = an.plan_result.deviations if an.plan_result is not None else []
     extra = []
     for res, ci in an.decompositions:
-        for why in (ci.reason, ci.share_reason):
+        for why in dict.fromkeys((ci.reason, ci.share_reason)):   # a refused interval also refuses the shares
             if why:
                 extra.append(f"Decomposition {res.a} vs {res.b}: {why}.")
     dropped = an.aggregate_ci.get("n_dropped")
