@@ -127,7 +127,7 @@ def small_count_se(se: np.ndarray, count: np.ndarray, min_count: int | None = No
     then undercovers.  The SE is multiplied by sqrt(c / (c - 1)) and by
     t_{0.975, c-1} / z_{0.975}, so that +- 1.96 SE is the Student-t interval on
     c - 1 degrees of freedom, and is NaN where c < ``min_count`` (default
-    :data:`MIN_SE_COUNT`).
+    :data:`MIN_SE_COUNT`) or where the SE is 0 (all values seen at the age equal).
 
     Parameters
     ----------
@@ -150,7 +150,9 @@ def small_count_se(se: np.ndarray, count: np.ndarray, min_count: int | None = No
     [nan, 0.11]
     """
     c = np.asarray(count, dtype=float)
-    ok = c >= max(MIN_SE_COUNT if min_count is None else min_count, 2)
+    # A zero SE (every value seen at the age equal) would claim certainty that rare
+    # paths with other values cannot exist: not available either.
+    ok = (c >= max(MIN_SE_COUNT if min_count is None else min_count, 2)) & (np.nan_to_num(se) > 1e-12)
     cs = np.where(ok, c, 2.0)
     factor = np.sqrt(cs / (cs - 1.0)) * stats.t.ppf(0.975, cs - 1.0) / stats.norm.ppf(0.975)
     return np.where(ok, se * factor, np.nan)
@@ -278,7 +280,8 @@ def branch_tv(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
         "branch_tv": lay.wrap(r, ("age",), age, attrs_r),
         "branch_tv_se": lay.wrap(se, ("age",), age, {
             "description": "delta-method Monte Carlo SE x sqrt(c/(c-1)) t_{c-1}/z (c = branch_tv_count)",
-            "not_available": f"NaN where fewer than {MIN_SE_COUNT} replicates reach the age"}),
+            "not_available": f"NaN where fewer than {MIN_SE_COUNT} replicates reach the age, or where "
+                             "every value seen at the age is equal (a zero SE would claim certainty)"}),
         "branch_tv_denominator": lay.wrap(den, ("age",), age,
                                           {"description": "estimate of P(tau + k <= T)"}),
         "branch_tv_count": lay.wrap(count, ("age",), age,
