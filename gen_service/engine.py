@@ -34,14 +34,15 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from gen_service.coupling import Sampling, absorb_eos, maximal_coupling, probs
+from gen_service.coupling import History, Sampling, absorb_eos, maximal_coupling, probs
+from gen_service.errors import ServiceError
 from gen_service.models import LoadedModel
 from gen_service.presses import Plan, Policy, PolicyError, PolicyRegistry
 
 PRODUCER = "kvdiv.gen_service"
 
 
-class Cancelled(Exception):
+class Cancelled(ServiceError):
     """The client went away; work stops between steps."""
 
 
@@ -190,6 +191,12 @@ class Engine:
         pre.cache.batch_repeat_interleave(rows)
         return pre.cache
 
+    def _history(self, sampling: Sampling, prompt_ids: list[int], rows: int, vocab: int) -> History | None:
+        """Each side's token counts for the history penalties; None (free) when none is set."""
+        if not sampling.uses_history:
+            return None
+        return History.start(prompt_ids, rows, vocab, self.device)
+
     def _check(self, cancelled: Callable[[], bool]) -> None:
         if cancelled():
             raise Cancelled()
@@ -204,11 +211,15 @@ class Engine:
         lp, lq = p0.logits.expand(R, -1), q0.logits.expand(R, -1)
         x_done = torch.zeros(R, dtype=torch.bool, device=self.device)
         y_done = torch.zeros_like(x_done)
+        # P and Q are penalised by their own histories (prompt + x_<t, prompt + y_<t)
+        hp = hq = self._history(job.sampling, job.prompt_ids, R, lp.shape[-1])
         for t in range(1, T + 1):
             self._check(cancelled)
-            p = absorb_eos(probs(lp, job.sampling), x_done, eos)
-            q = absorb_eos(probs(lq, job.sampling), y_done, eos)
+            p = absorb_eos(probs(lp, job.sampling, hp), x_done, eos)
+            q = absorb_eos(probs(lq, job.sampling, hq), y_done, eos)
             d = maximal_coupling(p, q, gen)
+            if hp is not None:
+                hp, hq = hp.add(d.x), hq.add(d.y)
             yield step_record(t, d.tv.tolist(), d.x.tolist(), d.y.tolist())
             if eos is not None:
                 x_done |= d.x == eos
@@ -372,11 +383,14 @@ class Engine:
         logits, cache, L = pre.logits, pre.cache, len(prompt_ids)
         out: list[int] = []
         eos = self.lm.eos_token_id
+        history = self._history(sampling, prompt_ids, 1, logits.shape[-1])
         for t in range(1, max_new_tokens + 1):
             self._check(cancelled)
-            p = probs(logits, sampling)
+            p = probs(logits, sampling, history)
             tok = p.argmax(-1) if sampling.greedy else torch.multinomial(p, 1, generator=gen).squeeze(-1)
             tid = int(tok)
+            if history is not None:
+                history = history.add(tok.reshape(1))
             lp = torch.log_softmax(logits, -1)  # TGI reports the model's log-probability
             item = {"id": tid, "logprob": float(lp[0, tid]), "top": []}
             if top_n:

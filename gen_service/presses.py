@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
+from gen_service.errors import ServiceError
 from protocols import PolicyIdError, PolicySpec, parse_policy_id
 
 log = logging.getLogger("kvdiv.service")
@@ -29,7 +30,7 @@ log = logging.getLogger("kvdiv.service")
 ENTRY_POINT_GROUP = "kvdiv.presses"
 
 
-class PolicyError(ValueError):
+class PolicyError(ServiceError, ValueError):
     """A policy id the server cannot serve (unknown name, bad parameter...)."""
 
 

@@ -168,7 +168,7 @@ def test_malformed_and_oversized_bodies_422(client: httpx.Client, server: LiveSe
     big = b'{"inputs": "' + b"a" * (server.service.config.max_body_bytes + 1) + b'"}'
     assert client.post("/generate", content=big).status_code == 422
     assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"eviction": "nope"}}).status_code == 422
-    assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"typical_p": 0.5}}).status_code == 422
+    assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"watermark": True}}).status_code == 422
     assert client.get("/health").status_code == 200  # and the server keeps serving
 
 
@@ -213,16 +213,34 @@ class BoomPress:
         raise RuntimeError("boom")
 
 
-def test_failure_mid_stream_sends_error_record() -> None:
+def test_press_failing_in_prefill_is_a_422_before_streaming() -> None:
     s = LiveServer(press=("boom=test_service_http:BoomPress",))
     try:
         with httpx.Client(base_url=s.url, timeout=30) as c:
-            lines = _trace(c, {"inputs": PROMPT, "candidate": "boom@0.5", "parameters": {"max_new_tokens": 3}})
+            r = c.post("/v1/traces", json={"inputs": PROMPT, "candidate": "boom@0.5", "parameters": {"max_new_tokens": 3}})
+            assert r.status_code == 422 and r.json()["error"].startswith("candidate:") and "boom" in r.json()["error"]
+            g = c.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "eviction": "boom@0.5"}})
+            assert g.status_code == 422 and g.json()["error"].startswith("parameters.eviction:")
+            assert c.get("/health").status_code == 200 and s.service.admission.count == 0
+    finally:
+        s.stop()
+
+
+def test_max_request_seconds_ends_a_stream_with_an_error_record() -> None:
+    s = LiveServer(max_request_seconds=0.5, max_new_tokens=2000)
+    try:
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            lines = _trace(c, {"inputs": PROMPT, "candidate": "snapkv@0.5", "replicates": 16,
+                               "parameters": {"max_new_tokens": 1800}})
             last = json.loads(lines[-1])
-            assert last["type"] == "error" and "boom" in last["error"]
+            assert last["type"] == "error" and last["error_type"] == "timeout" and "max-request-seconds" in last["error"]
             with pytest.raises(ValueError):
                 assemble(lines)
-            assert c.get("/health").status_code == 200 and s.service.admission.count == 0
+            for _ in range(100):
+                if s.service.admission.count == 0:
+                    break
+                time.sleep(0.05)
+            assert s.service.admission.count == 0 and s.service.metrics.timeouts._value.get() == 1
     finally:
         s.stop()
 
