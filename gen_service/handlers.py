@@ -225,8 +225,8 @@ async def tokenize(request: Request) -> Response:
     req = parse_tokenize(data, svc.limits)
 
     def work() -> bytes:
-        enc = svc.tokenizer(req.inputs, add_special_tokens=req.add_special_tokens, return_offsets_mapping=True)
-        return tgi.tokenize_body(req.inputs, list(enc.input_ids), list(enc.offset_mapping), svc.token_text)
+        ids, offsets = svc.encode_offsets(req.inputs, req.add_special_tokens)
+        return tgi.tokenize_body(req.inputs, ids, offsets, svc.token_text)
 
     async with svc.admitted():
         body = await svc.off_loop(work)
@@ -240,8 +240,8 @@ async def chat_tokenize(request: Request) -> Response:
 
     def work() -> bytes:
         text = svc.chat_text(req.messages)
-        enc = svc.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        tokens = tgi.tokenize_body(text, list(enc.input_ids), list(enc.offset_mapping), svc.token_text)
+        ids, offsets = svc.encode_offsets(text, add_special_tokens=False)
+        tokens = tgi.tokenize_body(text, ids, offsets, svc.token_text)
         return b'{"templated_text":' + json.dumps(text).encode() + b',"tokenize_response":' + tokens + b"}"
 
     async with svc.admitted():
@@ -372,7 +372,8 @@ async def _chat_events(svc: Service, req: ChatRequest, started: Started, cid: st
     try:
         async for item in started.work:
             if "finish_reason" in item:
-                yield tgi.sse(oai.chat_chunk(cid, model, created, "", oai.finish_reason(item["finish_reason"])))
+                yield tgi.sse(oai.chat_chunk(cid, model, created, text.flush(),
+                                             oai.finish_reason(item["finish_reason"])))
                 if req.include_usage:
                     yield tgi.sse(oai.chat_chunk(cid, model, created, "", None,
                                                  use=oai.usage(len(started.ids), n), empty=True))
@@ -410,7 +411,8 @@ async def _completion_events(svc: Service, started: Started, cid: str, model: st
     try:
         async for item in started.work:
             if "finish_reason" in item:
-                yield tgi.sse(oai.completion_chunk(cid, model, created, "", oai.finish_reason(item["finish_reason"])))
+                yield tgi.sse(oai.completion_chunk(cid, model, created, text.flush(),
+                                                   oai.finish_reason(item["finish_reason"])))
                 break
             svc.metrics.tokens.inc()
             yield tgi.sse(oai.completion_chunk(cid, model, created, text.push(item["id"]), None))

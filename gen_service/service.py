@@ -295,9 +295,22 @@ class Service:
         """Run text work (tokenising, templating, large JSON) on the text pool."""
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, fn, *args)
 
+    def encode_offsets(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of raw text and their character offsets, as TGI tokenises ``inputs``.
+
+        The fast tokenizer's backend is called directly: transformers' ``__call__``
+        wraps the same encoding in Python per token (5 s against 0.08 s for a 1 MB
+        input on the tiny model, holding the interpreter lock for up to a second)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            enc = backend.encode(text, add_special_tokens=add_special_tokens)
+            return enc.ids, enc.offsets
+        enc = self.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        return list(enc.input_ids), list(enc.offset_mapping)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of raw text, as TGI tokenises ``inputs``."""
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        """Token ids of raw text (see :meth:`encode_offsets`)."""
+        return self.encode_offsets(text, add_special_tokens)[0]
 
     def encode_chat(self, messages: tuple[Message, ...]) -> list[int]:
         """Token ids of a chat through the model's template. ``tokenize=True``:

@@ -49,6 +49,14 @@ class IncrementalText:
             return after[len(before):]
         return ""
 
+    def flush(self) -> str:
+        """What is still held back when the stream ends (an incomplete character
+        included, so the streamed text equals the non-streamed one)."""
+        before = self.decode(self.ids[self.prefix:self.read])
+        after = self.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before):]
+
 
 def logprob_content(item: dict[str, Any], text: Callable[[int], str]) -> dict[str, Any]:
     """One ``logprobs.content`` entry: the token, its log-probability and the top ones."""

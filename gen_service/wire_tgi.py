@@ -59,7 +59,7 @@ def stream_event(index: int, item: dict[str, Any], top_n: int, text: TokenText, 
 
 
 def tokenize_body(inputs: str, ids: list[int], offsets: list[tuple[int, int]], text: TokenText,
-                  chunk: int = 4096) -> bytes:
+                  chunk: int = 1024) -> bytes:
     """``/tokenize``'s ``[{id, text, start, stop}]`` as JSON bytes, encoded in chunks so
     a million-token answer never holds the interpreter for one long call."""
     parts = []
