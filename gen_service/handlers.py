@@ -35,6 +35,7 @@ from gen_service.requests import (
     ChatRequest,
     Decoding,
     parse_chat,
+    parse_chat_messages,
     parse_completion,
     parse_generate,
     parse_tokenize,
@@ -236,10 +237,10 @@ async def tokenize(request: Request) -> Response:
 async def chat_tokenize(request: Request) -> Response:
     """``POST /chat_tokenize``: the templated text and its tokens."""
     svc, data = await read_json(request)
-    req = parse_chat(data, svc.limits)
+    messages = parse_chat_messages(data, svc.limits)
 
     def work() -> bytes:
-        text = svc.chat_text(req.messages)
+        text = svc.chat_text(messages)
         ids, offsets = svc.encode_offsets(text, add_special_tokens=False)
         tokens = tgi.tokenize_body(text, ids, offsets, svc.token_text)
         return b'{"templated_text":' + json.dumps(text).encode() + b',"tokenize_response":' + tokens + b"}"

@@ -22,8 +22,8 @@ from gen_service.errors import invalid
 
 __all__ = [
     "Limits", "Reader", "Decoding", "Message", "GenerateRequest", "ChatRequest", "CompletionRequest",
-    "TraceRequest", "TokenizeRequest", "parse_generate", "parse_chat", "parse_completion", "parse_trace",
-    "parse_tokenize", "SEED_MAX",
+    "TraceRequest", "TokenizeRequest", "parse_generate", "parse_chat", "parse_chat_messages", "parse_completion",
+    "parse_trace", "parse_tokenize", "SEED_MAX",
 ]
 
 SEED_MAX = 2**63 - 1  # seeds are int64 in the trace contract and in torch
@@ -293,7 +293,7 @@ def _content(value: Any, field: str) -> str:
     raise invalid(field, "expected a string or a list of text parts")
 
 
-def _messages(r: Reader, limits: Limits) -> tuple[Message, ...]:
+def _messages(r: Reader, limits: Limits, *, allow_empty: bool = False) -> tuple[Message, ...]:
     raw = r.get("messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("messages", "expected a non-empty list of {role, content} objects")
@@ -306,7 +306,7 @@ def _messages(r: Reader, limits: Limits) -> tuple[Message, ...]:
     total = sum(len(m.content.encode("utf-8")) for m in out)
     if total > limits.max_input_bytes:
         raise invalid("messages", f"over {limits.max_input_bytes} bytes (server limit --max-input-bytes)")
-    if not any(m.content.strip() for m in out):
+    if not allow_empty and not any(m.content.strip() for m in out):
         raise invalid("messages", "empty input")
     return tuple(out)
 
@@ -340,6 +340,12 @@ def parse_chat(data: dict[str, Any], limits: Limits) -> ChatRequest:
     options = Reader(r.get("stream_options", {}), "stream_options.")
     return ChatRequest(messages=messages, decoding=_openai_decoding(r, limits, top_n=top), logprobs=logprobs,
                        stream=bool(r.bool("stream", False)), include_usage=bool(options.bool("include_usage", False)))
+
+
+def parse_chat_messages(data: dict[str, Any], limits: Limits) -> tuple[Message, ...]:
+    """The messages of a ``/chat_tokenize`` request (the generation knobs do not matter
+    for templating and are ignored, as TGI does)."""
+    return _messages(Reader(data), limits, allow_empty=True)
 
 
 def parse_completion(data: dict[str, Any], limits: Limits) -> CompletionRequest:
@@ -401,8 +407,6 @@ def parse_tokenize(data: dict[str, Any], limits: Limits) -> TokenizeRequest:
     """A ``/tokenize`` request (TGI's GenerateRequest; ``parameters`` are ignored)."""
     r = Reader(data)
     inputs = r.str("inputs", required=True)
-    if not inputs:
-        raise invalid("inputs", "required non-empty string")
     if len(inputs.encode("utf-8")) > limits.max_input_bytes:
         raise invalid("inputs", f"over {limits.max_input_bytes} bytes (server limit --max-input-bytes)")
     return TokenizeRequest(inputs=inputs, add_special_tokens=bool(r.bool("add_special_tokens", True)))

@@ -36,7 +36,7 @@ def details(tokens: list[dict[str, Any]], finish: str, seed: int, prefill: list[
     """TGI's ``Details`` of a non-streamed generation."""
     return {"finish_reason": finish, "generated_tokens": len(tokens), "seed": seed, "prefill": prefill,
             "tokens": [token(t, text, special) for t in tokens],
-            "top_tokens": [top_tokens(t, text, special) for t in tokens] if top_n else None,
+            "top_tokens": [top_tokens(t, text, special) for t in tokens] if top_n else [],
             "best_of_sequences": None}
 
 
@@ -52,9 +52,10 @@ def stream_details(finish: str, generated: int, seed: int, input_length: int) ->
 
 def stream_event(index: int, item: dict[str, Any], top_n: int, text: TokenText, special: frozenset[int],
                  generated_text: str | None = None, details_: dict[str, Any] | None = None) -> dict[str, Any]:
-    """TGI's ``StreamResponse``: one event per token; the last carries the text and details."""
+    """TGI's ``StreamResponse``: one event per token; the last carries the text and details.
+    ``top_tokens`` is a list (empty without ``top_n_tokens``): the schema does not allow null."""
     return {"index": index, "token": token(item, text, special),
-            "top_tokens": top_tokens(item, text, special) if top_n else None,
+            "top_tokens": top_tokens(item, text, special) if top_n else [],
             "generated_text": generated_text, "details": details_}
 
 
