@@ -107,7 +107,10 @@ def penalize(logits: torch.Tensor, sampling: Sampling, history: History | None) 
         logits = logits - sampling.frequency_penalty * counts
     if sampling.presence_penalty not in (None, 0.0):
         logits = logits - sampling.presence_penalty * seen.float()
-    return logits
+    # a tiny repetition penalty overflows logit / r to ±inf, and inf − inf is NaN in
+    # the softmax; clamped, the limit law (mass on the largest logits) comes out
+    big = torch.finfo(logits.dtype).max
+    return logits.clamp(-big, big)
 
 
 # 1/T is capped here: for any T below 1e-30 the scaled gaps between distinct float32

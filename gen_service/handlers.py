@@ -116,8 +116,9 @@ async def collect(request: Request, started: Started) -> tuple[list[dict[str, An
                 tokens.append(item)
     except Cancelled:
         raise ApiError(499, "client disconnected", "cancelled") from None
-    except RequestTimeout as exc:
-        raise ApiError(424, str(exc), "timeout") from None
+    except Exception as exc:  # after the first token: TGI's 424, without internals
+        err = stream_error(exc)
+        raise ApiError(424, err["error"], err["error_type"]) from None
     finally:
         watcher.cancel()
     state(request).metrics.tokens.inc(len(tokens))

@@ -268,7 +268,7 @@ def parse_generate(data: dict[str, Any], limits: Limits, *, stream: bool = False
     p = Reader(r.get("parameters", {}), "parameters.")
     _refuse_tgi_extras(p)
     decoding = Decoding(
-        max_new_tokens=p.int("max_new_tokens", 20, lo=1, hi=limits.max_new_tokens),
+        max_new_tokens=p.int("max_new_tokens", min(20, limits.max_new_tokens), lo=1, hi=limits.max_new_tokens),
         sampling=_sampling(p, sample_by_default=False), seed=_seed(p), stop=p.strings("stop", limits.max_stop),
         top_n_tokens=p.int("top_n_tokens", 0, lo=0, hi=limits.max_top_n),
         eviction=_policy(p, "eviction", limits.default_eviction))

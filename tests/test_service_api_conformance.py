@@ -24,7 +24,7 @@ from service_live import LiveServer
 pytestmark = pytest.mark.service
 
 DOC = json.loads((Path(__file__).parent / "data" / "tgi_openapi_v2.4.1.json").read_text())
-CASES = 40  # examples per POST route
+CASES = 25  # examples per POST route and strategy
 COUNTS: Counter = Counter()
 
 
@@ -56,30 +56,65 @@ JSON_ANY = st.recursive(st.none() | st.booleans() | st.integers(-10, 10) | st.te
                                                                                     max_size=3), max_leaves=5)
 
 
-def from_schema(schema: dict[str, Any]) -> st.SearchStrategy:
+# Narrowed copies of the request schemas: still instances of TGI's document, but
+# inside what this server implements and its limits (max_new_tokens 8), so most
+# drawn requests run and their 200 bodies and events get validated too.
+_SUPPORTED = {
+    "GenerateParameters": {"max_new_tokens": {"type": "integer", "minimum": 1, "maximum": 8},
+                           "best_of": {"enum": [1]}, "watermark": {"enum": [False]}, "grammar": {"type": "null"},
+                           "adapter_id": {"type": "null"}, "truncate": {"type": "integer", "minimum": 1},
+                           "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+                           "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
+                           "top_n_tokens": {"type": "integer", "minimum": 0, "maximum": 32},
+                           "stop": {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}},
+    "ChatRequest": {"max_tokens": {"type": "integer", "minimum": 1, "maximum": 8}, "n": {"enum": [1]},
+                    "tools": {"type": "null"}, "tool_choice": {"type": "null"}, "response_format": {"type": "null"},
+                    "logit_bias": {"type": "null"}, "top_logprobs": {"enum": [0]}, "tool_prompt": {"type": "null"},
+                    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+                    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+                    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+                    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                    "stop": {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}},
+    "CompletionRequest": {"max_tokens": {"type": "integer", "minimum": 1, "maximum": 8},
+                          "suffix": {"type": "null"}, "prompt": {"type": "array", "items": {"type": "string"},
+                                                                 "minItems": 1, "maxItems": 1},
+                          "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+                          "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
+                          "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+                          "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                          "stop": {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}},
+    "MessageContent": {},
+}
+NARROW_DEFS = {name: ({**schema, "properties": {**schema.get("properties", {}), **_SUPPORTED[name]}}
+                      if name in _SUPPORTED else schema) for name, schema in DEFS.items()}
+NARROW_DEFS["MessageContent"] = {"type": "string"}
+
+
+def from_schema(schema: dict[str, Any], defs: dict[str, Any] = DEFS) -> st.SearchStrategy:
     """Values valid under ``schema`` (the subset of JSON Schema TGI's document uses)."""
     if "$ref" in schema:
-        return st.deferred(lambda: from_schema(DEFS[schema["$ref"].rsplit("/", 1)[1]]))
+        return st.deferred(lambda: from_schema(defs[schema["$ref"].rsplit("/", 1)[1]], defs))
     for key in ("anyOf", "oneOf"):
         if key in schema:
-            return st.one_of([from_schema(s) for s in schema[key]])
+            return st.one_of([from_schema(s, defs) for s in schema[key]])
     if "allOf" in schema:
-        return from_schema(schema["allOf"][0])
+        return from_schema(schema["allOf"][0], defs)
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
-    return _from_type(schema)
+    return _from_type(schema, defs)
 
 
-def _from_type(schema: dict[str, Any]) -> st.SearchStrategy:
+def _from_type(schema: dict[str, Any], defs: dict[str, Any]) -> st.SearchStrategy:
     # Optional properties are drawn or left out independently; numbers reach their
     # bounds, tiny and huge magnitudes; strings are short unicode text.
     kind = schema.get("type")
     if kind == "object":
         props, required = schema.get("properties", {}), set(schema.get("required", []))
-        return st.fixed_dictionaries({k: from_schema(v) for k, v in props.items() if k in required},
-                                     optional={k: from_schema(v) for k, v in props.items() if k not in required})
+        return st.fixed_dictionaries({k: from_schema(v, defs) for k, v in props.items() if k in required},
+                                     optional={k: from_schema(v, defs) for k, v in props.items() if k not in required})
     if kind == "array":
-        return st.lists(from_schema(schema.get("items", {})), max_size=min(schema.get("maxItems", 4), 4))
+        return st.lists(from_schema(schema.get("items", {}), defs), min_size=schema.get("minItems", 0),
+                        max_size=min(schema.get("maxItems", 4), 4))
     if kind == "integer":
         lo = schema.get("minimum")
         if "exclusiveMinimum" in schema:
@@ -89,7 +124,8 @@ def _from_type(schema: dict[str, Any]) -> st.SearchStrategy:
         lo, hi = schema.get("minimum", schema.get("exclusiveMinimum")), schema.get("maximum")
         return st.floats(min_value=lo, max_value=hi, exclude_min="exclusiveMinimum" in schema,
                          allow_nan=False, allow_infinity=False)
-    simple = {"string": st.text(max_size=20), "boolean": st.booleans(), "null": st.none()}
+    simple = {"string": st.text(min_size=schema.get("minLength", 0), max_size=20), "boolean": st.booleans(),
+              "null": st.none()}
     return simple.get(kind, JSON_ANY)
 
 
@@ -160,6 +196,28 @@ def test_generated_requests_get_documented_responses(client: httpx.Client, path:
         check_response(path, "post", r)
 
     run()
+
+
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/", "/v1/chat/completions", "/v1/completions"])
+def test_supported_requests_run_and_get_documented_responses(client: httpx.Client, path: str) -> None:
+    schema = DOC["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    statuses: Counter = Counter()
+
+    @settings(max_examples=CASES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=from_schema(_to_json_schema(schema), NARROW_DEFS))
+    def run(body: dict[str, Any]) -> None:
+        r = client.post(path, json=body)
+        COUNTS[(path, r.status_code)] += 1
+        statuses[r.status_code] += 1
+        check_response(path, "post", r)
+        if r.status_code == 422:  # the refusals left: no text, or text that is all whitespace
+            sse = r.headers["content-type"].startswith("text/event-stream")
+            error = (_sse_events(r.text)[0] if sse else r.json())["error"]
+            assert error.startswith(("inputs:", "prompt:", "messages")), r.text
+
+    run()
+    assert statuses[200] >= CASES // 2, statuses
 
 
 @pytest.mark.parametrize("path", ["/info", "/health", "/metrics", "/v1/models"])
