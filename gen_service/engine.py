@@ -247,10 +247,14 @@ class Engine:
         x0 = torch.zeros(R, dtype=torch.long, device=dev)
         y0 = torch.zeros(R, dtype=torch.long, device=dev)
         tv_star = torch.zeros(R, dtype=torch.float64, device=dev)
+        # history penalties: both sides share prompt + z_<t; each row keeps its counts
+        # at t* so its two branches continue from their own histories
+        hz = self._history(job.sampling, job.prompt_ids, R, lp.shape[-1])
+        h_star = None if hz is None else torch.zeros_like(hz.counts)
         for t in range(1, T + 1):
             self._check(cancelled)
-            p = absorb_eos(probs(lp, job.sampling), z_done, eos)
-            q = absorb_eos(probs(lq, job.sampling), z_done, eos)
+            p = absorb_eos(probs(lp, job.sampling, hz), z_done, eos)
+            q = absorb_eos(probs(lq, job.sampling, hz), z_done, eos)
             d = maximal_coupling(p, q, gen)
             delta = d.tv.double()
             pi = torch.where(alive, surv * delta, torch.zeros_like(surv))
@@ -262,6 +266,9 @@ class Engine:
             x0 = torch.where(take, d.x_res, x0)
             y0 = torch.where(take, d.y_res, y0)
             tv_star = torch.where(take, delta, tv_star)
+            if hz is not None:
+                h_star = torch.where(take[:, None], hz.counts, h_star)
+                hz = hz.add(d.overlap)
             # The step where a path stops keeps its TV (1) but has no token: min(p, q) is
             # empty, so there is no Z to draw; later steps are null altogether.
             shown, has_token = alive.tolist(), (alive & ~d.stop).tolist()
@@ -276,11 +283,13 @@ class Engine:
                 pos = torch.full((R,), L + t - 1, dtype=torch.long, device=dev)
                 lp = self.step(pc, d.overlap, pos)
                 lq = self.step(qc, d.overlap, pos)
-        yield from self._branches(job, pc, qc, p0.kept, q0.kept, t_star, x0, y0, tv_star, W, gen, cancelled)
+        yield from self._branches(job, pc, qc, p0.kept, q0.kept, t_star, x0, y0, tv_star, W, gen, cancelled,
+                                  h_star)
 
     def _branches(self, job: TraceJob, pc: DynamicCache, qc: DynamicCache, p_kept: int, q_kept: int,
                   t_star: torch.Tensor, x0: torch.Tensor, y0: torch.Tensor, tv_star: torch.Tensor, W: int,
-                  gen: torch.Generator, cancelled: Callable[[], bool]) -> Iterator[dict[str, Any]]:
+                  gen: torch.Generator, cancelled: Callable[[], bool],
+                  h_star: torch.Tensor | None = None) -> Iterator[dict[str, Any]]:
         from protocols import branch_record
 
         T, L = job.horizon, len(job.prompt_ids)
@@ -290,14 +299,15 @@ class Engine:
         rec = {r: ([tv0[r]], [xs0[r]], [ys0[r]]) for r, t in enumerate(ts) if t > 0}
         rows = [r for r in rec if K[r] > 0]
         if rows:
-            self._run_branches(job, pc, qc, p_kept, q_kept, rows, ts, K, x0, y0, rec, gen, cancelled)
+            self._run_branches(job, pc, qc, p_kept, q_kept, rows, ts, K, x0, y0, rec, gen, cancelled, h_star)
         for r in sorted(rec):
             tvs, xs, ys = rec[r]
             yield branch_record(r, ts[r], tvs, xs, ys)
 
     def _run_branches(self, job: TraceJob, pc: DynamicCache, qc: DynamicCache, p_kept: int, q_kept: int,
                       rows: list[int], ts: list[int], K: list[int], x0: torch.Tensor, y0: torch.Tensor,
-                      rec: dict, gen: torch.Generator, cancelled: Callable[[], bool]) -> None:
+                      rec: dict, gen: torch.Generator, cancelled: Callable[[], bool],
+                      h_star: torch.Tensor | None = None) -> None:
         dev = self.device
         idx = torch.tensor(rows, dtype=torch.long, device=dev)
         tstar = torch.tensor([ts[r] for r in rows], dtype=torch.long, device=dev)
@@ -314,7 +324,12 @@ class Engine:
             masks.append((slots[None] < (kept + tstar - 1)[:, None]).long())
         pmask, qmask = masks
         with self._masked_attention():
-            self._branch_loop(job, pc, qc, rows, K, tstar, pmask, qmask, x0[idx], y0[idx], rec, gen, cancelled)
+            # each branch's history: prompt + z_<t* + its own first token
+            hp = hq = None
+            if h_star is not None:
+                hp, hq = History(h_star[idx]).add(x0[idx]), History(h_star[idx]).add(y0[idx])
+            self._branch_loop(job, pc, qc, rows, K, tstar, pmask, qmask, x0[idx], y0[idx], rec, gen, cancelled,
+                              hp, hq)
 
     @contextmanager
     def _masked_attention(self) -> Iterator[None]:
@@ -334,7 +349,8 @@ class Engine:
 
     def _branch_loop(self, job: TraceJob, pc: DynamicCache, qc: DynamicCache, rows: list[int], K: list[int],
                      tstar: torch.Tensor, pmask: torch.Tensor, qmask: torch.Tensor, x: torch.Tensor,
-                     y: torch.Tensor, rec: dict, gen: torch.Generator, cancelled: Callable[[], bool]) -> None:
+                     y: torch.Tensor, rec: dict, gen: torch.Generator, cancelled: Callable[[], bool],
+                     hp: History | None = None, hq: History | None = None) -> None:
         dev, L, eos = self.device, len(job.prompt_ids), self.lm.eos_token_id
         x_done = (x == eos) if eos is not None else torch.zeros_like(x, dtype=torch.bool)
         y_done = (y == eos) if eos is not None else torch.zeros_like(x_done)
@@ -345,9 +361,11 @@ class Engine:
             ones = torch.ones(len(rows), 1, dtype=torch.long, device=dev)
             pmask, qmask = torch.cat([pmask, ones], 1), torch.cat([qmask, ones], 1)
             pos = L + tstar + k - 2
-            p = absorb_eos(probs(self.step(pc, x, pos, pmask), job.sampling), x_done, eos)
-            q = absorb_eos(probs(self.step(qc, y, pos, qmask), job.sampling), y_done, eos)
+            p = absorb_eos(probs(self.step(pc, x, pos, pmask), job.sampling, hp), x_done, eos)
+            q = absorb_eos(probs(self.step(qc, y, pos, qmask), job.sampling, hq), y_done, eos)
             d = maximal_coupling(p, q, gen)
+            if hp is not None:
+                hp, hq = hp.add(d.x), hq.add(d.y)
             for r, dv, xv, yv in zip(rows, d.tv.tolist(), d.x.tolist(), d.y.tolist()):
                 rec[r][0].append(dv)
                 rec[r][1].append(xv)
@@ -367,6 +385,8 @@ class Engine:
                     qc.batch_select_indices(sel)
                     pmask, qmask, tstar = pmask[sel], qmask[sel], tstar[sel]
                     x, y, x_done, y_done = x[sel], y[sel], x_done[sel], y_done[sel]
+                    if hp is not None:
+                        hp, hq = hp.select(sel), hq.select(sel)
 
     # ------------------------------------------------------------------ TGI generate
 

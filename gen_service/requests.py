@@ -390,11 +390,6 @@ def parse_trace(data: dict[str, Any], limits: Limits) -> TraceRequest:
     if doc is not None and (isinstance(doc, bool) or not isinstance(doc, (str, int))):
         raise invalid("doc_id", "expected a string")
     sampling = _sampling(p, sample_by_default=True)
-    if kind == "residual" and sampling.uses_history:
-        raise invalid("parameters.repetition_penalty" if sampling.repetition_penalty not in (None, 1.0)
-                      else "parameters.frequency_penalty" if sampling.frequency_penalty not in (None, 0.0)
-                      else "parameters.presence_penalty",
-                      "history penalties are supported in coupled traces, not yet in residual ones")
     seed = _seed(p) if p.get("seed") is not None else _seed(r)
     return TraceRequest(inputs=inputs, messages=messages, candidate=_policy(r, "candidate", ""),
                         reference=_policy(r, "reference", "full"), kind=kind, horizon=horizon,
