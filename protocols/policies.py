@@ -17,6 +17,10 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from protocols.errors import ProtocolError
+
+__all__ = ["PolicyIdError", "PolicySpec", "parse_policy_id", "policy_coords"]
+
 _ID = re.compile(
     r"^(?P<name>(?:kvpress:)?[A-Za-z_][A-Za-z0-9_.\-]*)"
     r"(?:(?P<sep>[@#])(?P<amount>[^:]+))?"
@@ -24,7 +28,7 @@ _ID = re.compile(
 )
 
 
-class PolicyIdError(ValueError):
+class PolicyIdError(ProtocolError, ValueError):
     """A policy id that does not follow the grammar."""
 
 
@@ -40,6 +44,7 @@ class PolicySpec:
 
     @property
     def is_full(self) -> bool:
+        """True for the reference policy ``full`` (no eviction)."""
         return self.name == "full"
 
 
@@ -55,7 +60,31 @@ def _value(text: str) -> object:
 
 
 def parse_policy_id(policy_id: str) -> PolicySpec:
-    """Parse a policy id, raising :class:`PolicyIdError` naming what is wrong."""
+    """Parse a policy id, raising :class:`PolicyIdError` naming what is wrong.
+
+    Parameters
+    ----------
+    policy_id : str
+        An id following the grammar in the module docstring.
+
+    Returns
+    -------
+    PolicySpec
+        Name, retention (NaN if budget-based), budget (-1 if ratio-based) and
+        parameters; ``full`` has retention 1.
+
+    Raises
+    ------
+    PolicyIdError
+        The id does not follow the grammar; the message says which part.
+
+    Examples
+    --------
+    >>> parse_policy_id("snapkv@0.5")
+    PolicySpec(id='snapkv@0.5', name='snapkv', retention=0.5, budget=-1, params={})
+    >>> parse_policy_id("streaming_llm#64:sink=4").params
+    {'sink': 4}
+    """
     m = _ID.match(policy_id.strip()) if isinstance(policy_id, str) else None
     if not m:
         raise PolicyIdError(f"policy id {policy_id!r} does not match <name>[@ratio|#budget][:k=v,...]")
@@ -96,6 +125,28 @@ def policy_coords(policy_id: str) -> tuple[str, float, int]:
 
     Traces from other tools may use ids outside the grammar; they get press = id,
     retention NaN and budget -1 rather than an error.
+
+    Parameters
+    ----------
+    policy_id : str
+        Any policy id.
+
+    Returns
+    -------
+    tuple of (str, float, int)
+        The ``press``, ``retention`` and ``budget`` coordinates.
+
+    Raises
+    ------
+    None
+        Ids outside the grammar are accepted (see above).
+
+    Examples
+    --------
+    >>> policy_coords("snapkv#512")
+    ('snapkv', nan, 512)
+    >>> policy_coords("my tool's policy")
+    ("my tool's policy", nan, -1)
     """
     try:
         spec = parse_policy_id(policy_id)
