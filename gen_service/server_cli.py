@@ -124,6 +124,9 @@ def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replic
                                      body_timeout_s=body_timeout, max_request_seconds=max_request_seconds)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
+    except ModuleNotFoundError as exc:  # a base install: the model stack is the [service] extra
+        raise click.ClickException(f"`kvdiv serve` needs {exc.name}, which this install lacks: "
+                                   f"pip install 'kvdiv[service]'") from None
     except Exception as exc:
         raise click.ClickException(f"could not start: {exc}") from exc
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
