@@ -20,7 +20,6 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -28,40 +27,45 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gen_service import handlers as h
+from gen_service import wire_tgi
 from gen_service.errors import ApiError
+from gen_service.handlers import ROUTES, SSE, Handler
 from gen_service.service import Service, ServiceConfig
 
 __all__ = ["create_app", "Service", "ServiceConfig", "ApiError", "error_response"]
 
 log = logging.getLogger("kvdiv.service")
 
-Handler = Callable[[Request], Awaitable[Response]]
-
-# TGI's streaming routes answer errors as an event stream (its OpenAPI document).
+# TGI's streaming route answers errors as an event stream (its OpenAPI document).
 _SSE_ERROR_ROUTES = frozenset({"/generate_stream"})
-
-ROUTES: list[tuple[str, str, Handler, bool]] = [  # path, method, handler, needs auth
-    ("/", "POST", h.compat, True),
-    ("/generate", "POST", h.generate, True),
-    ("/generate_stream", "POST", h.generate_stream, True),
-    ("/tokenize", "POST", h.tokenize, True),
-    ("/chat_tokenize", "POST", h.chat_tokenize, True),
-    ("/v1/chat/completions", "POST", h.chat_completions, True),
-    ("/v1/completions", "POST", h.completions, True),
-    ("/v1/models", "GET", h.models, True),
-    ("/info", "GET", h.info, True),
-    ("/health", "GET", h.health, False),
-    ("/metrics", "GET", h.metrics, True),
-    ("/v1/traces", "POST", h.traces, True),
-    ("/v1/policies", "GET", h.policies, True),
-]
 
 
 def error_response(exc: ApiError, sse: bool = False) -> Response:
-    """TGI's error body; as one SSE event on the streaming routes."""
+    """TGI's error body for an :class:`ApiError`.
+
+    Parameters
+    ----------
+    exc : ApiError
+        The error (status, message, type, extra headers such as ``Retry-After``).
+    sse : bool
+        Send it as one SSE event (``data:{...}``), as TGI's streaming route does.
+
+    Returns
+    -------
+    Response
+        JSON (or ``text/event-stream``) with ``exc.status``.
+
+    Raises
+    ------
+    None
+
+    Examples
+    --------
+    >>> error_response(ApiError(429, "full", "overloaded", {"Retry-After": "1"})).headers["retry-after"]
+    '1'
+    """
     if sse:
-        return Response(h.tgi.sse(exc.body()), status_code=exc.status, media_type=h.SSE, headers=exc.headers)
+        return Response(wire_tgi.sse(exc.body()), status_code=exc.status, media_type=SSE, headers=exc.headers)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
@@ -128,6 +132,10 @@ def create_app(service: Service) -> Starlette:
     -------
     Starlette
         An ASGI app; ``app.state.service`` is ``service``.
+
+    Raises
+    ------
+    None
 
     Examples
     --------

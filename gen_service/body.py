@@ -46,10 +46,31 @@ class BodyLimits:
 
 
 async def read_body(request: Request, limits: BodyLimits) -> bytes:
-    """The raw body, or an :class:`ApiError`: 422 when too large, 408 when too slow.
+    """The raw body of a request, within the size and time limits.
 
     A client that sends headers and then trickles (or never sends) the body is cut
     off after ``limits.timeout_s``, so it cannot hold a connection indefinitely.
+
+    Parameters
+    ----------
+    request : Request
+        The Starlette request.
+    limits : BodyLimits
+        Size and time limits.
+
+    Returns
+    -------
+    bytes
+
+    Raises
+    ------
+    ApiError
+        422 when the body is too large (by its Content-Length or as it arrives),
+        408 when it does not arrive in time.
+
+    Examples
+    --------
+    >>> body = await read_body(request, BodyLimits(max_bytes=1 << 20))  # doctest: +SKIP
     """
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > limits.max_bytes:
@@ -118,7 +139,24 @@ def _find_unencodable(obj: Any, path: str) -> str | None:
 
 
 def parse_json(body: bytes, limits: BodyLimits) -> dict[str, Any]:
-    """Parse a request body into a JSON object within the limits, or raise a 422.
+    """Parse a request body into a JSON object within the limits.
+
+    Parameters
+    ----------
+    body : bytes
+        The raw body.
+    limits : BodyLimits
+        ``max_depth`` bounds the nesting, checked before parsing.
+
+    Returns
+    -------
+    dict
+
+    Raises
+    ------
+    ApiError
+        422 naming ``body`` (too deep, malformed, a number too long or not finite,
+        not an object) or the path of a string holding a lone surrogate.
 
     Examples
     --------

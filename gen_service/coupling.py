@@ -95,6 +95,31 @@ def penalize(logits: torch.Tensor, sampling: Sampling, history: History | None) 
     penalty when positive and multiplied when negative. Frequency and presence (as
     OpenAI defines them): ``logit − frequency·count − presence·[count > 0]``. Counts
     cover the prompt and the decoded tokens, as TGI's processors read all input ids.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        (rows, V) float logits.
+    sampling : Sampling
+        The penalties to apply (unset ones are skipped).
+    history : History or None
+        Each row's token counts.
+
+    Returns
+    -------
+    torch.Tensor
+        (rows, V), finite (clamped to the float range).
+
+    Raises
+    ------
+    RuntimeError
+        If the history's shape does not match the logits'.
+
+    Examples
+    --------
+    >>> h = History.start([0], 1, 2)
+    >>> penalize(torch.tensor([[2.0, 1.0]]), Sampling(repetition_penalty=2.0), h).tolist()
+    [[1.0, 1.0]]
     """
     if history is None or not sampling.uses_history:
         return logits
@@ -123,7 +148,26 @@ def probs(logits: torch.Tensor, sampling: Sampling, history: History | None = No
     """Sampling distribution (rows, V) in float32 from raw logits.
 
     Greedy is the point mass on the argmax (ties: lowest id, as torch.argmax).
-    ``history`` is needed only when ``sampling.uses_history``.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        (rows, V) raw logits.
+    sampling : Sampling
+        The transforms, applied in TGI's order (penalties, temperature, top-k, top-p,
+        typical-p).
+    history : History, optional
+        Each row's token counts; needed only when ``sampling.uses_history``.
+
+    Returns
+    -------
+    torch.Tensor
+        (rows, V) float32, rows summing to 1.
+
+    Raises
+    ------
+    RuntimeError
+        If the history's shape does not match the logits'.
 
     Examples
     --------
@@ -177,7 +221,32 @@ def _typical_p(logits: torch.Tensor, mass: float) -> torch.Tensor:
 
 
 def absorb_eos(p: torch.Tensor, done: torch.Tensor, eos: int | None) -> torch.Tensor:
-    """EOS is absorbing: rows whose branch already emitted EOS get the point mass on EOS."""
+    """EOS is absorbing: rows whose branch already emitted EOS get the point mass on EOS.
+
+    Parameters
+    ----------
+    p : torch.Tensor
+        (rows, V) laws.
+    done : torch.Tensor
+        (rows,) bool, the branch has emitted EOS.
+    eos : int or None
+        The EOS id (None: nothing to do).
+
+    Returns
+    -------
+    torch.Tensor
+        ``p``, or a copy with the done rows replaced.
+
+    Raises
+    ------
+    IndexError
+        If ``eos`` is outside the vocabulary.
+
+    Examples
+    --------
+    >>> absorb_eos(torch.tensor([[0.5, 0.5]]), torch.tensor([True]), 1).tolist()
+    [[0.0, 1.0]]
+    """
     if eos is None or not bool(done.any()):
         return p
     p = p.clone()
@@ -187,8 +256,31 @@ def absorb_eos(p: torch.Tensor, done: torch.Tensor, eos: int | None) -> torch.Te
 
 
 def tv(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """TV(p, q) per row. Computed as ½Σ|p−q| (equal to 1 − Σmin(p, q)) because it is
-    exactly 0.0 in floating point when p == q, which 1 − Σmin is not."""
+    """TV(p, q) per row.
+
+    Computed as ½Σ|p−q| (equal to 1 − Σmin(p, q)) because it is exactly 0.0 in
+    floating point when p == q, which 1 − Σmin is not.
+
+    Parameters
+    ----------
+    p, q : torch.Tensor
+        (rows, V) laws.
+
+    Returns
+    -------
+    torch.Tensor
+        (rows,) in [0, 1].
+
+    Raises
+    ------
+    RuntimeError
+        If the shapes differ.
+
+    Examples
+    --------
+    >>> tv(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.5]])).tolist()
+    [0.5]
+    """
     return (0.5 * (p - q).abs().sum(-1)).clamp_(0.0, 1.0)
 
 
@@ -215,12 +307,35 @@ class CoupledDraw:
 
 
 def maximal_coupling(p: torch.Tensor, q: torch.Tensor, gen: torch.Generator) -> CoupledDraw:
-    """docs/statistics.md §2 for every row at once.
+    """The stepwise maximal coupling (docs/statistics.md §2) for every row at once.
 
     With probability 1 − δ both sides take one draw Z ~ min(p, q)/(1 − δ); otherwise
     X ~ (p − q)⁺/δ and Y ~ (q − p)⁺/δ independently. All three draws are made for
     every row (cheap, and keeps the generator's consumption independent of the
-    outcome, hence reproducible), then selected."""
+    outcome, hence reproducible), then selected.
+
+    Parameters
+    ----------
+    p, q : torch.Tensor
+        (rows, V) post-transform laws of P and Q.
+    gen : torch.Generator
+        The request's generator.
+
+    Returns
+    -------
+    CoupledDraw
+
+    Raises
+    ------
+    RuntimeError
+        If a law has no mass at all.
+
+    Examples
+    --------
+    >>> p = torch.tensor([[1.0, 0.0]])
+    >>> maximal_coupling(p, p, torch.Generator().manual_seed(0)).tv.tolist()
+    [0.0]
+    """
     delta = tv(p, q)
     m = torch.minimum(p, q)
     overlap = _draw(m, p, gen)

@@ -55,6 +55,22 @@ class ApiError(ServiceError):
 def invalid(field: str, why: str) -> ApiError:
     """A 422 validation error whose message names the field first.
 
+    Parameters
+    ----------
+    field : str
+        The request field, as a path (``parameters.top_p``, ``messages[0].content``).
+    why : str
+        What is wrong with it.
+
+    Returns
+    -------
+    ApiError
+        Status 422, ``error_type`` ``validation``.
+
+    Raises
+    ------
+    None
+
     Examples
     --------
     >>> invalid("parameters.top_p", "must be in (0, 1]").message

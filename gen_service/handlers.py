@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,14 +44,12 @@ from gen_service.requests import (
 from gen_service.service import Service, Ticket, WorkStream, failure_error
 from protocols import __version__ as VERSION
 
-__all__ = [
-    "generate", "generate_stream", "compat", "tokenize", "chat_tokenize", "info", "health", "metrics",
-    "policies", "traces", "chat_completions", "completions", "models", "stream_error",
-]
+__all__ = ["ROUTES", "Handler", "SSE", "NDJSON"]
 
 log = logging.getLogger("kvdiv.service")
 
 NDJSON, SSE = "application/x-ndjson", "text/event-stream"
+Handler = Callable[[Request], Awaitable[Response]]
 
 
 def state(request: Request) -> Service:
@@ -431,3 +429,21 @@ async def models(request: Request) -> Response:
     """``GET /v1/models``: the one served model."""
     svc = state(request)
     return JSONResponse(oai.models(svc.engine.lm.name, svc.created))
+
+
+# path, method, handler, needs authentication
+ROUTES: list[tuple[str, str, Handler, bool]] = [
+    ("/", "POST", compat, True),
+    ("/generate", "POST", generate, True),
+    ("/generate_stream", "POST", generate_stream, True),
+    ("/tokenize", "POST", tokenize, True),
+    ("/chat_tokenize", "POST", chat_tokenize, True),
+    ("/v1/chat/completions", "POST", chat_completions, True),
+    ("/v1/completions", "POST", completions, True),
+    ("/v1/models", "GET", models, True),
+    ("/info", "GET", info, True),
+    ("/health", "GET", health, False),
+    ("/metrics", "GET", metrics, True),
+    ("/v1/traces", "POST", traces, True),
+    ("/v1/policies", "GET", policies, True),
+]

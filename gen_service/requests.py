@@ -255,7 +255,26 @@ def _refuse_tgi_extras(p: Reader) -> None:
 
 
 def parse_generate(data: dict[str, Any], limits: Limits, *, stream: bool = False) -> GenerateRequest:
-    """A TGI generate request (``stream`` is read from the body on the compat route ``/``).
+    """A TGI generate request (``/generate``, ``/generate_stream``, ``/``).
+
+    Parameters
+    ----------
+    data : dict
+        The parsed JSON body.
+    limits : Limits
+        The server's limits.
+    stream : bool
+        The default of ``stream`` (read from the body on the compat route ``/``).
+
+    Returns
+    -------
+    GenerateRequest
+
+    Raises
+    ------
+    ApiError
+        422 naming the field: a missing or empty ``inputs``, a value of the wrong type
+        or out of range, a refused feature (``watermark``, ``grammar``, ...).
 
     Examples
     --------
@@ -324,6 +343,22 @@ def _openai_decoding(r: Reader, limits: Limits, *, top_n: int) -> Decoding:
 def parse_chat(data: dict[str, Any], limits: Limits) -> ChatRequest:
     """An OpenAI chat request as TGI's Messages API takes it, plus kvdiv's ``eviction``.
 
+    Parameters
+    ----------
+    data : dict
+        The parsed JSON body.
+    limits : Limits
+        The server's limits.
+
+    Returns
+    -------
+    ChatRequest
+
+    Raises
+    ------
+    ApiError
+        422 naming the field (``messages[0].content``, ``n``, ``tools``, ...).
+
     Examples
     --------
     >>> parse_chat({"messages": [{"role": "user", "content": "Hi"}]}, Limits()).messages[0].content
@@ -343,13 +378,57 @@ def parse_chat(data: dict[str, Any], limits: Limits) -> ChatRequest:
 
 
 def parse_chat_messages(data: dict[str, Any], limits: Limits) -> tuple[Message, ...]:
-    """The messages of a ``/chat_tokenize`` request (the generation knobs do not matter
-    for templating and are ignored, as TGI does)."""
+    """The messages of a ``/chat_tokenize`` request; the generation knobs do not matter
+    for templating and are ignored, as TGI does.
+
+    Parameters
+    ----------
+    data : dict
+        The parsed JSON body.
+    limits : Limits
+        The server's limits.
+
+    Returns
+    -------
+    tuple of Message
+
+    Raises
+    ------
+    ApiError
+        422 naming the message field at fault.
+
+    Examples
+    --------
+    >>> parse_chat_messages({"messages": [{"role": "user", "content": ""}]}, Limits())
+    (Message(role='user', content=''),)
+    """
     return _messages(Reader(data), limits, allow_empty=True)
 
 
 def parse_completion(data: dict[str, Any], limits: Limits) -> CompletionRequest:
-    """An OpenAI (legacy) completion request: ``prompt`` is a string or a list of one."""
+    """An OpenAI (legacy) completion request: ``prompt`` is a string or a list of one.
+
+    Parameters
+    ----------
+    data : dict
+        The parsed JSON body.
+    limits : Limits
+        The server's limits.
+
+    Returns
+    -------
+    CompletionRequest
+
+    Raises
+    ------
+    ApiError
+        422 naming the field (``prompt``, ``suffix``, ``echo``, ``logprobs``, ...).
+
+    Examples
+    --------
+    >>> parse_completion({"prompt": ["Once"], "max_tokens": 3}, Limits()).prompt
+    'Once'
+    """
     r = Reader(data)
     prompt = r.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
@@ -365,6 +444,23 @@ def parse_completion(data: dict[str, Any], limits: Limits) -> CompletionRequest:
 
 def parse_trace(data: dict[str, Any], limits: Limits) -> TraceRequest:
     """A ``/v1/traces`` request; the prompt is tokenised and the policies built later.
+
+    Parameters
+    ----------
+    data : dict
+        The parsed JSON body.
+    limits : Limits
+        The server's limits.
+
+    Returns
+    -------
+    TraceRequest
+
+    Raises
+    ------
+    ApiError
+        422 naming the field (``inputs``, ``kind``, ``window``, ``replicates``,
+        ``parameters.max_new_tokens``, ``seed``, ...).
 
     Examples
     --------
@@ -399,7 +495,29 @@ def parse_trace(data: dict[str, Any], limits: Limits) -> TraceRequest:
 
 
 def parse_tokenize(data: dict[str, Any], limits: Limits) -> TokenizeRequest:
-    """A ``/tokenize`` request (TGI's GenerateRequest; ``parameters`` are ignored)."""
+    """A ``/tokenize`` request (TGI's GenerateRequest; ``parameters`` are ignored).
+
+    Parameters
+    ----------
+    data : dict
+        The parsed JSON body.
+    limits : Limits
+        The server's limits (``max_input_bytes``).
+
+    Returns
+    -------
+    TokenizeRequest
+
+    Raises
+    ------
+    ApiError
+        422 for a missing or oversized ``inputs``.
+
+    Examples
+    --------
+    >>> parse_tokenize({"inputs": ""}, Limits()).inputs
+    ''
+    """
     r = Reader(data)
     inputs = r.str("inputs", required=True)
     if len(inputs.encode("utf-8")) > limits.max_input_bytes:

@@ -42,6 +42,12 @@ def build_service(model: str | None = None, *, gguf: str | None = None, eviction
     ------
     ConfigError
         For an empty API key or a bad limit, before the model is loaded.
+
+    Examples
+    --------
+    >>> app, service = build_service("tiny:llama", max_new_tokens=64)  # doctest: +SKIP
+    >>> service.config.max_new_tokens                                  # doctest: +SKIP
+    64
     """
     from gen_service.app import Service, ServiceConfig, create_app
     from gen_service.engine import Engine

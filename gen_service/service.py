@@ -130,6 +130,30 @@ def failure_error(exc: BaseException, field: str, policies: tuple[str, ...]) -> 
     on this prompt (a press parameter kvpress rejects, a press that cannot run here):
     a 422 naming the policy field. Anything else is TGI's 424 generation error, with
     the exception type only; the details go to the server log.
+
+    Parameters
+    ----------
+    exc : BaseException
+        What the work raised.
+    field : str
+        The request field naming the policy (``candidate``, ``parameters.eviction``).
+    policies : tuple of str
+        The request's policy ids.
+
+    Returns
+    -------
+    ApiError
+
+    Raises
+    ------
+    None
+
+    Examples
+    --------
+    >>> failure_error(RuntimeError("x"), "candidate", ("full",)).status
+    424
+    >>> failure_error(ValueError("bad"), "candidate", ("snapkv@0.5",)).message
+    'candidate: policy cannot run on this prompt (ValueError: bad)'
     """
     if isinstance(exc, ApiError):
         return exc
