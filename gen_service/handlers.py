@@ -224,13 +224,18 @@ async def tokenize(request: Request) -> Response:
     svc, data = await read_json(request)
     req = parse_tokenize(data, svc.limits)
 
-    def work() -> bytes:
+    def work() -> list[bytes]:
         ids, offsets = svc.encode_offsets(req.inputs, req.add_special_tokens)
-        return tgi.tokenize_body(req.inputs, ids, offsets, svc.token_text)
+        return tgi.tokenize_chunks(req.inputs, ids, offsets, svc.token_text)
 
     async with svc.admitted():
-        body = await svc.off_loop(work)
-    return Response(body, media_type="application/json")
+        pieces = await svc.off_loop(work)
+
+    async def send() -> AsyncIterator[bytes]:  # piece by piece: a 50 MB answer never blocks the loop
+        for piece in pieces:
+            yield piece
+
+    return StreamingResponse(send(), media_type="application/json")
 
 
 async def chat_tokenize(request: Request) -> Response:
@@ -241,7 +246,7 @@ async def chat_tokenize(request: Request) -> Response:
     def work() -> bytes:
         text = svc.chat_text(messages)
         ids, offsets = svc.encode_offsets(text, add_special_tokens=False)
-        tokens = tgi.tokenize_body(text, ids, offsets, svc.token_text)
+        tokens = b"".join(tgi.tokenize_chunks(text, ids, offsets, svc.token_text))
         return b'{"templated_text":' + json.dumps(text).encode() + b',"tokenize_response":' + tokens + b"}"
 
     async with svc.admitted():

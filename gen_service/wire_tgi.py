@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = ["sse", "token", "top_tokens", "details", "prefill_tokens", "stream_event", "stream_details",
-           "tokenize_body"]
+           "tokenize_chunks"]
 
 TokenText = Callable[[int], str]
 
@@ -245,12 +245,13 @@ def stream_event(index: int, item: dict[str, Any], top_n: int, text: TokenText, 
             "generated_text": generated_text, "details": details_}
 
 
-def tokenize_body(inputs: str, ids: list[int], offsets: list[tuple[int, int]], text: TokenText,
-                  chunk: int = 1024) -> bytes:
-    """``/tokenize``'s ``[{id, text, start, stop}]`` as JSON bytes.
+def tokenize_chunks(inputs: str, ids: list[int], offsets: list[tuple[int, int]], text: TokenText,
+                    chunk: int = 1024) -> list[bytes]:
+    """``/tokenize``'s ``[{id, text, start, stop}]`` as JSON, in pieces that join into one array.
 
-    Encoded in chunks, so a million-token answer never holds the interpreter for one
-    long call (the event loop keeps answering ``/health`` meanwhile).
+    Encoded ``chunk`` tokens at a time, so a million-token answer never holds the
+    interpreter for one long call, and can be sent piece by piece (the event loop
+    keeps answering ``/health`` meanwhile).
 
     Parameters
     ----------
@@ -264,12 +265,12 @@ def tokenize_body(inputs: str, ids: list[int], offsets: list[tuple[int, int]], t
     text : callable
         Token id -> its text.
     chunk : int
-        Tokens per encoded chunk.
+        Tokens per piece.
 
     Returns
     -------
-    bytes
-        A JSON array of TGI's ``SimpleToken``.
+    list of bytes
+        Pieces whose concatenation is a JSON array of TGI's ``SimpleToken``.
 
     Raises
     ------
@@ -278,12 +279,16 @@ def tokenize_body(inputs: str, ids: list[int], offsets: list[tuple[int, int]], t
 
     Examples
     --------
-    >>> tokenize_body("ab", [97, 98], [(0, 1), (1, 2)], chr)
+    >>> b"".join(tokenize_chunks("ab", [97, 98], [(0, 1), (1, 2)], chr, chunk=1))
     b'[{"id":97,"text":"a","start":0,"stop":1},{"id":98,"text":"b","start":1,"stop":2}]'
     """
-    parts = []
+    if len(ids) != len(offsets):
+        raise ValueError(f"{len(ids)} ids but {len(offsets)} offsets")
+    pieces = [b"["]
     for lo in range(0, len(ids), chunk):
         rows = [{"id": i, "text": inputs[a:b] if b > a else text(i), "start": a, "stop": b}
                 for i, (a, b) in zip(ids[lo:lo + chunk], offsets[lo:lo + chunk], strict=True)]
-        parts.append(json.dumps(rows, separators=(",", ":"))[1:-1])
-    return ("[" + ",".join(parts) + "]").encode()
+        piece = json.dumps(rows, separators=(",", ":"))[1:-1].encode()
+        pieces.append(piece if lo == 0 else b"," + piece)
+    pieces.append(b"]")
+    return pieces
