@@ -136,7 +136,10 @@ def split(source: Path, plan_source: str, fmt: str, strict: bool) -> None:
         plan = load_plan(plan_source)
     except PlanError as exc:
         _fail(str(exc))
-    ids, labels, what = _doc_ids(source)
+    try:
+        ids, labels, what = _doc_ids(source)
+    except (OSError, ValueError, KeyError, RecursionError) as exc:  # damaged, foreign or not UTF-8
+        _fail(f"{source}: cannot read document ids ({type(exc).__name__}: {exc})")
     table = split_table(ids, plan, labels)
     if fmt == "jsonl":
         for r in table.itertuples(index=False):

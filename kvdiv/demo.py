@@ -434,7 +434,7 @@ def _run(cfg: DemoConfig) -> Any:
             raise DemoError(gone or f"{len(result.failed)} requests failed; rerun the same command to retry "
                             f"them ({cfg.out / 'journal'} keeps every complete request)")
     _say("[4/5] packing traces.nc")
-    traces = save_dataset(pack_run(cfg.out / "journal", progress=False), cfg.out / "traces.nc")
+    traces = save_dataset(pack_run(cfg.out / "journal", progress=False), cfg.out / "traces.nc", overwrite=True)
     _say(f"[5/5] analysing with {plan}")
     an = _analyse(cfg, traces, plan, budget)
     elapsed = time.monotonic() - t0
