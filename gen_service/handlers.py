@@ -86,7 +86,8 @@ async def start_generation(svc: Service, ticket: Ticket, ids: list[int], dec: De
     room = svc.engine.lm.max_context - len(ids)
     n = dec.max_new_tokens or max(1, min(svc.limits.max_new_tokens, room))
     svc.check_context(ids, n, field)
-    svc.check_policy(eviction_field, dec.eviction, len(ids))
+    # off the loop: the first press of a kind imports kvpress and builds the press
+    await svc.off_loop(svc.check_policy, eviction_field, dec.eviction, len(ids))
     seed = dec.seed if dec.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
     stop = _stop_check(svc, dec.stop)
     work = svc.start(lambda cancelled: svc.engine.generate(ids, dec.eviction, n, dec.sampling, seed,
@@ -309,8 +310,8 @@ async def traces(request: Request) -> Response:
         else:
             ids = await svc.off_loop(svc.encode, req.inputs, req.add_special_tokens)
         svc.check_context(ids, req.horizon, req.prompt_field)
-        svc.check_policy("candidate", req.candidate, len(ids))
-        svc.check_policy("reference", req.reference, len(ids))
+        await svc.off_loop(svc.check_policy, "candidate", req.candidate, len(ids))
+        await svc.off_loop(svc.check_policy, "reference", req.reference, len(ids))
         job = TraceJob(prompt_ids=ids, candidate=req.candidate, reference=req.reference, kind=req.kind,
                        horizon=req.horizon, replicates=req.replicates, window=req.window, sampling=req.sampling,
                        seed=req.seed, doc=req.doc, request_id=uuid.uuid4().hex)
