@@ -184,7 +184,7 @@ BAD_POLICIES = [  # policy ids that reached kvpress and failed after the 200 (or
     ("/v1/traces", "snapkv@0.5:window_size=abc"), ("/v1/traces", "recent@0.5:n_sink=abc"),
     *[("/v1/traces", f"snapkv@0.5:window_size={v}") for v in ("0", "-5", "1.5", "nan")],
     ("/v1/traces", "kvpress:SnapKVPress@0.5:kernel_size=0"), ("/v1/traces", "kvpress:SnapKVPress@0.5:kernel_size=abc"),
-    ("/v1/traces", "kvpress:ScorerPress@0.5"), ("/v1/traces", "kvpress:FinchPress@0.5"),
+    ("/v1/traces", "kvpress:ScorerPress@0.5"), ("/v1/traces", "kvpress:FinchPress@0.5:window_size=0"),
     ("/v1/traces", "snapkv#3000000000"),
 ]
 
