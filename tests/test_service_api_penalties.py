@@ -31,11 +31,13 @@ def prompt(engine: Engine) -> list[int]:
 
 
 def law(engine: Engine, prompt: list[int], policy: str, tokens: list[int], sampling: Sampling) -> torch.Tensor:
-    """The sampling law after ``prompt + tokens`` under ``policy``, penalised by that history."""
-    pre = engine.prefill(engine.registry.resolve(policy), prompt)
+    """The sampling law after ``prompt + tokens`` under ``policy``, penalised by that history:
+    one row, decoded token by token from a fresh prefill (a decoding-time press compresses
+    at the same steps as on any path that fed the same tokens)."""
+    pre = engine.prefill(engine.registry.build(policy), prompt)
     logits = pre.logits
     for k, tok in enumerate(tokens):
-        logits = engine.step(pre.cache, torch.tensor([tok]), torch.tensor([len(prompt) + k]))
+        logits = engine.step(pre.side, torch.tensor([tok]), torch.tensor([pre.side.next_pos + k]))
     history = History.start(prompt + tokens, 1, logits.shape[-1])
     return probs(logits, sampling, history)
 
@@ -53,9 +55,20 @@ def test_coupled_sides_are_penalised_by_their_own_histories(engine: Engine, prom
             assert tv(p, q).item() == pytest.approx(steps[t]["tv"][r], abs=2e-4)
 
 
-def test_residual_branches_continue_from_their_own_histories(engine: Engine, prompt: list[int]) -> None:
-    recs = list(engine.trace(TraceJob(prompt_ids=prompt, candidate="snapkv@0.5", kind="residual", horizon=6,
-                                      replicates=6, sampling=PENALTIES, seed=7)))
+DECODING = "kvpress:DecodingPress(KnormPress):compression_interval=2,target_size=200"
+
+
+# snapkv@0.5 takes the prefix path; forced, the replayed path; a decoding-time press
+# (compressing every 2 steps while decoding) always replays its branches.
+@pytest.mark.parametrize("policy, force_replay", [("snapkv@0.5", False), ("snapkv@0.5", True), (DECODING, False)])
+def test_residual_branches_continue_from_their_own_histories(engine: Engine, prompt: list[int], policy: str,
+                                                             force_replay: bool) -> None:
+    engine.force_replay = force_replay
+    try:
+        recs = list(engine.trace(TraceJob(prompt_ids=prompt, candidate=policy, kind="residual", horizon=6,
+                                          replicates=6, sampling=PENALTIES, seed=7)))
+    finally:
+        engine.force_replay = False
     shared = [r for r in recs if r["type"] == "shared_step"]
     branches = [r for r in recs if r["type"] == "branch" and len(r["tv"]) >= 2]
     assert branches
@@ -63,10 +76,12 @@ def test_residual_branches_continue_from_their_own_histories(engine: Engine, pro
     for b in branches:
         r, ts = b["replicate"], b["branch_step"]
         z = [shared[s]["token"][r] for s in range(ts - 1)]
-        p = law(engine, prompt, "full", [*z, b["x_token"][0]], PENALTIES)
-        q = law(engine, prompt, "snapkv@0.5", [*z, b["y_token"][0]], PENALTIES)
-        assert tv(p, q).item() == pytest.approx(b["tv"][1], abs=2e-4)
-        plain = tv(law(engine, prompt, "full", [*z, b["x_token"][0]], Sampling()),
-                   law(engine, prompt, "snapkv@0.5", [*z, b["y_token"][0]], Sampling())).item()
+        xs, ys = b["x_token"], b["y_token"]
+        for age in range(1, len(b["tv"])):  # each age's laws, after each side's own branch so far
+            p = law(engine, prompt, "full", [*z, *xs[:age]], PENALTIES)
+            q = law(engine, prompt, policy, [*z, *ys[:age]], PENALTIES)
+            assert tv(p, q).item() == pytest.approx(b["tv"][age], abs=2e-4), (r, ts, age)
+        plain = tv(law(engine, prompt, "full", [*z, xs[0]], Sampling()),
+                   law(engine, prompt, policy, [*z, ys[0]], Sampling())).item()
         gaps.append(abs(plain - b["tv"][1]))
     assert max(gaps) > 0.01  # the penalties matter: without them the age-2 laws are other ones
