@@ -264,14 +264,19 @@ class Engine:
 
         hooks = [attn.register_forward_hook(keep, with_kwargs=True) for attn in self._layers()]
         try:
-            q0 = self.prefill(cand, prompt_ids, question_ids)
+            # the prompt only: were the question fed while the hooks are on, they would
+            # keep Q's compressed cache + question for P
+            q0 = self.prefill(cand, prompt_ids)
         finally:
             for hook in hooks:
                 hook.remove()
         cache = DynamicCache()
         for idx in sorted(full):
             cache.update(*full[idx], idx)
-        p0 = self._finish(ref_plan, cache, q0.logits if not question_ids else None, L, question_ids)
+        p0 = self._finish(ref_plan, cache, q0.logits, L, question_ids)
+        if question_ids:  # what prefill(cand, prompt_ids, question_ids) would have done
+            q0.logits = self._prefill_question(q0.side, list(question_ids))
+            q0.kept_slots = _lengths(q0.cache)
         return p0, q0
 
     @torch.inference_mode()
