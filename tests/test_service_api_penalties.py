@@ -30,15 +30,16 @@ def prompt(engine: Engine) -> list[int]:
     return list(engine.lm.tokenizer(TEXT).input_ids)
 
 
-def law(engine: Engine, prompt: list[int], policy: str, tokens: list[int], sampling: Sampling) -> torch.Tensor:
-    """The sampling law after ``prompt + tokens`` under ``policy``, penalised by that history:
-    one row, decoded token by token from a fresh prefill (a decoding-time press compresses
-    at the same steps as on any path that fed the same tokens)."""
-    pre = engine.prefill(engine.registry.build(policy), prompt)
+def law(engine: Engine, prompt: list[int], policy: str, tokens: list[int], sampling: Sampling,
+        question: list[int] = ()) -> torch.Tensor:
+    """The sampling law after ``prompt + question + tokens`` under ``policy``, penalised by
+    that history: one row, decoded token by token from a fresh prefill (a decoding-time
+    press compresses at the same steps as on any path that fed the same tokens)."""
+    pre = engine.prefill(engine.registry.build(policy), prompt, list(question))
     logits = pre.logits
     for k, tok in enumerate(tokens):
         logits = engine.step(pre.side, torch.tensor([tok]), torch.tensor([pre.side.next_pos + k]))
-    history = History.start(prompt + tokens, 1, logits.shape[-1])
+    history = History.start([*prompt, *question, *tokens], 1, logits.shape[-1])
     return probs(logits, sampling, history)
 
 
@@ -52,6 +53,20 @@ def test_coupled_sides_are_penalised_by_their_own_histories(engine: Engine, prom
         for t in (1, 3):
             p = law(engine, prompt, "full", xs[:t], PENALTIES)
             q = law(engine, prompt, "recent@0.3", ys[:t], PENALTIES)
+            assert tv(p, q).item() == pytest.approx(steps[t]["tv"][r], abs=2e-4)
+
+
+def test_question_counts_in_the_history(engine: Engine, prompt: list[int]) -> None:
+    """With context + question, the penalised history is context + question + tokens."""
+    question = list(engine.lm.tokenizer("Who sleeps? The dog sleeps.", add_special_tokens=False).input_ids)
+    recs = list(engine.trace(TraceJob(prompt_ids=prompt, question_ids=question, candidate="snapkv@0.5",
+                                      horizon=3, replicates=3, sampling=PENALTIES, seed=5)))
+    steps = [r for r in recs if r["type"] == "step"]
+    for r in range(3):
+        xs, ys = [s["x_token"][r] for s in steps], [s["y_token"][r] for s in steps]
+        for t in (0, 2):
+            p = law(engine, prompt, "full", xs[:t], PENALTIES, question)
+            q = law(engine, prompt, "snapkv@0.5", ys[:t], PENALTIES, question)
             assert tv(p, q).item() == pytest.approx(steps[t]["tv"][r], abs=2e-4)
 
 
