@@ -8,6 +8,7 @@ plans (``load_plan``, ``run_plan``) sit on top. ``analyze`` (the report) is load
 lazily because it pulls in matplotlib.
 """
 
+from divstats.components import variance_components
 from divstats.coupling import simulate
 from divstats.curves import branch_tv, branch_tv_window, survival
 from divstats.decompose import DecompositionResult, decompose
@@ -22,7 +23,7 @@ __all__ = [
     "DecompositionResult", "ExactResult", "Plan", "PlanError", "PlanResult", "aggregate",
     "analyze", "assign_split", "branch_tv", "branch_tv_window", "decompose", "estimate",
     "exact", "extremal_kernels", "holm", "interval_by_window", "load_plan", "paired_test",
-    "run_plan", "sharp_interval", "simulate", "survival", "variance_check",
+    "run_plan", "sharp_interval", "simulate", "survival", "variance_check", "variance_components",
 ]
 
 
