@@ -37,7 +37,7 @@ import xarray as xr
 from divstats._arrays import nanmean
 from divstats.replicates import replicate_values
 
-__all__ = ["METRICS", "document_values", "replicate_influence", "variance_components"]
+__all__ = ["METRICS", "document_values", "paired_document_values", "replicate_influence", "variance_components"]
 
 #: Metrics split into components (the scalar estimands of ``divstats.estimate``).
 METRICS: tuple[str, ...] = (
@@ -168,17 +168,39 @@ def _pair_mc_cov(vals: xr.Dataset, a: str, b: str) -> xr.DataArray:
     return (cov / k).where(k >= 2)
 
 
+def paired_document_values(vals: xr.Dataset, a: str, b: str) -> xr.Dataset:
+    """Per-document difference A - B of every metric with its Monte Carlo variance.
+
+    Parameters
+    ----------
+    vals : xarray.Dataset
+        The output of :func:`document_values`.
+    a, b : str
+        Policy ids.
+
+    Returns
+    -------
+    xarray.Dataset
+        Over (metric, doc[, model]): ``value`` (A - B), ``mc_var`` (var_A + var_B -
+        2 cov_AB, the covariance from replicates paired by index when ``vals`` came
+        from traces, else 0), ``mc_cov`` and ``replicates`` (mean of the two R).
+    """
+    pick = lambda name, p: vals[name].sel(policy=p, drop=True)  # noqa: E731
+    cov = _pair_mc_cov(vals, a, b)
+    return xr.Dataset({"value": pick("value", a) - pick("value", b),
+                       "mc_var": pick("mc_var", a) + pick("mc_var", b) - 2 * cov, "mc_cov": cov,
+                       "replicates": (pick("replicates", a) + pick("replicates", b)) / 2})
+
+
 def _pairs(vals: xr.Dataset) -> xr.Dataset:
     policies = [str(p) for p in vals["policy"].values]
     parts, labels = [], []
     for a, b in combinations(policies, 2):
-        va, vb = vals["value"].sel(policy=a, drop=True), vals["value"].sel(policy=b, drop=True)
+        pair = paired_document_values(vals, a, b)
+        comp = _components(pair["value"], pair["mc_var"], pair["replicates"])
         ma, mb = vals["mc_var"].sel(policy=a, drop=True), vals["mc_var"].sel(policy=b, drop=True)
-        cov = _pair_mc_cov(vals, a, b)
-        r = (vals["replicates"].sel(policy=a, drop=True) + vals["replicates"].sel(policy=b, drop=True)) / 2
-        comp = _components(va - vb, ma + mb - 2 * cov, r)
         with np.errstate(invalid="ignore", divide="ignore"):
-            comp["mc_correlation"] = (cov / np.sqrt(ma * mb)).mean("doc", skipna=True)
+            comp["mc_correlation"] = (pair["mc_cov"] / np.sqrt(ma * mb)).mean("doc", skipna=True)
         parts.append(xr.Dataset(comp))
         labels.append((a, b))
     if not parts:
