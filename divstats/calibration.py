@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import xarray as xr
 
-from divstats.decompose import _split
+from divstats.decompose import bootstrap_gap, split_gap
 from divstats.paired import paired_test
 
 # ---------------------------------------------------------------------------
@@ -170,17 +170,15 @@ def decomposition_coverage(*, n_docs: int = 30, n_sims: int = 100, level: float 
                            method: str = "BCa", n_resamples: int = 999, horizon: int = 32,
                            seed: int = 0) -> DecompositionCoverage:
     """Coverage of the paired bootstrap intervals for gap, Δfirst, Δexposure, Δrate."""
-    from divstats.decompose import _bootstrap
-
     rng = np.random.default_rng(seed)
     truth_draw = _population(2_000_000, np.random.default_rng(seed + 1), horizon)
-    truth = _split(*truth_draw, horizon, "shapley")[:4]
+    truth = split_gap(*truth_draw, horizon, "shapley")[:4]
     names = ("gap", "first", "exposure", "rate")
     hits = np.zeros(4)
     for i in range(n_sims):
         sample = _population(n_docs, rng, horizon)
-        lo, hi = _bootstrap(sample, horizon, "shapley", level, method, n_resamples, seed + i)
+        lo, hi = bootstrap_gap(sample, horizon, "shapley", level, method, n_resamples, seed + i)
         hits += (lo <= truth) & (truth <= hi)
     return DecompositionCoverage(n_docs, n_sims, level, method,
-                                 {k: float(h / n_sims) for k, h in zip(names, hits)},
-                                 {k: float(t) for k, t in zip(names, truth)})
+                                 {k: float(h / n_sims) for k, h in zip(names, hits, strict=True)},
+                                 {k: float(t) for k, t in zip(names, truth, strict=True)})

@@ -34,7 +34,7 @@ from itertools import combinations
 import numpy as np
 import xarray as xr
 
-from divstats._arrays import nanmean
+from divstats.arrays import nanmean
 from divstats.replicates import replicate_values
 
 __all__ = ["METRICS", "document_values", "paired_document_values", "replicate_influence", "variance_components"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from divstats._arrays import (
+from divstats.arrays import (
     core_array,
     kind_of,
     layout,
@@ -25,9 +25,10 @@ from divstats._arrays import (
     ratio_se,
     row_chunks,
 )
+from divstats.errors import DivstatsError
 from divstats.replicates import (
-    _first_divergence,
     effective_window,
+    first_divergence,
     horizon_of,
     reference_survival,
     survival_terms,
@@ -49,7 +50,7 @@ def _survival_rows(ds: xr.Dataset, lay, T: int) -> np.ndarray:
     if kind == "coupled":
         x, y = (core_array(ds, v, lay, core) for v in ("x_token", "y_token"))
         for sl in row_chunks(lay.rows, n * T):
-            _, tau = _first_divergence(x[sl], y[sl], T)
+            _, tau = first_divergence(x[sl], y[sl], T)
             out[sl, :, 1:] = tau[..., None] > np.arange(1, T + 1)
     elif kind == "residual":
         stv = core_array(ds, "shared_tv", lay, core)
@@ -85,7 +86,7 @@ def survival(ds: xr.Dataset) -> xr.Dataset:
 
 def _coupled_branch(tv: np.ndarray, x: np.ndarray, y: np.ndarray, T: int, W: int):
     """(numerator, denominator, observed) per replicate and age, coupled traces."""
-    _, tau = _first_divergence(x, y, T)
+    _, tau = first_divergence(x, y, T)
     ages = np.arange(T)
     idx = tau[..., None] - 1 + ages                      # 0-based step of tau + k
     valid = (idx <= T - 1) & (ages <= W)
@@ -131,11 +132,11 @@ def _branch_rows(ds: xr.Dataset, window: int | None, reducer):
         return np.where(absent, np.nan, num), np.where(absent, np.nan, den), observed & ~absent
 
     parts = [reducer(*masked(sl)) for sl in row_chunks(lay.rows, 3 * n * T)]
-    return lay, T, W, [np.concatenate(p, axis=0) for p in zip(*parts)]
+    return lay, T, W, [np.concatenate(p, axis=0) for p in zip(*parts, strict=True)]
 
 
-class _NotIdentified(ValueError):
-    pass
+class _NotIdentified(DivstatsError, ValueError):
+    """Branch TV cannot be estimated from these traces (caught in branch_tv: NaN with the reason)."""
 
 
 def _per_age(num: np.ndarray, den: np.ndarray, observed: np.ndarray):

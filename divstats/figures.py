@@ -79,7 +79,7 @@ def survival_figure(surv: xr.Dataset, *, level: float = 0.95) -> Figure:
     fig, axes = _panels(len(models))
     colors = policy_colors(surv["policy"].values)
     step = surv["step"].values
-    for ax, model in zip(axes, models):
+    for ax, model in zip(axes, models, strict=True):
         sub = surv if model is None else surv.sel(model=model)
         for pol in sub["policy"].values:
             s = sub.sel(policy=pol)
@@ -109,7 +109,7 @@ def decomposition_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
     z = stats.norm.ppf(0.5 + level / 2)
     n_docs = int(agg.attrs.get("n_docs", 1))
     T = float(agg.attrs.get("horizon", 1))
-    for ax, model in zip(axes, models):
+    for ax, model in zip(axes, models, strict=True):
         sub = agg if model is None else agg.sel(model=model)
         pols = [str(p) for p in sub["policy"].values]
         y = np.arange(len(pols))
@@ -180,7 +180,7 @@ def branch_tv_figure(bt: xr.Dataset, windows: Mapping[str, tuple[int, int]] | No
     fig, axes = _panels(len(models))
     colors = policy_colors(bt["policy"].values)
     age = bt["age"].values
-    for ax, model in zip(axes, models):
+    for ax, model in zip(axes, models, strict=True):
         sub = bt if model is None else bt.sel(model=model)
         for k, (name, (first, last)) in enumerate((windows or {}).items()):
             ax.axvspan(first - 0.5, min(last, age.max()) + 0.5, color=_WINDOW_COLORS[k % 4], alpha=0.35, lw=0)
@@ -214,7 +214,7 @@ def interval_figure(ivw: xr.Dataset, full: xr.Dataset | None = None) -> Figure:
     fig, axes = _panels(len(models))
     colors = policy_colors(curve["policy"].values)
     w = curve["window"].values
-    for ax, model in zip(axes, models):
+    for ax, model in zip(axes, models, strict=True):
         sub = curve if model is None else curve.sel(model=model)
         for pol in sub["policy"].values:
             s = sub.sel(policy=pol)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import numpy as np
 import xarray as xr
 
-from divstats._arrays import mean_se, nanmean, ratio_se
+from divstats.arrays import mean_se, nanmean, ratio_se
 from divstats.kernels import CoupledKernels, Kernel, step_law
 from divstats.replicates import replicate_values
 

@@ -44,8 +44,9 @@ import xarray as xr
 from scipy import stats
 
 from divstats.components import document_values, paired_document_values
+from divstats.errors import PlanError
 from divstats.paired import signed_rank_null_cdf
-from divstats.plans import WINDOW_METRICS, Hypothesis, Plan, PlanError, load_plan
+from divstats.plans import WINDOW_METRICS, Hypothesis, Plan, load_plan
 
 __all__ = ["SIMULATE_MAX_N", "HypothesisPilot", "PowerResult", "hypothesis_pilots", "power", "power_at"]
 

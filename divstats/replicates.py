@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import xarray as xr
 
-from divstats._arrays import Layout, core_array, kind_of, layout, present_replicates, row_chunks
+from divstats.arrays import Layout, core_array, kind_of, layout, present_replicates, row_chunks
 
 #: Per-replicate values produced for every kind.
 VALUES = ("occurrence", "exposure", "rmtd", "post_mismatch", "window_mismatch", "tail_capacity",
@@ -57,7 +57,7 @@ def eos_rows(ds: xr.Dataset, lay: Layout) -> np.ndarray:
     coord = ds.coords.get("eos_token_id")
     if coord is None or not coord.dims or not set(coord.dims) <= set(lay.dims):
         return np.full(lay.rows, eos_of(ds))
-    var = coord.variable.set_dims(dict(zip(lay.dims, lay.shape)))
+    var = coord.variable.set_dims(dict(zip(lay.dims, lay.shape, strict=True)))
     return var.transpose(*lay.dims).values.reshape(-1).astype(np.int64)
 
 
@@ -76,7 +76,7 @@ def effective_window(ds: xr.Dataset, window: int | None) -> int:
     return window
 
 
-def _first_divergence(x: np.ndarray, y: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:
+def first_divergence(x: np.ndarray, y: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:
     """(D, tau) with tau = T + 1 standing for 'no divergence in 1..T'."""
     d = x != y
     hit = d.any(axis=-1)
@@ -98,7 +98,7 @@ def _both_ended(x: np.ndarray, y: np.ndarray, idx: np.ndarray, eos: np.ndarray) 
 
 
 def _coupled_chunk(x: np.ndarray, y: np.ndarray, T: int, W: int, eos: np.ndarray) -> dict[str, np.ndarray]:
-    d, tau = _first_divergence(x, y, T)
+    d, tau = first_divergence(x, y, T)
     occ = tau <= T
     steps = np.arange(1, T + 1)
     t = tau[..., None]

@@ -16,7 +16,7 @@ import warnings
 import numpy as np
 import xarray as xr
 
-from divstats._arrays import core_array, mean_se, nanmean, row_chunks
+from divstats.arrays import core_array, mean_se, nanmean, row_chunks
 from divstats.replicates import replicate_values, survival_terms
 
 
