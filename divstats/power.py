@@ -225,7 +225,9 @@ def hypothesis_pilots(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, *
         except PlanError as exc:
             if "not in the pilot" in str(exc):
                 raise
-            diff, a, b, note = None, h.compare[0], h.compare[1], str(exc)
+            diff, note = None, str(exc)
+            a, b = ((f"{h.policy}:{h.compare[0]}", f"{h.policy}:{h.compare[1]}") if h.compares_windows
+                    else h.compare)
         for m in models:
             if h.model is not None and m is not None and str(m) != h.model:
                 continue
