@@ -48,7 +48,8 @@ from divstats.errors import PlanError
 from divstats.paired import signed_rank_null_cdf
 from divstats.plans import WINDOW_METRICS, Hypothesis, Plan, load_plan
 
-__all__ = ["SIMULATE_MAX_N", "HypothesisPilot", "PowerResult", "hypothesis_pilots", "power", "power_at"]
+__all__ = ["POWER_COLUMNS", "SIMULATE_MAX_N", "HypothesisPilot", "PowerDesign", "PowerResult", "effect_range",
+           "hypothesis_pilots", "power", "power_at", "power_calibration", "power_range"]
 
 #: Up to this many documents power is simulated; beyond it the normal approximation is used.
 SIMULATE_MAX_N = 100
@@ -356,8 +357,25 @@ def power_at(hp: HypothesisPilot, n: int, R: float, *, theta: float | None = Non
              seed: int = 0) -> float:
     """Power of ``hp``'s test on ``n`` documents with ``R`` replicates each.
 
-    ``theta`` replaces the pilot's effect by a standardised effect
-    delta / sqrt(sigma_B^2 + w / R); None uses the pilot's mean difference.
+    Parameters
+    ----------
+    hp : HypothesisPilot
+        One hypothesis and its pilot (:func:`hypothesis_pilots`).
+    n : int
+        Documents the test runs on (already the hypothesis' split share).
+    R : float
+        Replicates per document.
+    theta : float, optional
+        Replace the pilot's effect by this standardised effect
+        delta / sqrt(sigma_B^2 + w / R); None uses the pilot's mean difference.
+    n_sims, seed : int
+        Simulated studies (for n <= ``SIMULATE_MAX_N``) and their seed.
+
+    Returns
+    -------
+    float
+        The rejection probability at ``hp.alpha``; NaN with fewer than 2 documents
+        (in the study or in the pilot).
     """
     h = hp.hypothesis
     if n < 2 or hp.n_pilot < 2:
@@ -372,7 +390,22 @@ def power_at(hp: HypothesisPilot, n: int, R: float, *, theta: float | None = Non
 
 def effect_range(hp: HypothesisPilot, R: float, level: float = 0.8, n_boot: int = N_BOOTSTRAP,
                  seed: int = 0) -> tuple[float, float, float]:
-    """(low, point, high) of the standardised effect at R: a bootstrap interval over pilot documents."""
+    """The standardised effect delta / sqrt(sigma_B^2 + w / R) and its bootstrap interval.
+
+    Parameters
+    ----------
+    hp : HypothesisPilot
+    R : float
+        Replicates per document in the planned study.
+    level : float
+        Coverage of the percentile interval (pilot documents resampled ``n_boot`` times).
+    n_boot, seed : int
+
+    Returns
+    -------
+    tuple of float
+        ``(low, point, high)``.
+    """
     d, w, r = hp.d, hp.w, hp.r
     point = float(d.mean() / math.sqrt(hp.between + w.mean() / R)) if hp.between + w.mean() > 0 else math.nan
     rng = np.random.default_rng(seed)
@@ -388,7 +421,21 @@ def effect_range(hp: HypothesisPilot, R: float, level: float = 0.8, n_boot: int 
 
 def power_range(hp: HypothesisPilot, n: int, R: float, *, level: float = 0.8, n_sims: int = 2000,
                 seed: int = 0) -> tuple[float, float, float]:
-    """(low, point, high) power: at the ends of the effect's interval, and at the pilot's effect."""
+    """Power at the pilot's effect and its range over the effect's bootstrap interval.
+
+    Parameters
+    ----------
+    hp, n, R, n_sims, seed
+        As in :func:`power_at`.
+    level : float
+        Coverage of the effect's interval (:func:`effect_range`).
+
+    Returns
+    -------
+    tuple of float
+        ``(low, point, high)``: the smallest and largest power at the interval's ends
+        (and at 0 when the interval straddles it), and the power at the pilot's effect.
+    """
     point = power_at(hp, n, R, n_sims=n_sims, seed=seed)
     if not np.isfinite(point):
         return math.nan, math.nan, math.nan
