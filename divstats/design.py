@@ -35,7 +35,7 @@ from scipy.optimize import nnls
 from divstats.power import HypothesisPilot, hypothesis_pilots, power_at, power_range
 from divstats.replicates import replicate_values
 
-__all__ = ["REPLICATE_GRID", "CostModel", "DesignResult", "design"]
+__all__ = ["REPLICATE_GRID", "CostModel", "DesignResult", "allocate", "design"]
 
 #: Replicates per document tried by :func:`design`.
 REPLICATE_GRID: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
@@ -224,3 +224,100 @@ def design(plan: Any, pilot: xr.Dataset, power: float = 0.8, cost: CostModel | N
         N = int(group["docs"].max())
         best = min(best, (cost.cost(N, R), N, int(R)), key=lambda b: b[0])
     return DesignResult(table, best[1], best[2], best[0], power, use, cost, unreachable)
+
+
+# ---------------------------------------------------------------------------
+# Allocation of further replicates after a pilot round
+# ---------------------------------------------------------------------------
+
+def _per_replicate(pilot: xr.Dataset, metrics: Sequence[str]) -> tuple[xr.DataArray, xr.DataArray]:
+    """(w, R0) over (doc, policy[, model]): per-replicate variance summed over standardised metrics."""
+    from divstats.components import document_values
+
+    vals = document_values(pilot).sel(metric=list(metrics))
+    w = vals["mc_var"] * vals["replicates"]
+    # each metric in units of its mean per-replicate variance, so that metrics on different scales count alike
+    w = (w / w.mean([d for d in w.dims if d != "metric"])).sum("metric", skipna=True)
+    return w, vals["replicates"].isel(metric=0, drop=True)
+
+
+def allocate(pilot: xr.Dataset, metrics: str | Sequence[str] = "loss", *, target_se: float | None = None,
+             budget: float | None = None, cost: CostModel | None = None, by: str = "cell",
+             min_replicates: int = 2, floor: float = 0.1) -> xr.DataArray:
+    """Further replicates per (document, policy) after a pilot round.
+
+    Parameters
+    ----------
+    pilot : xarray.Dataset
+        The pilot round's traces.
+    metrics : str or sequence of str
+        Metrics whose Monte Carlo variance the allocation targets (several are
+        standardised by their mean per-replicate variance and summed).
+    target_se : float, optional
+        Reach this Monte Carlo SE of every per-document estimate (one metric only):
+        R = w / target_se^2 in total.
+    budget : float, optional
+        Spend this many further replicates (or cost units, with ``cost``) so as to
+        minimise the summed Monte Carlo variance: R proportional to sqrt(w / c)
+        (Neyman allocation), water-filled above what the pilot already has.
+    cost : CostModel, optional
+        Cost per replicate (``steps_per_replicate * per_step``); default 1 per replicate.
+    by : {"cell", "policy"}
+        ``cell`` uses each (document, policy)'s own pilot variance; ``policy`` the
+        policy's mean over documents, so a cell's allocation hardly depends on its
+        own pilot values (see the bias note in docs/design.md).
+    min_replicates : int
+        Every cell gets at least this many further replicates, so that the rounds
+        after the pilot estimate every cell on their own.
+    floor : float
+        A cell's variance is at least ``floor`` times the median (a pilot of few
+        replicates can show zero variance by chance).
+
+    Returns
+    -------
+    xarray.DataArray
+        Further replicates (int) over (doc, policy[, model]).
+
+    Raises
+    ------
+    ValueError
+        Neither or both of ``target_se`` and ``budget``; an unknown ``by``.
+    """
+    if (target_se is None) == (budget is None):
+        raise ValueError("give exactly one of target_se and budget")
+    if by not in ("cell", "policy"):
+        raise ValueError(f"by must be 'cell' or 'policy', got {by!r}")
+    metrics = [metrics] if isinstance(metrics, str) else list(metrics)
+    if target_se is not None and len(metrics) != 1:
+        raise ValueError("target_se applies to one metric")
+    w, r0 = _per_replicate(pilot, metrics)
+    if target_se is not None:  # in the metric's own units, not standardised
+        from divstats.components import document_values
+
+        vals = document_values(pilot).sel(metric=metrics[0], drop=True)
+        w = vals["mc_var"] * vals["replicates"]
+    w = w.fillna(0.0)
+    if by == "policy":
+        w = w.mean("doc").broadcast_like(w)
+    w = np.maximum(w, floor * float(w.median()))
+    c = cost.steps_per_replicate * cost.per_step if cost is not None else 1.0
+    if target_se is not None:
+        total = np.ceil(w / target_se ** 2)
+    else:
+        total = _neyman(w, r0, float(budget) / c + float(r0.sum()))
+    return np.maximum(total - r0, min_replicates).astype(int).rename("replicates")
+
+
+def _neyman(w: xr.DataArray, r0: xr.DataArray, total: float) -> xr.DataArray:
+    """R proportional to sqrt(w) with sum R = total, never below r0 (water-filling)."""
+    fixed = xr.zeros_like(w, dtype=bool)
+    for _ in range(w.size):
+        free = ~fixed
+        share = np.sqrt(w).where(free)
+        left = total - float(r0.where(fixed).sum())
+        alloc = (share / float(share.sum()) * left).where(free, r0)
+        under = free & (alloc < r0)
+        if not bool(under.any()):
+            return np.floor(alloc)
+        fixed = fixed | under
+    return r0.astype(float)
