@@ -9,15 +9,20 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from divstats.errors import DivstatsError
 from divstats.plans import PlanError, load_plan, parse_aliases, shipped_plans, split_disagreement_note, split_table
 
+if TYPE_CHECKING:
+    from divstats.analysis import Analysis
+
 __all__ = ["analyze", "split"]
 
-_PLAN_HELP = ("A shipped plan's name ({names}) or a plan TOML file; its SHA-256 is recorded in every output.")
+#: What --plan accepts (both commands).
+_PLAN_CHOICES = f"a shipped plan's name ({', '.join(shipped_plans())}) or a plan TOML file"
 
 
 def _fail(message: str) -> None:
@@ -27,8 +32,8 @@ def _fail(message: str) -> None:
 @click.command("analyze")
 @click.argument("traces", type=click.Path(exists=True, path_type=Path))
 @click.option("--plan", "plan_source", default=None, metavar="NAME|PATH",
-              help=_PLAN_HELP.format(names=", ".join(shipped_plans()))
-              + " Without --plan the report is descriptive: every comparison is exploratory.")
+              help=f"The prespecified plan: {_PLAN_CHOICES}; its SHA-256 is recorded in every output. "
+                   "Without --plan the report is descriptive: every comparison is exploratory.")
 @click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path),
               help="Directory for report.html, summary.md and results.nc (built beside it, then renamed "
                    "into place). It must not exist (or be empty) unless --overwrite.")
@@ -72,7 +77,7 @@ def analyze(traces: Path, plan_source: str | None, out_dir: Path, overwrite: boo
     _echo_summary(an)
 
 
-def _echo_summary(an) -> None:
+def _echo_summary(an: Analysis) -> None:
     """The plan rows (or that there is no plan), notes, deviations and the files written."""
     if an.plan is None:
         click.echo("no plan: descriptive report (every comparison is exploratory)")
@@ -117,8 +122,7 @@ def _doc_ids(path: Path) -> tuple[list[str], list[str] | None, str]:
 @click.command("split")
 @click.argument("source", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--plan", "plan_source", required=True, metavar="NAME|PATH",
-              help="Plan whose salt and confirmatory fraction define the split: "
-                   + _PLAN_HELP.format(names=", ".join(shipped_plans())).split(";")[0] + ".")
+              help=f"Plan whose salt and confirmatory fraction define the split: {_PLAN_CHOICES}.")
 @click.option("--format", "fmt", type=click.Choice(["table", "jsonl", "csv"]), default="table", show_default=True)
 @click.option("--strict", is_flag=True, help="Exit with status 1 if the file's split labels disagree with the plan.")
 def split(source: Path, plan_source: str, fmt: str, strict: bool) -> None:

@@ -34,6 +34,8 @@ from divstats.replicates import (
     survival_terms,
 )
 
+__all__ = ["branch_tv", "branch_tv_window", "survival"]
+
 
 def _n_replicates(ds: xr.Dataset, lay) -> int:
     """Most replicates present in any row (padding after a combine does not count)."""
@@ -70,6 +72,24 @@ def survival(ds: xr.Dataset) -> xr.Dataset:
     coupled: the empirical survival of tau (docs/statistics.md §4); residual: the mean of
     S_t = prod_{s<=t} (1 - delta_s) on the survival paths (§5); reference: the mean
     of prod_{s<=t} min(1, q_s/p_s) along P-samples (§7).  ``step`` runs 0..T.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset of any kind.
+
+    Returns
+    -------
+    xarray.Dataset
+        ``survival`` and ``survival_se`` over (doc, policy[, model], step).
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.2)}, horizon=5, replicates=4)
+    >>> s = survival(ds)
+    >>> s["survival"].dims, float(s["survival"].isel(step=0).min())
+    (('doc', 'policy', 'step'), 1.0)
     """
     lay, T = layout(ds), horizon_of(ds)
     s = _survival_rows(ds, lay, T)
@@ -152,6 +172,27 @@ def branch_tv(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     ``branch_tv_denominator`` (estimate of P(tau + k <= T)) and ``branch_tv_count``
     (replicates whose branch was observed at that age).  Ages beyond the observed
     window W, and ages with a zero denominator, are NaN.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Coupled or residual traces (reference traces give NaN with the reason in
+        ``attrs["not_identified"]``).
+    window : int, optional
+        Truncate the observation window W after divergence.
+
+    Returns
+    -------
+    xarray.Dataset
+        ``branch_tv``, ``branch_tv_se``, ``branch_tv_denominator``, ``branch_tv_count``
+        over (doc, policy[, model], age).
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.2)}, horizon=5, replicates=4)
+    >>> branch_tv(ds)["branch_tv"].sizes["age"]
+    5
     """
     T = horizon_of(ds)
     age = {"age": np.arange(T)}
@@ -190,6 +231,32 @@ def branch_tv_window(ds: xr.Dataset, start: int, stop: int, window: int | None =
     (1/m) sum_k (num_ik - r_k den_ik) / mean(den_k), so the correlation between
     ages of one replicate is accounted for.  Ages beyond the observed window make
     the average NaN (not identified) rather than silently shorter.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Coupled or residual traces.
+    start, stop : int
+        Ages ``start <= k < stop``.
+    window : int, optional
+        Truncate the observation window W after divergence.
+
+    Returns
+    -------
+    xarray.Dataset
+        ``branch_tv_window``, its ``_se`` and ``branch_tv_window_ages`` over (doc, policy[, model]).
+
+    Raises
+    ------
+    ValueError
+        Unless 0 <= start < stop <= T.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.2)}, horizon=5, replicates=4)
+    >>> sorted(branch_tv_window(ds, 1, 3).data_vars)[0]
+    'branch_tv_window'
     """
     T = horizon_of(ds)
     if not 0 <= start < stop <= T:

@@ -16,6 +16,8 @@ import numpy as np
 
 from divstats.kernels import CoupledKernels, Kernel
 
+__all__ = ["ExactResult", "exact"]
+
 
 @dataclass(frozen=True)
 class ExactResult:
@@ -87,6 +89,25 @@ def exact(
     window : W, post-divergence steps observed (None = T: branches run to the end).
         Only ``window_mismatch``, ``tail_capacity`` and the interval depend on it.
     eos : absorbing end-of-sequence token, or None.
+
+    Returns
+    -------
+    ExactResult
+        Every estimand, with the number of enumerated states.
+
+    Raises
+    ------
+    ValueError
+        For a horizon below 1, a negative window, or kernels that are not probability laws.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> p = lambda h: np.array([0.6, 0.4])
+    >>> q = lambda h: np.array([0.5, 0.5])
+    >>> r = exact(p, q, 2, horizon=3)
+    >>> round(r.occurrence, 6), bool(np.isclose(r.loss, r.occurrence + r.exposure * r.rate))
+    (0.271, True)
     """
     if horizon < 1:
         raise ValueError(f"horizon must be >= 1, got {horizon}")

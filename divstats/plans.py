@@ -480,6 +480,11 @@ def split_table(doc_ids: Sequence[str], plan: Plan, dataset_split: Sequence[str]
     pandas.DataFrame
         Columns ``doc``, ``split``, ``dataset_split``, ``agrees``.
 
+    Raises
+    ------
+    PlanError
+        When ``dataset_split`` does not hold one label per document.
+
     Examples
     --------
     >>> t = split_table(["doc0"], load_plan("paper"), ["exploratory"])
