@@ -125,6 +125,14 @@ def document_values(data: xr.Dataset, window: int | None = None) -> xr.Dataset:
         Over (metric, doc, policy[, model]): ``value`` (the estimate), ``mc_var``
         (its squared Monte Carlo SE) and ``replicates`` (R per document and policy);
         from traces also ``influence`` over ``replicate`` (see :func:`replicate_influence`).
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2)}, horizon=5, replicates=3)
+    >>> vals = document_values(ds)
+    >>> sorted(vals["value"].dims)
+    ['doc', 'metric', 'policy']
     """
     if _is_traces(data):
         infl = replicate_influence(data, window).to_dataarray("metric")
@@ -184,6 +192,14 @@ def paired_document_values(vals: xr.Dataset, a: str, b: str) -> xr.Dataset:
         Over (metric, doc[, model]): ``value`` (A - B), ``mc_var`` (var_A + var_B -
         2 cov_AB, the covariance from replicates paired by index when ``vals`` came
         from traces, else 0), ``mc_cov`` and ``replicates`` (mean of the two R).
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2)}, horizon=5, replicates=3)
+    >>> pair = paired_document_values(document_values(ds), "a", "b")
+    >>> pair["value"].sizes["doc"]
+    4
     """
     pick = lambda name, p: vals[name].sel(policy=p, drop=True)  # noqa: E731
     cov = _pair_mc_cov(vals, a, b)
@@ -233,6 +249,11 @@ def variance_components(data: xr.Dataset, window: int | None = None) -> xr.Datas
         plus ``diff_mc_correlation``.  ``pair_a``/``pair_b`` name the two policies.
         A per-document estimate at R replicates has variance across documents
         ``between + per_replicate / R``.
+
+    Raises
+    ------
+    ValueError
+        ``window`` given with estimates (they were computed with their own window).
 
     Examples
     --------

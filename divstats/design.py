@@ -193,6 +193,11 @@ def design(plan: Any, pilot: xr.Dataset, power: float = 0.8, cost: CostModel | N
     -------
     DesignResult
 
+    Raises
+    ------
+    ValueError
+        ``use`` is neither "point" nor "low".
+
     Examples
     --------
     >>> from divstats.calibration import PolicyEffect, simulate_study
@@ -282,6 +287,14 @@ def allocate(pilot: xr.Dataset, metrics: str | Sequence[str] = "loss", *, target
     ------
     ValueError
         Neither or both of ``target_se`` and ``budget``; an unknown ``by``.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> pilot = simulate_study(3, {"a": PolicyEffect(0.1)}, horizon=5, replicates=4, kind="residual")
+    >>> more = allocate(pilot, "loss", budget=30)
+    >>> more.dims, int(more.min()) >= 2
+    (('doc', 'policy'), True)
     """
     if (target_se is None) == (budget is None):
         raise ValueError("give exactly one of target_se and budget")

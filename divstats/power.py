@@ -199,6 +199,15 @@ def hypothesis_pilots(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, *
     ------
     PlanError
         A policy the plan names is not in the pilot.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> pilot = simulate_study(6, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.2)}, horizon=6, replicates=4)
+    >>> plan = {"plan": {"name": "p", "salt": "s"}, "hypothesis": [{"id": "h", "family": "f",
+    ...         "metric": "occurrence", "compare": ["a", "b"], "split": "all"}]}
+    >>> [(hp.label, hp.n_pilot) for hp in hypothesis_pilots(plan, pilot)]
+    [('h', 6)]
     """
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
     mapping = {**plan.aliases, **dict(aliases or {})}
@@ -376,6 +385,16 @@ def power_at(hp: HypothesisPilot, n: int, R: float, *, theta: float | None = Non
     float
         The rejection probability at ``hp.alpha``; NaN with fewer than 2 documents
         (in the study or in the pilot).
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> pilot = simulate_study(6, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.2)}, horizon=6, replicates=4)
+    >>> plan = {"plan": {"name": "p", "salt": "s"}, "hypothesis": [{"id": "h", "family": "f",
+    ...         "metric": "occurrence", "compare": ["a", "b"], "split": "all"}]}
+    >>> hp = hypothesis_pilots(plan, pilot)[0]
+    >>> power_at(hp, 40, 4, n_sims=200) >= power_at(hp, 5, 4, n_sims=200)
+    True
     """
     h = hp.hypothesis
     if n < 2 or hp.n_pilot < 2:
@@ -405,6 +424,16 @@ def effect_range(hp: HypothesisPilot, R: float, level: float = 0.8, n_boot: int 
     -------
     tuple of float
         ``(low, point, high)``.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> pilot = simulate_study(6, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.2)}, horizon=6, replicates=4)
+    >>> plan = {"plan": {"name": "p", "salt": "s"}, "hypothesis": [{"id": "h", "family": "f",
+    ...         "metric": "occurrence", "compare": ["a", "b"], "split": "all"}]}
+    >>> low, point, high = effect_range(hypothesis_pilots(plan, pilot)[0], R=4)
+    >>> low <= point <= high
+    True
     """
     d, w, r = hp.d, hp.w, hp.r
     point = float(d.mean() / math.sqrt(hp.between + w.mean() / R)) if hp.between + w.mean() > 0 else math.nan
@@ -435,6 +464,16 @@ def power_range(hp: HypothesisPilot, n: int, R: float, *, level: float = 0.8, n_
     tuple of float
         ``(low, point, high)``: the smallest and largest power at the interval's ends
         (and at 0 when the interval straddles it), and the power at the pilot's effect.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> pilot = simulate_study(6, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.2)}, horizon=6, replicates=4)
+    >>> plan = {"plan": {"name": "p", "salt": "s"}, "hypothesis": [{"id": "h", "family": "f",
+    ...         "metric": "occurrence", "compare": ["a", "b"], "split": "all"}]}
+    >>> low, point, high = power_range(hypothesis_pilots(plan, pilot)[0], 10, 4, n_sims=200)
+    >>> low <= point <= high
+    True
     """
     point = power_at(hp, n, R, n_sims=n_sims, seed=seed)
     if not np.isfinite(point):
@@ -600,11 +639,33 @@ def power_calibration(designs: Sequence[PowerDesign], effects: tuple[float, floa
     with replacement), and runs ``paired_test`` on the per-document estimates.  The
     prediction is :func:`power_at` with the pool as the pilot.
 
+    Parameters
+    ----------
+    designs : sequence of PowerDesign
+        The (test, direction, n, R) to check.
+    effects : (float, float)
+        Strengths (``PolicyEffect.eps``) of policies ``a`` and ``b``.
+    metric, kind, horizon : str, str, int
+        The metric tested and the traces simulated.
+    pool_docs, pool_replicates : int
+        Size of the pool (the population).
+    alpha : float
+        Level of every test.
+    n_studies, n_sims, seed : int
+        Simulated studies per design (observed), per prediction, and the seed.
+
     Returns
     -------
     pandas.DataFrame
         One row per design: test, direction, n, R, predicted, observed, difference and
         the observed rate's binomial SE.
+
+    Examples
+    --------
+    >>> t = power_calibration([PowerDesign("ttest", "less", 6, 2)], pool_docs=6, pool_replicates=8,
+    ...                       n_studies=20, n_sims=200)
+    >>> list(t.columns[:3])
+    ['kind', 'metric', 'effects']
     """
     from divstats.calibration import PolicyEffect, simulate_study
     from divstats.components import replicate_influence
