@@ -83,3 +83,13 @@ def test_kvdiv_power_prints_the_table(pilot, tmp_path):
     assert "cheapest design reaching power 0.8" in res.output
     bad = CliRunner().invoke(main, ["power", str(path), "--plan", str(plan), "--policy-alias", "a=zzz"])
     assert bad.exit_code != 0 and "not in the pilot" in bad.output
+
+
+def test_power_command_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, divstats.power_cli, divstats.design, divstats.power, protocols; "
+            "print(sorted(m for m in ('torch', 'transformers', 'httpx', 'gen_service') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
