@@ -51,7 +51,7 @@ def test_pooling_a_cell_wise_allocation_is_biased_and_later_rounds_alone_are_not
     kernels, truth = _cells(6)
     r0 = 3
     pooled, later = [], []
-    for s in range(120):
+    for s in range(80):
         pilot_parts = _round(kernels, [r0] * len(kernels), 2 * s)
         pilot = xr.concat(pilot_parts, dim="doc")
         more = allocate(pilot, "occurrence", target_se=0.08).values.ravel()
