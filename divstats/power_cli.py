@@ -22,16 +22,28 @@ def _fmt(x: float, digits: int = 3) -> str:
 
 def format_power_table(table) -> list[str]:
     """The power table as aligned text lines (one per hypothesis and design)."""
-    head = (f"{'hypothesis':<18} {'metric':<11} {'comparison':<26} {'test':<15} {'alpha':>7} {'docs':>6} "
+    cw = max([10, *(len(f"{a} - {b}") for a, b in zip(table["a"], table["b"], strict=True))])
+    iw = max([10, *(len(str(i)) for i in table["id"])])
+    head = (f"{'hypothesis':<{iw}} {'metric':<11} {'comparison':<{cw}} {'test':<16} {'alpha':>7} {'docs':>6} "
             f"{'R':>4} {'n':>5} {'effect':>9} {'sd_doc':>8} {'sd_rep':>8}  power [range]")
     lines = [head, "-" * len(head)]
     for r in table.itertuples(index=False):
         comparison = f"{r.a} - {r.b}"
         power = (f"{_fmt(r.power, 2):>5} [{_fmt(r.power_low, 2)}, {_fmt(r.power_high, 2)}]"
                  if math.isfinite(r.power) else "  n/a")
-        lines.append(f"{r.id:<18} {r.metric:<11} {comparison:<26} {r.test + ' ' + r.direction:<15} "
+        lines.append(f"{r.id:<{iw}} {r.metric:<11} {comparison:<{cw}} {r.test + ' ' + r.direction:<16} "
                      f"{r.alpha_used:>7.4f} {r.docs:>6d} {r.replicates:>4d} {r.n_docs:>5d} {_fmt(r.effect):>9} "
                      f"{_fmt(r.sd_between):>8} {_fmt(r.sd_replicate):>8}  {power}")
+    return lines
+
+
+def format_design_table(table, target: float) -> list[str]:
+    """Documents needed per hypothesis (rows) and replicates per document (columns)."""
+    grid = table.pivot(index="id", columns="replicates", values="docs").reindex(table["id"].unique())
+    head = f"{'documents for power ' + format(target, 'g'):<26}" + "".join(f"{'R=' + str(r):>8}" for r in grid.columns)
+    lines = [head]
+    for hid, row in grid.iterrows():
+        lines.append(f"{hid:<26}" + "".join(f"{'-' if not math.isfinite(v) else int(v):>8}" for v in row))
     return lines
 
 
@@ -91,6 +103,8 @@ def power_command(traces: Path, plan_source: str, docs: tuple[int, ...], replica
             cm = des.cost_model
             click.echo(f"cost model ({cm.source}): {cm.policies} policies x (request {cm.per_request:.3g} + "
                        f"{cm.steps_per_replicate:.3g} steps/replicate x {cm.per_step:.3g}) {cm.unit}")
+            for line in format_design_table(des.table, target):
+                click.echo(line)
             click.echo(des.summary())
     except (DivstatsError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
