@@ -101,7 +101,7 @@ def power_command(traces: Path, plan_source: str, docs: tuple[int, ...], replica
             des = design(plan, pilot, target, use="low" if conservative else "point", aliases=alias_map,
                          window=window, n_sims=min(sims, 1000), seed=seed)
             cm = des.cost_model
-            click.echo(f"cost model ({cm.source}): {cm.policies} policies x (request {cm.per_request:.3g} + "
+            click.echo(f"cost model ({cm.source}): {cm.policies} policies x (request {cm.request(0):.3g} + "
                        f"{cm.steps_per_replicate:.3g} steps/replicate x {cm.per_step:.3g}) {cm.unit}")
             for line in format_design_table(des.table, target):
                 click.echo(line)
