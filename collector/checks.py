@@ -24,15 +24,19 @@ from protocols.stream import Stream, StreamError, read_stream
 __all__ = ["RunLedger", "audit_document", "derive_seed", "header_problems", "read_request"]
 
 
-def derive_seed(seed: int, doc_id: str, policy: str) -> int:
+def derive_seed(seed: int, doc_id: str, policy: str | None) -> int:
     """A per-request seed from (seed, doc, policy): order-independent, so resume == rerun.
 
     Parameters
     ----------
     seed : int
         The run's seed.
-    doc_id, policy : str
-        The request's document id and candidate policy id.
+    doc_id : str
+        The request's document id.
+    policy : str or None
+        The candidate policy id; None derives the seed from (seed, doc) alone, so
+        every policy of a document shares its random numbers (common random numbers,
+        docs/design.md).
 
     Returns
     -------
@@ -44,7 +48,8 @@ def derive_seed(seed: int, doc_id: str, policy: str) -> int:
     >>> derive_seed(0, "doc1", "snapkv@0.5") == derive_seed(0, "doc1", "snapkv@0.5")
     True
     """
-    digest = hashlib.sha256(f"kvdiv:{seed}\0{doc_id}\0{policy}".encode()).digest()
+    key = f"kvdiv:{seed}\0{doc_id}" + ("" if policy is None else f"\0{policy}")
+    digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
@@ -103,7 +108,7 @@ def header_problems(header: Mapping[str, Any], params: Mapping[str, Any], doc_id
     asked = {
         "doc": doc_id, "kind": params["kind"], "horizon": params["max_new_tokens"],
         "replicates": params["replicates"], "window": params["window"],
-        "seed": derive_seed(params["seed"], doc_id, policy),
+        "seed": derive_seed(params["seed"], doc_id, None if params.get("common_random_numbers") else policy),
     }
     problems = [f"{k} is {header.get(k)!r}, asked {v!r}" for k, v in asked.items() if header.get(k) != v]
     candidate = (header.get("candidate") or {}).get("policy")

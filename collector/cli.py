@@ -48,6 +48,9 @@ def _split_policies(value: str) -> list[str]:
 @click.option("--top-k", type=click.IntRange(min=0), default=None)
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None)
 @click.option("--seed", type=int, required=True, help="Run seed; each request's seed derives from (seed, doc, policy).")
+@click.option("--common-random-numbers/--no-common-random-numbers", "crn", default=False, show_default=True,
+              help="Derive each request's seed from (seed, doc) so all policies of a document share random "
+                   "numbers (lower variance of paired differences; docs/design.md).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Run directory (journal and manifest); rerunning resumes it.")
 @click.option("--api-key", default=None, envvar="KVDIV_API_KEY",
@@ -63,7 +66,7 @@ def _split_policies(value: str) -> list[str]:
 def collect(servers: tuple[str, ...], servers_file: Path | None, wait_for_servers: float, docs_file: Path,
             policies: str, kind: str, replicates: int,
             max_new_tokens: int, window: int | None, temperature: float, top_k: int | None,
-            top_p: float | None, seed: int, out: Path, api_key: str | None, concurrency: int,
+            top_p: float | None, seed: int, crn: bool, out: Path, api_key: str | None, concurrency: int,
             template: str, max_attempts: int, request_timeout: float, progress: bool) -> None:
     """Collect traces for every (document, policy) into a resumable journal."""
     from collector.collect import CollectConfig
@@ -75,6 +78,7 @@ def collect(servers: tuple[str, ...], servers_file: Path | None, wait_for_server
                             docs_file=docs_file, policies=_split_policies(policies),
                             out=out, kind=kind, replicates=replicates, max_new_tokens=max_new_tokens,
                             window=window, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            common_random_numbers=crn,
                             template=template, api_key=api_key, concurrency=concurrency,
                             max_attempts=max_attempts, request_timeout_s=request_timeout, progress=progress)
         result = run_collect(cfg)

@@ -9,9 +9,11 @@ lazily because it pulls in matplotlib. Every exception divstats raises on purpos
 is a :class:`DivstatsError`.
 """
 
+from divstats.components import variance_components
 from divstats.coupling import simulate
 from divstats.curves import branch_tv, branch_tv_window, survival
 from divstats.decompose import DecompositionResult, decompose
+from divstats.design import design
 from divstats.errors import DivstatsError, NotIdentified, OutputError, PlanError
 from divstats.estimators import aggregate, aggregate_intervals, estimate
 from divstats.exact import ExactResult, exact
@@ -19,14 +21,15 @@ from divstats.interval import extremal_kernels, interval_by_window, sharp_interv
 from divstats.paired import holm, paired_test
 from divstats.planrun import PlanResult, run_plan
 from divstats.plans import Plan, assign_split, load_plan, shipped_plan, shipped_plans
+from divstats.power import power
 from divstats.variance import variance_check
 
 __all__ = [
     "DecompositionResult", "DivstatsError", "ExactResult", "NotIdentified", "OutputError", "Plan", "PlanError",
     "PlanResult", "aggregate", "aggregate_intervals", "analyze", "assign_split", "branch_tv", "branch_tv_window",
-    "decompose", "estimate", "exact", "extremal_kernels", "holm", "interval_by_window", "load_plan",
-    "paired_test", "run_plan", "shipped_plan", "shipped_plans", "sharp_interval", "simulate", "survival",
-    "variance_check",
+    "decompose", "design", "estimate", "exact", "extremal_kernels", "holm", "interval_by_window", "load_plan",
+    "paired_test", "power", "run_plan", "shipped_plan", "shipped_plans", "sharp_interval", "simulate", "survival",
+    "variance_check", "variance_components",
 ]
 
 

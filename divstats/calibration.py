@@ -5,10 +5,11 @@ Two kinds of experiment, shared by the tests (small, seconds) and
 
 * :func:`paired_calibration` — type-I error and power of the paired tests, and
   coverage of their effect-size intervals, on per-document differences drawn
-  from a symmetric heavy-tailed law around a known shift;
-* :func:`decomposition_coverage` — coverage of the paired BCa bootstrap intervals
-  of the gap decomposition, documents drawn from a population whose aggregate
-  gap and parts are known (computed from a very large draw).
+  from a symmetric heavy-tailed or a skewed law with a known mean;
+* :func:`decomposition_coverage` — coverage of the intervals over documents
+  (bootstrap-t, jackknife-t, BCa, percentile) for the gap decomposition and its shares,
+  documents drawn from a symmetric or a skewed population whose aggregate gap and
+  parts are known (computed from a very large draw).
 
 :func:`simulate_study` builds a multi-document, multi-policy trace dataset from
 tabular Markov kernels with planted policy effects, for end-to-end checks of
@@ -23,11 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 import xarray as xr
 
-from divstats.decompose import bootstrap_gap, split_gap
-from divstats.paired import paired_test
+from divstats.decompose import split_gap
+from divstats.paired import paired_test, rejects
 
 __all__ = [
-    "DecompositionCoverage", "PairedCalibration", "PolicyEffect", "decomposition_coverage", "markov_kernels",
+    "POPULATIONS", "DecompositionCoverage", "PairedCalibration", "PolicyEffect", "decomposition_coverage",
+    "document_population", "draw_differences", "markov_kernels", "pseudo_median",
     "paired_calibration", "simulate_study"
 ]
 
@@ -167,6 +169,74 @@ def simulate_study(n_docs: int, policies: Mapping[str, PolicyEffect], *, horizon
 # Paired tests: size, power, interval coverage
 # ---------------------------------------------------------------------------
 
+#: Populations of per-document differences: ``symmetric`` = shift + 0.1 t5 (mean, median
+#: and pseudo-median all equal the shift); ``skewed`` = shift + 0.1 (Exp(1) − 1) (mean =
+#: shift; skewness 2, so the median and pseudo-median lie below it).
+POPULATIONS: tuple[str, ...] = ("symmetric", "skewed")
+#: Pseudo-median of Exp(1) − 1: half the median of Gamma(2, 1), minus 1.
+_EXP_PSEUDO_MEDIAN = 0.5 * 1.6783469900166608 - 1.0
+
+
+def draw_differences(population: str, n: int, shift: float, rng: np.random.Generator) -> np.ndarray:
+    """Per-document differences from one of :data:`POPULATIONS` (mean = ``shift``).
+
+    Parameters
+    ----------
+    population : {"symmetric", "skewed"}
+        The law.
+    n : int
+        Documents.
+    shift : float
+        The mean.
+    rng : numpy.random.Generator
+        Randomness.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``n`` differences.
+
+    Raises
+    ------
+    ValueError
+        For an unknown population.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> draw_differences("skewed", 4, 0.0, np.random.default_rng(0)).shape
+    (4,)
+    """
+    if population == "symmetric":
+        return shift + 0.1 * rng.standard_t(5, n)
+    if population == "skewed":
+        return shift + 0.1 * (rng.exponential(1.0, n) - 1.0)
+    raise ValueError(f"unknown population {population!r}; expected one of {POPULATIONS}")
+
+
+def pseudo_median(population: str, shift: float) -> float:
+    """The Hodges–Lehmann location of a population of :func:`draw_differences`.
+
+    Parameters
+    ----------
+    population : {"symmetric", "skewed"}
+        The law.
+    shift : float
+        Its mean.
+
+    Returns
+    -------
+    float
+        The pseudo-median.
+
+    Examples
+    --------
+    >>> round(pseudo_median("skewed", 0.0), 4)
+    -0.0161
+    """
+    return shift + (0.1 * _EXP_PSEUDO_MEDIAN if population == "skewed" else 0.0)
+
+
 @dataclass(frozen=True)
 class PairedCalibration:
     """Outcome of :func:`paired_calibration`: rejection rate and interval coverages at one setting."""
@@ -180,15 +250,20 @@ class PairedCalibration:
     effect_coverage: float
     mean_ci_coverage: float
     hl_ci_coverage: float
+    population: str = "symmetric"
+    not_estimable: float = 0.0
 
 
 def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int = 400, shift: float = 0.0,
                        alpha: float = 0.05, alternative: str = "two-sided", seed: int = 0,
-                       n_resamples: int = 999, mean_ci: str = "t") -> PairedCalibration:
-    """Rejection rate and interval coverage for per-document differences shift + 0.1·t₅.
+                       n_resamples: int = 999, mean_ci: str = "t",
+                       population: str = "symmetric") -> PairedCalibration:
+    """Rejection rate and interval coverage for per-document differences from ``population``.
 
-    The law is symmetric, so mean, median and Hodges–Lehmann location all equal
-    ``shift``: every interval is checked against the same truth.
+    The mean difference is ``shift`` in both populations, so ``rejection_rate`` at
+    shift 0 is the size *for the mean*; the mean intervals are checked against the
+    shift and the Hodges–Lehmann interval against the population's pseudo-median.
+    The test's own interval is checked against its own estimand.
 
     Parameters
     ----------
@@ -197,7 +272,7 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
     n_docs, n_sims : int
         Documents per simulated study and studies.
     shift : float
-        The true location of the differences (0: the null).
+        The true mean of the differences (0: the null for the mean).
     alpha : float
         Level of the test; intervals are at 1 − alpha.
     alternative : str
@@ -208,46 +283,90 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
         Resamples of each test.
     mean_ci : {"t", "bootstrap"}
         Interval for the mean difference.
+    population : {"symmetric", "skewed"}
+        Law of the differences (:func:`draw_differences`).
 
     Returns
     -------
     PairedCalibration
-        Rejection rate and the three coverages.
+        Rejection rate, the three coverages and the not-estimable fraction.
 
     Examples
     --------
-    >>> r = paired_calibration("ttest", n_docs=10, n_sims=20)
+    >>> r = paired_calibration("ttest", n_docs=10, n_sims=20, population="skewed")
     >>> 0 <= r.rejection_rate <= 1
     True
     """
     rng = np.random.default_rng(seed)
-    rej = cov = cov_m = cov_hl = 0
+    rej = cov = cov_m = cov_hl = bad = 0
+    hl_truth = pseudo_median(population, shift)
+    own = hl_truth if test == "wilcoxon" else shift
     for i in range(n_sims):
         a = rng.normal(0.5, 0.2, n_docs)  # the per-document level cancels in the pair
-        d = shift + 0.1 * rng.standard_t(5, n_docs)
+        d = draw_differences(population, n_docs, shift, rng)
         res = paired_test(a + d, a, test, alternative, confidence_level=1 - alpha,
                           n_resamples=n_resamples, seed=i, mean_ci=mean_ci)
-        rej += res.pvalue < alpha
-        cov += res.ci_low <= shift <= res.ci_high
+        bad += bool(res.reason)
+        rej += rejects(res.pvalue, alpha)
+        cov += res.ci_low <= own <= res.ci_high
         cov_m += res.mean_ci_low <= shift <= res.mean_ci_high
-        cov_hl += res.hl_ci_low <= shift <= res.hl_ci_high
+        cov_hl += res.hl_ci_low <= hl_truth <= res.hl_ci_high
     return PairedCalibration(test, alternative, n_docs, n_sims, shift, float(rej / n_sims),
-                             float(cov / n_sims), float(cov_m / n_sims), float(cov_hl / n_sims))
+                             float(cov / n_sims), float(cov_m / n_sims), float(cov_hl / n_sims),
+                             population, float(bad / n_sims))
 
 
 # ---------------------------------------------------------------------------
-# Decomposition bootstrap coverage
+# Intervals over documents: the gap decomposition and its shares
 # ---------------------------------------------------------------------------
 
-def _population(n: int, rng: np.random.Generator, horizon: int) -> tuple[np.ndarray, ...]:
-    """Per-document (o_A, o_B, e_A, e_B, post_A, post_B) with A, B correlated through the document."""
-    base = rng.beta(2.0, 3.0, n)
-    o_a = np.clip(base + rng.normal(0, 0.05, n), 0, 1)
-    o_b = np.clip(base * 1.3 + rng.normal(0, 0.05, n), 0, 1)
+def document_population(n: int, rng: np.random.Generator, horizon: int,
+                        population: str = "skewed") -> tuple[np.ndarray, ...]:
+    """Per-document (o_A, o_B, e_A, e_B, post_A, post_B), A and B correlated through the document.
+
+    ``skewed``: occurrence levels log-normal (most documents rarely diverge, a few
+    often), rates Beta(1, 6); ``symmetric``: levels Beta(3, 3), rates Beta(4, 4) / 2.
+
+    Parameters
+    ----------
+    n : int
+        Documents.
+    rng : numpy.random.Generator
+        Randomness.
+    horizon : int
+        T.
+    population : {"symmetric", "skewed"}
+        The population.
+
+    Returns
+    -------
+    tuple of numpy.ndarray
+        (o_A, o_B, e_A, e_B, post_A, post_B).
+
+    Raises
+    ------
+    ValueError
+        For an unknown population.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> len(document_population(5, np.random.default_rng(0), 10))
+    6
+    """
+    if population == "skewed":
+        base = np.clip(np.exp(rng.normal(-1.8, 0.9, n)), 0, 0.75)
+        r = rng.beta(1.0, 6.0, n)
+    elif population == "symmetric":
+        base = rng.beta(3.0, 3.0, n) * 0.7
+        r = rng.beta(4.0, 4.0, n) / 2
+    else:
+        raise ValueError(f"unknown population {population!r}; expected one of {POPULATIONS}")
+    o_a = np.clip(base + rng.normal(0, 0.03, n), 0, 1)
+    o_b = np.clip(base * 1.3 + rng.normal(0, 0.03, n), 0, 1)
     frac = rng.uniform(0.3, 0.7, n)                  # how early divergence happens
     e_a = o_a * horizon * frac
     e_b = o_b * horizon * np.clip(frac + 0.1, 0, 1)
-    r = rng.beta(2.0, 6.0, n)
     return o_a, o_b, e_a, e_b, e_a * r, e_b * np.clip(r * 1.2, 0, 1)
 
 
@@ -261,48 +380,80 @@ class DecompositionCoverage:
     method: str
     coverage: dict[str, float]
     truth: dict[str, float]
+    population: str = "skewed"
+    refused: float = 0.0          # fraction of studies with no interval (too few documents)
+    shares_refused: float = 0.0   # fraction with the shares refused (gap interval covers 0, or no interval)
+
+
+_QUANTITIES = ("gap", "first", "exposure", "rate", "share_first", "share_exposure", "share_rate")
 
 
 def decomposition_coverage(*, n_docs: int = 30, n_sims: int = 100, level: float = 0.95,
-                           method: str = "BCa", n_resamples: int = 999, horizon: int = 32,
-                           seed: int = 0) -> DecompositionCoverage:
-    """Coverage of the paired bootstrap intervals for gap, Δfirst, Δexposure, Δrate.
+                           method: str = "bootstrap-t", n_resamples: int = 999, horizon: int = 32,
+                           seed: int = 0, population: str = "skewed", min_docs: int | None = None,
+                           ) -> DecompositionCoverage:
+    """Coverage of the document intervals for gap, Δfirst, Δexposure, Δrate and the shares.
+
+    Coverage is over the studies where the interval was reported (``min_docs``
+    overrides the refusal threshold, so coverage below it can be measured); the
+    shares' coverage is over the studies where the gap's interval excluded 0.
 
     Parameters
     ----------
     n_docs, n_sims : int
         Documents per simulated study and studies.
     level : float
-        Interval level.
+        Confidence level.
     method : str
-        scipy bootstrap method.
+        ``divstats.resample.METHODS``.
     n_resamples : int
-        Resamples per interval.
+        Resamples per interval (bootstrap methods).
     horizon : int
-        T.
+        T of the simulated population.
     seed : int
         Seed of the simulation.
+    population : {"symmetric", "skewed"}
+        :func:`document_population`.
+    min_docs : int, optional
+        Refusal threshold (default ``divstats.resample.MIN_DOCS``).
 
     Returns
     -------
     DecompositionCoverage
-        Coverage and true value of gap, first, exposure and rate.
+        Coverage and truth per quantity, and the refused fractions.
 
     Examples
     --------
-    >>> r = decomposition_coverage(n_docs=10, n_sims=2, n_resamples=99, method="percentile")
-    >>> sorted(r.coverage)
-    ['exposure', 'first', 'gap', 'rate']
+    >>> c = decomposition_coverage(n_docs=12, n_sims=5, n_resamples=99)
+    >>> sorted(c.coverage)[:2]
+    ['exposure', 'first']
     """
+    from divstats.decompose import parts_and_shares
+    from divstats.resample import MIN_DOCS, document_interval
+
     rng = np.random.default_rng(seed)
-    truth_draw = _population(2_000_000, np.random.default_rng(seed + 1), horizon)
-    truth = split_gap(*truth_draw, horizon, "shapley")[:4]
-    names = ("gap", "first", "exposure", "rate")
-    hits = np.zeros(4)
+    big = document_population(2_000_000, np.random.default_rng(seed + 1), horizon, population)
+    t = split_gap(*big, horizon, "shapley")[:4]
+    truth = np.concatenate([t, t[1:] / t[0]])
+    hits, seen = np.zeros(7), np.zeros(7)
+    refused = shares_refused = 0
     for i in range(n_sims):
-        sample = _population(n_docs, rng, horizon)
-        lo, hi = bootstrap_gap(sample, horizon, "shapley", level, method, n_resamples, seed + i)
-        hits += (lo <= truth) & (truth <= hi)
+        sample = document_population(n_docs, rng, horizon, population)
+        ci = document_interval(sample, parts_and_shares(horizon, "shapley"), level=level, method=method,
+                               n_resamples=n_resamples, seed=seed + i,
+                               min_docs=MIN_DOCS if min_docs is None else min_docs)
+        if ci.reason:
+            refused += 1
+            continue
+        ok = np.ones(7, dtype=bool)
+        if ci.low[0] <= 0.0 <= ci.high[0]:
+            ok[4:] = False
+            shares_refused += 1
+        hits += ok & (ci.low <= truth) & (truth <= ci.high)
+        seen += ok
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cov = hits / seen
     return DecompositionCoverage(n_docs, n_sims, level, method,
-                                 {k: float(h / n_sims) for k, h in zip(names, hits, strict=True)},
-                                 {k: float(t) for k, t in zip(names, truth, strict=True)})
+                                 {k: float(c) for k, c in zip(_QUANTITIES, cov, strict=True)},
+                                 {k: float(v) for k, v in zip(_QUANTITIES, truth, strict=True)},
+                                 population, refused / n_sims, (shares_refused + refused) / n_sims)

@@ -5,15 +5,23 @@ every kind is estimated as mean(numerator) / mean(denominator) over replicates
 with a delta-method SE:
 
 * coupled: numerator tv_{tau+k} 1[tau + k <= T], denominator 1[tau + k <= T];
-* residual: numerator (1 - S_T) delta_{t*+k} 1[t* + k <= T], denominator
-  sum_{t <= T-k} pi_t (docs/statistics.md §5);
+* residual: numerator w delta_{t*+k} 1[t* + k <= T], denominator w 1[t* + k <= T]
+  with w = 1 - S_T (docs/statistics.md §4-5): the self-normalised ratio, whose
+  numerator and denominator come from the same sampled branch, so it lies in
+  [0, 1] and is NaN (count 0) where no branch reached the age;
 * reference: not identified (the TV after divergence is never observed).
+
+``branch_tv_denominator`` estimates P(tau + k <= T): the mean indicator for
+coupled traces, the mean of sum_{t <= T-k} pi_t over the whole law of tau for
+residual traces.  The Monte Carlo SE carries a small-count correction and is
+NaN below :data:`MIN_SE_COUNT` replicates (see :func:`small_count_se`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import xarray as xr
+from scipy import stats
 
 from divstats.arrays import (
     core_array,
@@ -34,7 +42,7 @@ from divstats.replicates import (
     survival_terms,
 )
 
-__all__ = ["branch_tv", "branch_tv_window", "survival"]
+__all__ = ["MIN_SE_COUNT", "branch_tv", "branch_tv_window", "small_count_se", "survival"]
 
 
 def _n_replicates(ds: xr.Dataset, lay) -> int:
@@ -104,32 +112,84 @@ def survival(ds: xr.Dataset) -> xr.Dataset:
 
 # --------------------------------------------------------------------------- branch TV
 
+#: Fewest replicates reaching an age for which ``branch_tv_se`` is reported; below it
+#: the SE is NaN ("not available"): with so few values no SE covered in simulation
+#: (tests/test_divstats_sparse.py, docs/statistics.md §4).
+MIN_SE_COUNT = 5
+
+
+def small_count_se(se: np.ndarray, count: np.ndarray, min_count: int | None = None) -> np.ndarray:
+    """Delta-method SE of a ratio at an age reached by ``count`` replicates, made honest.
+
+    Given the replicates that reach the age, the ratio is a (weighted) mean of
+    ``count`` values, and the delta-method SE is their SD with divisor ``count``
+    where the unbiased divisor is ``count - 1``; with few values estimate +- 1.96 SE
+    then undercovers.  The SE is multiplied by sqrt(c / (c - 1)) and by
+    t_{0.975, c-1} / z_{0.975}, so that +- 1.96 SE is the Student-t interval on
+    c - 1 degrees of freedom, and is NaN where c < ``min_count`` (default
+    :data:`MIN_SE_COUNT`) or where the SE is 0 (all values seen at the age equal).
+
+    Parameters
+    ----------
+    se : numpy.ndarray
+        Delta-method SEs.
+    count : numpy.ndarray
+        Replicates reaching each age (same shape).
+    min_count : int, optional
+        Fewest replicates for a reported SE.
+
+    Returns
+    -------
+    numpy.ndarray
+        The corrected SEs, NaN below ``min_count``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> small_count_se(np.array([0.1, 0.1]), np.array([3, 20])).round(3).tolist()
+    [nan, 0.11]
+    """
+    c = np.asarray(count, dtype=float)
+    # A zero SE (every value seen at the age equal) would claim certainty that rare
+    # paths with other values cannot exist: not available either.
+    ok = (c >= max(MIN_SE_COUNT if min_count is None else min_count, 2)) & (np.nan_to_num(se) > 1e-12)
+    cs = np.where(ok, c, 2.0)
+    factor = np.sqrt(cs / (cs - 1.0)) * stats.t.ppf(0.975, cs - 1.0) / stats.norm.ppf(0.975)
+    return np.where(ok, se * factor, np.nan)
+
+
 def _coupled_branch(tv: np.ndarray, x: np.ndarray, y: np.ndarray, T: int, W: int):
-    """(numerator, denominator, observed) per replicate and age, coupled traces."""
+    """(numerator, denominator, observed, law denominator) per replicate and age, coupled traces."""
     _, tau = first_divergence(x, y, T)
     ages = np.arange(T)
     idx = tau[..., None] - 1 + ages                      # 0-based step of tau + k
     valid = (idx <= T - 1) & (ages <= W)
     vals = np.take_along_axis(tv.astype(np.float64), np.clip(idx, 0, T - 1), axis=-1)
     den = valid.astype(np.float64)
-    return np.where(valid, vals, 0.0), den, valid
+    return np.where(valid, vals, 0.0), den, valid, den
 
 
 def _residual_branch(stv: np.ndarray, tstar: np.ndarray, btv: np.ndarray, T: int, W: int):
+    """(numerator, denominator, observed, law denominator) per replicate and age, residual traces.
+
+    Numerator and denominator both come from the sampled branch (weight
+    w = 1 - S_T where the branch reaches age k, else 0); the law denominator
+    sum_{t <= T-k} pi_t uses the whole law of tau and is reported separately.
+    """
     s, pi = survival_terms(stv)
     occ = np.where(tstar > 0, 1.0 - s[..., -1], 0.0)
     ages = np.arange(btv.shape[-1])
     K = np.where(tstar > 0, np.minimum(W, T - tstar), -1)
     observed = ages <= K[..., None]
     num = np.where(observed, occ[..., None] * np.nan_to_num(btv.astype(np.float64)), 0.0)
+    den = np.where(observed, occ[..., None], 0.0)
     cum_pi = np.cumsum(pi, axis=-1)
-    # denominator at age k: sum_{t <= T-k} pi_t = cum_pi[T - k - 1]
-    den = cum_pi[..., T - 1 - ages]
-    return num, den, observed
+    # law denominator at age k: sum_{t <= T-k} pi_t = cum_pi[T - k - 1]
+    return num, den, observed, cum_pi[..., T - 1 - ages]
 
 
 def _branch_rows(ds: xr.Dataset, window: int | None, reducer):
-    """Apply ``reducer(num, den, observed)`` chunk by chunk; returns stacked results."""
+    """Apply ``reducer(num, den, observed, law_den)`` chunk by chunk; returns stacked results."""
     kind, T = kind_of(ds), horizon_of(ds)
     if kind == "reference":
         raise _NotIdentified("reference traces never observe the branches after divergence")
@@ -147,9 +207,10 @@ def _branch_rows(ds: xr.Dataset, window: int | None, reducer):
     present = present_replicates(ds, lay)
 
     def masked(sl):
-        num, den, observed = fn(*(a[sl] for a in arrays))
+        num, den, observed, law = fn(*(a[sl] for a in arrays))
         absent = ~present[sl][..., None]
-        return np.where(absent, np.nan, num), np.where(absent, np.nan, den), observed & ~absent
+        nan = lambda v: np.where(absent, np.nan, v)  # noqa: E731
+        return nan(num), nan(den), observed & ~absent, nan(law)
 
     parts = [reducer(*masked(sl)) for sl in row_chunks(lay.rows, 3 * n * T)]
     return lay, T, W, [np.concatenate(p, axis=0) for p in zip(*parts, strict=True)]
@@ -159,19 +220,23 @@ class _NotIdentified(DivstatsError, ValueError):
     """Branch TV cannot be estimated from these traces (caught in branch_tv: NaN with the reason)."""
 
 
-def _per_age(num: np.ndarray, den: np.ndarray, observed: np.ndarray):
+def _per_age(num: np.ndarray, den: np.ndarray, observed: np.ndarray, law: np.ndarray):
     a = lambda v: np.moveaxis(v, 1, -1)  # noqa: E731  (rows, age, n)
     r, se = ratio_se(a(num), a(den))
-    return r, se, nanmean(a(den)), a(observed).sum(axis=-1)
+    count = a(observed).sum(axis=-1)
+    return r, small_count_se(se, count), nanmean(a(law)), count
 
 
 def branch_tv(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     """Branch-aligned TV by age k = 0..T-1 over (doc, policy[, model], age).
 
-    Variables: ``branch_tv`` (ratio estimate), ``branch_tv_se`` (delta method),
+    Variables: ``branch_tv`` (ratio estimate, in [0, 1]), ``branch_tv_se`` (delta
+    method with the small-count correction of :func:`small_count_se`; NaN when
+    fewer than :data:`MIN_SE_COUNT` replicates reach the age),
     ``branch_tv_denominator`` (estimate of P(tau + k <= T)) and ``branch_tv_count``
-    (replicates whose branch was observed at that age).  Ages beyond the observed
-    window W, and ages with a zero denominator, are NaN.
+    (replicates whose branch was observed at that age; report it beside every
+    value).  Ages beyond the observed window W, and ages no replicate reached
+    (count 0), are NaN.
 
     Parameters
     ----------
@@ -213,7 +278,10 @@ def branch_tv(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
         attrs_r["not_identified"] = f"ages k > W = {W} are not observed"
     return xr.Dataset({
         "branch_tv": lay.wrap(r, ("age",), age, attrs_r),
-        "branch_tv_se": lay.wrap(se, ("age",), age, {"description": "delta-method Monte Carlo SE"}),
+        "branch_tv_se": lay.wrap(se, ("age",), age, {
+            "description": "delta-method Monte Carlo SE x sqrt(c/(c-1)) t_{c-1}/z (c = branch_tv_count)",
+            "not_available": f"NaN where fewer than {MIN_SE_COUNT} replicates reach the age, or where "
+                             "every value seen at the age is equal (a zero SE would claim certainty)"}),
         "branch_tv_denominator": lay.wrap(den, ("age",), age,
                                           {"description": "estimate of P(tau + k <= T)"}),
         "branch_tv_count": lay.wrap(count, ("age",), age,
@@ -262,7 +330,7 @@ def branch_tv_window(ds: xr.Dataset, start: int, stop: int, window: int | None =
     if not 0 <= start < stop <= T:
         raise ValueError(f"need 0 <= start < stop <= T = {T}, got start={start}, stop={stop}")
 
-    def reducer(num, den, observed):
+    def reducer(num, den, observed, law):
         num, den = num[..., start:stop], den[..., start:stop]          # (rows, n, m)
         mn, md = nanmean(np.moveaxis(num, 1, -1)), nanmean(np.moveaxis(den, 1, -1))  # (rows, m)
         ok = md > 0

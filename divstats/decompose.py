@@ -18,24 +18,29 @@ rate term is 0 whatever the rate, so for attribution we borrow the other policy'
 rate (0 when both are undefined): no rate difference is invented, and the parts
 still sum to the gap exactly. The result records when this happened.
 
-Uncertainty: a paired bootstrap over documents — each resample draws documents,
-and A and B are evaluated on the same draw — with BCa intervals by default.
+Uncertainty: intervals over documents (A and B always on the same documents) from
+:func:`divstats.resample.document_interval` — studentized bootstrap (bootstrap-t)
+below 50 documents and jackknife-t from there on by default; BCa or percentile on
+request — for the gap, its parts and the shares
+part / gap. Below ``resample.MIN_DOCS`` documents no interval is reported, and the
+shares are refused (NaN, with the reason) whenever the gap's interval covers 0: a
+share of a gap that may be 0 or of either sign means nothing.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 import xarray as xr
-from scipy import stats
+
+from divstats.resample import document_interval
 
 __all__ = [
     "ATTRIBUTIONS", "PARTS", "DecompositionInterval", "DecompositionResult", "Parts", "as_estimates",
-    "bootstrap_gap", "decompose", "horizon_of", "split_gap"
+    "PartIntervals", "decompose", "decomposition_interval", "horizon_of", "parts_and_shares", "split_gap"
 ]
 
 ATTRIBUTIONS: tuple[str, ...] = ("shapley", "exposure-first", "rate-first")
@@ -54,30 +59,49 @@ class Parts(NamedTuple):
 
 @dataclass(frozen=True)
 class DecompositionInterval:
-    """Bootstrap confidence intervals for the gap and its parts."""
+    """Confidence intervals over documents for the gap, its parts and their shares.
+
+    ``share_low``/``share_high`` hold the intervals of part / gap (``gap`` is 1);
+    they are NaN, with ``share_reason`` saying why, where the gap's interval covers
+    0 or no interval is reported. ``reason`` is set when no interval is reported at
+    all (too few documents).
+    """
 
     low: Parts
     high: Parts
     confidence_level: float
     method: str
     n_resamples: int
+    share_low: Parts | None = None
+    share_high: Parts | None = None
+    reason: str = ""
+    share_reason: str = ""
 
     def to_dataset(self) -> xr.Dataset:
-        """The bounds as ``<part>_low`` / ``<part>_high`` variables (scalars or over ``model``)."""
+        """The bounds as ``<part>_low`` / ``<part>_high`` and ``share_<part>_low`` / ``_high``
+        variables (scalars or over ``model``; shares NaN where refused)."""
         data = {}
         for name in PARTS:
             data[f"{name}_low"] = _as_da(getattr(self.low, name))
             data[f"{name}_high"] = _as_da(getattr(self.high, name))
+        if self.share_low is not None:
+            for name in PARTS[1:]:
+                data[f"share_{name}_low"] = _as_da(getattr(self.share_low, name))
+                data[f"share_{name}_high"] = _as_da(getattr(self.share_high, name))
         return xr.Dataset(data, attrs={"confidence_level": self.confidence_level, "method": self.method,
-                                       "n_resamples": self.n_resamples})
+                                       "n_resamples": self.n_resamples, "reason": self.reason,
+                                       "share_reason": self.share_reason})
 
     def to_frame(self):
-        """One row per quantity (and model), columns ``low``/``high``."""
+        """One row per quantity (and model), columns ``low``/``high`` (shares as ``share_<part>``)."""
         import pandas as pd
 
         rows = []
-        for name in PARTS:
-            lo, hi = getattr(self.low, name), getattr(self.high, name)
+        pairs = [(name, getattr(self.low, name), getattr(self.high, name)) for name in PARTS]
+        if self.share_low is not None:
+            pairs += [(f"share_{name}", getattr(self.share_low, name), getattr(self.share_high, name))
+                      for name in PARTS[1:]]
+        for name, lo, hi in pairs:
             if isinstance(lo, xr.DataArray):
                 for m in lo["model"].values:
                     rows.append({"model": str(m), "quantity": name,
@@ -289,17 +313,27 @@ class DecompositionResult:
     def parts(self) -> Parts:
         return Parts(self.gap, self.first, self.exposure, self.rate)
 
-    def confidence_interval(self, level: float = 0.95, *, method: str = "BCa",
-                            n_resamples: int = 9999, seed: int = 0) -> DecompositionInterval:
-        """Paired bootstrap over documents (same resampled documents for A and B)."""
-        lows, highs = {}, {}
-        for key, arrays in self._data.items():
-            lows[key], highs[key] = bootstrap_gap(arrays, self.horizon, self.attribution,
-                                               level, method, n_resamples, seed)
-        low = _assemble([lows[k] for k in self._data], list(self._data))
-        high = _assemble([highs[k] for k in self._data], list(self._data))
-        return DecompositionInterval(low=low, high=high, confidence_level=level,
-                                     method=method, n_resamples=n_resamples)
+    def confidence_interval(self, level: float = 0.95, *, method: str = "auto",
+                            n_resamples: int = 1999, seed: int = 0) -> DecompositionInterval:
+        """Intervals over documents (the same documents for A and B) for the gap, parts and shares.
+
+        ``method`` is ``"auto"`` (bootstrap-t below 50 documents, jackknife-t from 50),
+        ``"bootstrap-t"``, ``"jackknife-t"``, ``"BCa"`` or ``"percentile"``
+        (:func:`divstats.resample.document_interval`); see docs/plans.md for the
+        coverage each reaches by number of documents.
+        """
+        results = {key: decomposition_interval(arrays, self.horizon, self.attribution, level, method,
+                                               n_resamples, seed)
+                   for key, arrays in self._data.items()}
+        keys = list(self._data)
+        pick = lambda what: _assemble([getattr(results[k], what) for k in keys], keys)  # noqa: E731
+        reasons = [f"{'' if k is None else f'model {k}: '}{results[k].reason}" for k in keys if results[k].reason]
+        share_reasons = [f"{'' if k is None else f'model {k}: '}{results[k].share_reason}" for k in keys
+                         if results[k].share_reason]
+        return DecompositionInterval(low=pick("low"), high=pick("high"), confidence_level=level,
+                                     method=method, n_resamples=n_resamples,
+                                     share_low=pick("share_low"), share_high=pick("share_high"),
+                                     reason="; ".join(reasons), share_reason="; ".join(share_reasons))
 
     def to_dataset(self) -> xr.Dataset:
         """The point estimates as an xarray Dataset (attrs name A, B, attribution)."""
@@ -321,6 +355,7 @@ class DecompositionResult:
 
 
 def _as_da(x: Any) -> xr.DataArray:
+    """A float or DataArray as a DataArray."""
     return x if isinstance(x, xr.DataArray) else xr.DataArray(x)
 
 
@@ -332,14 +367,61 @@ def _assemble(values: list[np.ndarray], keys: list[Any]) -> Parts:
     return Parts(*(xr.DataArray(stacked[:, i], dims="model", coords={"model": keys}) for i in range(4)))
 
 
-def bootstrap_gap(arrays: tuple[np.ndarray, ...], horizon: int, attribution: str, level: float,
-                  method: str, n_resamples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Paired bootstrap interval (scipy.stats.bootstrap) of the gap and its three parts.
+@dataclass(frozen=True)
+class PartIntervals:
+    """One model's intervals: vectors over (gap, first, exposure, rate)."""
+
+    low: np.ndarray
+    high: np.ndarray
+    share_low: np.ndarray
+    share_high: np.ndarray
+    reason: str
+    share_reason: str
+
+
+def parts_and_shares(horizon: int, attribution: str):
+    """Statistic for document_interval: (gap, first, exposure, rate, shares of the three parts).
+
+    Parameters
+    ----------
+    horizon : int
+        T.
+    attribution : str
+        One of :data:`ATTRIBUTIONS`.
+
+    Returns
+    -------
+    callable
+        ``statistic(o_A, o_B, e_A, e_B, post_A, post_B)`` → 7 values (documents on the last axis).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> f = parts_and_shares(10, "shapley")
+    >>> v = f(*(np.array([x]) for x in (0.5, 0.3, 4.0, 2.0, 1.0, 0.4)))
+    >>> bool(np.isclose(v[1:4].sum(), v[0])), bool(np.isclose(v[4:].sum(), 1.0))
+    (True, True)
+    """
+    def statistic(*xs):
+        v = split_gap(*xs, horizon, attribution)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            shares = v[1:4] / np.where(v[0] != 0, v[0], np.nan)
+        return np.concatenate([v[:4], shares])
+    return statistic
+
+
+def decomposition_interval(arrays: tuple[np.ndarray, ...], horizon: int, attribution: str = "shapley",
+                           level: float = 0.95, method: str = "auto", n_resamples: int = 1999,
+                           seed: int = 0) -> PartIntervals:
+    """Intervals for the gap, its parts and the shares from per-document arrays (one model).
+
+    ``arrays`` is ``(o_A, o_B, e_A, e_B, post_A, post_B)`` over the same documents.
+    Shares are refused (NaN) when the gap's interval covers 0.
 
     Parameters
     ----------
     arrays : tuple of numpy.ndarray
-        (o_A, o_B, e_A, e_B, post_A, post_B) per document, as :func:`split_gap` takes them.
+        Per-document values, as :func:`split_gap` takes them.
     horizon : int
         T.
     attribution : str
@@ -347,48 +429,35 @@ def bootstrap_gap(arrays: tuple[np.ndarray, ...], horizon: int, attribution: str
     level : float
         Confidence level.
     method : str
-        scipy's bootstrap method ("BCa", "percentile", "basic").
-    n_resamples : int
-        Resamples.
-    seed : int
-        Seed of the resampling.
+        ``divstats.resample.METHODS``.
+    n_resamples, seed : int
+        For the bootstrap methods.
 
     Returns
     -------
-    (numpy.ndarray, numpy.ndarray)
-        Lower and upper bounds of (gap, first, exposure, rate); NaN with fewer than
-        two documents; a part constant across resamples gets the point as both bounds.
+    PartIntervals
+        Bounds of (gap, first, exposure, rate) and of the shares, with the reasons.
 
     Examples
     --------
     >>> import numpy as np
     >>> rng = np.random.default_rng(0)
     >>> o = rng.uniform(0.2, 0.8, (2, 12)); e = o * 5; p = e * 0.3
-    >>> lo, hi = bootstrap_gap((o[0], o[1], e[0], e[1], p[0], p[1]), 10, "shapley", 0.9, "percentile", 200, 0)
-    >>> bool((lo <= hi).all())
-    True
+    >>> ci = decomposition_interval((o[0], o[1] * 1.5, e[0], e[1], p[0], p[1]), 10, n_resamples=199)
+    >>> bool(ci.low[0] <= ci.high[0]), ci.reason
+    (True, '')
     """
-    def statistic(*xs, axis=-1):
-        xs = [np.moveaxis(x, axis, -1) for x in xs]
-        return split_gap(*xs, horizon, attribution)[:4]
-
-    n = arrays[0].size
-    point = statistic(*arrays)
-    if n < 2:
-        return np.full(4, np.nan), np.full(4, np.nan)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # degenerate (constant) parts give NaN; handled below
-        res = stats.bootstrap(arrays, statistic, paired=True, vectorized=True,
-                              n_resamples=n_resamples, confidence_level=level,
-                              method=method, rng=seed)
-    low = np.asarray(res.confidence_interval.low, dtype=float)
-    high = np.asarray(res.confidence_interval.high, dtype=float)
-    # A part that is constant across resamples (e.g. both rates undefined) has a
-    # degenerate BCa interval; its interval is the point itself.
-    deg = ~np.isfinite(low) | ~np.isfinite(high)
-    low[deg] = point[deg]
-    high[deg] = point[deg]
-    return low, high
+    ci = document_interval(arrays, parts_and_shares(horizon, attribution), level=level, method=method,
+                           n_resamples=n_resamples, seed=seed)
+    low, high = ci.low[:4].copy(), ci.high[:4].copy()
+    s_low, s_high = np.concatenate([[1.0], ci.low[4:]]), np.concatenate([[1.0], ci.high[4:]])
+    share_reason = ci.reason
+    if not share_reason and low[0] <= 0.0 <= high[0]:
+        share_reason = (f"shares not reported: the gap's {level:.0%} interval [{low[0]:.4g}, {high[0]:.4g}] "
+                        "covers 0")
+    if share_reason:
+        s_low[1:], s_high[1:] = np.nan, np.nan
+    return PartIntervals(low, high, s_low, s_high, ci.reason, share_reason)
 
 
 def _models(est: xr.Dataset) -> list[Any]:

@@ -15,16 +15,15 @@ defined as 0 and loss = occurrence.
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import xarray as xr
 
 from divstats.arrays import cov_of_means, mean_se, ratio_se
 from divstats.replicates import Replicates, replicate_values
+from divstats.resample import MIN_DOCS, document_interval
 
 __all__ = [
-    "BOOTSTRAP_BATCH", "DESCRIPTIONS", "ESTIMATORS", "INTERVAL_QUANTITIES", "MEAN_OVER_DOCS", "NOT_IDENTIFIED_POST",
+    "DESCRIPTIONS", "ESTIMATORS", "INTERVAL_QUANTITIES", "MEAN_OVER_DOCS", "NOT_IDENTIFIED_POST",
     "NOT_IDENTIFIED_REF", "SCALARS", "aggregate", "aggregate_intervals", "derived_quantities", "estimate"
 ]
 
@@ -34,6 +33,8 @@ DESCRIPTIONS: dict[str, str] = {
     "rmtd": ("sum_{t=0}^{T-1} S(t) = E[min(tau, T)]: restricted mean time to divergence (docs/statistics.md §3 "
              "definition; its gloss E[min(tau - 1, T)] equals this minus occurrence, see "
              "docs/statistics.md)"),
+    "agreeing_tokens": ("rmtd - occurrence = E[min(tau - 1, T)]: expected number of agreeing tokens before "
+                        "the divergence (the tokens both models emit identically)"),
     "exposure": "E[(T - tau)+]: expected post-divergence steps inside the horizon",
     "post_mismatch": "E[R], R = sum_{t > tau} D_t: expected mismatches after the first one",
     "rate": "post_mismatch / exposure (ratio of expectations); NaN when exposure = 0",
@@ -110,6 +111,8 @@ def _point_and_se(rep: Replicates) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name in ("occurrence", "exposure", "rmtd", "post_mismatch", "window_mismatch", "tail_capacity"):
         out[name], out[name + "_se"] = mean_se(v[name])
+    # min(tau, T) - 1[tau <= T] = min(tau - 1, T) per replicate: the agreeing tokens
+    out["agreeing_tokens"], out["agreeing_tokens_se"] = mean_se(v["rmtd"] - v["occurrence"])
     out.update(derived_quantities(out["occurrence"], out["exposure"], out["post_mismatch"], T))
     _, out["rate_se"] = ratio_se(v["post_mismatch"], v["exposure"])
     out["rate_se"] = np.where(np.isnan(out["rate"]), np.nan, out["rate_se"])
@@ -212,7 +215,7 @@ def estimate(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
 # --------------------------------------------------------------------------- aggregate
 
 #: Quantities ``aggregate`` averages over documents; the rest are derived from them.
-MEAN_OVER_DOCS = ("occurrence", "rmtd", "exposure", "post_mismatch", "window_mismatch",
+MEAN_OVER_DOCS = ("occurrence", "rmtd", "agreeing_tokens", "exposure", "post_mismatch", "window_mismatch",
                    "tail_capacity")
 
 
@@ -225,8 +228,8 @@ def _combine_se(se: xr.DataArray, dim: str) -> xr.DataArray:
 def aggregate(estimates: xr.Dataset, dim: str = "doc") -> xr.Dataset:
     """Combine per-document estimates with equal document weights (docs/statistics.md §3).
 
-    occurrence, rmtd, exposure, post_mismatch, window_mismatch and tail_capacity
-    are document means; rate = sum post_mismatch / sum exposure; loss, fractions
+    occurrence, rmtd, agreeing_tokens, exposure, post_mismatch, window_mismatch and
+    tail_capacity are document means; rate = sum post_mismatch / sum exposure; loss, fractions
     and contributions are derived from those parts so the identity holds exactly.
 
     Two kinds of uncertainty are reported:
@@ -302,81 +305,96 @@ def aggregate(estimates: xr.Dataset, dim: str = "doc") -> xr.Dataset:
 
 #: Quantities :func:`aggregate_intervals` gives intervals for (the report's estimates table).
 INTERVAL_QUANTITIES: tuple[str, ...] = (
-    "occurrence", "rmtd", "exposure", "rate", "mismatch_fraction", "first_mismatch_contribution",
+    "occurrence", "rmtd", "agreeing_tokens", "exposure", "rate", "mismatch_fraction", "first_mismatch_contribution",
     "exposure_contribution", "loss_lower", "loss_upper",
 )
-#: Resamples evaluated at once: memory stays near BATCH x n_docs x (policy, model) values.
-BOOTSTRAP_BATCH = 500
+def _aggregate_statistic(T: int):
+    """Statistic for document_interval: INTERVAL_QUANTITIES from per-document MEAN_OVER_DOCS arrays."""
+    def statistic(*xs):
+        m = dict(zip(MEAN_OVER_DOCS, (x.mean(axis=-1) for x in xs), strict=True))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            parts = derived_quantities(m["occurrence"], m["exposure"], m["post_mismatch"], T)
+        lower = m["occurrence"] + m["window_mismatch"]
+        values = {**m, **parts, "loss_lower": lower, "loss_upper": lower + m["tail_capacity"]}
+        return np.stack([np.asarray(values[q], dtype=float) for q in INTERVAL_QUANTITIES])
+    return statistic
 
 
-def _resampled_means(estimates: xr.Dataset, idx: np.ndarray) -> dict[str, np.ndarray]:
-    """Document means of MEAN_OVER_DOCS for each row of document indices ``idx``."""
-    means = {}
-    for name in MEAN_OVER_DOCS:
-        arr = np.asarray(estimates[name].transpose("doc", ...).values, dtype=float)
-        means[name] = np.concatenate([arr[idx[i:i + BOOTSTRAP_BATCH]].mean(axis=1)
-                                      for i in range(0, len(idx), BOOTSTRAP_BATCH)])
-    return means
-
-
-def _percentiles(boot: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
-    """Equal-tailed percentile interval over axis 0, NaN where nothing is finite."""
-    a = (1 - level) / 2
-    if not np.isfinite(boot).any():
-        return np.full(boot.shape[1:], np.nan), np.full(boot.shape[1:], np.nan)
-    with np.errstate(invalid="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices: not identified
-        lo, hi = np.nanquantile(boot, [a, 1 - a], axis=0)
-    return lo, hi
+def _column_interval(arrays: list[np.ndarray], T: int, level: float, method: str, n_resamples: int,
+                     seed: int) -> tuple[np.ndarray, np.ndarray, int, int, str]:
+    """One (policy[, model]) column: drop documents without data, then the document interval."""
+    present = np.isfinite(arrays[0]) & np.isfinite(arrays[MEAN_OVER_DOCS.index("exposure")])
+    kept = tuple(np.where(np.isnan(a[present]), np.nan, a[present]) for a in arrays)
+    ci = document_interval(kept, _aggregate_statistic(T), level=level, method=method,
+                           n_resamples=n_resamples, seed=seed)
+    return ci.low, ci.high, int(present.sum()), int((~present).sum()), ci.reason or ci.method
 
 
 def aggregate_intervals(estimates: xr.Dataset, *, level: float = 0.95, n_resamples: int = 2000,
-                        seed: int = 0) -> xr.Dataset:
-    """Percentile bootstrap over documents for the aggregate quantities.
+                        seed: int = 0, method: str = "auto") -> xr.Dataset:
+    """Intervals over documents for the aggregate quantities (:func:`divstats.resample.document_interval`).
 
-    Each resample draws documents with replacement (the same draw for every
-    policy) and recomputes the aggregate exactly as :func:`aggregate` does:
-    document means, rate = sum post / sum exposure, and the derived quantities.
+    Each quantity is recomputed from document means exactly as :func:`aggregate`
+    does (rate = sum post / sum exposure, the derived quantities from their parts).
+    Documents without data for a policy (NaN occurrence or exposure, e.g. missing
+    after a combine) are dropped from that policy's interval explicitly and
+    counted in ``n_dropped`` — never resampled as NaN and silently skipped.
+    Below ``resample.MIN_DOCS`` documents the interval is refused (NaN).
 
     Parameters
     ----------
     estimates : xarray.Dataset
         Per-document estimates from :func:`estimate` (a ``doc`` dim, ``horizon`` attr).
     level : float
-        Confidence level of the equal-tailed percentile interval.
+        Confidence level.
     n_resamples : int
         Bootstrap resamples.
     seed : int
         Seed of the resampling.
+    method : str
+        ``divstats.resample.METHODS``; ``auto`` is bootstrap-t below 50 documents,
+        jackknife-t from 50.
 
     Returns
     -------
     xarray.Dataset
         ``<name>_low`` / ``<name>_high`` over (policy[, model]) for every name in
-        :data:`INTERVAL_QUANTITIES`; attrs record level, resamples, seed and method.
+        :data:`INTERVAL_QUANTITIES`, ``n_docs`` and ``n_dropped``; attrs record
+        level, resamples, seed and method.
 
     Examples
     --------
     >>> import divstats
     >>> from divstats.calibration import PolicyEffect, simulate_study
-    >>> ds = simulate_study(6, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2)}, horizon=6, replicates=4)
+    >>> ds = simulate_study(12, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2)}, horizon=6, replicates=4)
     >>> ci = aggregate_intervals(divstats.estimate(ds), n_resamples=200)
     >>> bool((ci["occurrence_low"] <= ci["occurrence_high"]).all())
     True
     """
     T = int(estimates.attrs["horizon"])
-    n = estimates.sizes["doc"]
-    idx = np.random.default_rng(seed).integers(0, n, (n_resamples, n))
-    means = _resampled_means(estimates, idx)
-    parts = derived_quantities(means["occurrence"], means["exposure"], means["post_mismatch"], T)
-    lower = means["occurrence"] + means["window_mismatch"]
-    boot = {**means, **parts, "loss_lower": lower, "loss_upper": lower + means["tail_capacity"]}
     template = estimates["occurrence"].isel(doc=0, drop=True)
     template = template.drop_vars([c for c in template.coords if not template[c].dims])
+    cols = {name: np.asarray(estimates[name].transpose(*template.dims, "doc").values, dtype=float)
+            .reshape(-1, estimates.sizes["doc"]) for name in MEAN_OVER_DOCS}
+    n_cols = cols["occurrence"].shape[0]
+    low = np.full((len(INTERVAL_QUANTITIES), n_cols), np.nan)
+    high = low.copy()
+    used, dropped, how = np.zeros(n_cols, int), np.zeros(n_cols, int), []
+    for j in range(n_cols):
+        lo, hi, used[j], dropped[j], what = _column_interval([cols[k][j] for k in MEAN_OVER_DOCS], T, level,
+                                                             method, n_resamples, seed)
+        low[:, j], high[:, j] = lo, hi
+        how.append(what)
+    shape = template.shape
     out = {}
-    for name in INTERVAL_QUANTITIES:
-        lo, hi = _percentiles(boot[name], level)
-        out[f"{name}_low"] = template.copy(data=lo)
-        out[f"{name}_high"] = template.copy(data=hi)
+    for i, name in enumerate(INTERVAL_QUANTITIES):
+        out[f"{name}_low"] = template.copy(data=low[i].reshape(shape))
+        out[f"{name}_high"] = template.copy(data=high[i].reshape(shape))
+    out["n_docs"] = template.copy(data=used.reshape(shape)).assign_attrs(
+        description="documents with data for this policy (used by the interval)")
+    out["n_dropped"] = template.copy(data=dropped.reshape(shape)).assign_attrs(
+        description="documents without data for this policy (dropped from its interval, not resampled as NaN)")
     return xr.Dataset(out, attrs={"level": level, "n_resamples": n_resamples, "seed": seed,
-                                  "method": "percentile bootstrap over documents"})
+                                  "method": f"{method} over documents (divstats.resample)",
+                                  "methods_used": ", ".join(sorted(set(how))),
+                                  "min_docs": MIN_DOCS})

@@ -35,6 +35,7 @@ class ExactResult:
     occurrence: float
     survival: np.ndarray
     rmtd: float
+    agreeing_tokens: float
     exposure: float
     post_mismatch: float
     rate: float
@@ -189,6 +190,7 @@ def _assemble(T: int, W: int, diverge_at: np.ndarray, post: float, win: float, t
     return ExactResult(
         horizon=T, window=W,
         occurrence=occurrence, survival=survival, rmtd=float(survival[:T].sum()),
+        agreeing_tokens=float(survival[1:].sum()),  # E[min(tau - 1, T)] = sum_{t=1}^{T} S(t)
         exposure=exposure, post_mismatch=post, rate=rate, loss=loss,
         mismatch_fraction=occurrence / T + contrib / T,
         first_mismatch_contribution=occurrence / T, exposure_contribution=contrib / T,

@@ -5,14 +5,25 @@ difference ``d = a - b`` (policy A minus policy B, or late minus early window).
 Per-document Monte Carlo error is part of the between-document spread, so the
 tests below are valid without modelling it separately.
 
-Three tests, one- or two-sided (``alternative`` refers to ``A - B``):
+Four tests, one- or two-sided (``alternative`` refers to ``A - B``); each tests
+one estimand (:data:`ESTIMANDS`), stated in every result:
 
-- ``wilcoxon``: Wilcoxon signed-rank (the default); effect = Hodges–Lehmann
-  estimate (median of Walsh averages) with the Wilcoxon-inverted interval.
+- ``wilcoxon``: Wilcoxon signed-rank (the function's default); estimand: the
+  pseudo-median of the differences (its null is a law symmetric about 0); effect =
+  Hodges–Lehmann estimate (median of Walsh averages) with the interval obtained by
+  inverting this very test (same zero and tie handling), so "the interval excludes
+  0" holds exactly when the test rejects.
 - ``ttest``: paired t; effect = mean difference with its t interval.
 - ``permutation``: sign-flip permutation of the mean difference, exact
   (all 2^n flips) when n is small and seeded Monte Carlo otherwise; effect =
   mean difference.
+- ``bootstrap-t``: studentized (percentile-t) bootstrap test of the mean
+  difference, with its dual interval; second-order accurate, so its size for the
+  mean holds better than t's on skewed differences (docs/plans.md, calibration).
+
+Degenerate data (one document for a permutation or bootstrap test, zero spread
+for the t and bootstrap-t tests) are *not estimable*: NaN p-value and interval with
+the reason in ``reason``; nothing raises and nothing claims certainty.
 
 The mean difference's interval is the t interval by default, or a BCa bootstrap
 over documents with ``mean_ci="bootstrap"`` (at n ≈ 20 with heavy tails the
@@ -25,6 +36,8 @@ one-sided test gets a one-sided confidence bound (the open side is ±inf), so
 "the interval excludes 0" and "the test rejects" agree.
 
 Multiplicity: :func:`holm` applies statsmodels' Holm step-down within one family.
+One rejection rule everywhere (:func:`rejects`): reject when the (adjusted)
+p-value is <= alpha.
 """
 
 from __future__ import annotations
@@ -37,16 +50,29 @@ from typing import Literal
 import numpy as np
 from scipy import stats
 
+from divstats.resample import too_few_documents
+
 __all__ = [
     "ALTERNATIVES", "EXACT_PERMUTATION_MAX_N", "EXACT_SIGNED_RANK_MAX_N", "TESTS", "Alternative",
-    "PairedTestResult", "TestName", "hodges_lehmann", "holm", "mean_difference_bootstrap", "mean_difference_t",
-    "paired_test", "signed_rank_null_cdf"
+    "ESTIMANDS", "MIN_DOCS", "PairedTestResult", "TestName", "hodges_lehmann", "holm",
+    "mean_difference_bootstrap", "mean_difference_t", "not_estimable_reason", "paired_test", "rejects",
+    "signed_rank_null_cdf", "signed_rank_test"
 ]
 
 Alternative = Literal["two-sided", "less", "greater"]
 TestName = Literal["wilcoxon", "ttest", "permutation"]
 
-TESTS: tuple[str, ...] = ("wilcoxon", "ttest", "permutation")
+TESTS: tuple[str, ...] = ("wilcoxon", "ttest", "permutation", "bootstrap-t")
+#: What each test is about (stated in plan results and the report).
+ESTIMANDS: dict[str, str] = {
+    "wilcoxon": "pseudo-median of the paired differences (Hodges-Lehmann location; the null is a law "
+                "symmetric about 0)",
+    "ttest": "mean paired difference",
+    "permutation": "mean paired difference (the sign-flip null is a law symmetric about 0)",
+    "bootstrap-t": "mean paired difference",
+}
+#: Relative spread below which the differences count as constant (t undefined).
+ZERO_SPREAD = 1e-12
 ALTERNATIVES: tuple[str, ...] = ("two-sided", "less", "greater")
 
 #: Largest n for which the sign-flip test enumerates all 2^n flips.
@@ -80,6 +106,8 @@ class PairedTestResult:
     confidence_level: float
     exact: bool
     details: dict[str, object] = field(default_factory=dict)
+    reason: str = ""       # non-empty: not estimable (NaN p-value), and why
+    estimand: str = ""
 
 
 def _clean_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -153,10 +181,85 @@ def _hl_rank(n: int, tail: float) -> int:
     return max(k, 0)
 
 
+def _zero_spread(d: np.ndarray) -> bool:
+    """All differences equal up to rounding (0.1 and 0.1 + 1e-17 included)."""
+    return d.size > 0 and float(np.ptp(d)) <= ZERO_SPREAD * max(float(np.max(np.abs(d))), 1e-300)
+
+
+class _Inversion:
+    """The Wilcoxon test of ``d - theta`` on the grid where its p-value can change.
+
+    The p-value of the signed-rank test of d - theta is constant between
+    consecutive distinct Walsh averages (ranks and signs change only there);
+    at a Walsh average itself a zero or a tie appears, which the test handles its
+    own way.  The grid holds every distinct Walsh average (odd positions), the
+    midpoints between them (even positions) and a point beyond each end.
+    """
+
+    def __init__(self, d: np.ndarray, alternative: str, alpha: float) -> None:
+        self.d, self.alternative, self.alpha = d, alternative, alpha
+        self.all_walsh = _walsh_averages(d)
+        c = np.unique(self.all_walsh)
+        span = float(c[-1] - c[0]) + 1.0
+        self.walsh = c
+        self.pts = np.empty(2 * c.size + 1)
+        self.pts[1::2] = c
+        self.pts[2:-1:2] = (c[:-1] + c[1:]) / 2.0
+        self.pts[0], self.pts[-1] = c[0] - span, c[-1] + span
+        self._memo: dict[int, bool] = {}
+
+    def accepts(self, i: int) -> bool:
+        if i not in self._memo:
+            p = signed_rank_test(self.d - self.pts[i], self.alternative)[1]
+            self._memo[i] = not rejects(p, self.alpha)
+        return self._memo[i]
+
+    def _start(self, rank: int) -> int:
+        """Grid position of the Walsh average of the given 0-based rank (ties share a position)."""
+        return 2 * int(np.searchsorted(self.walsh, self.all_walsh[rank])) + 1
+
+    def lower(self, k: int) -> float:
+        """Smallest accepted theta, searching from the tabled guess A_(k)."""
+        last = self.pts.size - 1
+        i = self._start(k - 1) if k >= 1 else 0
+        if self.accepts(i):
+            while i > 0 and self.accepts(i - 1):
+                i -= 1
+        else:
+            while i < last and not self.accepts(i):
+                i += 1
+        if i == 0:
+            return -math.inf
+        # odd i: a Walsh average the test accepts (closed end); even i: the set starts
+        # just after the rejected Walsh average below it (open end, reported as the next float).
+        return float(self.pts[i]) if i % 2 else float(np.nextafter(self.pts[i - 1], math.inf))
+
+    def upper(self, k: int) -> float:
+        last = self.pts.size - 1
+        j = self._start(self.all_walsh.size - k) if k >= 1 else last
+        if self.accepts(j):
+            while j < last and self.accepts(j + 1):
+                j += 1
+        else:
+            while j > 0 and not self.accepts(j):
+                j -= 1
+        if j == last:
+            return math.inf
+        return float(self.pts[j]) if j % 2 else float(np.nextafter(self.pts[j + 1], -math.inf))
+
+
 def hodges_lehmann(d: np.ndarray, confidence_level: float = 0.95,
                    alternative: Alternative = "two-sided") -> tuple[float, float, float]:
-    """Hodges–Lehmann location of paired differences with the Wilcoxon-inverted interval.
+    """Hodges–Lehmann location of paired differences with the interval that inverts the Wilcoxon test.
 
+    The interval is {theta : the signed-rank test of d - theta, exactly as
+    :func:`paired_test` runs it (zero differences dropped, ties at average ranks,
+    scipy's exact / permutation / normal p-value), does not reject at level
+    1 - confidence_level}; an end where the test rejects is open and reported as
+    the next float.  So the interval excludes 0 exactly when the test rejects.
+    The tabled ranks (:func:`signed_rank_null_cdf`) give the starting point of the
+    search.  Returns ``(estimate, low, high)``; one-sided alternatives give a
+    one-sided bound.
     Returns ``(estimate, low, high)``; one-sided alternatives give a one-sided bound.
 
     Parameters
@@ -183,25 +286,27 @@ def hodges_lehmann(d: np.ndarray, confidence_level: float = 0.95,
     d = d[np.isfinite(d)]
     if d.size == 0:
         return math.nan, math.nan, math.nan
-    walsh = _walsh_averages(d)
-    est = float(np.median(walsh))
+    est = float(np.median(_walsh_averages(d)))
     alpha = 1.0 - confidence_level
-    tail = alpha / 2 if alternative == "two-sided" else alpha
-    k = _hl_rank(d.size, tail)
-    m = walsh.size
-    lo_fin = float(walsh[k - 1]) if k >= 1 else -math.inf
-    hi_fin = float(walsh[m - k]) if k >= 1 else math.inf
-    if alternative == "less":      # H1: location < 0 -> upper bound only
-        return est, -math.inf, hi_fin
-    if alternative == "greater":   # H1: location > 0 -> lower bound only
-        return est, lo_fin, math.inf
-    return est, lo_fin, hi_fin
+    inv = _Inversion(d, alternative, alpha)
+    k = _hl_rank(d.size, alpha / 2 if alternative == "two-sided" else alpha)
+    lo = inv.lower(k) if alternative != "less" else -math.inf
+    hi = inv.upper(k) if alternative != "greater" else math.inf
+    # The acceptance set can have holes with zeros and ties; the test at 0 decides 0.
+    if rejects(signed_rank_test(d, alternative)[1], alpha):
+        if lo <= 0.0 <= hi:
+            lo, hi = (float(np.nextafter(0.0, math.inf)), hi) if est > 0 else (lo, float(np.nextafter(0.0, -math.inf)))
+    else:
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+    return est, lo, hi
 
 
 def mean_difference_t(d: np.ndarray, confidence_level: float = 0.95,
                       alternative: Alternative = "two-sided") -> tuple[float, float, float]:
     """Mean of paired differences with its t interval (one-sided bound if asked).
 
+    With one document the interval is (-inf, inf); with zero spread it is NaN
+    (not estimable: a zero-width interval would claim certainty).
     Parameters
     ----------
     d : numpy.ndarray
@@ -230,10 +335,10 @@ def mean_difference_t(d: np.ndarray, confidence_level: float = 0.95,
     mean = float(d.mean())
     if d.size < 2:
         return mean, -math.inf, math.inf
+    if _zero_spread(d):
+        return mean, math.nan, math.nan
     se = float(d.std(ddof=1) / math.sqrt(d.size))
     alpha = 1.0 - confidence_level
-    if se == 0.0:
-        return mean, mean, mean
     if alternative == "two-sided":
         q = stats.t.ppf(1 - alpha / 2, d.size - 1)
         return mean, mean - q * se, mean + q * se
@@ -243,10 +348,65 @@ def mean_difference_t(d: np.ndarray, confidence_level: float = 0.95,
     return mean, mean - q * se, math.inf
 
 
+def _studentized_resamples(d: np.ndarray, n_resamples: int, seed: int) -> np.ndarray:
+    """t* = (mean* - mean) / se* over bootstrap resamples of the documents.
+
+    A resample with zero spread has t* = +-inf (or 0 when centred): it is kept,
+    so the number of resamples never silently shrinks.
+    """
+    rng = np.random.default_rng(seed)
+    n, mean = d.size, d.mean()
+    out = np.empty(n_resamples)
+    for start in range(0, n_resamples, 2000):
+        x = d[rng.integers(0, n, (min(2000, n_resamples - start), n))]
+        m = x.mean(axis=1)
+        se = x.std(axis=1, ddof=1) / math.sqrt(n)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = (m - mean) / se
+        out[start:start + t.size] = np.nan_to_num(t, nan=0.0, posinf=math.inf, neginf=-math.inf)
+    return out
+
+
+def _bootstrap_t(d: np.ndarray, alternative: str, n_resamples: int, seed: int,
+                 confidence_level: float) -> tuple[float, float, bool, float, float]:
+    """(t, p, exact, low, high): percentile-t test of mean = 0 and its dual interval.
+
+    p = (1 + #{t* at least as extreme as t}) / (B + 1) (two-sided: |t*| >= |t|);
+    the interval is {theta : the same test of d - theta does not reject}, which is
+    mean - s se .. mean + s se with s the matching order statistic of t*.
+    """
+    n = d.size
+    mean, se = float(d.mean()), float(d.std(ddof=1) / math.sqrt(n))
+    t = mean / se
+    ts = _studentized_resamples(d, n_resamples, seed)
+    B = ts.size
+    if alternative == "two-sided":
+        p = (1 + np.count_nonzero(np.abs(ts) >= abs(t))) / (B + 1)
+    elif alternative == "greater":
+        p = (1 + np.count_nonzero(ts >= t)) / (B + 1)
+    else:
+        p = (1 + np.count_nonzero(ts <= t)) / (B + 1)
+    # reject iff #{more extreme} <= K; accept iff the statistic is within the (K+1)-th most extreme t*
+    K = math.floor((1.0 - confidence_level) * (B + 1) + 1e-9) - 1
+    if K < 0:
+        return t, float(p), False, -math.inf, math.inf
+    if alternative == "two-sided":
+        s = np.sort(np.abs(ts))[::-1][K]
+        lo, hi = mean - s * se, mean + s * se
+    elif alternative == "greater":
+        lo, hi = mean - np.sort(ts)[::-1][K] * se, math.inf
+    else:
+        lo, hi = -math.inf, mean - np.sort(ts)[K] * se
+    return t, float(min(p, 1.0)), False, float(lo), float(hi)
+
+
 def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
                               alternative: Alternative = "two-sided", *, n_resamples: int = 9999,
                               seed: int = 0) -> tuple[float, float, float]:
     """Mean of paired differences with a BCa bootstrap interval over documents.
+
+    Refused (NaN bounds) below ``divstats.resample.MIN_DOCS`` documents: BCa over
+    few documents covered 0.64–0.83 at n = 3–5 (docs/plans.md, Calibration).
 
     Parameters
     ----------
@@ -278,7 +438,9 @@ def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
     if d.size == 0:
         return math.nan, math.nan, math.nan
     mean = float(d.mean())
-    if d.size < 3 or np.ptp(d) == 0:
+    if too_few_documents(d.size):
+        return mean, math.nan, math.nan
+    if np.ptp(d) == 0:
         return mean, *mean_difference_t(d, confidence_level, alternative)[1:]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # degenerate resamples: fall back below
@@ -295,18 +457,70 @@ def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
 # Tests
 # ---------------------------------------------------------------------------
 
-def _wilcoxon(d: np.ndarray, alternative: str) -> tuple[float, float, bool]:
+def _signed_rank_null(doubled_ranks: np.ndarray) -> np.ndarray:
+    """Exact null pmf of 2 W+ given the (doubled, so integer) ranks: every sign equally likely."""
+    pmf = np.zeros(int(doubled_ranks.sum()) + 1)
+    pmf[0] = 1.0
+    for r in doubled_ranks:
+        shifted = np.zeros_like(pmf)
+        shifted[r:] = pmf[:pmf.size - r]
+        pmf = 0.5 * (pmf + shifted)
+    return pmf
+
+
+def signed_rank_test(d: np.ndarray, alternative: str) -> tuple[float, float, bool]:
+    """Wilcoxon signed-rank test of ``d`` (statistic, p-value, exact).
+
+    Zero differences are dropped (Wilcoxon's rule); ties get average ranks. The
+    p-value is exact — the law of W+ under independent random signs given these
+    ranks — for up to :data:`EXACT_SIGNED_RANK_MAX_N` non-zero differences (scipy's
+    exact test without ties, its exact permutation test with ties), and the
+    tie-corrected normal approximation with continuity correction beyond.
+    The statistic is scipy's: min(W+, W-) for two-sided tests, W+ otherwise.
+
+    Parameters
+    ----------
+    d : numpy.ndarray
+        Paired differences (NaN-free).
+    alternative : {"two-sided", "less", "greater"}
+        H1 about the location of ``d``.
+
+    Returns
+    -------
+    (float, float, bool)
+        Statistic, p-value, and whether the p-value is exact.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> stat, p, exact = signed_rank_test(np.array([0.5, 1.0, 1.0, 0.0, 2.0]), "greater")
+    >>> round(p, 4), exact
+    (0.0625, True)
+    """
     nz = d[d != 0]
-    if nz.size == 0:
+    n = nz.size
+    if n == 0:
         # Every document agrees exactly: no evidence either way.
         return 0.0, 1.0, True
-    res = stats.wilcoxon(nz, alternative=alternative, method="auto")
-    exact = nz.size <= 50 and np.unique(np.abs(nz)).size == nz.size
-    return float(res.statistic), float(res.pvalue), exact
+    ranks = stats.rankdata(np.abs(nz))
+    w_plus = float(ranks[nz > 0].sum())
+    statistic = min(w_plus, n * (n + 1) / 2 - w_plus) if alternative == "two-sided" else w_plus
+    if n <= EXACT_SIGNED_RANK_MAX_N:
+        pmf = _signed_rank_null(np.rint(2 * ranks).astype(np.int64))
+        w2 = int(round(2 * w_plus))
+        less, greater = float(pmf[:w2 + 1].sum()), float(pmf[w2:].sum())
+    else:
+        _, counts = np.unique(np.abs(nz), return_counts=True)
+        mean = n * (n + 1) / 4.0
+        sd = math.sqrt(n * (n + 1) * (2 * n + 1) / 24.0 - float((counts ** 3 - counts).sum()) / 48.0)
+        less = float(stats.norm.cdf((w_plus - mean + 0.5) / sd))
+        greater = float(stats.norm.sf((w_plus - mean - 0.5) / sd))
+    p = {"less": less, "greater": greater, "two-sided": min(1.0, 2.0 * min(less, greater))}[alternative]
+    return float(statistic), min(p, 1.0), n <= EXACT_SIGNED_RANK_MAX_N
 
 
 def _permutation(d: np.ndarray, alternative: str, n_resamples: int, seed: int) -> tuple[float, float, bool]:
-    if d.size == 0 or np.all(d == 0):
+    if np.all(d == 0):
         return 0.0, 1.0, True
     exact = d.size <= EXACT_PERMUTATION_MAX_N
     # 'samples' permutations of (d, 0) swap within each pair, i.e. flip the sign of d.
@@ -319,17 +533,67 @@ def _permutation(d: np.ndarray, alternative: str, n_resamples: int, seed: int) -
 
 
 def _ttest(d: np.ndarray, alternative: str) -> tuple[float, float, bool]:
-    if d.size < 2:
-        return math.nan, math.nan, False
-    if np.ptp(d) == 0:
-        # Zero spread: t is undefined; an all-zero difference is no evidence at all.
-        if d[0] == 0:
-            return 0.0, 1.0, True
-        sign = math.copysign(math.inf, d[0])
-        p = {"two-sided": 0.0, "less": 0.0 if sign < 0 else 1.0, "greater": 0.0 if sign > 0 else 1.0}
-        return sign, p[alternative], True
     res = stats.ttest_1samp(d, 0.0, alternative=alternative)
     return float(res.statistic), float(res.pvalue), True
+
+
+#: Fewest documents each test needs; below it the result is not estimable.
+MIN_DOCS: dict[str, int] = {"wilcoxon": 1, "ttest": 2, "permutation": 2, "bootstrap-t": 3}
+
+
+def not_estimable_reason(d: np.ndarray, test: str) -> str:
+    """Why ``test`` cannot be run on the differences ``d`` ("" when it can).
+
+    Parameters
+    ----------
+    d : numpy.ndarray
+        Paired differences (NaN-free).
+    test : str
+        One of :data:`TESTS`.
+
+    Returns
+    -------
+    str
+        The reason, or "" when the test is defined on ``d``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> not_estimable_reason(np.array([0.1, 0.1]), "ttest")[:15]
+    'not estimable: '
+    """
+    if d.size < MIN_DOCS[test]:
+        return (f"not estimable: {test} needs at least {MIN_DOCS[test]} documents with both values, "
+                f"got {d.size}")
+    if test in ("ttest", "bootstrap-t") and _zero_spread(d):
+        return (f"not estimable: all {d.size} differences are equal ({d[0]:.6g}), so the spread is 0 "
+                f"and {test} is undefined")
+    return ""
+
+
+def _not_estimable(test: str, alternative: str, d: np.ndarray, reason: str,
+                   confidence_level: float) -> PairedTestResult:
+    nan = math.nan
+    mean = float(d.mean()) if d.size else nan
+    return PairedTestResult(
+        test=test, alternative=alternative, n=int(d.size), statistic=nan, pvalue=nan, effect=nan,
+        ci_low=nan, ci_high=nan, mean_difference=mean, mean_ci_low=nan, mean_ci_high=nan,
+        hodges_lehmann=nan, hl_ci_low=nan, hl_ci_high=nan, confidence_level=confidence_level,
+        exact=False, details={"effect_kind": _effect_kind(test), "n_zero": int(np.sum(d == 0))},
+        reason=reason, estimand=ESTIMANDS[test])
+
+
+def _effect_kind(test: str) -> str:
+    return "hodges_lehmann" if test == "wilcoxon" else "mean_difference"
+
+
+def _check_args(test: str, alternative: str, mean_ci: str) -> None:
+    if test not in TESTS:
+        raise ValueError(f"unknown test {test!r}; expected one of {TESTS}")
+    if alternative not in ALTERNATIVES:
+        raise ValueError(f"unknown alternative {alternative!r}; expected one of {ALTERNATIVES}")
+    if mean_ci not in ("t", "bootstrap"):
+        raise ValueError(f"mean_ci must be 't' or 'bootstrap', got {mean_ci!r}")
 
 
 def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
@@ -338,13 +602,17 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
     """Test the paired difference ``a - b`` across documents.
 
     ``alternative`` is about A − B: ``less`` means H1: A < B. Pairs with a missing
+    value (NaN) on either side are dropped; ``n`` is the number used.  Data the
+    test cannot handle give a result with NaN p-value and interval and the reason
+    in ``reason`` (see :func:`not_estimable_reason`); ``estimand`` says what the
+    test is about.
     value (NaN) on either side are dropped; ``n`` is the number used.
 
     Parameters
     ----------
     a, b : numpy.ndarray
         Per-document values of the two sides (same length).
-    test : {"wilcoxon", "ttest", "permutation"}
+    test : {"wilcoxon", "ttest", "permutation", "bootstrap-t"}
         The test (docs/plans.md).
     alternative : {"two-sided", "less", "greater"}
         H1 about A − B.
@@ -376,21 +644,24 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
     >>> res.n, res.pvalue < 0.05
     (6, True)
     """
-    if test not in TESTS:
-        raise ValueError(f"unknown test {test!r}; expected one of {TESTS}")
-    if alternative not in ALTERNATIVES:
-        raise ValueError(f"unknown alternative {alternative!r}; expected one of {ALTERNATIVES}")
+    _check_args(test, alternative, mean_ci)
     d = _clean_pairs(a, b)
+    reason = not_estimable_reason(d, test)
+    if reason:
+        return _not_estimable(test, alternative, d, reason, confidence_level)
     if test == "wilcoxon":
-        statistic, pvalue, exact = _wilcoxon(d, alternative)
+        statistic, pvalue, exact = signed_rank_test(d, alternative)
     elif test == "ttest":
         statistic, pvalue, exact = _ttest(d, alternative)
-    else:
+    elif test == "permutation":
         statistic, pvalue, exact = _permutation(d, alternative, n_resamples, seed)
+    else:
+        statistic, pvalue, exact, bt_lo, bt_hi = _bootstrap_t(d, alternative, n_resamples, seed,
+                                                              confidence_level)
     hl, hl_lo, hl_hi = hodges_lehmann(d, confidence_level, alternative)
-    if mean_ci not in ("t", "bootstrap"):
-        raise ValueError(f"mean_ci must be 't' or 'bootstrap', got {mean_ci!r}")
-    if mean_ci == "bootstrap":
+    if test == "bootstrap-t":
+        mean, m_lo, m_hi = float(d.mean()), bt_lo, bt_hi
+    elif mean_ci == "bootstrap":
         mean, m_lo, m_hi = mean_difference_bootstrap(d, confidence_level, alternative,
                                                      n_resamples=n_resamples, seed=seed)
     else:
@@ -402,15 +673,43 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
         mean_ci_low=float(m_lo), mean_ci_high=float(m_hi), hodges_lehmann=float(hl),
         hl_ci_low=float(hl_lo), hl_ci_high=float(hl_hi),
         confidence_level=confidence_level, exact=exact,
-        details={"effect_kind": "hodges_lehmann" if test == "wilcoxon" else "mean_difference",
-                 "mean_ci": mean_ci,
+        details={"effect_kind": _effect_kind(test),
+                 "mean_ci": "bootstrap-t" if test == "bootstrap-t" else mean_ci,
                  "n_zero": int(np.sum(d == 0))},
+        estimand=ESTIMANDS[test],
     )
+
+
+def rejects(pvalue, alpha: float):
+    """The one rejection rule: reject when the (adjusted) p-value is <= alpha; NaN never rejects.
+
+    Parameters
+    ----------
+    pvalue : float or numpy.ndarray
+        (Adjusted) p-values; NaN means not estimable.
+    alpha : float
+        The level.
+
+    Returns
+    -------
+    bool or numpy.ndarray
+        The decision(s).
+
+    Examples
+    --------
+    >>> rejects(0.05, 0.05), rejects(float("nan"), 0.05)
+    (True, False)
+    """
+    p = np.asarray(pvalue, dtype=float)
+    out = np.nan_to_num(p, nan=np.inf) <= alpha
+    return bool(out) if out.ndim == 0 else out
 
 
 def holm(pvalues: np.ndarray, alpha: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
     """Holm step-down within one family: ``(reject, p_adjusted)``; NaN p-values stay NaN.
 
+    ``p_adjusted`` is statsmodels' Holm adjustment; ``reject`` is :func:`rejects`
+    (p_adjusted <= alpha), the same rule as an unadjusted test.
     Parameters
     ----------
     pvalues : numpy.ndarray
@@ -433,11 +732,8 @@ def holm(pvalues: np.ndarray, alpha: float = 0.05) -> tuple[np.ndarray, np.ndarr
     from statsmodels.stats.multitest import multipletests
 
     p = np.asarray(pvalues, dtype=float)
-    reject = np.zeros(p.shape, dtype=bool)
     adjusted = np.full(p.shape, np.nan)
     ok = np.isfinite(p)
     if ok.any():
-        rej, adj, _, _ = multipletests(p[ok], alpha=alpha, method="holm")
-        reject[ok] = rej
-        adjusted[ok] = adj
-    return reject, adjusted
+        adjusted[ok] = multipletests(p[ok], alpha=alpha, method="holm")[1]
+    return rejects(adjusted, alpha), adjusted

@@ -23,7 +23,7 @@ import pandas as pd
 import xarray as xr
 
 from divstats.errors import NotIdentified, PlanError
-from divstats.paired import holm, paired_test
+from divstats.paired import ESTIMANDS, holm, paired_test, rejects
 from divstats.plans import (
     WINDOW_METRICS,
     Hypothesis,
@@ -43,7 +43,7 @@ TABLE_COLUMNS: tuple[str, ...] = (
 EXTRA_COLUMNS: tuple[str, ...] = (
     "label", "model", "a", "b", "policy", "window", "direction", "test", "correction", "split",
     "alpha", "effect_kind", "mean_a", "mean_b", "mean_difference", "mean_ci_low", "mean_ci_high",
-    "hodges_lehmann", "hl_ci_low", "hl_ci_high", "deviation", "note",
+    "hodges_lehmann", "hl_ci_low", "hl_ci_high", "estimand", "n_dropped", "deviation", "note",
 )
 
 
@@ -313,6 +313,9 @@ def _run_hypothesis(h: Hypothesis, plan: Plan, data: _Data, split: pd.DataFrame,
         sb = vb.sel(model=m) if m is not None else vb
         xa = sa.sel(doc=docs).values.astype(float)
         xb = sb.sel(doc=docs).values.astype(float)
+        dropped = _dropped_note(h, m, xa, xb)
+        if dropped:
+            data.notes.append(dropped)
         if not (np.isfinite(xa) & np.isfinite(xb)).any():
             why = data.est[h.metric].attrs.get("not_identified", "") if h.metric in data.est else ""
             note = (f"hypothesis {h.id!r}{'' if m is None else f' (model {m})'}: no document has a finite "
@@ -322,8 +325,22 @@ def _run_hypothesis(h: Hypothesis, plan: Plan, data: _Data, split: pd.DataFrame,
             continue
         res = paired_test(xa, xb, h.test, h.direction, confidence_level=1 - h.alpha,
                           n_resamples=n_resamples, seed=seed)
-        rows.append(_row(h, m, data, labels, devs, res, xa, xb, ""))
+        note = "; ".join(x for x in (dropped, f"{h.id}: {res.reason}" if res.reason else "") if x)
+        if res.reason:
+            data.notes.append(f"hypothesis {h.id!r}{'' if m is None else f' (model {m})'}: {res.reason}")
+        rows.append(_row(h, m, data, labels, devs, res, xa, xb, note))
     return rows
+
+
+def _dropped_note(h: Hypothesis, m: Any, xa: np.ndarray, xb: np.ndarray) -> str:
+    """Say how many documents of the split had no value on one side (and were dropped from the pair)."""
+    missing = ~(np.isfinite(xa) & np.isfinite(xb))
+    if not missing.any():
+        return ""
+    why = ("no branch reached the window (branch_tv NaN, count 0)" if h.metric in WINDOW_METRICS
+           else f"{h.metric!r} missing or not identified")
+    return (f"hypothesis {h.id!r}{'' if m is None else f' (model {m})'}: {int(missing.sum())} of "
+            f"{missing.size} documents dropped from the pair: {why}")
 
 
 def _row(h: Hypothesis, m: Any, data: _Data, labels: tuple[str, str, str], devs: list[str],
@@ -347,7 +364,8 @@ def _row(h: Hypothesis, m: Any, data: _Data, labels: tuple[str, str, str], devs:
         "mean_b": float(np.mean(xb[both])) if both.any() else nan,
         "mean_difference": get("mean_difference"), "mean_ci_low": get("mean_ci_low"),
         "mean_ci_high": get("mean_ci_high"), "hodges_lehmann": get("hodges_lehmann"),
-        "hl_ci_low": get("hl_ci_low"), "hl_ci_high": get("hl_ci_high"), "deviation": "; ".join(devs),
+        "hl_ci_low": get("hl_ci_low"), "hl_ci_high": get("hl_ci_high"), "estimand": ESTIMANDS[h.test],
+        "n_dropped": int((~both).sum()), "deviation": "; ".join(devs),
         "note": note,
     }
 
@@ -362,7 +380,7 @@ def _correct(table: pd.DataFrame, plan: Plan) -> pd.DataFrame:
             reject, adjusted = holm(fam["p_value"].to_numpy(), alpha)
         else:
             adjusted = fam["p_value"].to_numpy(dtype=float)
-            reject = np.nan_to_num(adjusted, nan=1.0) < alpha
+            reject = rejects(adjusted, alpha)       # the same rule as Holm's: p <= alpha
         table.loc[idx, "p_adjusted"] = adjusted
         table.loc[idx, "reject"] = reject
     table["reject"] = table["reject"].astype(bool)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from divstats import figures as F
 from divstats.tables import (
     EXPLORATORY,
+    branch_tv_rows,
     data_summary,
     decomposition_rows,
     decomposition_table,
@@ -141,14 +142,24 @@ def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
         summary=data_summary(an.traces), options=", ".join(f"{k}={v}" for k, v in an.options.items()),
         notes=_notes(an), exploratory=EXPLORATORY, plan_rows=plan_rows(pr), n_docs=an.traces.sizes["doc"],
         level_percent=int(an.options["level"] * 100), estimate_rows=estimate_rows(an),
-        decomposition_rows=decomposition_table(an),
+        decomposition_rows=decomposition_table(an), branch_rows=branch_tv_rows(an.branch_tv),
+        interval_method=str(an.aggregate_ci.attrs.get("methods_used", "")),
         variance_rows=variance_rows(an.variance) if an.variance is not None else [],
         images={k: base64.b64encode(v).decode() for k, v in figs.items()}, reproduce=reproduce_snippet(an))
 
 
 def _notes(an: Analysis) -> list[str]:
     devs = an.plan_result.deviations if an.plan_result is not None else []
-    return an.notes + [f"Deviation from the plan: {d}" for d in devs]
+    extra = []
+    for res, ci in an.decompositions:
+        for why in dict.fromkeys((ci.reason, ci.share_reason)):   # a refused interval also refuses the shares
+            if why:
+                extra.append(f"Decomposition {res.a} vs {res.b}: {why}.")
+    dropped = an.aggregate_ci.get("n_dropped")
+    if dropped is not None and int(dropped.max()) > 0:
+        extra.append("Aggregate intervals: documents without data for a policy were dropped from that "
+                      f"policy's interval (up to {int(dropped.max())} per policy; results.nc aggregate_ci_n_dropped).")
+    return an.notes + extra + [f"Deviation from the plan: {d}" for d in devs]
 
 
 def reproduce_snippet(an: Analysis) -> str:

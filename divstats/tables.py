@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from divstats.analysis import Analysis
 
 __all__ = [
-    "EXPLORATORY", "SUMMARY_QUANTITIES", "data_summary", "decomposition_rows", "decomposition_table",
-    "estimate_rows", "fmt", "fmt_ci", "fmt_p", "plan_rows", "unify", "variance_rows",
+    "EXPLORATORY", "SUMMARY_QUANTITIES", "branch_tv_rows", "data_summary", "decomposition_rows",
+    "decomposition_table", "estimate_rows", "fmt", "fmt_ci", "fmt_p", "plan_rows", "unify", "variance_rows",
 ]
 
 #: Aggregate quantities shown in the report's estimates table (in order).
@@ -140,7 +140,9 @@ def plan_rows(pr: PlanResult | None) -> list[dict[str, str]]:
         rows.append({
             "id": r.id, "family": r.family, "label": r.label, "metric": r.metric, "comparison": comp,
             "H1": {"less": "A − B < 0", "greater": "A − B > 0"}.get(r.direction, "A − B ≠ 0"),
-            "test": r.test, "n docs": str(r.n_docs), "statistic": fmt(r.statistic), "p": fmt_p(r.p_value),
+            "test": r.test, "estimand": "pseudo-median" if r.test == "wilcoxon" else "mean",
+            "n docs": str(r.n_docs) + (f" ({r.n_dropped} dropped)" if r.n_dropped else ""),
+            "statistic": fmt(r.statistic), "p": fmt_p(r.p_value),
             "p (Holm)" if r.correction == "holm" else "p (adj.)": fmt_p(r.p_adjusted),
             "reject": "yes" if r.reject else "no",
             "effect": f"{fmt(r.effect)} ({'HL' if r.effect_kind == 'hodges_lehmann' else 'mean'})",
@@ -248,6 +250,9 @@ def decomposition_rows(an: Analysis) -> list[dict[str, Any]]:
                 row[f"{name}_low"] = g(getattr(ci.low, name))
                 row[f"{name}_high"] = g(getattr(ci.high, name))
                 row[f"{name}_share"] = g(getattr(res.shares, name))
+                if ci.share_low is not None:
+                    row[f"{name}_share_low"] = g(getattr(ci.share_low, name))
+                    row[f"{name}_share_high"] = g(getattr(ci.share_high, name))
             rows.append(row)
     return rows
 
@@ -287,8 +292,60 @@ def decomposition_table(an: Analysis, *, shares: bool = True) -> list[dict[str, 
         out.append({"comparison": r["label"], "n docs": str(int(r["n_docs"])), "M_A": fmt(r["M_A"]),
                     "M_B": fmt(r["M_B"]),
                     **{f"{n if n == 'gap' else 'Δ' + n} [CI]": cell(n) for n in _DECOMPOSITION_PARTS},
-                    **{f"share {n}": fmt(r[n + '_share'], 3) for n in _DECOMPOSITION_PARTS[1:]}})
+                    **{f"share {n} [CI]": _share_cell(r, n) for n in _DECOMPOSITION_PARTS[1:]}})
     return out
+
+
+def _share_cell(r: Mapping[str, Any], n: str) -> str:
+    """A share with its interval; "—" (refused) where the gap's interval covers 0."""
+    lo, hi = r.get(f"{n}_share_low", float("nan")), r.get(f"{n}_share_high", float("nan"))
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return "— (refused: see notes)"
+    return f"{fmt(r[n + '_share'], 3)} {fmt_ci(lo, hi)}"
+
+
+def branch_tv_rows(branch: xr.Dataset | None) -> list[dict[str, str]]:
+    """Branch-aligned TV by age with the replicate counts beside every value.
+
+    Per policy (and model): the mean over documents of the per-document
+    ``branch_tv`` at each age (documents where no branch reached the age are
+    skipped), and in brackets the replicates whose branch reached it, summed over
+    documents, and how many documents contributed. Ages nothing reached show "—".
+
+    Parameters
+    ----------
+    branch : xarray.Dataset or None
+        ``divstats.branch_tv(ds)``.
+
+    Returns
+    -------
+    list of dict
+        ``policy`` (and ``model``), then one ``age k`` cell per age.
+
+    Examples
+    --------
+    >>> import divstats
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(3, {"a": PolicyEffect(0.3)}, horizon=4, replicates=5)
+    >>> list(branch_tv_rows(divstats.branch_tv(ds))[0])[:2]
+    ['policy', 'age 0']
+    """
+    if branch is None or "branch_tv" not in branch:
+        return []
+    value = branch["branch_tv"].mean("doc", skipna=True)
+    count = branch["branch_tv_count"].sum("doc")
+    docs = (branch["branch_tv_count"] > 0).sum("doc")
+    models = list(value["model"].values) if "model" in value.dims else [None]
+    rows = []
+    for m in models:
+        for pol in value["policy"].values:
+            sel = {"policy": pol} if m is None else {"policy": pol, "model": m}
+            row = ({"model": str(m)} if m is not None else {}) | {"policy": str(pol)}
+            for k in value["age"].values:
+                v, c, d = (float(x.sel({**sel, "age": k})) for x in (value, count, docs))
+                row[f"age {int(k)}"] = "—" if not np.isfinite(v) else f"{fmt(v, 3)} ({int(c)}; {int(d)} docs)"
+            rows.append(row)
+    return rows
 
 
 def variance_rows(variance: xr.Dataset) -> list[dict[str, str]]:

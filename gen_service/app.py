@@ -1,623 +1,149 @@
-"""The HTTP service: TGI's API (so TGI's clients work unchanged) plus ``/v1/traces``.
+"""The HTTP service: TGI's API and its OpenAI-compatible Messages API (so TGI's and
+OpenAI's clients work unchanged) plus ``/v1/traces``.
 
-Endpoints: ``POST /generate``, ``POST /generate_stream`` (SSE), ``POST /`` (TGI's
-compat route: ``stream`` picks one of the two), ``GET /info``, ``GET /health``,
-``GET /metrics`` (Prometheus), ``POST /tokenize``, ``POST /v1/traces`` (NDJSON, or
-SSE with ``Accept: text/event-stream``) and ``GET /v1/policies``.
+Routes: ``POST /generate``, ``POST /generate_stream`` (SSE), ``POST /`` (TGI's compat
+route), ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``POST /tokenize``, ``POST /chat_tokenize``, ``GET /info``, ``GET /health``,
+``GET /metrics`` (Prometheus), ``POST /v1/traces`` (NDJSON, or SSE with
+``Accept: text/event-stream``) and ``GET /v1/policies``.
 
-All model work runs on one worker thread, so the event loop (``/health``,
-``/metrics``, admission) stays responsive while a request decodes. Admission is a
-bounded count of queued + running requests; beyond it the answer is 429. A client
-that disconnects sets the request's cancel flag, which the engine checks between
-decoding steps.
+This module only wires things together: :mod:`gen_service.handlers` holds the
+handlers, :mod:`gen_service.requests` the typed request layer,
+:mod:`gen_service.service` the shared state, and the two ``wire_*`` modules the
+response formats. Around every handler, :func:`guarded` checks the bearer token
+(constant-time) and turns errors into TGI error bodies; internal exception text
+never reaches a client.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
+import hmac
 import logging
-import math
-import os
-import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gen_service.coupling import Sampling
-from gen_service.engine import Cancelled, Engine, TraceJob
-from gen_service.models import context_question_ids
-from gen_service.press_catalog import catalog
-from gen_service.presses import ModelInfo, PolicyError
-from protocols import __version__ as VERSION
+from gen_service import wire_tgi
+from gen_service.errors import ApiError
+from gen_service.handlers import ROUTES, SSE, Handler
+from gen_service.service import Service, ServiceConfig
+
+__all__ = ["create_app", "Service", "ServiceConfig", "ApiError", "error_response"]
 
 log = logging.getLogger("kvdiv.service")
 
-
-class ApiError(Exception):
-    """An error answered as TGI does: ``{"error", "error_type"}`` with a status."""
-
-    def __init__(self, status: int, message: str, error_type: str):
-        super().__init__(message)
-        self.status, self.message, self.error_type = status, message, error_type
+# TGI's streaming route answers errors as an event stream (its OpenAPI document).
+_SSE_ERROR_ROUTES = frozenset({"/generate_stream"})
 
 
-def invalid(field: str, why: str) -> ApiError:
-    return ApiError(422, f"{field}: {why}", "validation")
+def error_response(exc: ApiError, sse: bool = False) -> Response:
+    """TGI's error body for an :class:`ApiError`.
+
+    Parameters
+    ----------
+    exc : ApiError
+        The error (status, message, type, extra headers such as ``Retry-After``).
+    sse : bool
+        Send it as one SSE event (``data:{...}``), as TGI's streaming route does.
+
+    Returns
+    -------
+    Response
+        JSON (or ``text/event-stream``) with ``exc.status``.
+
+    Raises
+    ------
+    None
+
+    Examples
+    --------
+    >>> error_response(ApiError(429, "full", "overloaded", {"Retry-After": "1"})).headers["retry-after"]
+    '1'
+    """
+    if sse:
+        return Response(wire_tgi.sse(exc.body()), status_code=exc.status, media_type=SSE, headers=exc.headers)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-@dataclass
-class ServiceConfig:
-    eviction: str = "full"              # default policy for TGI requests
-    max_new_tokens: int = 1024          # T limit
-    max_replicates: int = 64            # R limit
-    max_queue: int = 16                 # queued + running requests
-    max_body_bytes: int = 1 << 20
-    api_key: str | None = None
+def _authorized(request: Request, key: str) -> bool:
+    header = request.headers.get("authorization", "")
+    # compare_digest: the time taken does not reveal how much of the key matched
+    return hmac.compare_digest(header.encode("utf-8", "replace"), f"Bearer {key}".encode())
 
 
-class Admission:
-    """Bounded admission: at most ``limit`` requests queued or running."""
+def guarded(path: str, handler: Handler, auth: bool) -> Handler:
+    """Authentication and error mapping around one handler."""
 
-    def __init__(self, limit: int):
-        self.limit, self.count = limit, 0
-        self._lock = threading.Lock()
-
-    def try_enter(self) -> bool:
-        with self._lock:
-            if self.count >= self.limit:
-                return False
-            self.count += 1
-            return True
-
-    def leave(self) -> None:
-        with self._lock:
-            self.count -= 1
-
-
-class Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("kvdiv_requests", "HTTP requests", ["endpoint", "status"], registry=r)
-        self.tokens = Counter("kvdiv_generated_tokens", "tokens generated by /generate*", registry=r)
-        self.row_steps = Counter("kvdiv_trace_row_steps", "replicate-steps decoded by /v1/traces", registry=r)
-        self.queue = Gauge("kvdiv_queue_size", "requests queued or running", registry=r)
-        self.duration = Histogram("kvdiv_request_duration_seconds", "request wall time", ["endpoint"],
-                                  registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-        self.cancelled = Counter("kvdiv_cancelled", "requests cancelled by client disconnect", registry=r)
-
-
-class WorkStream:
-    """One request's work on the model thread, its items relayed to the event loop.
-
-    The work is submitted at construction, so the admission slot is released by the
-    worker itself (in ``finally``) whatever the client does. Closing the async
-    iterator (the client went away) sets ``cancel``; the engine checks it between
-    decoding steps and stops."""
-
-    def __init__(self, service: Service, make: Callable[[Callable[[], bool]], Iterator[Any]]):
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.cancel = threading.Event()
-        self._service, self._make = service, make
-        service.executor.submit(self._work)
-
-    def _put(self, kind: str, value: Any) -> None:
+    async def run(request: Request) -> Response:
+        svc: Service = request.app.state.service
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
-        except RuntimeError:  # loop closed: nobody is listening any more
-            pass
+            if auth and svc.config.api_key is not None and not _authorized(request, svc.config.api_key):
+                raise ApiError(401, "missing or wrong bearer token", "authentication")
+            return await handler(request)
+        except ApiError as exc:
+            return error_response(exc, sse=path in _SSE_ERROR_ROUTES)
+        except Exception:  # a bug: log it, answer without internals, keep serving
+            log.exception("%s failed", path)
+            return error_response(ApiError(500, "internal error; see the server log", "internal"))
 
-    def _work(self) -> None:
-        cancelled = False
+    return run
+
+
+class CountResponses:
+    """ASGI middleware: count every response by route and status, unknown paths and
+    405s included, and time it."""
+
+    def __init__(self, app: ASGIApp, service: Service, paths: frozenset[str]):
+        self.app, self.service, self.paths = app, service, paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in self.paths else "other"
+        t0, status = time.perf_counter(), [500]
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
         try:
-            if self.cancel.is_set():
-                raise Cancelled()
-            for item in self._make(self.cancel.is_set):
-                self._put("item", item)
-                if self.cancel.is_set():
-                    raise Cancelled()
-            self._put("done", None)
-        except Cancelled as exc:
-            cancelled = True
-            self._put("error", exc)
-        except BaseException as exc:  # forwarded to the event loop side
-            self._put("error", exc)
+            await self.app(scope, receive, counted)
         finally:
-            self._service.finished(cancelled)
+            m = self.service.metrics
+            m.requests.labels(route, str(status[0])).inc()
+            m.duration.labels(route).observe(time.perf_counter() - t0)
 
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        try:
-            while True:
-                kind, value = await self.queue.get()
-                if kind == "item":
-                    yield value
-                elif kind == "error":
-                    raise value
-                else:
-                    return
-        finally:
-            self.cancel.set()
-
-
-class Service:
-    """Holds the engine, the worker thread and the admission state."""
-
-    def __init__(self, engine: Engine, config: ServiceConfig | None = None):
-        self.engine = engine
-        self.config = config or ServiceConfig()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdiv-model")
-        self.admission = Admission(self.config.max_queue)
-        self.metrics = Metrics()
-        engine.registry.build(self.config.eviction, ModelInfo.of(engine.lm))  # fail at start on a bad --eviction
-
-    # ------------------------------------------------------------------ worker bridge
-
-    def start(self, make: Callable[[Callable[[], bool]], Iterator[Any]]) -> WorkStream:
-        """Admit a request (429 when full) and queue its work on the model thread now."""
-        if not self.admission.try_enter():
-            raise ApiError(429, "Model is overloaded: request queue is full", "overloaded")
-        self.metrics.queue.set(self.admission.count)
-        return WorkStream(self, make)
-
-    def finished(self, cancelled: bool) -> None:
-        """Called on the model thread when a request's work ends, however it ends."""
-        self.admission.leave()
-        self.metrics.queue.set(self.admission.count)
-        if cancelled:
-            self.metrics.cancelled.inc()
-
-    # ------------------------------------------------------------------ parsing
-
-    async def read_json(self, request: Request) -> dict[str, Any]:
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > self.config.max_body_bytes:
-            raise invalid("body", f"request body over {self.config.max_body_bytes} bytes")
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.config.max_body_bytes:
-                raise invalid("body", f"request body over {self.config.max_body_bytes} bytes")
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise invalid("body", f"malformed JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise invalid("body", "expected a JSON object")
-        return data
-
-    def tokenize_inputs(self, data: dict[str, Any], *, allow_messages: bool) -> list[int]:
-        tok = self.engine.lm.tokenizer
-        messages = data.get("messages") if allow_messages else None
-        if messages is not None:
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
-                    for m in messages):
-                raise invalid("messages", "expected a non-empty list of {role, content} objects")
-            # tokenize=True: tokenising the rendered string again would add a second BOS
-            out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-            ids = list(out["input_ids"] if not isinstance(out, list) else out)
-        else:
-            inputs = data.get("inputs")
-            if not isinstance(inputs, str):
-                raise invalid("inputs", "required string (or `messages` on /v1/traces)")
-            if not inputs.strip():
-                raise invalid("inputs", "empty input")
-            add_special = data.get("add_special_tokens", True)
-            ids = list(tok(inputs, add_special_tokens=bool(add_special)).input_ids)
-        if not ids:
-            raise invalid("inputs", "empty input")
-        return ids
-
-    def context_and_question(self, data: dict[str, Any]) -> tuple[list[int], list[int]]:
-        """``context`` + ``question`` (only the context is compressed; the question and
-        the chat template's tail are prefilled after, as kvpress's pipeline does), or
-        ``inputs``/``messages`` (the whole prompt compressed)."""
-        if data.get("context") is None:
-            if data.get("question") is not None:
-                raise invalid("question", "needs a `context`")
-            return self.tokenize_inputs(data, allow_messages=True), []
-        context, question = data["context"], data.get("question", "")
-        if not isinstance(context, str) or not context.strip():
-            raise invalid("context", "expected a non-empty string")
-        if not isinstance(question, str):
-            raise invalid("question", "expected a string")
-        if data.get("inputs") is not None or data.get("messages") is not None:
-            raise invalid("context", "give either `context` (+ `question`) or `inputs`/`messages`")
-        return context_question_ids(self.engine.lm.tokenizer, context, question)
-
-    def check_context(self, ids: list[int], new_tokens: int, field: str = "inputs") -> None:
-        ctx = self.engine.lm.max_context
-        if len(ids) + new_tokens > ctx:
-            raise invalid(field, f"prompt of {len(ids)} tokens + {new_tokens} new tokens exceeds the "
-                                 f"model context of {ctx}")
-
-    def policy(self, field: str, policy_id: Any) -> str:
-        if not isinstance(policy_id, str):
-            raise invalid(field, "expected a policy id string")
-        try:
-            # every parameter checked and the press built once, before anything streams
-            self.engine.registry.build(policy_id, ModelInfo.of(self.engine.lm))
-        except PolicyError as exc:
-            raise invalid(field, str(exc)) from None
-        return policy_id
-
-
-# ---------------------------------------------------------------------- validation helpers
-
-def _int(params: dict, key: str, default: int | None, lo: int | None = None, hi: int | None = None,
-         prefix: str = "parameters.") -> int | None:
-    value = params.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(prefix + key, "expected an integer")
-    if lo is not None and value < lo:
-        raise invalid(prefix + key, f"must be >= {lo}")
-    if hi is not None and value > hi:
-        raise invalid(prefix + key, f"must be <= {hi} (server limit)")
-    return value
-
-
-def _float(params: dict, key: str, prefix: str = "parameters.") -> float | None:
-    value = params.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid(prefix + key, "expected a finite number")
-    return float(value)
-
-
-def parse_sampling(params: dict, *, trace: bool) -> Sampling:
-    """TGI semantics for /generate (greedy unless do_sample or a sampling knob is set);
-    traces sample at temperature 1 by default (the kernels P and Q themselves)."""
-    temperature = _float(params, "temperature")
-    if temperature is not None and temperature < 0:
-        raise invalid("parameters.temperature", "must be >= 0")
-    top_k = _int(params, "top_k", None, lo=1)
-    top_p = _float(params, "top_p")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise invalid("parameters.top_p", "must be in (0, 1]")
-    do_sample = params.get("do_sample")
-    if do_sample is not None and not isinstance(do_sample, bool):
-        raise invalid("parameters.do_sample", "expected a boolean")
-    if do_sample is None:
-        do_sample = True if trace else (temperature not in (None, 1.0) or top_k is not None or top_p is not None)
-    if temperature == 0:
-        do_sample = False
-    return Sampling(temperature=1.0 if temperature is None else temperature, top_k=top_k, top_p=top_p,
-                    do_sample=bool(do_sample))
-
-
-def _unsupported(params: dict) -> None:
-    # TGI knobs this server does not implement: accept their neutral values (the
-    # official client always sends them), refuse anything else rather than ignore it.
-    neutral = {"repetition_penalty": (None, 1.0), "frequency_penalty": (None, 0.0), "typical_p": (None,),
-               "watermark": (None, False), "grammar": (None,), "best_of": (None, 1),
-               "adapter_id": (None,)}
-    for key, ok in neutral.items():
-        if params.get(key) not in ok:
-            raise invalid(f"parameters.{key}", "not supported by this server")
-
-
-def _seed(params: dict) -> int | None:
-    return _int(params, "seed", None, lo=0, hi=2**63 - 1)
-
-
-def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse({"error": exc.message, "error_type": exc.error_type}, status_code=exc.status)
-
-
-# ---------------------------------------------------------------------- app
 
 def create_app(service: Service) -> Starlette:
-    """The Starlette app; ``service`` holds the engine and limits."""
-    cfg = service.config
-    lm = service.engine.lm
-    tok = lm.tokenizer
+    """The Starlette app over ``service`` (the engine, limits and state).
 
-    def endpoint(name: str, *, auth: bool = True):
-        def wrap(fn):
-            async def handler(request: Request) -> Response:
-                t0 = time.perf_counter()
-                try:
-                    if auth and cfg.api_key:
-                        header = request.headers.get("authorization", "")
-                        if header != f"Bearer {cfg.api_key}":
-                            raise ApiError(401, "missing or wrong bearer token", "authentication")
-                    response = await fn(request)
-                except ApiError as exc:
-                    response = error_response(exc)
-                except Exception as exc:  # the server keeps serving
-                    log.exception("%s failed", name)
-                    response = error_response(ApiError(500, f"{type(exc).__name__}: {exc}", "generation"))
-                service.metrics.requests.labels(name, str(response.status_code)).inc()
-                service.metrics.duration.labels(name).observe(time.perf_counter() - t0)
-                return response
-            return handler
-        return wrap
+    Parameters
+    ----------
+    service : Service
+        Built by :func:`gen_service.server_cli.build_service` or directly.
 
-    # ---------------------------------------------------------------- TGI
+    Returns
+    -------
+    Starlette
+        An ASGI app; ``app.state.service`` is ``service``.
 
-    def token_text(tid: int) -> str:
-        return tok.decode([tid], skip_special_tokens=False)
+    Raises
+    ------
+    None
 
-    special_ids = set(tok.all_special_ids)  # a property that rebuilds its list on every access
-
-    def special(tid: int) -> bool:
-        return tid in special_ids
-
-    def parse_generate(data: dict) -> dict[str, Any]:
-        params = data.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise invalid("parameters", "expected an object")
-        _unsupported(params)
-        ids = service.tokenize_inputs(data, allow_messages=False)
-        truncate = _int(params, "truncate", None, lo=1)
-        if truncate:
-            ids = ids[-truncate:]
-        n = _int(params, "max_new_tokens", 20, lo=1, hi=cfg.max_new_tokens)
-        service.check_context(ids, n)
-        stop = params.get("stop") or []
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise invalid("parameters.stop", "expected a list of non-empty strings")
-        top_n = _int(params, "top_n_tokens", 0, lo=0, hi=32) or 0
-        return dict(ids=ids, n=n, stop=stop, top_n=top_n, sampling=parse_sampling(params, trace=False),
-                    seed=_seed(params), details=bool(params.get("details", False)),
-                    decoder_input_details=bool(params.get("decoder_input_details", False)),
-                    full_text=bool(params.get("return_full_text", False)),
-                    policy=service.policy("parameters.eviction", params.get("eviction", cfg.eviction)),
-                    inputs=data["inputs"])
-
-    def stop_checker(stop: list[str]) -> Callable[[list[int]], bool] | None:
-        if not stop:
-            return None
-        return lambda out: any(tok.decode(out, skip_special_tokens=False).endswith(s) for s in stop)
-
-    def generation_iter(g: dict) -> Callable[[Callable[[], bool]], Iterator[dict]]:
-        seed = g["seed"] if g["seed"] is not None else int.from_bytes(os.urandom(4), "little") >> 1
-        g["used_seed"] = seed
-
-        def make(cancelled: Callable[[], bool]) -> Iterator[dict]:
-            yield from service.engine.generate(g["ids"], g["policy"], g["n"], g["sampling"], seed,
-                                               top_n=g["top_n"], stop_check=stop_checker(g["stop"]),
-                                               cancelled=cancelled)
-        return make
-
-    def tgi_token(item: dict) -> dict:
-        return {"id": item["id"], "text": token_text(item["id"]), "logprob": item["logprob"],
-                "special": special(item["id"])}
-
-    def tgi_top(item: dict) -> list[dict]:
-        return [{"id": i, "text": token_text(i), "logprob": lp, "special": special(i)} for i, lp in item["top"]]
-
-    async def run_generate(request: Request, g: dict) -> dict:
-        work = service.start(generation_iter(g))
-        watcher = asyncio.create_task(_watch_disconnect(request, work.cancel))
-        tokens, finish = [], "length"
-        try:
-            async for item in work:
-                if "finish_reason" in item:
-                    finish = item["finish_reason"]
-                else:
-                    tokens.append(item)
-        except Cancelled:
-            raise ApiError(499, "client disconnected", "cancelled") from None
-        finally:
-            watcher.cancel()
-        service.metrics.tokens.inc(len(tokens))
-        text = tok.decode([t["id"] for t in tokens], skip_special_tokens=True)
-        out: dict[str, Any] = {"generated_text": (g["inputs"] + text) if g["full_text"] else text}
-        if g["details"]:
-            prefill = []
-            if g["decoder_input_details"]:
-                lps = await asyncio.get_running_loop().run_in_executor(
-                    service.executor, service.engine.prompt_logprobs, g["ids"])
-                prefill = [{"id": i, "text": token_text(i), "logprob": lp} for i, lp in zip(g["ids"], lps)]
-            out["details"] = {
-                "finish_reason": finish, "generated_tokens": len(tokens), "seed": g["used_seed"],
-                "prefill": prefill, "tokens": [tgi_token(t) for t in tokens],
-                "top_tokens": [tgi_top(t) for t in tokens] if g["top_n"] else None,
-                "best_of_sequences": None,
-            }
-        return out
-
-    def sse_generate(request: Request, g: dict) -> StreamingResponse:
-        work = service.start(generation_iter(g))
-
-        async def events() -> AsyncIterator[bytes]:
-            ids: list[int] = []
-            pending: dict | None = None
-            try:
-                async for item in work:
-                    if "finish_reason" in item:
-                        text = tok.decode(ids, skip_special_tokens=True)
-                        if g["full_text"]:
-                            text = g["inputs"] + text
-                        last = {**pending, "generated_text": text,
-                                "details": {"finish_reason": item["finish_reason"], "generated_tokens": len(ids),
-                                            "seed": g["used_seed"]}} if pending else None
-                        if last:
-                            yield _sse(last)
-                        pending = None
-                        break
-                    if pending:
-                        yield _sse(pending)
-                    ids.append(item["id"])
-                    service.metrics.tokens.inc()
-                    pending = {"index": len(ids), "token": tgi_token(item),
-                               "top_tokens": tgi_top(item) if g["top_n"] else None,
-                               "generated_text": None, "details": None}
-            except Cancelled:
-                pass
-            except Exception as exc:  # mid-stream failure: TGI sends an error event
-                log.exception("generate_stream failed")
-                yield _sse({"error": f"{type(exc).__name__}: {exc}", "error_type": "generation"})
-            finally:
-                work.cancel.set()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @endpoint("generate")
-    async def generate(request: Request) -> Response:
-        g = parse_generate(await service.read_json(request))
-        return JSONResponse(await run_generate(request, g))
-
-    @endpoint("generate_stream")
-    async def generate_stream(request: Request) -> Response:
-        return sse_generate(request, parse_generate(await service.read_json(request)))
-
-    @endpoint("compat")
-    async def compat(request: Request) -> Response:
-        data = await service.read_json(request)
-        stream = data.get("stream", False)
-        g = parse_generate(data)
-        if stream:
-            return sse_generate(request, g)
-        return JSONResponse([await run_generate(request, g)])  # TGI's `/` answers a list
-
-    @endpoint("tokenize")
-    async def tokenize(request: Request) -> Response:
-        data = await service.read_json(request)
-        inputs = data.get("inputs")
-        if not isinstance(inputs, str) or not inputs:
-            raise invalid("inputs", "required non-empty string")
-        enc = tok(inputs, add_special_tokens=True, return_offsets_mapping=True)
-        return JSONResponse([{"id": i, "text": inputs[a:b] if b > a else token_text(i), "start": a, "stop": b}
-                             for i, (a, b) in zip(enc.input_ids, enc.offset_mapping)])
-
-    @endpoint("info")
-    async def info(request: Request) -> Response:
-        return JSONResponse({
-            "model_id": lm.name, "model_sha": None, "model_dtype": str(lm.dtype).replace("torch.", ""),
-            "model_device_type": lm.device.type, "model_pipeline_tag": "text-generation",
-            "max_concurrent_requests": cfg.max_queue, "max_best_of": 1, "max_stop_sequences": 8,
-            "max_input_tokens": lm.max_context - 1, "max_total_tokens": lm.max_context,
-            "max_input_length": lm.max_context - 1,
-            "waiting_served_ratio": 0.0, "max_batch_total_tokens": lm.max_context * cfg.max_replicates,
-            "max_waiting_tokens": 0, "max_batch_size": cfg.max_replicates, "validation_workers": 1,
-            "max_client_batch_size": 1, "router": "kvdiv-gen-service", "version": VERSION, "sha": None,
-            "docker_label": None,
-            "kvdiv": {"eviction": cfg.eviction, "max_new_tokens": cfg.max_new_tokens,
-                      "max_replicates": cfg.max_replicates, "vocab_size": lm.vocab_size,
-                      "eos_token_id": lm.eos_token_id, "policies": service.engine.registry.names()},
-        })
-
-    @endpoint("health", auth=False)
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": lm.name, "queue": service.admission.count})
-
-    @endpoint("metrics")
-    async def metrics(request: Request) -> Response:
-        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @endpoint("policies")
-    async def policies(request: Request) -> Response:
-        reg = service.engine.registry
-        return JSONResponse({"default": cfg.eviction, "names": reg.names(), "examples": reg.examples(),
-                             "grammar": "full | name@retention | name#budget | Wrapper(Inner, ...)@r | id:k=v,...",
-                             "presses": catalog()})
-
-    # ---------------------------------------------------------------- traces
-
-    def parse_trace(data: dict) -> TraceJob:
-        params = data.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise invalid("parameters", "expected an object")
-        ids, question = service.context_and_question(data)
-        T = _int(params, "max_new_tokens", 32, lo=1, hi=cfg.max_new_tokens)
-        field = "context" if question else "messages" if data.get("messages") is not None else "inputs"
-        service.check_context(ids + question, T, field)
-        kind = data.get("kind", "coupled")
-        if kind not in ("coupled", "residual"):
-            raise invalid("kind", "must be 'coupled' or 'residual'")
-        R = _int(data, "replicates", 1, lo=1, hi=cfg.max_replicates, prefix="")
-        W = _int(data, "window", None, lo=1, prefix="")
-        if W is not None and W > T:
-            raise invalid("window", f"window {W} > horizon (max_new_tokens) {T}")
-        if W is not None and kind == "coupled" and W != T:
-            raise invalid("window", "coupled traces run to the horizon; window applies to residual traces")
-        if "candidate" not in data:
-            raise invalid("candidate", "required policy id")
-        doc = data.get("doc_id")
-        if doc is not None and not isinstance(doc, (str, int)):
-            raise invalid("doc_id", "expected a string")
-        return TraceJob(prompt_ids=ids, candidate=service.policy("candidate", data["candidate"]),
-                        reference=service.policy("reference", data.get("reference", "full")), kind=kind,
-                        horizon=T, replicates=R, window=W, sampling=parse_sampling(params, trace=True),
-                        seed=_seed(params) if "seed" in params else _int(data, "seed", None, lo=0, prefix=""),
-                        doc=None if doc is None else str(doc), request_id=uuid.uuid4().hex,
-                        question_ids=question)
-
-
-    @endpoint("traces")
-    async def traces(request: Request) -> Response:
-        from protocols import StreamWriter, error_record
-
-        job = parse_trace(await service.read_json(request))
-        sse = "text/event-stream" in request.headers.get("accept", "")
-        work = service.start(lambda cancelled: service.engine.trace(job, cancelled))
-
-        def frame(line: bytes) -> bytes:
-            return b"data: " + line.rstrip(b"\n") + b"\n\n" if sse else line
-
-        async def body() -> AsyncIterator[bytes]:
-            writer = StreamWriter()
-            t0 = time.perf_counter()
-            try:
-                async for rec in work:
-                    if rec["type"] in ("step", "shared_step"):
-                        service.metrics.row_steps.inc(job.replicates)
-                    elif rec["type"] == "branch":
-                        service.metrics.row_steps.inc(len(rec["tv"]) - 1)
-                    yield frame(writer.line(rec))
-                yield frame(writer.end(job.horizon, job.replicates, time.perf_counter() - t0))
-            except Cancelled:
-                pass
-            except Exception as exc:  # mid-stream failure: an error record ends the stream
-                log.exception("trace %s failed", job.request_id)
-                kind = "validation" if isinstance(exc, PolicyError) else "generation"
-                yield frame(writer.line(error_record(f"{type(exc).__name__}: {exc}", kind)))
-            finally:
-                work.cancel.set()
-
-        media = "text/event-stream" if sse else "application/x-ndjson"
-        return StreamingResponse(body(), media_type=media, headers={"x-request-id": job.request_id})
-
-    routes = [
-        Route("/", compat, methods=["POST"]),
-        Route("/generate", generate, methods=["POST"]),
-        Route("/generate_stream", generate_stream, methods=["POST"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/info", info, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/traces", traces, methods=["POST"]),
-        Route("/v1/policies", policies, methods=["GET"]),
-    ]
+    Examples
+    --------
+    >>> from gen_service.server_cli import build_service  # doctest: +SKIP
+    >>> app, service = build_service("tiny:llama")        # doctest: +SKIP
+    """
+    routes = [Route(path, guarded(path, handler, auth), methods=[method]) for path, method, handler, auth in ROUTES]
     app = Starlette(routes=routes)
     app.state.service = service
+    app.add_middleware(CountResponses, service=service, paths=frozenset(path for path, *_ in ROUTES))
     return app
-
-
-def _sse(obj: dict) -> bytes:
-    return b"data:" + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
-    """Set ``cancel`` when the client of a non-streaming request goes away."""
-    while not cancel.is_set():
-        if await request.is_disconnected():
-            cancel.set()
-            return
-        await asyncio.sleep(0.1)

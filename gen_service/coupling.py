@@ -10,41 +10,186 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = ["Sampling", "History", "penalize", "probs", "absorb_eos", "tv", "CoupledDraw", "maximal_coupling"]
+
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling transform applied identically to the P and Q logits (docs/statistics.md §1)."""
+    """Sampling transform applied identically to the P and Q logits (docs/statistics.md §1).
+
+    The order is TGI's: the history penalties (repetition, then frequency and
+    presence) on the raw logits, then temperature, top-k, top-p and typical-p. The
+    penalties read each side's own history (prompt + tokens decoded so far on that
+    side, see :class:`History`), so in a coupled trace P and Q are penalised by
+    different histories once they have diverged.
+
+    Examples
+    --------
+    >>> Sampling(temperature=0.0).greedy
+    True
+    >>> Sampling(repetition_penalty=1.2).uses_history
+    True
+    """
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     do_sample: bool = True
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    typical_p: float | None = None
 
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0.0
 
+    @property
+    def uses_history(self) -> bool:
+        """Whether the law depends on the tokens seen so far (a penalty is active)."""
+        return (self.repetition_penalty not in (None, 1.0) or self.frequency_penalty not in (None, 0.0)
+                or self.presence_penalty not in (None, 0.0))
+
     def as_dict(self) -> dict:
-        return {"temperature": 0.0 if self.greedy else float(self.temperature),
-                "top_k": self.top_k, "top_p": self.top_p, "do_sample": not self.greedy}
+        out = {"temperature": 0.0 if self.greedy else float(self.temperature),
+               "top_k": self.top_k, "top_p": self.top_p, "do_sample": not self.greedy}
+        # the penalties appear only when set, so headers of plain requests keep their shape
+        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty", "typical_p"):
+            if getattr(self, name) is not None:
+                out[name] = float(getattr(self, name))
+        return out
 
 
-def probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+@dataclass(frozen=True)
+class History:
+    """Token counts of one side's history, per row: prompt + tokens decoded so far.
+
+    ``counts`` is (rows, V) float32. Records are immutable: :meth:`add` returns a new
+    one, so a history kept for later (the residual branch point) cannot change.
+    """
+
+    counts: torch.Tensor
+
+    @classmethod
+    def start(cls, prompt_ids: list[int], rows: int, vocab: int, device: torch.device | str = "cpu") -> History:
+        """The prompt's counts, repeated on ``rows`` rows."""
+        counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+        counts.index_add_(0, ids, torch.ones(len(prompt_ids), dtype=torch.float32, device=device))
+        return cls(counts.expand(rows, -1).clone())
+
+    def add(self, tokens: torch.Tensor) -> History:
+        """The history after each row appended its token ``tokens[row]``."""
+        return History(self.counts.scatter_add(-1, tokens[:, None].long(), torch.ones_like(tokens[:, None],
+                                                                                         dtype=torch.float32)))
+
+    def select(self, rows: torch.Tensor) -> History:
+        """The rows ``rows`` only (rows leaving a batch)."""
+        return History(self.counts[rows])
+
+
+def penalize(logits: torch.Tensor, sampling: Sampling, history: History | None) -> torch.Tensor:
+    """The history penalties on raw logits (rows, V); the identity without a history.
+
+    Repetition (CTRL, as transformers and TGI): a seen token's logit is divided by the
+    penalty when positive and multiplied when negative. Frequency and presence (as
+    OpenAI defines them): ``logit − frequency·count − presence·[count > 0]``. Counts
+    cover the prompt and the decoded tokens, as TGI's processors read all input ids.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        (rows, V) float logits.
+    sampling : Sampling
+        The penalties to apply (unset ones are skipped).
+    history : History or None
+        Each row's token counts.
+
+    Returns
+    -------
+    torch.Tensor
+        (rows, V), finite (clamped to the float range).
+
+    Raises
+    ------
+    RuntimeError
+        If the history's shape does not match the logits'.
+
+    Examples
+    --------
+    >>> h = History.start([0], 1, 2)
+    >>> penalize(torch.tensor([[2.0, 1.0]]), Sampling(repetition_penalty=2.0), h).tolist()
+    [[1.0, 1.0]]
+    """
+    if history is None or not sampling.uses_history:
+        return logits
+    counts = history.counts
+    seen = counts > 0
+    if sampling.repetition_penalty not in (None, 1.0):
+        r = sampling.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    if sampling.frequency_penalty not in (None, 0.0):
+        logits = logits - sampling.frequency_penalty * counts
+    if sampling.presence_penalty not in (None, 0.0):
+        logits = logits - sampling.presence_penalty * seen.float()
+    # a tiny repetition penalty overflows logit / r to ±inf, and inf − inf is NaN in
+    # the softmax; clamped, the limit law (mass on the largest logits) comes out
+    big = torch.finfo(logits.dtype).max
+    return logits.clamp(-big, big)
+
+
+# 1/T is capped here: for any T below 1e-30 the scaled gaps between distinct float32
+# logits are already below -1e20, so softmax gives the T -> 0 limit (uniform over the
+# maximal logits) exactly; an uncapped 1/T overflows float32 and 0 * inf is NaN.
+_MAX_INVERSE_TEMPERATURE = 1e30
+
+
+def probs(logits: torch.Tensor, sampling: Sampling, history: History | None = None) -> torch.Tensor:
     """Sampling distribution (rows, V) in float32 from raw logits.
 
-    Greedy is the point mass on the argmax (ties: lowest id, as torch.argmax)."""
-    logits = logits.float()
+    Greedy is the point mass on the argmax (ties: lowest id, as torch.argmax).
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        (rows, V) raw logits.
+    sampling : Sampling
+        The transforms, applied in TGI's order (penalties, temperature, top-k, top-p,
+        typical-p).
+    history : History, optional
+        Each row's token counts; needed only when ``sampling.uses_history``.
+
+    Returns
+    -------
+    torch.Tensor
+        (rows, V) float32, rows summing to 1.
+
+    Raises
+    ------
+    RuntimeError
+        If the history's shape does not match the logits'.
+
+    Examples
+    --------
+    >>> probs(torch.tensor([[2.0, 1.0]]), Sampling(do_sample=False)).tolist()
+    [[1.0, 0.0]]
+    """
+    logits = penalize(logits.float(), sampling, history)
     if sampling.greedy:
         out = torch.zeros_like(logits)
         out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         return out
     if sampling.temperature != 1.0:
-        logits = logits / sampling.temperature
+        # shift by the max first: the scaled logits are then <= 0 and cannot overflow
+        inverse = min(1.0 / sampling.temperature, _MAX_INVERSE_TEMPERATURE)
+        logits = (logits - logits.amax(-1, keepdim=True)) * inverse
     if sampling.top_k is not None and 0 < sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p is not None and 0.0 < sampling.top_p < 1.0:
         logits = _top_p(logits, sampling.top_p)
+    if sampling.typical_p is not None and 0.0 < sampling.typical_p < 1.0:
+        logits = _typical_p(logits, sampling.typical_p)
     return torch.softmax(logits, dim=-1)
 
 
@@ -59,8 +204,49 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
+def _typical_p(logits: torch.Tensor, mass: float) -> torch.Tensor:
+    # Locally typical sampling as transformers' TypicalLogitsWarper: keep the tokens
+    # whose surprisal is closest to the entropy until their mass reaches `mass`.
+    logp = torch.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    entropy = -(torch.where(p > 0, logp * p, torch.zeros_like(p))).sum(-1, keepdim=True)
+    shifted = (-logp - entropy).abs()
+    sorted_shifted, idx = torch.sort(shifted, dim=-1)
+    cum = logits.gather(-1, idx).softmax(-1).cumsum(-1)
+    last = (cum < mass).sum(-1, keepdim=True).clamp_(max=logits.shape[-1] - 1)
+    remove_sorted = sorted_shifted > sorted_shifted.gather(-1, last)
+    remove_sorted[..., 0] = False
+    remove = remove_sorted.scatter(-1, idx, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
 def absorb_eos(p: torch.Tensor, done: torch.Tensor, eos: int | None) -> torch.Tensor:
-    """EOS is absorbing: rows whose branch already emitted EOS get the point mass on EOS."""
+    """EOS is absorbing: rows whose branch already emitted EOS get the point mass on EOS.
+
+    Parameters
+    ----------
+    p : torch.Tensor
+        (rows, V) laws.
+    done : torch.Tensor
+        (rows,) bool, the branch has emitted EOS.
+    eos : int or None
+        The EOS id (None: nothing to do).
+
+    Returns
+    -------
+    torch.Tensor
+        ``p``, or a copy with the done rows replaced.
+
+    Raises
+    ------
+    IndexError
+        If ``eos`` is outside the vocabulary.
+
+    Examples
+    --------
+    >>> absorb_eos(torch.tensor([[0.5, 0.5]]), torch.tensor([True]), 1).tolist()
+    [[0.0, 1.0]]
+    """
     if eos is None or not bool(done.any()):
         return p
     p = p.clone()
@@ -70,8 +256,31 @@ def absorb_eos(p: torch.Tensor, done: torch.Tensor, eos: int | None) -> torch.Te
 
 
 def tv(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """TV(p, q) per row. Computed as ½Σ|p−q| (equal to 1 − Σmin(p, q)) because it is
-    exactly 0.0 in floating point when p == q, which 1 − Σmin is not."""
+    """TV(p, q) per row.
+
+    Computed as ½Σ|p−q| (equal to 1 − Σmin(p, q)) because it is exactly 0.0 in
+    floating point when p == q, which 1 − Σmin is not.
+
+    Parameters
+    ----------
+    p, q : torch.Tensor
+        (rows, V) laws.
+
+    Returns
+    -------
+    torch.Tensor
+        (rows,) in [0, 1].
+
+    Raises
+    ------
+    RuntimeError
+        If the shapes differ.
+
+    Examples
+    --------
+    >>> tv(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.5]])).tolist()
+    [0.5]
+    """
     return (0.5 * (p - q).abs().sum(-1)).clamp_(0.0, 1.0)
 
 
@@ -84,8 +293,10 @@ def _draw(weights: torch.Tensor, fallback: torch.Tensor, gen: torch.Generator) -
     return torch.multinomial(weights, 1, generator=gen).squeeze(-1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CoupledDraw:
+    """One coupled step for every row (docs/statistics.md §2)."""
+
     tv: torch.Tensor      # (rows,) δ
     x: torch.Tensor       # (rows,) token from P's side
     y: torch.Tensor       # (rows,) token from Q's side
@@ -96,12 +307,35 @@ class CoupledDraw:
 
 
 def maximal_coupling(p: torch.Tensor, q: torch.Tensor, gen: torch.Generator) -> CoupledDraw:
-    """docs/statistics.md §2 for every row at once.
+    """The stepwise maximal coupling (docs/statistics.md §2) for every row at once.
 
     With probability 1 − δ both sides take one draw Z ~ min(p, q)/(1 − δ); otherwise
     X ~ (p − q)⁺/δ and Y ~ (q − p)⁺/δ independently. All three draws are made for
     every row (cheap, and keeps the generator's consumption independent of the
-    outcome, hence reproducible), then selected."""
+    outcome, hence reproducible), then selected.
+
+    Parameters
+    ----------
+    p, q : torch.Tensor
+        (rows, V) post-transform laws of P and Q.
+    gen : torch.Generator
+        The request's generator.
+
+    Returns
+    -------
+    CoupledDraw
+
+    Raises
+    ------
+    RuntimeError
+        If a law has no mass at all.
+
+    Examples
+    --------
+    >>> p = torch.tensor([[1.0, 0.0]])
+    >>> maximal_coupling(p, p, torch.Generator().manual_seed(0)).tv.tolist()
+    [0.0]
+    """
     delta = tv(p, q)
     m = torch.minimum(p, q)
     overlap = _draw(m, p, gen)

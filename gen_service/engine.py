@@ -48,7 +48,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from gen_service.coupling import Sampling, absorb_eos, maximal_coupling, probs
+from gen_service.coupling import History, Sampling, absorb_eos, maximal_coupling, probs
+from gen_service.errors import ServiceError
 from gen_service.head_masks import HIDDEN_ATTR, indices_to_mask, install, pad
 from gen_service.models import LoadedModel
 from gen_service.presses import ModelInfo, Plan, Policy, PolicyRegistry, iter_presses
@@ -56,7 +57,7 @@ from gen_service.presses import ModelInfo, Plan, Policy, PolicyRegistry, iter_pr
 PRODUCER = "kvdiv.gen_service"
 
 
-class Cancelled(Exception):
+class Cancelled(ServiceError):
     """The client went away; work stops between steps."""
 
 
@@ -263,14 +264,19 @@ class Engine:
 
         hooks = [attn.register_forward_hook(keep, with_kwargs=True) for attn in self._layers()]
         try:
-            q0 = self.prefill(cand, prompt_ids, question_ids)
+            # the prompt only: were the question fed while the hooks are on, they would
+            # keep Q's compressed cache + question for P
+            q0 = self.prefill(cand, prompt_ids)
         finally:
             for hook in hooks:
                 hook.remove()
         cache = DynamicCache()
         for idx in sorted(full):
             cache.update(*full[idx], idx)
-        p0 = self._finish(ref_plan, cache, q0.logits if not question_ids else None, L, question_ids)
+        p0 = self._finish(ref_plan, cache, q0.logits, L, question_ids)
+        if question_ids:  # what prefill(cand, prompt_ids, question_ids) would have done
+            q0.logits = self._prefill_question(q0.side, list(question_ids))
+            q0.kept_slots = _lengths(q0.cache)
         return p0, q0
 
     @torch.inference_mode()
@@ -357,6 +363,12 @@ class Engine:
         else:
             yield from self._residual(job, p0, q0, gen, cancelled)
 
+    def _history(self, sampling: Sampling, prompt_ids: list[int], rows: int, vocab: int) -> History | None:
+        """Each side's token counts for the history penalties; None (free) when none is set."""
+        if not sampling.uses_history:
+            return None
+        return History.start(prompt_ids, rows, vocab, self.device)
+
     def _check(self, cancelled: Callable[[], bool]) -> None:
         if cancelled():
             raise Cancelled()
@@ -377,11 +389,15 @@ class Engine:
         lp, lq = p0.logits.expand(R, -1), q0.logits.expand(R, -1)
         x_done = torch.zeros(R, dtype=torch.bool, device=self.device)
         y_done = torch.zeros_like(x_done)
+        # P and Q are penalised by their own histories (prompt + x_<t, prompt + y_<t)
+        hp = hq = self._history(job.sampling, job.prompt_ids + job.question_ids, R, lp.shape[-1])
         for t in range(1, T + 1):
             self._check(cancelled)
-            p = absorb_eos(probs(lp, job.sampling), x_done, eos)
-            q = absorb_eos(probs(lq, job.sampling), y_done, eos)
+            p = absorb_eos(probs(lp, job.sampling, hp), x_done, eos)
+            q = absorb_eos(probs(lq, job.sampling, hq), y_done, eos)
             d = maximal_coupling(p, q, gen)
+            if hp is not None:
+                hp, hq = hp.add(d.x), hq.add(d.y)
             yield step_record(t, d.tv.tolist(), d.x.tolist(), d.y.tolist())
             if eos is not None:
                 x_done |= d.x == eos
@@ -413,10 +429,14 @@ class Engine:
         y0 = torch.zeros(R, dtype=torch.long, device=dev)
         tv_star = torch.zeros(R, dtype=torch.float64, device=dev)
         shared: list[torch.Tensor] = []                          # z_t, kept for replayed branches
+        # history penalties: both sides share prompt + z_<t; each row keeps its counts
+        # at t* so its two branches continue from their own histories
+        h0 = hz = self._history(job.sampling, job.prompt_ids + job.question_ids, R, lp.shape[-1])
+        h_star = None if hz is None else torch.zeros_like(hz.counts)
         for t in range(1, T + 1):
             self._check(cancelled)
-            p = absorb_eos(probs(lp, job.sampling), z_done, eos)
-            q = absorb_eos(probs(lq, job.sampling), z_done, eos)
+            p = absorb_eos(probs(lp, job.sampling, hz), z_done, eos)
+            q = absorb_eos(probs(lq, job.sampling, hz), z_done, eos)
             d = maximal_coupling(p, q, gen)
             delta = d.tv.double()
             pi = torch.where(alive, surv * delta, torch.zeros_like(surv))
@@ -428,6 +448,9 @@ class Engine:
             x0 = torch.where(take, d.x_res, x0)
             y0 = torch.where(take, d.y_res, y0)
             tv_star = torch.where(take, delta, tv_star)
+            if hz is not None:
+                h_star = torch.where(take[:, None], hz.counts, h_star)
+                hz = hz.add(d.overlap)
             # The step where a path stops keeps its TV (1) but has no token: min(p, q) is
             # empty, so there is no Z to draw; later steps are null altogether.
             shown, has_token = alive.tolist(), (alive & ~d.stop).tolist()
@@ -444,14 +467,16 @@ class Engine:
                 lq = self.step(qs, d.overlap, self._pos(qs, R, t))
         branch = _Branches(t_star, x0, y0, tv_star, W, T)
         if branch.rows and start is not None:
-            self._replay_branches(job, start, torch.stack(shared, 1), branch, gen, cancelled)
+            self._replay_branches(job, start, torch.stack(shared, 1), branch, gen, cancelled, h0)
         elif branch.rows:
-            self._run_branches(job, ps, qs, p0.kept_slots, q0.kept_slots, branch, gen, cancelled)
+            self._run_branches(job, ps, qs, p0.kept_slots, q0.kept_slots, branch, gen, cancelled, h_star)
         yield from branch.records()
 
     def _run_branches(self, job: TraceJob, ps: Side, qs: Side, p_kept: list[int], q_kept: list[int],
-                      br: _Branches, gen: torch.Generator, cancelled: Callable[[], bool]) -> None:
-        """Branches as prefixes of the survival caches (uniform, prefill-only presses)."""
+                      br: _Branches, gen: torch.Generator, cancelled: Callable[[], bool],
+                      h_star: torch.Tensor | None = None) -> None:
+        """Branches as prefixes of the survival caches (uniform, prefill-only presses).
+        ``h_star`` holds each row's history counts at its branch point (prompt + z_<t*)."""
         dev = self.device
         rows = br.rows
         idx = torch.tensor(rows, dtype=torch.long, device=dev)
@@ -466,10 +491,15 @@ class Engine:
             slots = torch.arange(kept + longest, device=dev)
             masks.append((slots[None] < (kept + tstar - 1)[:, None]).long())
         pmask, qmask = masks
+        # each branch's history: prompt + z_<t* + its own first token
+        hp = hq = None
+        if h_star is not None:
+            hp, hq = History(h_star[idx]).add(br.x0[idx]), History(h_star[idx]).add(br.y0[idx])
         # head masks ride on kvpress's patched SDPA; eager attention would drop them
         fast = nullcontext() if (ps.masks or qs.masks) else self._masked_attention()
         with fast:
-            self._branch_loop(job, ps, qs, rows, br, tstar, pmask, qmask, br.x0[idx], br.y0[idx], gen, cancelled)
+            self._branch_loop(job, ps, qs, rows, br, tstar, pmask, qmask, br.x0[idx], br.y0[idx], gen, cancelled,
+                              hp, hq)
 
     @contextmanager
     def _masked_attention(self) -> Iterator[None]:
@@ -489,7 +519,8 @@ class Engine:
 
     def _branch_loop(self, job: TraceJob, ps: Side, qs: Side, rows: list[int], br: _Branches,
                      tstar: torch.Tensor, pmask: torch.Tensor, qmask: torch.Tensor, x: torch.Tensor,
-                     y: torch.Tensor, gen: torch.Generator, cancelled: Callable[[], bool]) -> None:
+                     y: torch.Tensor, gen: torch.Generator, cancelled: Callable[[], bool],
+                     hp: History | None = None, hq: History | None = None) -> None:
         dev, eos = self.device, self.lm.eos_token_id
         x_done = (x == eos) if eos is not None else torch.zeros_like(x, dtype=torch.bool)
         y_done = (y == eos) if eos is not None else torch.zeros_like(x_done)
@@ -499,9 +530,12 @@ class Engine:
             self._check(cancelled)
             ones = torch.ones(len(rows), 1, dtype=torch.long, device=dev)
             pmask, qmask = torch.cat([pmask, ones], 1), torch.cat([qmask, ones], 1)
-            p = absorb_eos(probs(self.step(ps, x, ps.next_pos + tstar + k - 2, pmask), job.sampling), x_done, eos)
-            q = absorb_eos(probs(self.step(qs, y, qs.next_pos + tstar + k - 2, qmask), job.sampling), y_done, eos)
-            d = maximal_coupling(p, q, gen)
+            lp = self.step(ps, x, ps.next_pos + tstar + k - 2, pmask)
+            lq = self.step(qs, y, qs.next_pos + tstar + k - 2, qmask)
+            d = maximal_coupling(absorb_eos(probs(lp, job.sampling, hp), x_done, eos),
+                                 absorb_eos(probs(lq, job.sampling, hq), y_done, eos), gen)
+            if hp is not None:
+                hp, hq = hp.add(d.x), hq.add(d.y)
             br.add(rows, d)
             x, y = d.x, d.y
             if eos is not None:
@@ -518,13 +552,18 @@ class Engine:
                     qs.select(sel)
                     pmask, qmask, tstar = pmask[sel], qmask[sel], tstar[sel]
                     x, y, x_done, y_done = x[sel], y[sel], x_done[sel], y_done[sel]
+                    if hp is not None:
+                        hp, hq = hp.select(sel), hq.select(sel)
 
     def _replay_branches(self, job: TraceJob, start: tuple[Side, Side], shared: torch.Tensor, br: _Branches,
-                         gen: torch.Generator, cancelled: Callable[[], bool]) -> None:
+                         gen: torch.Generator, cancelled: Callable[[], bool], h0: History | None = None) -> None:
         """Branches replayed from the post-prefill state: row r feeds z_1..z_{t*-1}, then its
         residual pair (X, Y) at step t*, then its own branch draws, all rows in lockstep.
         A decoding-time press thus compresses each row at the steps it did on the survival
-        path, and each branch continues from Q's true state at t*."""
+        path, and each branch continues from Q's true state at t*. ``h0`` (the prompt's
+        counts per replicate) starts each side's penalty history, which then grows by
+        exactly the tokens that side is fed: prompt + z_<t* + its own branch, as on the
+        non-replayed path."""
         dev, eos = self.device, self.lm.eos_token_id
         rows = br.rows
         idx = torch.tensor(rows, dtype=torch.long, device=dev)
@@ -537,6 +576,7 @@ class Engine:
         x, y = br.x0[idx], br.y0[idx]
         x_done = (x == eos) if eos is not None else torch.zeros_like(x, dtype=torch.bool)
         y_done = (y == eos) if eos is not None else torch.zeros_like(x_done)
+        hp = hq = None if h0 is None else h0.select(idx)
         for s in range(1, int(last.max()) + 1):
             self._check(cancelled)
             before, at = s < ts, s == ts
@@ -544,8 +584,10 @@ class Engine:
             yin = torch.where(before, z[:, s - 1], torch.where(at, br.y0[idx], y))
             lp = self.step(ps, xin, self._pos(ps, len(rows), s))
             lq = self.step(qs, yin, self._pos(qs, len(rows), s))
-            d = maximal_coupling(absorb_eos(probs(lp, job.sampling), x_done, eos),
-                                 absorb_eos(probs(lq, job.sampling), y_done, eos), gen)
+            if hp is not None:
+                hp, hq = hp.add(xin), hq.add(yin)
+            d = maximal_coupling(absorb_eos(probs(lp, job.sampling, hp), x_done, eos),
+                                 absorb_eos(probs(lq, job.sampling, hq), y_done, eos), gen)
             active = ((s >= ts) & (s <= last)).tolist()
             br.add([r for r, a in zip(rows, active, strict=True) if a], d, [i for i, a in enumerate(active) if a])
             on = (s >= ts)
@@ -569,11 +611,14 @@ class Engine:
         logits, side = pre.logits, pre.side
         out: list[int] = []
         eos = self.lm.eos_token_id
+        history = self._history(sampling, prompt_ids, 1, logits.shape[-1])
         for t in range(1, max_new_tokens + 1):
             self._check(cancelled)
-            p = probs(logits, sampling)
+            p = probs(logits, sampling, history)
             tok = p.argmax(-1) if sampling.greedy else torch.multinomial(p, 1, generator=gen).squeeze(-1)
             tid = int(tok)
+            if history is not None:
+                history = history.add(tok.reshape(1))
             lp = torch.log_softmax(logits, -1)  # TGI reports the model's log-probability
             item = {"id": tid, "logprob": float(lp[0, tid]), "top": []}
             if top_n:

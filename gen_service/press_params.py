@@ -17,10 +17,12 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from gen_service.errors import ServiceError
+
 __all__ = ["ATTRIBUTE_PARAMS", "ParamSpec", "param_specs", "press_slots", "check_value", "SERVER_SIDE", "PolicyError"]
 
 
-class PolicyError(ValueError):
+class PolicyError(ServiceError, ValueError):
     """A policy id the server cannot serve (unknown name, bad parameter...); the HTTP
     layer answers 422 before streaming. ``field`` names the offending part."""
 

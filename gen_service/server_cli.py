@@ -9,19 +9,59 @@ import sys
 
 import click
 
+__all__ = ["build_service", "serve"]
+
 log = logging.getLogger("kvdiv.service")
 
 
 def build_service(model: str | None = None, *, gguf: str | None = None, eviction: str = "full",
                   api_key: str | None = None, max_new_tokens: int = 1024, max_replicates: int = 64,
                   max_queue: int = 16, device: str | None = None, dtype: str | None = None,
-                  press: tuple[str, ...] = (), press_option: tuple[str, ...] = ()):
-    """Model + registry + engine + app; shared by the CLI, tests and the benchmark."""
+                  press: tuple[str, ...] = (), press_option: tuple[str, ...] = (), **limits):
+    """Model + registry + engine + app; shared by the CLI, tests and the benchmark.
+
+    Parameters
+    ----------
+    model, gguf, device, dtype
+        What :func:`gen_service.models.load_model` loads, and where.
+    eviction : str
+        Default policy for TGI and OpenAI requests.
+    api_key : str, optional
+        Require ``Authorization: Bearer KEY``; an empty key is refused.
+    press : tuple of str
+        ``[NAME=]module:Class`` custom presses.
+    press_option : tuple of str
+        ``Class:key=value`` server-side press options (a stats folder,
+        ``allow_download=true``), which requests may not set.
+    **limits
+        Further :class:`gen_service.service.ServiceConfig` fields (``max_input_bytes``,
+        ``max_body_bytes``, ``body_timeout_s``, ``max_request_seconds``, ...).
+
+    Returns
+    -------
+    (Starlette, Service)
+
+    Raises
+    ------
+    ConfigError
+        For an empty API key or a bad limit, before the model is loaded.
+    PolicyError
+        For a malformed ``press_option``, before the model is loaded.
+
+    Examples
+    --------
+    >>> app, service = build_service("tiny:llama", max_new_tokens=64)  # doctest: +SKIP
+    >>> service.config.max_new_tokens                                  # doctest: +SKIP
+    64
+    """
     from gen_service.app import Service, ServiceConfig, create_app
     from gen_service.engine import Engine
     from gen_service.models import load_model
     from gen_service.presses import PolicyRegistry, load_class, parse_press_option
 
+    # the configuration first: a refused key must not cost a model load
+    config = ServiceConfig(eviction=eviction, max_new_tokens=max_new_tokens, max_replicates=max_replicates,
+                           max_queue=max_queue, api_key=api_key, **limits)
     extra = {}
     for target in press:
         name, _, spec = target.rpartition("=")
@@ -33,8 +73,6 @@ def build_service(model: str | None = None, *, gguf: str | None = None, eviction
         options.setdefault(cls_name, {})[key] = value
     lm = load_model(model, gguf=gguf, device=device, dtype=dtype)
     engine = Engine(lm, PolicyRegistry(extra, press_options=options))
-    config = ServiceConfig(eviction=eviction, max_new_tokens=max_new_tokens, max_replicates=max_replicates,
-                           max_queue=max_queue, api_key=api_key)
     service = Service(engine, config)
     return create_app(service), service
 
@@ -54,14 +92,16 @@ def _quiet_libraries() -> None:
 
 @click.command("serve")
 @click.option("--model", default="embedded", show_default=True,
-              help="embedded (SmolLM2-135M-Instruct GGUF), tiny:llama, tiny:qwen2, random:llama-1b (benchmarks), a local dir or a hub id.")
+              help="embedded (SmolLM2-135M-Instruct GGUF), tiny:llama, tiny:qwen2, random:llama-1b (benchmarks), "
+                   "a local dir or a hub id.")
 @click.option("--gguf", type=click.Path(exists=True, dir_okay=False), default=None, help="Load this GGUF file.")
 @click.option("--eviction", default="full", show_default=True,
               help="Default policy for TGI requests (parameters.eviction overrides).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=int, help="0 picks a free port.")
 @click.option("--api-key", envvar="KVDIV_API_KEY", default=None,
-              help="Require 'Authorization: Bearer KEY' (all but /health). Env: KVDIV_API_KEY.")
+              help="Require 'Authorization: Bearer KEY' (all but /health); an empty key refuses to start. "
+                   "Env: KVDIV_API_KEY.")
 @click.option("--max-new-tokens", default=1024, show_default=True, type=int, help="Largest T a request may ask.")
 @click.option("--max-replicates", default=64, show_default=True, type=int, help="Largest R per trace request.")
 @click.option("--max-queue", default=16, show_default=True, type=int,
@@ -73,14 +113,24 @@ def _quiet_libraries() -> None:
 @click.option("--press-option", multiple=True, metavar="Class:key=value",
               help="Server-side press option a request may not set (a stats folder, allow_download=true). "
                    "Repeatable.")
+@click.option("--max-input-bytes", default=1 << 20, show_default=True, type=click.IntRange(1),
+              help="Largest prompt text (inputs / messages, UTF-8 bytes), checked before tokenising.")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1),
+              help="Largest request body.")
+@click.option("--body-timeout", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds a client has to send its request body (408 after).")
+@click.option("--max-request-seconds", default=None, type=click.FloatRange(0, min_open=True),
+              help="Wall time of one request's model work; a stream past it ends with an error record.")
 @click.option("--log-level", default="info", show_default=True)
 def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replicates, max_queue, device, dtype,
-          press, press_option, log_level):
+          press, press_option, max_input_bytes, max_body_bytes, body_timeout, max_request_seconds, log_level):
     """Run the TGI-compatible trace service (POST /generate, /v1/traces, ...)."""
     # Before torch loads OpenMP: its default busy-waiting threads collapse when the
     # cores are shared (a 576x1536 matmul went from 0.25 ms to 16 ms on 2 busy cores).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import uvicorn
+
+    from gen_service.errors import ConfigError
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries()
@@ -88,7 +138,14 @@ def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replic
         app, service = build_service(model, gguf=gguf, eviction=eviction, api_key=api_key,
                                      max_new_tokens=max_new_tokens, max_replicates=max_replicates,
                                      max_queue=max_queue, device=device, dtype=dtype, press=press,
-                                     press_option=press_option)
+                                     press_option=press_option,
+                                     max_input_bytes=max_input_bytes, max_body_bytes=max_body_bytes,
+                                     body_timeout_s=body_timeout, max_request_seconds=max_request_seconds)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except ModuleNotFoundError as exc:  # a base install: the model stack is the [service] extra
+        raise click.ClickException(f"`kvdiv serve` needs {exc.name}, which this install lacks: "
+                                   f"pip install 'kvdiv[service]'") from None
     except Exception as exc:
         raise click.ClickException(f"could not start: {exc}") from exc
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)

@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "info": ("protocols.cli:info", "Summarise a traces file."),
     "analyze": ("divstats.cli:analyze", "Estimate, test a plan and write a report."),
     "split": ("divstats.cli:split", "Show the plan's exploratory/confirmatory split."),
+    "power": ("divstats.power_cli:power_command", "Power of a plan's hypotheses at a study size, from a pilot."),
     "serve": ("gen_service.server_cli:serve", "Run the TGI-compatible trace service."),
     "collect": ("collector.cli:collect", "Collect traces from one or more servers."),
     "pack": ("collector.cli:pack", "Assemble a collection journal into a dataset."),

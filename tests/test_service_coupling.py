@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import stats
 
-from gen_service.coupling import Sampling, absorb_eos, maximal_coupling, probs, tv
+from gen_service.coupling import History, Sampling, absorb_eos, maximal_coupling, probs, tv
 
 
 def _pair(v: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,3 +93,59 @@ def test_generator_makes_draws_reproducible() -> None:
     a = maximal_coupling(p.expand(50, -1), q.expand(50, -1), torch.Generator().manual_seed(3))
     b = maximal_coupling(p.expand(50, -1), q.expand(50, -1), torch.Generator().manual_seed(3))
     assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+
+
+def test_penalised_laws_first_step_mismatch_rate_is_their_tv() -> None:
+    """Each side's law is the post-transform one, from its own history: the coupled
+    first step splits with probability TV of the *transformed* laws (binomial), and X
+    and Y follow them exactly (χ²), not the raw softmax."""
+    g = torch.Generator().manual_seed(11)
+    v = 8
+    lp, lq = torch.randn(1, v, generator=g) * 1.5, torch.randn(1, v, generator=g) * 1.5
+    s = Sampling(temperature=0.8, repetition_penalty=1.8, frequency_penalty=0.4, presence_penalty=0.3,
+                 typical_p=0.95)
+    hp, hq = History.start([0, 1, 1, 2], 1, v), History.start([3, 4, 4, 4], 1, v)
+    p, q = probs(lp, s, hp), probs(lq, s, hq)
+    delta, raw = tv(p, q).item(), tv(probs(lp, Sampling()), probs(lq, Sampling())).item()
+    assert 0.05 < delta < 0.95 and abs(delta - raw) > 0.05  # the transforms matter here
+    n = 20_000
+    d = maximal_coupling(p.expand(n, -1), q.expand(n, -1), torch.Generator().manual_seed(12))
+    assert stats.binomtest(int((d.x != d.y).sum()), n, delta).pvalue > 1e-3
+    for tokens, law in ((d.x, p[0]), (d.y, q[0])):
+        counts = np.bincount(tokens.numpy(), minlength=v)
+        expected = law.double().numpy() * n
+        keep = expected > 0
+        assert counts[~keep].sum() == 0
+        assert stats.chisquare(counts[keep], expected[keep] / expected[keep].sum() * n).pvalue > 1e-3
+
+
+def test_transforms_match_transformers_processors() -> None:
+    from transformers.generation.logits_process import (
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TypicalLogitsWarper,
+    )
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 16, generator=g) * 2
+    ids = torch.tensor([[1, 2, 2, 7]] * 3)
+    history = History.start([1, 2], 3, 16).add(torch.tensor([2, 2, 2])).add(torch.tensor([7, 7, 7]))
+    s = Sampling(temperature=0.7, top_k=9, repetition_penalty=1.3, typical_p=0.8)
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone())
+    for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(9), TypicalLogitsWarper(0.8)):
+        ref = warper(ids, ref)
+    assert torch.allclose(probs(logits, s, history), torch.softmax(ref, -1), atol=1e-6)
+    counts = history.counts[0]
+    assert counts[1] == 1 and counts[2] == 2 and counts[7] == 1 and counts.sum() == 4
+
+
+def test_extreme_parameters_give_proper_laws() -> None:
+    logits = torch.tensor([[3.0, 2.0, 2.0, -1.0]])
+    history = History.start([0, 1], 1, 4)
+    for s in (Sampling(temperature=1e-300), Sampling(temperature=1e-45), Sampling(repetition_penalty=1e-30),
+              Sampling(temperature=1e-300, repetition_penalty=1e-30, frequency_penalty=2.0)):
+        p = probs(logits, s, history)
+        assert torch.isfinite(p).all() and p.sum().item() == pytest.approx(1.0)
+    # T -> 0 is the uniform law on the largest logits
+    assert probs(torch.tensor([[1.0, 1.0, 0.5]]), Sampling(temperature=1e-300)).tolist() == [[0.5, 0.5, 0.0]]

@@ -299,6 +299,21 @@ def test_question_is_prefilled_after_compression(engine: Engine, prompt: list[in
     assert head["retained_tokens"] == len(prompt) // 2 + len(question)
     assert head["prompt_tokens"] == len(prompt) + len(question) and head["question_tokens"] == len(question)
     assert max(recs[1]["tv"]) > 0   # the question attends to the compressed context: step 1 differs
+    assert head["reference_retained_tokens"] == len(prompt) + len(question)
+
+
+def test_question_with_one_forward_prefill_pair(engine: Engine, prompt: list[int]) -> None:
+    """The shared prefill (P's full cache kept by hooks during Q's forward) gives both
+    sides exactly what their own prefills give, question included: the hooks must not
+    see the question's forward, or P would get Q's compressed cache + the question."""
+    question = list(engine.lm.tokenizer(" Which animal sleeps?").input_ids)
+    full, snap = engine.registry.build("full"), engine.registry.build("snapkv@0.5")
+    p0, q0 = engine.prefill_pair(full, snap, prompt, question)
+    p1, q1 = engine.prefill(full, prompt, question), engine.prefill(snap, prompt, question)
+    for a, b in ((p0, p1), (q0, q1)):
+        assert torch.equal(a.logits, b.logits) and a.kept == b.kept and a.kept_slots == b.kept_slots
+        assert a.side.next_pos == b.side.next_pos == len(prompt) + len(question)
+        assert all(torch.equal(x.keys, y.keys) for x, y in zip(a.cache.layers, b.cache.layers, strict=True))
 
 
 @pytest.mark.parametrize("policy", ["adakv@0.5", "kvpress:KeyRerotationPress(KnormPress)@0.5",

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import divstats
+from gen_service.coupling import Sampling
 from gen_service.engine import Engine, TraceJob
 from gen_service.models import load_model
 from gen_service.presses import PolicyRegistry
@@ -29,10 +30,11 @@ def engine() -> Engine:
     return Engine(load_model("tiny:llama"), PolicyRegistry())
 
 
-def traces(engine: Engine, policy: str, kind: str, seed: int, replicates: int, horizon: int):
+def traces(engine: Engine, policy: str, kind: str, seed: int, replicates: int, horizon: int,
+           sampling: Sampling | None = None):
     prompt = list(engine.lm.tokenizer(TEXT).input_ids)
     job = TraceJob(prompt_ids=prompt, candidate=policy, kind=kind, horizon=horizon,
-                   replicates=replicates, seed=seed, doc="d")
+                   replicates=replicates, seed=seed, doc="d", sampling=sampling or Sampling())
     w = StreamWriter()
     lines = [w.line(r) for r in engine.trace(job)]
     return assemble([*lines, w.end(horizon, replicates, 0.0)])
@@ -72,3 +74,21 @@ def test_forced_replay_agrees_with_coupled(engine: Engine) -> None:
     for name in NAMES:
         se = float(np.hypot(crude[f"{name}_se"], resid[f"{name}_se"]))
         assert abs(float(crude[name] - resid[name])) < 4.5 * se, name
+
+
+def test_penalised_replayed_branches_agree_with_coupled(engine: Engine) -> None:
+    """History penalties on the replayed-branch path (a decoding-time press): each
+    branch row's counts follow its own re-fed history, P and Q separately, so the
+    residual estimates are those of the penalised coupled traces. (The estimates are
+    not very sensitive to the branch laws on this model; tests/test_service_api_penalties.py
+    recomputes each branch age's laws exactly on this path.)"""
+    policy = "kvpress:DecodingPress(KnormPress):compression_interval=3,target_size=248"
+    sampling = Sampling(repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2)
+    T, R = 6, 256
+    crude = divstats.estimate(traces(engine, policy, "coupled", 31, R, T, sampling)).isel(doc=0, policy=0)
+    resid = divstats.estimate(traces(engine, policy, "residual", 32, R, T, sampling)).isel(doc=0, policy=0)
+    for name in NAMES:
+        se = float(np.hypot(crude[f"{name}_se"], resid[f"{name}_se"]))
+        assert se > 0, name
+        assert abs(float(crude[name] - resid[name])) < 4.5 * se, f"{name}: coupled {float(crude[name]):.4f} " \
+                                                                 f"vs residual {float(resid[name]):.4f} (se {se:.4f})"

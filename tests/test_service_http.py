@@ -8,41 +8,16 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+from service_live import PROMPT, LiveServer
 
-from gen_service.server_cli import build_service
 from protocols import assemble
 
 pytestmark = pytest.mark.service
-
-PROMPT = "The quick brown fox jumps over the lazy dog; a lazy dog sleeps under the old tree. " * 2
-
-
-class LiveServer:
-    def __init__(self, **kw) -> None:
-        import uvicorn
-
-        self.app, self.service = build_service("tiny:llama", **kw)
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                break
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +143,7 @@ def test_malformed_and_oversized_bodies_422(client: httpx.Client, server: LiveSe
     big = b'{"inputs": "' + b"a" * (server.service.config.max_body_bytes + 1) + b'"}'
     assert client.post("/generate", content=big).status_code == 422
     assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"eviction": "nope"}}).status_code == 422
-    assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"typical_p": 0.5}}).status_code == 422
+    assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"watermark": True}}).status_code == 422
     assert client.get("/health").status_code == 200  # and the server keeps serving
 
 
@@ -178,6 +153,7 @@ def test_auth_queue_limit_and_disconnect_cancels() -> None:
         with httpx.Client(base_url=s.url, timeout=30) as c:
             assert c.get("/health").status_code == 200
             assert c.get("/info").status_code == 401
+            assert c.get("/info", headers={"authorization": "Bearer sekreT"}).status_code == 401
             auth = {"authorization": "Bearer sekret"}
             assert c.get("/info", headers=auth).status_code == 200
             long = {"inputs": PROMPT, "candidate": "snapkv@0.5", "replicates": 64,
@@ -188,6 +164,7 @@ def test_auth_queue_limit_and_disconnect_cancels() -> None:
                 next(lines)  # the first step is out: the request holds the only slot
                 busy = c.post("/v1/traces", json={**long, "parameters": {"max_new_tokens": 2}}, headers=auth)
                 assert busy.status_code == 429 and busy.json()["error_type"] == "overloaded"
+                assert busy.headers["retry-after"] == "1"
                 t0 = time.perf_counter()
                 assert c.get("/health").status_code == 200
                 assert time.perf_counter() - t0 < 1.0  # model work is off the event loop
@@ -213,16 +190,36 @@ class BoomPress:
         raise RuntimeError("boom")
 
 
-def test_failure_mid_stream_sends_error_record() -> None:
+def test_press_failing_in_prefill_is_a_422_before_streaming() -> None:
     s = LiveServer(press=("boom=test_service_http:BoomPress",))
     try:
         with httpx.Client(base_url=s.url, timeout=30) as c:
-            lines = _trace(c, {"inputs": PROMPT, "candidate": "boom@0.5", "parameters": {"max_new_tokens": 3}})
+            small = {"max_new_tokens": 3}
+            r = c.post("/v1/traces", json={"inputs": PROMPT, "candidate": "boom@0.5", "parameters": small})
+            assert r.status_code == 422 and r.json()["error"].startswith("candidate:") and "boom" in r.json()["error"]
+            g = c.post("/generate", json={"inputs": PROMPT, "parameters": {**small, "eviction": "boom@0.5"}})
+            assert g.status_code == 422 and g.json()["error"].startswith("parameters.eviction:")
+            assert c.get("/health").status_code == 200 and s.service.admission.count == 0
+    finally:
+        s.stop()
+
+
+def test_max_request_seconds_ends_a_stream_with_an_error_record() -> None:
+    s = LiveServer(max_request_seconds=0.5, max_new_tokens=2000)
+    try:
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            lines = _trace(c, {"inputs": PROMPT, "candidate": "snapkv@0.5", "replicates": 16,
+                               "parameters": {"max_new_tokens": 1800}})
             last = json.loads(lines[-1])
-            assert last["type"] == "error" and "boom" in last["error"]
+            assert last["type"] == "error" and last["error_type"] == "timeout"
+            assert "max-request-seconds" in last["error"]
             with pytest.raises(ValueError):
                 assemble(lines)
-            assert c.get("/health").status_code == 200 and s.service.admission.count == 0
+            for _ in range(100):
+                if s.service.admission.count == 0:
+                    break
+                time.sleep(0.05)
+            assert s.service.admission.count == 0 and s.service.metrics.timeouts._value.get() == 1
     finally:
         s.stop()
 

@@ -1,0 +1,79 @@
+"""The service's exceptions, under one base :class:`ServiceError`.
+
+An :class:`ApiError` is what a client sees: TGI's error body ``{"error", "error_type"}``
+with an HTTP status. Everything else under :class:`ServiceError` is raised inside the
+server and mapped to an :class:`ApiError` (or a stream's error record) at the edge.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ServiceError", "ApiError", "ConfigError", "RequestTimeout", "invalid"]
+
+
+class ServiceError(Exception):
+    """Base of every exception raised by ``gen_service``."""
+
+
+class ConfigError(ServiceError, ValueError):
+    """A server configuration that must not start (e.g. an empty API key)."""
+
+
+class RequestTimeout(ServiceError):
+    """A request ran past ``--max-request-seconds``; its work was stopped."""
+
+
+class ApiError(ServiceError):
+    """An error answered as TGI does: ``{"error", "error_type"}`` with an HTTP status.
+
+    Parameters
+    ----------
+    status : int
+        The HTTP status (422 validation, 401, 408, 413, 424, 429, ...).
+    message : str
+        The human-readable error; for validation errors it starts with the field.
+    error_type : str
+        TGI's ``error_type`` (``validation``, ``overloaded``, ``generation``, ...).
+    headers : dict, optional
+        Extra response headers (``Retry-After`` on 429).
+
+    Examples
+    --------
+    >>> ApiError(429, "queue is full", "overloaded").body()
+    {'error': 'queue is full', 'error_type': 'overloaded'}
+    """
+
+    def __init__(self, status: int, message: str, error_type: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.error_type = status, message, error_type
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, str]:
+        """The JSON error body TGI's clients parse."""
+        return {"error": self.message, "error_type": self.error_type}
+
+
+def invalid(field: str, why: str) -> ApiError:
+    """A 422 validation error whose message names the field first.
+
+    Parameters
+    ----------
+    field : str
+        The request field, as a path (``parameters.top_p``, ``messages[0].content``).
+    why : str
+        What is wrong with it.
+
+    Returns
+    -------
+    ApiError
+        Status 422, ``error_type`` ``validation``.
+
+    Raises
+    ------
+    None
+
+    Examples
+    --------
+    >>> invalid("parameters.top_p", "must be in (0, 1]").message
+    'parameters.top_p: must be in (0, 1]'
+    """
+    return ApiError(422, f"{field}: {why}", "validation")

@@ -1,0 +1,103 @@
+"""divstats.power: the table, its monotonicity and range, and predicted vs observed power."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import divstats
+from divstats.calibration import PolicyEffect, simulate_study
+from divstats.errors import PlanError
+from divstats.power import PowerDesign, hypothesis_pilots, power, power_at, power_calibration
+
+EFFECTS = {"a": PolicyEffect(0.05), "b": PolicyEffect(0.07), "c": PolicyEffect(0.02, growth=1.0)}
+
+
+def plan(hypotheses, fraction=0.5):
+    return {"plan": {"name": "pw", "alpha": 0.05, "salt": "pw", "confirmatory_fraction": fraction},
+            "windows": {"early": [1, 2], "late": [4, 6]}, "hypothesis": hypotheses}
+
+
+HYPS = [{"id": "occ", "family": "f", "metric": "occurrence", "compare": ["a", "b"], "direction": "less"},
+        {"id": "rmtd", "family": "f", "metric": "rmtd", "compare": ["a", "b"], "direction": "greater",
+         "test": "ttest"},
+        {"id": "drift", "family": "g", "metric": "branch_tv", "policy": "c", "compare": ["late", "early"],
+         "direction": "greater", "split": "all"}]
+
+
+@pytest.fixture(scope="module")
+def pilot():
+    return simulate_study(12, EFFECTS, horizon=8, replicates=6, kind="residual", seed=4)
+
+
+def test_table_has_a_row_per_hypothesis_and_design(pilot):
+    res = power(plan(HYPS), pilot, docs=[12, 48], replicates=[2, 6], n_sims=400)
+    t = res.table
+    assert len(t) == 3 * 4 and set(t["id"]) == {"occ", "rmtd", "drift"}
+    # Holm family of two: Bonferroni level; the single-member family keeps alpha
+    assert np.allclose(t.loc[t["family"] == "f", "alpha_used"], 0.025)
+    assert np.allclose(t.loc[t["family"] == "g", "alpha_used"], 0.05)
+    # confirmatory hypotheses use half the documents, split = all uses all
+    assert list(t.loc[t["id"] == "occ", "n_docs"]) == [6, 6, 24, 24]
+    assert list(t.loc[t["id"] == "drift", "n_docs"]) == [12, 12, 48, 48]
+    ok = t["power"].notna()
+    assert ok.all(), t
+    assert (t["power_low"] <= t["power"] + 1e-12).all() and (t["power"] <= t["power_high"] + 1e-12).all()
+    ds = res.to_dataset()
+    assert ds.attrs["level"] == 0.8 and "power" in ds
+
+
+def test_power_grows_with_documents_and_replicates(pilot):
+    hp = hypothesis_pilots(plan(HYPS), pilot)[0]
+    by_n = [power_at(hp, n, 4, n_sims=1500, seed=1) for n in (4, 8, 16, 32)]
+    assert np.all(np.diff(by_n) >= -0.02) and by_n[-1] > by_n[0] + 0.2
+    # the t-test's power falls with the variance, so it grows with R up to the R = infinity limit
+    # (the signed-rank test's need not: less noise can expose a skewed between-document law)
+    hp_t = hypothesis_pilots(plan(HYPS), pilot)[1]
+    by_r = [power_at(hp_t, 8, r, n_sims=3000, seed=1) for r in (1, 4, 64, 10 ** 9)]
+    assert np.all(np.diff(by_r) >= -0.02) and by_r[-1] > by_r[0]
+
+
+def test_zero_effect_has_power_alpha():
+    same = simulate_study(16, {"a": PolicyEffect(0.06), "b": PolicyEffect(0.06)}, horizon=8, replicates=6,
+                          kind="residual", seed=9)
+    hp = hypothesis_pilots(plan([{**HYPS[0], "split": "all", "direction": "two-sided"}]), same)[0]
+    assert power_at(hp, 20, 4, theta=0.0, n_sims=4000, seed=2) == pytest.approx(0.05, abs=0.015)
+    # the noncentral-t approximation beyond SIMULATE_MAX_N at a zero mean difference
+    hp_t = hypothesis_pilots(plan([{**HYPS[1], "split": "all", "direction": "two-sided"}]), same)[0]
+    assert power_at(hp_t, 400, 4, theta=0.0, seed=2) == pytest.approx(0.05, abs=0.002)
+
+
+def test_estimates_pilot_serves_scalar_metrics_only(pilot):
+    est = divstats.estimate(pilot)
+    t = power(plan(HYPS), est, docs=24, n_sims=200).table.set_index("id")
+    assert np.isfinite(t.loc["occ", "power"]) and np.isnan(t.loc["drift", "power"])
+    assert "needs traces" in t.loc["drift", "note"]
+
+
+def test_unknown_policy_is_refused(pilot):
+    with pytest.raises(PlanError, match="not in the pilot"):
+        power(plan([{**HYPS[0], "compare": ["a", "zzz"]}]), pilot)
+
+
+#: 12 designs on residual traces: both tests, both sides, simulated (n <= 100) and normal-approximation paths.
+DESIGNS = {
+    (0.05, 0.058): [PowerDesign("wilcoxon", "less", 6, 1), PowerDesign("wilcoxon", "less", 8, 4),
+                    PowerDesign("wilcoxon", "less", 12, 1), PowerDesign("wilcoxon", "two-sided", 10, 2),
+                    PowerDesign("ttest", "less", 6, 2), PowerDesign("ttest", "two-sided", 10, 1),
+                    PowerDesign("permutation", "less", 8, 2), PowerDesign("wilcoxon", "less", 16, 16)],
+    (0.05, 0.052): [PowerDesign("wilcoxon", "less", 120, 1), PowerDesign("wilcoxon", "two-sided", 200, 2),
+                    PowerDesign("ttest", "less", 150, 1), PowerDesign("wilcoxon", "less", 60, 8)],
+}
+
+
+@pytest.mark.slow
+def test_predicted_power_matches_simulated_studies():
+    import pandas as pd
+
+    table = pd.concat([power_calibration(designs, effects, n_studies=1000, seed=3)
+                       for effects, designs in DESIGNS.items()])
+    assert len(table) >= 12
+    # the designs span the interesting range, so agreement is not trivial (all 0 or all 1)
+    assert table["observed"].between(0.15, 0.95).sum() >= 10
+    assert table["difference"].abs().max() <= 0.05, table
