@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 OMP_WAIT_POLICY ?= PASSIVE
 export OMP_WAIT_POLICY
 
-.PHONY: demo test test-fast venv bench clean
+.PHONY: demo test test-fast lint venv bench clean
 
 # The venv is (re)installed whenever the project's dependency files change.
 $(STAMP): pyproject.toml Makefile
@@ -27,11 +27,14 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) lint
 	$(PY) -m pytest -q -m "not slow and not model"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 demo: $(STAMP)
 	$(VENV)/bin/kvdiv demo

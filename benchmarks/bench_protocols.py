@@ -49,7 +49,7 @@ def naive_mismatch(ds) -> int:
         for p in range(n_pol):
             for r in range(n_rep):
                 xs, ys, ts = x[d, p, r].tolist(), y[d, p, r].tolist(), tv[d, p, r].tolist()
-                bad += sum(1 for a, b, t in zip(xs, ys, ts) if a != b and t <= TV_ZERO_ATOL)
+                bad += sum(1 for a, b, t in zip(xs, ys, ts, strict=True) if a != b and t <= TV_ZERO_ATOL)
     return bad
 
 
@@ -83,9 +83,10 @@ def main() -> None:
             wrote = time.perf_counter() - t0
             size = sum(f.stat().st_size for f in path.rglob("*")) if path.is_dir() else path.stat().st_size
             note = f"file {size / 2**20:.0f} MiB, save {wrote:.2f} s"
-            rows.append((f"open_traces {fmt} (validate)", *measure(lambda: open_traces(path), args.repeat), note))
+            rows.append((f"open_traces {fmt} (validate)",
+                         *measure(lambda path=path: open_traces(path), args.repeat), note))
             rows.append((f"open_traces {fmt} (no validate)",
-                         *measure(lambda: open_traces(path, validate=False), args.repeat), ""))
+                         *measure(lambda path=path: open_traces(path, validate=False), args.repeat), ""))
 
     assert naive_mismatch(ds) == vectorised_mismatch(ds) == 0
     t_naive, m_naive = measure(lambda: naive_mismatch(ds), 1)

@@ -95,7 +95,7 @@ def time_fused(engine: Engine, ids: list[int], policy: str, rows: int, steps: in
     length (zeros, masked out) and stacked under P's along the batch."""
     p0, q0 = engine.prefill_pair(engine.registry.resolve("full"), engine.registry.resolve(policy), ids)
     L, m = p0.kept, q0.kept
-    for pl, ql in zip(p0.cache.layers, q0.cache.layers):
+    for pl, ql in zip(p0.cache.layers, q0.cache.layers, strict=True):
         pad = ql.keys.new_zeros(*ql.keys.shape[:2], L - m, ql.keys.shape[-1])
         pl.keys = torch.cat([pl.keys.expand(rows, -1, -1, -1), torch.cat([ql.keys, pad], 2).expand(rows, -1, -1, -1)])
         pl.values = torch.cat([pl.values.expand(rows, -1, -1, -1),

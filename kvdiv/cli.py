@@ -27,6 +27,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# Modules that only an extra installs -> that extra (pyproject.toml).
+EXTRA_FOR: dict[str, str] = {m: "service" for m in (
+    "torch", "transformers", "kvpress", "tokenizers", "accelerate", "gguf", "safetensors",
+    "starlette", "uvicorn", "prometheus_client")}
+
+
 class LazyGroup(click.Group):
     """A click group whose commands are imported on first use."""
 
@@ -38,7 +44,17 @@ class LazyGroup(click.Group):
             return None
         target, _ = SUBCOMMANDS[name]
         module_name, attr = target.split(":")
-        return getattr(importlib.import_module(module_name), attr)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            # A base install lacks the server's stack: say which extra brings it.
+            if exc.name and exc.name.split(".")[0] in EXTRA_FOR:
+                extra = EXTRA_FOR[exc.name.split(".")[0]]
+                raise click.ClickException(
+                    f"`kvdiv {name}` needs {exc.name}, which this install lacks: "
+                    f"pip install 'kvdiv[{extra}]'") from None
+            raise
+        return getattr(module, attr)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Help text comes from the table so `kvdiv --help` stays import-free.

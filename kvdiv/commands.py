@@ -21,7 +21,8 @@ _DEMO = DemoConfig()  # the demo's defaults, shown in its --help
 
 @click.command("docs")
 @click.option("--source", default="pydoc", show_default=True,
-              help="'pydoc' (CPython's built-in language reference), a JSONL file (id, text) or a folder of .txt files.")
+              help="'pydoc' (CPython's built-in language reference), a JSONL file (id, text) "
+                   "or a folder of .txt files.")
 @click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="JSONL file to write.")
 @click.option("--target-tokens", default=256, show_default=True, type=click.IntRange(min=8),
@@ -51,7 +52,8 @@ def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: b
 
 @click.command("demo")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/demo"), show_default=True)
-@click.option("--docs-count", type=click.IntRange(min=2), default=None, help=f"Documents to collect.  [default: {_DEMO.docs_count}]")
+@click.option("--docs-count", type=click.IntRange(min=2), default=None,
+              help=f"Documents to collect.  [default: {_DEMO.docs_count}]")
 @click.option("--replicates", "-R", type=click.IntRange(min=1), default=None,
               help=f"Replicates per request.  [default: {_DEMO.replicates}]")
 @click.option("--max-new-tokens", "-T", type=click.IntRange(min=2), default=None,

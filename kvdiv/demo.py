@@ -272,7 +272,7 @@ def select_balanced(docs: Sequence[D.Document], count: int, plan: Path) -> list[
     spec = load_plan(plan)
     ranked = sorted(docs, key=D.select_key)
     labels = dict(zip([d.id for d in ranked], assign_split([d.id for d in ranked], spec.salt,
-                                                           spec.confirmatory_fraction)))
+                                                           spec.confirmatory_fraction), strict=True))
     want = {"confirmatory": (count + 1) // 2, "exploratory": count // 2}
     chosen: set[str] = set()
     for doc in ranked:

@@ -3,6 +3,7 @@ I/O, combining and converters); see docs/contract.md.
 
 Depends on numpy, xarray, h5netcdf, zarr and click; never imports torch, divstats or
 gen_service.
+Every error it raises on purpose derives from :class:`protocols.ProtocolError`.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -16,6 +17,7 @@ from protocols import converters
 from protocols.assemble import StreamError, assemble
 from protocols.combine import CombineError, combine
 from protocols.converters import ConversionError, from_eval_logs, from_probabilities, residual_from_probabilities
+from protocols.errors import ProtocolError
 from protocols.io import open_traces, save_traces
 from protocols.policies import PolicyIdError, PolicySpec, PressTerm, parse_policy_id, policy_coords
 from protocols.schema import (
@@ -40,3 +42,11 @@ from protocols.wire import (
     step_record,
 )
 
+__all__ = [
+    "COUPLING", "KINDS", "SCHEMA", "CombineError", "ConversionError", "PolicyIdError", "PolicySpec", "Problem",
+    "ProtocolError", "StreamError", "StreamWriter", "TV_ZERO_ATOL", "TraceValidationError", "__version__",
+    "assemble", "branch_record", "combine", "converters", "coupled_dataset", "dataset_lines", "encode_line",
+    "end_record", "error_record", "from_eval_logs", "from_probabilities", "header_record", "open_traces",
+    "parse_policy_id", "policy_coords", "reference_dataset", "residual_dataset", "residual_from_probabilities",
+    "sampling_params", "save_traces", "shared_step_record", "step_record", "validate",
+]

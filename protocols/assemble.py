@@ -42,9 +42,12 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from protocols.errors import ProtocolError
 from protocols.policies import policy_coords
 from protocols.schema import COUPLING, MISSING_TOKEN, PROB_DTYPE, SCHEMA, TOKEN_DTYPE, coupled_dataset, residual_dataset
 from protocols.validate import validate
+
+__all__ = ["StreamError", "assemble"]
 
 _KNOWN_HEADER = {
     "type", "schema", "kind", "horizon", "window", "model", "eos_token_id", "sampling", "reference",
@@ -54,7 +57,7 @@ _KNOWN_HEADER = {
 _KNOWN_CANDIDATE = {"policy", "press", "retention", "budget"}
 
 
-class StreamError(ValueError):
+class StreamError(ProtocolError, ValueError):
     """A wire stream that is incomplete, altered, failed or malformed."""
 
 
@@ -244,12 +247,43 @@ def _meta(h: dict[str, Any], doc: str | None, end: dict[str, Any]) -> dict[str, 
 def assemble(lines: Iterable[str | bytes] | str | bytes, doc: str | None = None) -> xr.Dataset:
     """Turn one request's wire lines into a validated dataset with one doc and one policy.
 
-    ``lines`` are str or bytes, with or without their trailing newline (or one
-    blob holding the whole body); SSE framing (``data: {...}`` events separated by
-    blank lines) is accepted too. Raises :class:`StreamError` for a truncated
-    stream (no ``end``), an ``error`` record, a digest mismatch, records out of
-    order or arrays of the wrong length, and :class:`TraceValidationError` if
-    the numbers break the contract.
+    Parameters
+    ----------
+    lines : iterable of str or bytes, or one str / bytes blob
+        The stream's lines, with or without their trailing newline, or the whole
+        body; SSE framing (``data: {...}`` events separated by blank lines) is
+        accepted too.
+    doc : str, optional
+        The document id; defaults to the header's ``doc`` or ``request_id``.
+
+    Returns
+    -------
+    xarray.Dataset
+        A validated ``coupled`` or ``residual`` dataset (module docstring: how
+        header fields become attrs and coordinates).
+
+    Raises
+    ------
+    StreamError
+        A truncated stream (no ``end``), an ``error`` record, a digest mismatch,
+        records out of order, arrays of the wrong length or a bad header.
+    TraceValidationError
+        The numbers break the contract.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from protocols.examples import example_dataset
+    >>> from protocols.wire import dataset_lines
+    >>> ds = example_dataset(docs=1, policies=1)
+    >>> lines = dataset_lines(ds)
+    >>> np.array_equal(assemble(lines).tv.values, ds.tv.values)
+    True
+    >>> try:
+    ...     assemble(lines[:-1])
+    ... except StreamError as err:
+    ...     print(err)
+    truncated stream: no end record (last record: 'step')
     """
     raw = _split(lines)
     if not raw:

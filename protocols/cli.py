@@ -17,6 +17,8 @@ from protocols.io import SUFFIXES, open_traces
 from protocols.validate import TraceValidationError
 from protocols.validate import validate as _validate
 
+__all__ = ["STREAM_SUFFIXES", "info", "validate"]
+
 STREAM_SUFFIXES = (".ndjson",)   # a journal request file; .jsonl is left to eval logs
 
 
@@ -49,6 +51,32 @@ def validate(path: Path) -> None:
     PATH is a .nc or .zarr dataset, or one recorded wire stream (.ndjson, e.g. a
     collector journal request), which is assembled first (order, shapes, sha256).
     Exits 0 with a one-line summary when valid; exits 1 listing every problem.
+    \f
+    Parameters
+    ----------
+    path : pathlib.Path
+        The file to check.
+
+    Returns
+    -------
+    None
+        Prints ``ok: <kind>, <sizes>`` on success.
+
+    Raises
+    ------
+    SystemExit
+        Code 1 when the file is invalid or unreadable (every problem is printed first).
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> from click.testing import CliRunner
+    >>> from protocols.examples import example_dataset
+    >>> from protocols.io import save_traces
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     path = save_traces(example_dataset(), pathlib.Path(tmp) / "t.nc")
+    ...     print(CliRunner().invoke(validate, [str(path)]).output.strip())
+    ok: coupled, 2 docs × 2 policies × 4 replicates × T=8 (t.nc)
     """
     try:
         ds = _load(path)
@@ -81,6 +109,32 @@ def info(path: Path) -> None:
     """Summarise the trace file PATH: kind, sizes, model, sampling, docs and policies.
 
     Works on invalid files too (the last line says whether the file is valid).
+    \f
+    Parameters
+    ----------
+    path : pathlib.Path
+        The file to describe.
+
+    Returns
+    -------
+    None
+        Prints one ``key  value`` line per property.
+
+    Raises
+    ------
+    SystemExit
+        Code 1 when the file cannot be read at all.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> from click.testing import CliRunner
+    >>> from protocols.examples import example_dataset
+    >>> from protocols.io import save_traces
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     path = save_traces(example_dataset(), pathlib.Path(tmp) / "t.nc")
+    ...     print(CliRunner().invoke(info, [str(path)]).output.splitlines()[-1])
+    valid       yes
     """
     try:
         ds = _load(path)

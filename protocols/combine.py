@@ -25,14 +25,17 @@ from collections.abc import Sequence
 import numpy as np
 import xarray as xr
 
+from protocols.errors import ProtocolError
 from protocols.validate import validate as _validate
+
+__all__ = ["DIMS", "CombineError", "combine"]
 
 _SAME = ("schema", "kind", "horizon", "window", "coupling", "sampling")
 _SAME_UNLESS_MODEL = ("vocab_size", "eos_token_id", "model")
 DIMS = ("doc", "policy", "model")
 
 
-class CombineError(ValueError):
+class CombineError(ProtocolError, ValueError):
     """Datasets that cannot be combined, with the reason."""
 
 
@@ -140,8 +143,40 @@ def combine(
 ) -> xr.Dataset:
     """Concatenate trace datasets along ``dim`` ("doc", "policy" or "model").
 
-    The result is validated unless ``validate=False`` (for intermediate steps of a
-    large combination whose final result is validated anyway).
+    Parameters
+    ----------
+    datasets : sequence of xarray.Dataset
+        Comparable trace datasets (module docstring: same kind, horizon, window,
+        coupling, sampling and replicate count; the same ids on the other dims).
+    dim : {"doc", "policy", "model"}
+        The dim to concatenate along; ``"model"`` prepends a new dim.
+    models : sequence of str, optional
+        Names along ``model`` (default: each input's ``model`` attr).
+    validate : bool, default True
+        Validate the result; ``False`` for intermediate steps of a large
+        combination whose final result is validated anyway.
+
+    Returns
+    -------
+    xarray.Dataset
+        The combined dataset.
+
+    Raises
+    ------
+    CombineError
+        Inputs that are not comparable, repeated ids, or nothing to combine.
+    ValueError
+        ``dim`` is not one of ``DIMS``.
+    TraceValidationError
+        The result breaks the contract (only with ``validate=True``).
+
+    Examples
+    --------
+    >>> from protocols.examples import example_dataset
+    >>> a = example_dataset(docs=["a"], seed=1)
+    >>> b = example_dataset(docs=["b"], seed=2)
+    >>> [str(d) for d in combine([a, b], "doc").doc.values]
+    ['a', 'b']
     """
     datasets = list(datasets)
     if dim not in DIMS:

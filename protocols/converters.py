@@ -22,14 +22,20 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from protocols.errors import ProtocolError
 from protocols.schema import MISSING_TOKEN, coupled_dataset, reference_dataset, residual_dataset
 from protocols.validate import LOGP_ATOL, TraceValidationError, validate
+
+__all__ = [
+    "PROB_ATOL", "ConversionError", "from_eval_logs", "from_probabilities", "residual_from_probabilities",
+    "tv_from_probabilities",
+]
 
 #: How far a probability row may sum away from 1.
 PROB_ATOL = 1e-3
 
 
-class ConversionError(ValueError):
+class ConversionError(ProtocolError, ValueError):
     """Input that cannot be converted; the message names the offending row."""
 
 
@@ -48,7 +54,9 @@ def _lead4(name: str, a: Any, trailing: int) -> np.ndarray:
 
 def _row(name: str, idx: tuple[int, ...], axis: str = "step") -> str:
     labels = ("doc", "policy", "replicate", axis)
-    return f"{name}[" + ", ".join(f"{d}={i + (1 if d == 'step' else 0)}" for d, i in zip(labels, idx)) + "]"
+    # idx always has the four (doc, policy, replicate, step|age) entries: strict.
+    parts = (f"{d}={i + (1 if d == 'step' else 0)}" for d, i in zip(labels, idx, strict=True))
+    return f"{name}[" + ", ".join(parts) + "]"
 
 
 def _first(mask: np.ndarray) -> tuple[int, ...]:
@@ -79,6 +87,26 @@ def tv_from_probabilities(p: Any, q: Any) -> np.ndarray:
 
     Computed in float64 so that float32 inputs do not round a small TV to a
     negative number or to 0.
+
+    Parameters
+    ----------
+    p, q : array_like
+        Probability vectors along the last axis, of one shape.
+
+    Returns
+    -------
+    numpy.ndarray
+        The TV per row (shape without the last axis), float64.
+
+    Raises
+    ------
+    ConversionError
+        ``p`` and ``q`` have different shapes.
+
+    Examples
+    --------
+    >>> tv_from_probabilities([0.5, 0.5, 0.0], [0.25, 0.25, 0.5])
+    array(0.5)
     """
     p = np.asarray(p, dtype=np.float64)
     q = np.asarray(q, dtype=np.float64)
@@ -126,6 +154,39 @@ def from_probabilities(
     go to :func:`protocols.schema.coupled_dataset` (``docs``, ``policies``,
     ``eos_token_id``, ``model``, ``sampling``, ...); ``vocab_size`` defaults to the
     vocab axis length.
+
+    Parameters
+    ----------
+    p_probs, q_probs : array_like
+        The two laws, (doc, policy, replicate, step, vocab) or (replicate, step, vocab).
+    x_token, y_token : array_like
+        The coupled tokens, shaped like the laws without the vocab axis.
+    logp : bool, default True
+        Add ``x_logp`` and ``y_logp``.
+    **builder
+        Keywords for :func:`protocols.schema.coupled_dataset`.
+
+    Returns
+    -------
+    xarray.Dataset
+        A validated ``coupled`` dataset.
+
+    Raises
+    ------
+    ConversionError
+        Shapes disagree, a row is not a probability vector (or is NaN: coupled
+        trajectories are complete), or a token had probability 0 under its law;
+        the message names the row.
+    TraceValidationError
+        The result breaks the contract (e.g. tokens differ at TV 0).
+
+    Examples
+    --------
+    >>> p = [[[0.5, 0.5], [1.0, 0.0]]]          # (replicate, step, vocab)
+    >>> q = [[[0.5, 0.5], [0.0, 1.0]]]
+    >>> ds = from_probabilities(p, q, [[0, 0]], [[0, 1]])
+    >>> ds.tv.values.ravel().tolist()
+    [0.0, 1.0]
     """
     p = _lead4("p_probs", p_probs, 1)
     q = _lead4("q_probs", q_probs, 1)
@@ -167,6 +228,43 @@ def residual_from_probabilities(
     and Q branches at ages 0..T−1 (all-NaN where unobserved), ``branch_step`` = t*
     (0 for none) and the branch tokens (−1 where unobserved). Keywords go to
     :func:`protocols.schema.residual_dataset` (``window`` included).
+
+    Parameters
+    ----------
+    shared_p, shared_q : array_like
+        Laws on the survival path, (..., step, vocab).
+    shared_token : array_like
+        Z_t per step, -1 where none.
+    branch_step : array_like
+        t* per (doc, policy, replicate), 0 for none.
+    branch_p, branch_q : array_like
+        Laws of the two branches, (..., age, vocab).
+    branch_x_token, branch_y_token : array_like
+        Branch tokens per age, -1 where unobserved.
+    **builder
+        Keywords for :func:`protocols.schema.residual_dataset`.
+
+    Returns
+    -------
+    xarray.Dataset
+        A validated ``residual`` dataset.
+
+    Raises
+    ------
+    ConversionError
+        Shapes disagree or a row is neither a probability vector nor all NaN.
+    TraceValidationError
+        The result breaks the contract (e.g. masks that disagree with the window).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> nan = [np.nan, np.nan]
+    >>> ds = residual_from_probabilities(
+    ...     [[[0.5, 0.5], [0.0, 1.0]]], [[[1.0, 0.0], [0.0, 1.0]]], [[0, 1]], [1],
+    ...     [[[0.5, 0.5], nan]], [[[1.0, 0.0], nan]], [[1, -1]], [[0, -1]], window=0)
+    >>> int(ds.branch_step.item()), float(ds.branch_tv[..., 0].item())
+    (1, 0.5)
     """
     sp, sq = _lead4("shared_p", shared_p, 1), _lead4("shared_q", shared_q, 1)
     bp, bq = _lead4("branch_p", branch_p, 1), _lead4("branch_q", branch_q, 1)
@@ -294,6 +392,43 @@ def from_eval_logs(
     rows must end with ``eos_token_id`` and are padded with EOS at log p = log q = 0
     (the absorbing point mass). Errors name the row; the dataset gets a
     ``source_row`` coordinate (doc, policy, replicate) with each row's number.
+
+    Parameters
+    ----------
+    source : path or iterable of str, bytes or mappings
+        The JSONL file, or its lines, or decoded rows.
+    vocab_size : int
+        The vocabulary size (token ids must lie in ``[0, vocab_size)``).
+    eos_token_id : int, optional
+        The EOS token; needed to pad rows shorter than the horizon.
+    horizon : int, optional
+        T; default the longest row.
+    policy : str, default "candidate"
+        Policy id for rows without a ``policy`` field.
+    model, sampling, producer : optional
+        Attributes of the dataset.
+
+    Returns
+    -------
+    xarray.Dataset
+        A validated ``reference`` dataset with a ``source_row`` coordinate.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``source`` is a path that does not exist.
+    ConversionError
+        A row that is not JSON, lacks a field, holds a bad value, is short without
+        ending at EOS, repeats a replicate, or leaves a doc without a policy.
+    TraceValidationError
+        The result breaks the contract; each problem names its input row.
+
+    Examples
+    --------
+    >>> rows = ['{"doc": "d0", "tokens": [3, 1], "logp_full": [-0.1, -0.2], "logp_evicted": [-0.3, -Infinity]}']
+    >>> ds = from_eval_logs(rows, vocab_size=4)
+    >>> ds.attrs["kind"], ds.x_logq.values.ravel().tolist()
+    ('reference', [-0.30000001192092896, -inf])
     """
     eos = -1 if eos_token_id is None else int(eos_token_id)
     rows = []

@@ -17,6 +17,8 @@ import xarray as xr
 
 from protocols.schema import coupled_dataset, reference_dataset, residual_dataset
 
+__all__ = ["DEFAULT_POLICIES", "example_dataset"]
+
 DEFAULT_POLICIES = ("snapkv@0.5", "snapkv#512", "recent@0.5", "snapkv@0.9")
 
 
@@ -113,7 +115,7 @@ def _residual(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, R: int, W:
 def _branches(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, t_star: np.ndarray, W: int,
               eos: int) -> tuple[np.ndarray, ...]:
     D, P, R = t_star.shape
-    T, V = p.shape[2], p.shape[3]
+    T = p.shape[2]
     btv = np.full((D, P, R, T), np.nan)
     bx = np.full((D, P, R, T), -1, dtype=np.int64)
     by = np.full_like(bx, -1)
@@ -180,6 +182,41 @@ def example_dataset(
 
     ``docs`` / ``policies`` are counts or id lists; ``disjoint`` is the chance that a
     step's two laws are disjoint point masses (TV 1, which stops a survival path).
+
+    Parameters
+    ----------
+    kind : {"coupled", "residual", "reference"}
+        The trace kind to simulate.
+    docs, policies : int or sequence of str
+        Counts (ids ``doc000``..., ``DEFAULT_POLICIES``) or the ids themselves.
+    replicates, horizon, vocab_size : int
+        R, T and V.
+    window : int, optional
+        W for residual traces (default T).
+    eos_token_id : int or None, default 0
+        The absorbing EOS token; None for no EOS.
+    disjoint : float, default 0.02
+        Chance of a TV-1 step.
+    seed : int, default 0
+        Seed of the random generator.
+    model : str
+        The ``model`` attr.
+
+    Returns
+    -------
+    xarray.Dataset
+        A dataset that passes :func:`protocols.validate.validate`.
+
+    Raises
+    ------
+    ValueError
+        An unknown ``kind``.
+
+    Examples
+    --------
+    >>> ds = example_dataset("residual", docs=3, replicates=2, horizon=5, window=2)
+    >>> dict(ds.sizes)
+    {'doc': 3, 'policy': 2, 'replicate': 2, 'step': 5, 'age': 5}
     """
     rng = np.random.default_rng(seed)
     doc_ids = [f"doc{i:03d}" for i in range(docs)] if isinstance(docs, int) else list(docs)

@@ -21,6 +21,8 @@ import xarray as xr
 
 from protocols.validate import validate as _validate
 
+__all__ = ["ORDER_ATTR", "SUFFIXES", "open_traces", "save_traces"]
+
 SUFFIXES = (".nc", ".zarr")
 #: Attribute holding the variable order while on disk (both backends reorder variables).
 ORDER_ATTR = "protocols_variable_order"
@@ -59,7 +61,7 @@ def _zarr_encoding(ds: xr.Dataset) -> dict[str, dict]:
     for name, var in ds.variables.items():
         e: dict = {}
         if "doc" in var.dims and var.dtype != object:
-            e["chunks"] = tuple(1 if d == "doc" else n for d, n in zip(var.dims, var.shape))
+            e["chunks"] = tuple(1 if d == "doc" else n for d, n in zip(var.dims, var.shape, strict=True))
         if var.dtype.kind == "f":
             e["fill_value"] = np.nan     # keep NaN a value, not a mask sentinel clash
         enc[name] = e
@@ -92,7 +94,7 @@ def _netcdf_encoding(ds: xr.Dataset) -> dict[str, dict]:
     for name, var in ds.data_vars.items():
         if "doc" in var.dims and var.dtype != object and var.size:
             enc[name] = {"zlib": True, "complevel": 1, "shuffle": True,
-                         "chunksizes": tuple(1 if d == "doc" else n for d, n in zip(var.dims, var.shape))}
+                         "chunksizes": tuple(1 if d == "doc" else n for d, n in zip(var.dims, var.shape, strict=True))}
     return enc
 
 
@@ -105,7 +107,40 @@ def _clear(ds: xr.Dataset) -> xr.Dataset:
 
 
 def save_traces(ds: xr.Dataset, path: str | os.PathLike[str], *, validate: bool = True) -> Path:
-    """Write ``ds`` to ``path`` (``.nc`` or ``.zarr``), validating first by default."""
+    """Write ``ds`` to ``path`` (``.nc`` or ``.zarr``), validating first by default.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset.
+    path : str or os.PathLike
+        The file; its suffix picks the format. An existing file is replaced
+        atomically (written to a temporary sibling, then renamed).
+    validate : bool, default True
+        Validate ``ds`` before writing anything.
+
+    Returns
+    -------
+    pathlib.Path
+        The path written.
+
+    Raises
+    ------
+    ValueError
+        An unknown suffix.
+    TraceValidationError
+        ``ds`` breaks the contract (only with ``validate=True``).
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> from protocols.examples import example_dataset
+    >>> ds = example_dataset()
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     path = save_traces(ds, pathlib.Path(tmp) / "traces.nc")
+    ...     open_traces(path).identical(ds)
+    True
+    """
     path = Path(path)
     fmt = _format(path)
     if validate:
@@ -128,7 +163,34 @@ def save_traces(ds: xr.Dataset, path: str | os.PathLike[str], *, validate: bool 
 
 
 def open_traces(path: str | os.PathLike[str], validate: bool = True) -> xr.Dataset:
-    """Load a trace file fully into memory (the file is closed) and validate it by default."""
+    """Load a trace file fully into memory (the file is closed) and validate it by default.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A ``.nc`` or ``.zarr`` trace file.
+    validate : bool, default True
+        Validate the dataset read.
+
+    Returns
+    -------
+    xarray.Dataset
+        The dataset, with variables in the order they were written and string
+        coordinates as object arrays of ``str``.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such file.
+    ValueError
+        An unknown suffix.
+    TraceValidationError
+        The file breaks the contract (only with ``validate=True``).
+
+    Examples
+    --------
+    See :func:`save_traces`.
+    """
     path = Path(path)
     fmt = _format(path)
     if not path.exists():

@@ -26,6 +26,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from protocols.errors import ProtocolError
+
 __all__ = ["PolicyIdError", "PolicySpec", "PressTerm", "parse_policy_id", "policy_coords", "MAX_POLICY_ID",
            "MAX_BUDGET"]
 
@@ -36,7 +38,7 @@ _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*$")
 _INT = re.compile(r"^[+-]?\d{1,18}$")
 
 
-class PolicyIdError(ValueError):
+class PolicyIdError(ProtocolError, ValueError):
     """A policy id that does not follow the grammar."""
 
 

@@ -18,6 +18,12 @@ import xarray as xr
 
 from protocols.policies import policy_coords
 
+__all__ = [
+    "COUPLING", "KINDS", "MISSING_TOKEN", "OPTIONAL_VARS", "PROB_DTYPE", "REQUIRED_ATTRS", "REQUIRED_VARS",
+    "SCHEMA", "SPLITS", "TOKEN_DTYPE", "VARIABLE_DOCS", "coupled_dataset", "reference_dataset",
+    "residual_dataset", "sampling_params",
+]
+
 SCHEMA = "kvdiv.trace/1"
 COUPLING = "stepwise-maximal"
 KINDS = ("coupled", "residual", "reference")
@@ -195,7 +201,56 @@ def coupled_dataset(
     budget: Sequence[int] | None = None,
     attrs: Mapping[str, Any] | None = None,
 ) -> xr.Dataset:
-    """Build a ``coupled`` trace dataset from arrays shaped (doc, policy, replicate, step)."""
+    """Build a ``coupled`` trace dataset from arrays shaped (doc, policy, replicate, step).
+
+    Parameters
+    ----------
+    tv, x_token, y_token : array_like
+        TV of the two next-token laws and the tokens of P and Q at each step,
+        shaped (doc, policy, replicate, step) or (replicate, step) for one doc and
+        one policy. Cast to float32 / int32.
+    vocab_size : int
+        Size of the models' vocabulary (attr ``vocab_size``).
+    docs, policies : sequence of str, optional
+        Ids along ``doc`` and ``policy`` (default ``doc0, doc1, ...`` and
+        ``candidate``); each policy id also gives the ``press``, ``retention`` and
+        ``budget`` coordinates through :func:`protocols.policies.policy_coords`.
+    eos_token_id : int, optional
+        The EOS token, or None (stored as -1) when EOS is not absorbing.
+    model, producer : str, optional
+        Attrs naming the model and the program that produced the traces.
+    sampling : mapping or JSON str, optional
+        Sampling parameters, stored as a JSON object (default temperature 1,
+        no top-k / top-p).
+    split, prompt_tokens : sequence, optional
+        Per-doc coordinates (default ``""`` and 0).
+    press, retention, budget : sequence, optional
+        Per-policy coordinates overriding the ones parsed from the policy ids.
+    attrs : mapping, optional
+        Extra attributes, added after (and able to override) the contract's.
+    x_logp, y_logp : array_like, optional
+        log p_t(x_t) and log q_t(y_t), the optional coupled variables.
+
+    Returns
+    -------
+    xarray.Dataset
+        The dataset (not validated: call :func:`protocols.validate.validate`).
+        Its window equals the horizon: coupled trajectories are complete.
+
+    Raises
+    ------
+    ValueError
+        An array of the wrong rank, or id lists of the wrong length.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> ds = coupled_dataset(np.zeros((2, 3)), np.ones((2, 3)), np.ones((2, 3)), vocab_size=4)
+    >>> dict(ds.sizes)
+    {'doc': 1, 'policy': 1, 'replicate': 2, 'step': 3}
+    >>> ds.attrs["kind"], ds.attrs["window"]
+    ('coupled', 3)
+    """
     tv = _as4("tv", tv, PROB_DTYPE)
     xt = _as4("x_token", x_token, TOKEN_DTYPE)
     yt = _as4("y_token", y_token, TOKEN_DTYPE)
@@ -235,11 +290,59 @@ def residual_dataset(
     budget: Sequence[int] | None = None,
     attrs: Mapping[str, Any] | None = None,
 ) -> xr.Dataset:
-    """Build a ``residual`` trace dataset.
+    """Build a ``residual`` trace dataset (docs/statistics.md §5, docs/contract.md §1).
 
-    ``shared_*`` are shaped (doc, policy, replicate, step), ``branch_step``
-    (doc, policy, replicate) and ``branch_*`` (doc, policy, replicate, age) with
-    age = 0..T-1. ``window`` defaults to the horizon (branches run to the end).
+    Parameters
+    ----------
+    shared_tv, shared_token : array_like
+        The survival path: TV (NaN after the path stopped) and token Z_t (-1
+        where none), shaped (doc, policy, replicate, step) or (replicate, step).
+    branch_step : array_like
+        The branch point t* per (doc, policy, replicate) (or per replicate);
+        0 when divergence is impossible.
+    branch_tv, branch_x_token, branch_y_token : array_like
+        The two branches at ages 0..T-1, shaped like ``shared_tv`` with ``age``
+        for ``step``; NaN / -1 where unobserved.
+    window : int, optional
+        The observation window W after t*; defaults to the horizon (branches
+        run to the end).
+    vocab_size : int
+        Size of the models' vocabulary (attr ``vocab_size``).
+    docs, policies : sequence of str, optional
+        Ids along ``doc`` and ``policy`` (default ``doc0, doc1, ...`` and
+        ``candidate``); each policy id also gives the ``press``, ``retention`` and
+        ``budget`` coordinates through :func:`protocols.policies.policy_coords`.
+    eos_token_id : int, optional
+        The EOS token, or None (stored as -1) when EOS is not absorbing.
+    model, producer : str, optional
+        Attrs naming the model and the program that produced the traces.
+    sampling : mapping or JSON str, optional
+        Sampling parameters, stored as a JSON object (default temperature 1,
+        no top-k / top-p).
+    split, prompt_tokens : sequence, optional
+        Per-doc coordinates (default ``""`` and 0).
+    press, retention, budget : sequence, optional
+        Per-policy coordinates overriding the ones parsed from the policy ids.
+    attrs : mapping, optional
+        Extra attributes, added after (and able to override) the contract's.
+
+    Returns
+    -------
+    xarray.Dataset
+        The dataset (not validated).
+
+    Raises
+    ------
+    ValueError
+        An array of the wrong rank or shape, or id lists of the wrong length.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> ds = residual_dataset([[0.5, np.nan]], [[-1, -1]], [1], [[0.5, np.nan]], [[1, -1]], [[2, -1]],
+    ...                       vocab_size=4, window=0)
+    >>> int(ds.branch_step.item()), ds.attrs["window"]
+    (1, 0)
     """
     stv = _as4("shared_tv", shared_tv, PROB_DTYPE)
     stok = _as4("shared_token", shared_token, TOKEN_DTYPE)
@@ -293,6 +396,47 @@ def reference_dataset(
     """Build a ``reference`` dataset: tokens sampled from P with log p and log q of each.
 
     The window attribute is 0: nothing after divergence is observed (docs/statistics.md §7).
+
+    Parameters
+    ----------
+    x_token, x_logp, x_logq : array_like
+        Tokens sampled from P, log p_t(x_t) and log q_t(x_t), shaped
+        (doc, policy, replicate, step) or (replicate, step).
+    vocab_size : int
+        Size of the models' vocabulary (attr ``vocab_size``).
+    docs, policies : sequence of str, optional
+        Ids along ``doc`` and ``policy`` (default ``doc0, doc1, ...`` and
+        ``candidate``); each policy id also gives the ``press``, ``retention`` and
+        ``budget`` coordinates through :func:`protocols.policies.policy_coords`.
+    eos_token_id : int, optional
+        The EOS token, or None (stored as -1) when EOS is not absorbing.
+    model, producer : str, optional
+        Attrs naming the model and the program that produced the traces.
+    sampling : mapping or JSON str, optional
+        Sampling parameters, stored as a JSON object (default temperature 1,
+        no top-k / top-p).
+    split, prompt_tokens : sequence, optional
+        Per-doc coordinates (default ``""`` and 0).
+    press, retention, budget : sequence, optional
+        Per-policy coordinates overriding the ones parsed from the policy ids.
+    attrs : mapping, optional
+        Extra attributes, added after (and able to override) the contract's.
+
+    Returns
+    -------
+    xarray.Dataset
+        The dataset (not validated).
+
+    Raises
+    ------
+    ValueError
+        An array of the wrong rank, or id lists of the wrong length.
+
+    Examples
+    --------
+    >>> ds = reference_dataset([[1, 2]], [[-0.5, -1.0]], [[-0.7, -2.0]], vocab_size=4)
+    >>> ds.attrs["kind"], ds.attrs["window"]
+    ('reference', 0)
     """
     xt = _as4("x_token", x_token, TOKEN_DTYPE)
     lp = _as4("x_logp", x_logp, PROB_DTYPE)
@@ -308,5 +452,27 @@ def reference_dataset(
 
 
 def sampling_params(ds: xr.Dataset) -> dict[str, Any]:
-    """The dataset's sampling parameters as a dict."""
+    """The dataset's sampling parameters as a dict.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset; its ``sampling`` attr holds a JSON object.
+
+    Returns
+    -------
+    dict
+        The decoded object; ``{}`` when the attr is missing or empty.
+
+    Raises
+    ------
+    json.JSONDecodeError
+        The attr is not JSON (:func:`protocols.validate.validate` reports that too).
+
+    Examples
+    --------
+    >>> from protocols.examples import example_dataset
+    >>> sampling_params(example_dataset(docs=1, policies=1))
+    {'temperature': 1.0, 'top_k': 0, 'top_p': 1.0}
+    """
     return json.loads(ds.attrs.get("sampling", "{}") or "{}")

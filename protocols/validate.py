@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from protocols.errors import ProtocolError
 from protocols.schema import (
     COUPLING,
     KINDS,
@@ -45,6 +46,11 @@ from protocols.schema import (
     SPLITS,
     TOKEN_DTYPE,
 )
+
+__all__ = [
+    "BRANCH_TV_RTOL", "LOGP_ATOL", "STOP_TV_ATOL", "TV_ZERO_ATOL", "Problem", "TraceValidationError",
+    "validate",
+]
 
 #: A mismatch (tokens differ) needs TV above this; see the module docstring.
 TV_ZERO_ATOL = 1e-7
@@ -61,7 +67,18 @@ _TV_VARS = {"tv", "shared_tv", "branch_tv"}
 
 
 class Problem(str):
-    """One problem message; ``.where`` maps dims to the example's coordinate labels ({} for attrs)."""
+    """One problem message; ``.where`` maps dims to the example's coordinate labels ({} for attrs).
+
+    A ``str`` subclass, so a list of problems prints and compares as text; the
+    converters use ``.where`` to point back at the input row of a bad value.
+
+    Parameters
+    ----------
+    text : str
+        The message.
+    where : dict, optional
+        Dim name -> coordinate label of the example value (e.g. ``{"doc": "d0"}``).
+    """
 
     where: dict[str, Any]
 
@@ -71,8 +88,16 @@ class Problem(str):
         return self
 
 
-class TraceValidationError(ValueError):
-    """A dataset that breaks the trace contract; ``.problems`` lists every problem."""
+class TraceValidationError(ProtocolError, ValueError):
+    """A dataset that breaks the trace contract; ``.problems`` lists every problem.
+
+    Parameters
+    ----------
+    problems : list of str
+        Every problem found (:class:`Problem` instances when raised by :func:`validate`).
+    source : str, optional
+        Where the dataset came from (a file name), added to the message.
+    """
 
     def __init__(self, problems: list[str], source: str | None = None) -> None:
         self.problems = list(problems)
@@ -114,7 +139,7 @@ def _label(ds: xr.Dataset, dim: str, i: int) -> str:
 
 
 def _where(ds: xr.Dataset, dims: tuple[str, ...], idx: tuple[int, ...]) -> str:
-    return ", ".join(f"{d}={_label(ds, d, int(i))}" for d, i in zip(dims, idx))
+    return ", ".join(f"{d}={_label(ds, d, int(i))}" for d, i in zip(dims, idx, strict=True))
 
 
 def _fmt(v: Any) -> str:
@@ -133,7 +158,8 @@ def _report(ctx: _Ctx, name: str, bad: np.ndarray, what: str) -> Iterator[str]:
     flat = int(np.argmax(bad))          # first offending element in C order
     idx = np.unravel_index(flat, bad.shape)
     value = _fmt(ctx.arrays[name][idx])
-    where = {d: _scalar(ctx.ds.coords[d].values[i]) if d in ctx.ds.coords else int(i) for d, i in zip(dims, idx)}
+    where = {d: _scalar(ctx.ds.coords[d].values[i]) if d in ctx.ds.coords else int(i)
+             for d, i in zip(dims, idx, strict=True)}
     yield Problem(f"{name}: {int(bad.sum())} value(s) {what}, e.g. "
                   f"{name}[{_where(ctx.ds, dims, idx)}] = {value}", where)
 
@@ -174,6 +200,15 @@ def _check_attrs(ds: xr.Dataset) -> Iterator[str]:
         yield f"attribute 'kind' = {a['kind']!r} is not one of {KINDS}"
     if "coupling" in a and a["coupling"] != COUPLING:
         yield f"attribute 'coupling' = {a['coupling']!r}, expected {COUPLING!r}"
+    yield from _check_attr_types(a)
+    v, e = a.get("vocab_size"), a.get("eos_token_id")
+    if _is_int(v) and _is_int(e) and e >= v:
+        yield f"attribute 'eos_token_id' = {e} is outside [0, vocab_size={v}) (use -1 for none)"
+    yield from _check_window(a)
+
+
+def _check_attr_types(a: dict[str, Any]) -> Iterator[str]:
+    """Integer attributes with their lower bounds, string attributes, sampling as a JSON object."""
     for name, low in (("horizon", 1), ("vocab_size", 2), ("window", 0), ("eos_token_id", -1)):
         if name in a and not (_is_int(a[name]) and a[name] >= low):
             yield f"attribute {name!r} = {a[name]!r} is not an integer >= {low}"
@@ -186,10 +221,6 @@ def _check_attrs(ds: xr.Dataset) -> Iterator[str]:
                 raise ValueError
         except ValueError:
             yield f"attribute 'sampling' = {a['sampling']!r} is not a JSON object"
-    v, e = a.get("vocab_size"), a.get("eos_token_id")
-    if _is_int(v) and _is_int(e) and e >= v:
-        yield f"attribute 'eos_token_id' = {e} is outside [0, vocab_size={v}) (use -1 for none)"
-    yield from _check_window(a)
 
 
 def _check_window(a: dict[str, Any]) -> Iterator[str]:
@@ -205,6 +236,13 @@ def _check_window(a: dict[str, Any]) -> Iterator[str]:
 
 
 def _check_coords(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
+    yield from _check_ids(ds)
+    yield from _check_labels(ds)
+    yield from _check_axes(ds, ctx)
+
+
+def _check_ids(ds: xr.Dataset) -> Iterator[str]:
+    """``doc`` and ``policy`` hold unique string ids."""
     for dim in ("doc", "policy"):
         if dim not in ds.coords:
             yield f"coordinate {dim!r} is missing"
@@ -215,6 +253,10 @@ def _check_coords(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
         uniq, counts = np.unique(ids.astype(str), return_counts=True)
         if (counts > 1).any():
             yield f"coordinate {dim!r}: duplicate ids {sorted(uniq[counts > 1].tolist())}"
+
+
+def _check_labels(ds: xr.Dataset) -> Iterator[str]:
+    """The per-doc and per-policy coordinates exist on the right dim; split values are known."""
     for name, dim in (("split", "doc"), ("prompt_tokens", "doc"), ("press", "policy"),
                       ("retention", "policy"), ("budget", "policy")):
         if name not in ds.coords:
@@ -225,6 +267,10 @@ def _check_coords(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
         bad = sorted({str(s) for s in ds.coords["split"].values} - set(SPLITS))
         if bad:
             yield f"coordinate 'split': values {bad} are not in {list(SPLITS)}"
+
+
+def _check_axes(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
+    """``replicate`` unique integers, ``step`` = 1..T and (residual) ``age`` = 0..T-1."""
     if "replicate" in ds.coords:
         r = ds.coords["replicate"].values
         if not np.issubdtype(r.dtype, np.integer) or len(np.unique(r)) != len(r):
@@ -477,12 +523,41 @@ def _per_model(ds: xr.Dataset, name: str, default: Any) -> Any:
 
 
 def validate(ds: xr.Dataset, *, source: str | None = None, tv_atol: float = TV_ZERO_ATOL) -> xr.Dataset:
-    """Check ``ds`` against ``kvdiv.trace/1`` and return it unchanged.
+    """Check ``ds`` against ``kvdiv.trace/1`` (docs/contract.md §1) and return it unchanged.
 
-    Raises :class:`TraceValidationError` listing every problem at once
-    (``.problems``); ``source`` (e.g. a file name) is added to the message.
-    ``tv_atol`` is the TV at or below which a token mismatch counts as impossible
-    (module docstring); pass 0.0 for the exact rule "tokens differ => TV > 0".
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A ``coupled``, ``residual`` or ``reference`` trace dataset.
+    source : str, optional
+        Where it came from (e.g. a file name), added to the error message.
+    tv_atol : float, default TV_ZERO_ATOL
+        The TV at or below which a token mismatch counts as impossible (module
+        docstring); pass 0.0 for the exact rule "tokens differ => TV > 0".
+
+    Returns
+    -------
+    xarray.Dataset
+        ``ds`` itself, so calls chain: ``validate(build(...))``.
+
+    Raises
+    ------
+    TraceValidationError
+        Listing every problem at once (``.problems``), each naming the variable
+        or attribute, the count of bad values and one example index.
+    TypeError
+        ``ds`` is not an ``xarray.Dataset``.
+
+    Examples
+    --------
+    >>> from protocols.examples import example_dataset
+    >>> ds = validate(example_dataset("coupled"))
+    >>> bad = ds.assign(tv=ds.tv.where(ds.step != 2, 1.5))
+    >>> try:
+    ...     validate(bad)
+    ... except TraceValidationError as err:
+    ...     print(err.problems[0])
+    tv: 16 value(s) outside [0, 1], e.g. tv[doc='doc000', policy='snapkv@0.5', replicate=0, step=2] = 1.5
     """
     if not isinstance(ds, xr.Dataset):
         raise TypeError(f"validate expects an xarray.Dataset, got {type(ds).__name__}")

@@ -17,6 +17,11 @@ from typing import Any
 
 from protocols.schema import SCHEMA
 
+__all__ = [
+    "RECORD_TYPES", "StreamWriter", "branch_record", "dataset_lines", "encode_line", "end_record",
+    "error_record", "header_record", "shared_step_record", "step_record",
+]
+
 RECORD_TYPES = ("header", "step", "shared_step", "branch", "end", "error")
 
 
@@ -56,7 +61,54 @@ def header_record(
     reference: Mapping[str, Any] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """The stream's first record: everything needed to build the dataset's attrs."""
+    """The stream's first record: everything needed to build the dataset's attrs.
+
+    Parameters
+    ----------
+    kind : {"coupled", "residual"}
+        The trace kind (reference traces have no wire format).
+    horizon, window, replicates, vocab_size : int
+        T, W, R and V.
+    model : str
+        The model name.
+    eos_token_id : int or None
+        The EOS token (None is sent as -1).
+    sampling : mapping
+        Sampling parameters.
+    candidate : mapping
+        At least ``policy``; ``press``, ``retention`` and ``budget`` optional.
+    seed : int or None
+        The request's seed (None: the service drew one).
+    prompt_tokens, retained_tokens : int
+        Prompt length and prompt tokens the candidate's cache kept.
+    doc : str, optional
+        The document id.
+    request_id : str
+        The service's request id.
+    reference : mapping, optional
+        The reference policy, default ``{"policy": "full"}``.
+    **extra
+        Further header keys (kept by :func:`protocols.assemble.assemble` in
+        the ``header_extra`` coordinate).
+
+    Returns
+    -------
+    dict
+        The record (``type`` = ``"header"``, ``schema`` = ``kvdiv.trace/1``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A count that is not an integer.
+
+    Examples
+    --------
+    >>> rec = header_record(kind="coupled", horizon=4, window=4, model="m", eos_token_id=None,
+    ...                     sampling={}, candidate={"policy": "snapkv@0.5"}, seed=1, prompt_tokens=9,
+    ...                     retained_tokens=5, replicates=2, vocab_size=10)
+    >>> rec["type"], rec["eos_token_id"], rec["reference"]
+    ('header', -1, {'policy': 'full'})
+    """
     rec = {
         "type": "header", "schema": SCHEMA, "kind": kind, "horizon": int(horizon),
         "window": int(window), "model": model,
@@ -71,13 +123,63 @@ def header_record(
 
 
 def step_record(step: int, tv: Sequence[float], x_token: Sequence[int], y_token: Sequence[int]) -> dict[str, Any]:
-    """Coupled kind: one step over all replicates."""
+    """Coupled kind: one step over all replicates.
+
+    Parameters
+    ----------
+    step : int
+        t, 1-based.
+    tv : sequence of float
+        TV per replicate (NaN becomes null).
+    x_token, y_token : sequence of int
+        Tokens per replicate (negative becomes null).
+
+    Returns
+    -------
+    dict
+        The ``step`` record.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A value that is not a number.
+
+    Examples
+    --------
+    >>> step_record(1, [0.0, 0.25], [3, 3], [3, 4])
+    {'type': 'step', 'step': 1, 'tv': [0.0, 0.25], 'x_token': [3, 3], 'y_token': [3, 4]}
+    """
     return {"type": "step", "step": int(step), "tv": _clean(tv, floats=True),
             "x_token": _clean(x_token, floats=False), "y_token": _clean(y_token, floats=False)}
 
 
 def shared_step_record(step: int, tv: Sequence[float | None], token: Sequence[int | None]) -> dict[str, Any]:
-    """Residual kind: one survival-path step over all replicates (null where stopped)."""
+    """Residual kind: one survival-path step over all replicates (null where stopped).
+
+    Parameters
+    ----------
+    step : int
+        t, 1-based.
+    tv : sequence of float or None
+        TV on each replicate's survival path; NaN / None after it stopped.
+    token : sequence of int or None
+        Z_t per replicate; -1 / None where none was drawn.
+
+    Returns
+    -------
+    dict
+        The ``shared_step`` record.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A value that is not a number.
+
+    Examples
+    --------
+    >>> shared_step_record(2, [1.0, None], [-1, None])
+    {'type': 'shared_step', 'step': 2, 'tv': [1.0, None], 'token': [None, None]}
+    """
     return {"type": "shared_step", "step": int(step), "tv": _clean(tv, floats=True),
             "token": _clean(token, floats=False)}
 
@@ -85,35 +187,140 @@ def shared_step_record(step: int, tv: Sequence[float | None], token: Sequence[in
 def branch_record(
     replicate: int, branch_step: int, tv: Sequence[float], x_token: Sequence[int], y_token: Sequence[int]
 ) -> dict[str, Any]:
-    """Residual kind: one replicate's branch, ages 0..K (K+1 entries)."""
+    """Residual kind: one replicate's branch, ages 0..K (K+1 entries).
+
+    Parameters
+    ----------
+    replicate : int
+        The replicate, 0-based.
+    branch_step : int
+        t*, 1..T.
+    tv, x_token, y_token : sequence
+        The branches' TV and tokens at ages 0..K, K = min(W, T - t*).
+
+    Returns
+    -------
+    dict
+        The ``branch`` record.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A value that is not a number.
+
+    Examples
+    --------
+    >>> branch_record(0, 3, [0.5], [1], [2])
+    {'type': 'branch', 'replicate': 0, 'branch_step': 3, 'tv': [0.5], 'x_token': [1], 'y_token': [2]}
+    """
     return {"type": "branch", "replicate": int(replicate), "branch_step": int(branch_step),
             "tv": _clean(tv, floats=True), "x_token": _clean(x_token, floats=False),
             "y_token": _clean(y_token, floats=False)}
 
 
 def end_record(steps: int, replicates: int, elapsed_s: float, sha256: str) -> dict[str, Any]:
+    """The stream's last record: its size, its duration and the digest of every line before it.
+
+    Parameters
+    ----------
+    steps, replicates : int
+        T and R, repeated so that a reader can check the stream is complete.
+    elapsed_s : float
+        Seconds the request took.
+    sha256 : str
+        Hex sha256 of the exact bytes of every preceding line, newlines included.
+
+    Returns
+    -------
+    dict
+        The ``end`` record.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A count or time that is not a number.
+
+    Examples
+    --------
+    >>> end_record(4, 2, 0.5, "ab")
+    {'type': 'end', 'steps': 4, 'replicates': 2, 'elapsed_s': 0.5, 'sha256': 'ab'}
+    """
     return {"type": "end", "steps": int(steps), "replicates": int(replicates),
             "elapsed_s": float(elapsed_s), "sha256": sha256}
 
 
 def error_record(error: str, error_type: str) -> dict[str, Any]:
-    """Sent instead of ``end`` when a stream fails; the request is never complete."""
+    """Sent instead of ``end`` when a stream fails; the request is never complete.
+
+    Parameters
+    ----------
+    error : str
+        What went wrong.
+    error_type : str
+        A short class name for it (e.g. the exception's type).
+
+    Returns
+    -------
+    dict
+        The ``error`` record.
+
+    Raises
+    ------
+    None
+
+    Examples
+    --------
+    >>> error_record("out of memory", "RuntimeError")
+    {'type': 'error', 'error': 'out of memory', 'error_type': 'RuntimeError'}
+    """
     return {"type": "error", "error": str(error), "error_type": str(error_type)}
 
 
 def encode_line(record: Mapping[str, Any]) -> bytes:
-    """One NDJSON line (compact JSON, UTF-8, trailing newline)."""
+    """One NDJSON line (compact JSON, UTF-8, trailing newline).
+
+    Parameters
+    ----------
+    record : mapping
+        A record from one of this module's builders.
+
+    Returns
+    -------
+    bytes
+        The line, newline included (the digest covers these exact bytes).
+
+    Raises
+    ------
+    ValueError
+        A NaN or infinity in the record (the builders turn NaN into null).
+
+    Examples
+    --------
+    >>> encode_line({"type": "end", "steps": 1})
+    b'{"type":"end","steps":1}\\n'
+    """
     return (json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
 
 
 class StreamWriter:
-    """Encodes records to lines and keeps the running sha256 for the ``end`` record."""
+    """Encodes records to lines and keeps the running sha256 for the ``end`` record.
+
+    Examples
+    --------
+    >>> w = StreamWriter()
+    >>> first = w.line(step_record(1, [0.0], [1], [1]))
+    >>> last = w.end(1, 1, 0.0)
+    >>> import hashlib, json
+    >>> json.loads(last)["sha256"] == hashlib.sha256(first).hexdigest()
+    True
+    """
 
     def __init__(self) -> None:
         self._digest = hashlib.sha256()
         self.lines = 0
 
     def line(self, record: Mapping[str, Any]) -> bytes:
+        """Encode ``record`` as one line and add its bytes to the digest."""
         data = encode_line(record)
         self._digest.update(data)
         self.lines += 1
@@ -125,6 +332,7 @@ class StreamWriter:
 
     @property
     def hexdigest(self) -> str:
+        """Hex sha256 of every line written so far."""
         return self._digest.hexdigest()
 
 
@@ -143,6 +351,34 @@ def dataset_lines(
     The inverse of :func:`protocols.assemble` (used by tests and by anyone replaying
     stored traces through the wire path). ``doc`` / ``policy`` pick the cell;
     both default to the only one.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A ``coupled`` or ``residual`` dataset.
+    doc, policy : str, optional
+        The cell to send; default the first doc and the first policy.
+    seed, retained_tokens, request_id, elapsed_s : optional
+        Header and end fields that the dataset does not hold.
+
+    Returns
+    -------
+    list of bytes
+        The stream's lines, ``header`` first and ``end`` last.
+
+    Raises
+    ------
+    ValueError
+        A ``reference`` dataset (it has no wire format).
+    KeyError
+        ``doc`` or ``policy`` is not in the dataset.
+
+    Examples
+    --------
+    >>> from protocols.examples import example_dataset
+    >>> lines = dataset_lines(example_dataset(horizon=3))
+    >>> [json.loads(line)["type"] for line in lines]
+    ['header', 'step', 'step', 'step', 'end']
     """
     import numpy as np
 

@@ -26,7 +26,7 @@ print("HEAVY=" + ",".join(heavy))
 def _loaded(args: list[str]) -> set[str]:
     out = subprocess.run([sys.executable, "-c", PROBE.format(args=args)],
                          capture_output=True, text=True, timeout=120)
-    line = [l for l in out.stdout.splitlines() if l.startswith("HEAVY=")]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("HEAVY=")]
     assert line, out.stdout + out.stderr
     return set(filter(None, line[-1][len("HEAVY="):].split(",")))
 
