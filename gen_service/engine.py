@@ -51,6 +51,7 @@ from transformers import DynamicCache
 from gen_service.coupling import Sampling, absorb_eos, maximal_coupling, probs
 from gen_service.models import LoadedModel
 from gen_service.presses import ModelInfo, Plan, Policy, PolicyRegistry
+from gen_service.shared_cache import attention_route, share_prompt
 
 PRODUCER = "kvdiv.gen_service"
 
@@ -116,7 +117,7 @@ class Side:
 
     def crop(self, lengths: list[int]) -> None:
         for layer, n in zip(self.cache.layers, lengths, strict=True):
-            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+            layer.crop(n)
         if self.masks:
             self.masks = [None if m is None else m[..., :n] for m, n in zip(self.masks, lengths, strict=True)]
 
@@ -152,18 +153,20 @@ class Prefilled:
 
 
 def _lengths(cache: DynamicCache) -> list[int]:
-    return [layer.keys.shape[-2] for layer in cache.layers]
+    return [layer.get_seq_length() for layer in cache.layers]
 
 
 class Engine:
     """Runs prefill and decoding for one loaded model. Not thread-safe: the app runs
     all model work on one worker thread."""
 
-    def __init__(self, lm: LoadedModel, registry: PolicyRegistry | None = None):
+    def __init__(self, lm: LoadedModel, registry: PolicyRegistry | None = None, shared_prompt: bool = True):
         self.lm = lm
         self.model = lm.model
         self.registry = registry or PolicyRegistry()
         self.device = lm.device
+        # store the prompt once for all rows where the side allows (gen_service/shared_cache.py)
+        self.shared_prompt = shared_prompt
 
     # ------------------------------------------------------------------ basics
 
@@ -265,9 +268,9 @@ class Engine:
                 mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
         """One forward of ``side`` over (rows, n) tokens -> (rows, V) float logits of the
         last one, with that side's head masks and decoding hooks in place."""
-        with self._side_applied(side, tokens.shape[1]):
+        with self._side_applied(side, tokens.shape[1]), attention_route(self.model, side.cache, mask) as (mask, kw):
             out = self.model(input_ids=tokens, past_key_values=side.cache, position_ids=positions,
-                             attention_mask=mask, use_cache=True, logits_to_keep=logits_to_keep)
+                             attention_mask=mask, use_cache=True, logits_to_keep=logits_to_keep, **kw)
         return out.logits[:, -1].float()
 
     @contextmanager
@@ -330,6 +333,9 @@ class Engine:
         ref = self.registry.build(job.reference, info)
         p0, q0 = self.prefill_pair(ref, cand, job.prompt_ids, job.question_ids)
         yield self.header(job, seed, cand, ref, p0, q0)
+        if self.shared_prompt:
+            for side in (p0.side, q0.side):
+                share_prompt(side, job.horizon)
         gen = self.generator(seed)
         if job.kind == "coupled":
             yield from self._coupled(job, p0, q0, gen, cancelled)

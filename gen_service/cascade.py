@@ -1,0 +1,140 @@
+"""Cascade attention: a prompt shared by every row plus each row's own tokens.
+
+Decoding R rows from one prompt, every row attends to the same prompt keys/values
+and to the tokens it generated itself. Storing the prompt once (batch 1) and the
+rows' tokens apart, attention splits into two parts merged exactly by log-sum-exp,
+as cascade attention (FlashInfer) does:
+
+- over the shared prompt, all rows' queries against one copy of its keys: one large
+  matrix product per KV head that reads the prompt once per step, not R times;
+- over each row's own tokens, a batched product over (rows, heads), masked per row.
+
+With s_1, s_2 the two parts' scores, m_i their maxima, l_i = Σ exp(s_i − m_i) and
+o_i = Σ exp(s_i − m_i) v the unnormalised outputs, softmax attention over the
+concatenation is (o_1 e^{m_1 − M} + o_2 e^{m_2 − M}) / (l_1 e^{m_1 − M} + l_2 e^{m_2 − M})
+with M = max(m_1, m_2): the same numbers as one softmax over all keys, up to rounding.
+
+:func:`cascade_attention_forward` has transformers' attention-function signature and
+is registered in ``AttentionInterface`` as :data:`CASCADE`; the cache it reads
+(:class:`gen_service.shared_cache.SharedPromptCache`) arrives through the forward's
+keyword arguments under :data:`CACHE_KWARG`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["CACHE_KWARG", "CASCADE", "cascade_attention", "cascade_attention_forward"]
+
+CASCADE = "kvdiv_cascade"
+CACHE_KWARG = "kvdiv_shared_cache"
+
+
+def _part(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(max, Σ exp(s − max), Σ exp(s − max) v) of one part, softmax statistics in float32."""
+    s = scores.float()
+    m = s.amax(-1, keepdim=True)
+    # a row whose keys are all masked has m = −inf: keep its weights at 0, not NaN
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    return m, e.sum(-1, keepdim=True), torch.matmul(e.to(values.dtype), values).float()
+
+
+def cascade_attention(query: torch.Tensor, prompt_keys: torch.Tensor, prompt_values: torch.Tensor,
+                      row_keys: torch.Tensor | None, row_values: torch.Tensor | None, scaling: float,
+                      row_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of every row's queries over a shared prompt and the row's own keys.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        (rows, q_heads, n, head_dim): the n newest tokens of each row; q_heads is a
+        multiple of the KV heads (grouped-query attention, head h reads KV head h // g).
+    prompt_keys, prompt_values : torch.Tensor
+        (1, kv_heads, prompt_slots, head_dim), shared by every row and visible to all.
+    row_keys, row_values : torch.Tensor or None
+        (rows, kv_heads, m, head_dim): each row's own slots, the last n being the
+        queries' own tokens (causal among them); None when no row has any.
+    scaling : float
+        The softmax temperature (1/√head_dim for most models).
+    row_mask : torch.Tensor, optional
+        (rows, m) boolean or 0/1: which of a row's own slots it may attend to.
+
+    Returns
+    -------
+    torch.Tensor
+        (rows, n, q_heads, head_dim), in the layout transformers' attention
+        functions return.
+
+    Examples
+    --------
+    >>> q, k, v = torch.randn(2, 4, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    >>> cascade_attention(q, k, v, None, None, 8 ** -0.5).shape
+    torch.Size([2, 1, 4, 8])
+    """
+    R, Hq, n, D = query.shape
+    Hkv = prompt_keys.shape[1]
+    g = Hq // Hkv
+    q = query.reshape(R, Hkv, g * n, D)           # head h = kv * g + j, as repeat_kv orders them
+    # shared prompt: all rows' queries of a KV head against its one copy of the prompt
+    qp = q.transpose(0, 1).reshape(Hkv, R * g * n, D)
+    m1, l1, o1 = _part(torch.matmul(qp, prompt_keys[0].transpose(-1, -2)) * scaling, prompt_values[0])
+    m1, l1, o1 = (t.reshape(Hkv, R, g * n, -1).transpose(0, 1) for t in (m1, l1, o1))
+    if row_keys is not None and row_keys.shape[-2] > 0:
+        s2 = torch.matmul(q, row_keys.transpose(-1, -2)) * scaling        # (R, Hkv, g*n, m)
+        visible = _row_visibility(row_keys.shape[-2], n, g, row_mask, query.device)
+        if visible is not None:
+            s2 = s2.masked_fill(~visible, float("-inf"))
+        m2, l2, o2 = _part(s2, row_values)
+        top = torch.maximum(m1, m2)
+        a1, a2 = torch.exp(m1 - top), torch.exp(m2 - top)
+        out = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)
+    else:
+        out = o1 / l1
+    # (R, Hkv, g*n, D) -> (R, n, Hq, D)
+    return out.to(query.dtype).reshape(R, Hq, n, D).transpose(1, 2).contiguous()
+
+
+def _row_visibility(m: int, n: int, g: int, row_mask: torch.Tensor | None,
+                    device: torch.device) -> torch.Tensor | None:
+    """(rows or 1, 1, g*n, m) boolean: causal among the n new tokens, and the row mask."""
+    visible = None
+    if n > 1:
+        slot = torch.arange(m, device=device)
+        qpos = (m - n) + torch.arange(n, device=device)
+        causal = slot[None, :] <= qpos[:, None]                           # (n, m)
+        visible = causal.repeat(g, 1)[None, None]                         # (1, 1, g*n, m)
+    if row_mask is not None:
+        rm = row_mask[:, -m:].bool()[:, None, None, :]                    # (R, 1, 1, m)
+        visible = rm if visible is None else visible & rm
+    return visible
+
+
+def cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, attention_mask: torch.Tensor | None,
+                              dropout: float = 0.0, scaling: float | None = None,
+                              **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function form of :func:`cascade_attention`.
+
+    ``key``/``value`` are the rows' own slots, as the shared cache's ``update``
+    returned them; the prompt and the per-row mask come from the cache passed to the
+    forward as ``kvdiv_shared_cache``. ``attention_mask`` is unused (the shared cache
+    carries the only mask that applies: its rows' own slots). The argument order is
+    transformers' SDPA function's: kvpress's attention patch passes ``dropout``
+    positionally when it wraps the registered functions.
+
+    Raises
+    ------
+    RuntimeError
+        When called without a shared cache (the route was set but the cache not passed).
+    """
+    cache = kwargs.get(CACHE_KWARG)
+    if cache is None:
+        raise RuntimeError(f"{CASCADE} attention needs the shared prompt cache as `{CACHE_KWARG}`")
+    layer = cache.layers[module.layer_idx]
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = cascade_attention(query, layer.prompt_keys, layer.prompt_values, key, value, scaling, cache.row_mask)
+    return out, None
