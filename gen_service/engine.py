@@ -188,11 +188,9 @@ class Engine:
         plan = policy.plan(len(prompt_ids))
         cache = DynamicCache()
         positions = torch.arange(len(prompt_ids), device=self.device)[None]
-        press = plan.prefill_press
+        press = plan.press  # a decoding-only press's hooks do nothing during prefill
         with self._prefill_attention(press), (press(self.model) if press is not None else nullcontext()):
             out = self.model(input_ids=ids, past_key_values=cache, position_ids=positions, logits_to_keep=1)
-        if plan.decoding and press is None:
-            plan.press.post_init_from_model(self.model)
         return self._finish(plan, cache, out.logits[:, -1].float(), len(prompt_ids), question_ids)
 
     def _finish(self, plan: Plan, cache: DynamicCache, logits: torch.Tensor, context_len: int,
@@ -202,11 +200,22 @@ class Engine:
             side.next_pos = _lengths(cache)[0]
         kept = side.kept()
         if question_ids:
-            q = torch.tensor([list(question_ids)], dtype=torch.long, device=self.device)
-            pos = torch.arange(side.next_pos, side.next_pos + q.shape[1], device=self.device)[None]
-            logits = self.forward(side, q, pos, logits_to_keep=1)
-            side.next_pos += q.shape[1]
+            logits = self._prefill_question(side, list(question_ids))
         return Prefilled(side, logits, kept, plan, _lengths(cache))
+
+    def _prefill_question(self, side: Side, question_ids: list[int]) -> torch.Tensor:
+        """Feed the question after compression. When layers keep different numbers of
+        slots (PyramidKV & co.) one causal mask cannot fit them all, so the question goes
+        in one token at a time (the same attention, without a mask)."""
+        q = torch.tensor([question_ids], dtype=torch.long, device=self.device)
+        pos = torch.arange(side.next_pos, side.next_pos + q.shape[1], device=self.device)[None]
+        if len(set(_lengths(side.cache))) == 1:
+            logits = self.forward(side, q, pos, logits_to_keep=1)
+        else:
+            for i in range(q.shape[1]):
+                logits = self.forward(side, q[:, i:i + 1], pos[:, i:i + 1])
+        side.next_pos += q.shape[1]
+        return logits
 
     def _take_masks(self, cache: DynamicCache) -> list[torch.Tensor | None] | None:
         """Move head-wise masks (kvpress's ``masked_key_indices``, left on the shared

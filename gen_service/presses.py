@@ -113,12 +113,6 @@ class Plan:
     decoding: bool = False     # the press also compresses during decoding
     rerotates: bool = False    # kept keys are re-rotated to positions 0..kept-1
 
-    @property
-    def prefill_press(self) -> Any | None:
-        """The press to hook during prefill (a pure decoding press does nothing there)."""
-        from kvpress import DecodingPress
-
-        return None if isinstance(self.press, DecodingPress) else self.press
 
 
 @dataclass

@@ -6,7 +6,7 @@ Grammar (docs/contract.md, "Policy ids"; every press has an example in docs/serv
     term   := name ["(" term {"," term} ")"] ["@" retention | "#" budget]
     name   := ["kvpress:"] identifier         a short alias (snapkv) or a press class
     params := key "=" value {"," key "=" value}
-    key    := identifier {"." identifier}     a dotted key reaches an inner press
+    key    := {hop "."} identifier            hop: an inner press's index or slot name
 
 - ``@r`` keeps a fraction r in (0, 1] of the prompt cache; ``#b`` keeps b >= 1 tokens
   (b fits in int32: traces store it as int32).
@@ -34,7 +34,7 @@ __all__ = ["PolicyIdError", "PolicySpec", "PressTerm", "parse_policy_id", "polic
 MAX_POLICY_ID = 1000            # characters; longer ids are refused before parsing
 MAX_BUDGET = 2**31 - 1          # traces store budgets as int32
 _NAME = re.compile(r"(?:kvpress:)?[A-Za-z_][A-Za-z0-9_.\-]*")
-_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*$")
+_KEY = re.compile(r"^(?:[A-Za-z0-9_]+\.)*[A-Za-z_][A-Za-z0-9_]*$")
 _INT = re.compile(r"^[+-]?\d{1,18}$")
 
 
