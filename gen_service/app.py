@@ -35,6 +35,7 @@ from starlette.routing import Route
 
 from gen_service.coupling import Sampling
 from gen_service.engine import Cancelled, Engine, TraceJob
+from gen_service.memory import MemoryGate, RequestTooLarge
 from gen_service.presses import PolicyError
 from protocols import __version__ as VERSION
 
@@ -57,7 +58,8 @@ def invalid(field: str, why: str) -> ApiError:
 class ServiceConfig:
     eviction: str = "full"              # default policy for TGI requests
     max_new_tokens: int = 1024          # T limit
-    max_replicates: int = 64            # R limit
+    max_replicates: int = 1024          # R limit; the memory budget may allow fewer
+    memory_budget: float | None = None  # bytes, or a fraction of free memory (None: gen_service/memory.py's default)
     max_queue: int = 16                 # queued + running requests
     max_body_bytes: int = 1 << 20
     api_key: str | None = None
@@ -156,6 +158,7 @@ class Service:
         self.config = config or ServiceConfig()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdiv-model")
         self.admission = Admission(self.config.max_queue)
+        self.memory = MemoryGate.for_engine(engine, self.config.memory_budget)
         self.metrics = Metrics()
         engine.registry.resolve(self.config.eviction)  # fail at start on a bad --eviction
 
@@ -490,7 +493,8 @@ def create_app(service: Service) -> Starlette:
             "docker_label": None,
             "kvdiv": {"eviction": cfg.eviction, "max_new_tokens": cfg.max_new_tokens,
                       "max_replicates": cfg.max_replicates, "vocab_size": lm.vocab_size,
-                      "eos_token_id": lm.eos_token_id, "policies": service.engine.registry.names()},
+                      "eos_token_id": lm.eos_token_id, "policies": service.engine.registry.names(),
+                      **service.memory.info()},
         })
 
     @endpoint("health", auth=False)
@@ -531,6 +535,10 @@ def create_app(service: Service) -> Starlette:
         doc = data.get("doc_id")
         if doc is not None and not isinstance(doc, (str, int)):
             raise invalid("doc_id", "expected a string")
+        try:
+            service.memory.admit(R, len(ids), T, kind)
+        except RequestTooLarge as exc:
+            raise invalid("replicates", str(exc)) from exc
         return TraceJob(prompt_ids=ids, candidate=service.policy("candidate", data["candidate"]),
                         reference=service.policy("reference", data.get("reference", "full")), kind=kind,
                         horizon=T, replicates=R, window=W, sampling=parse_sampling(params, trace=True),
