@@ -5,8 +5,9 @@ and to the tokens it generated itself. Storing the prompt once (batch 1) and the
 rows' tokens apart, attention splits into two parts merged exactly by log-sum-exp,
 as cascade attention (FlashInfer) does:
 
-- over the shared prompt, all rows' queries against one copy of its keys: one large
-  matrix product per KV head that reads the prompt once per step, not R times;
+- over the shared prompt, all rows' queries against one copy of its keys: one
+  batch-1 attention per KV head (torch's fused kernel, which also returns the
+  log-sum-exp, where it runs) that reads the prompt once per step, not R times;
 - over each row's own tokens, a batched product over (rows, heads), masked per row.
 
 With s_1, s_2 the two parts' scores, m_i their maxima, l_i = Σ exp(s_i − m_i) and
@@ -42,9 +43,40 @@ def _part(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, tor
     return m, e.sum(-1, keepdim=True), torch.matmul(e.to(values.dtype), values).float()
 
 
+def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's fused attention kernels that also return the log-sum-exp (B, H, M)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scaling)[:2]
+    elif q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scaling)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, scale=scaling)[:2]
+    return out, lse[..., :q.shape[-2]]     # the memory-efficient kernel pads M to its block
+
+
+_NO_FUSED: set[tuple[str, torch.dtype]] = set()   # (device type, dtype) whose fused kernel refused
+
+
+def _prompt_part(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                 fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised output (B, H, M, D) and log-sum-exp (B, H, M, 1), float32, of attention
+    over every key: torch's fused kernel (no (M, keys) score matrix in memory) where it
+    runs, else the explicit softmax."""
+    key = (q.device.type, q.dtype)
+    if fused and key not in _NO_FUSED:
+        try:
+            out, lse = _fused_kernel(q, keys, values, scaling)
+            return out.float(), lse.float().unsqueeze(-1)
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _NO_FUSED.add(key)
+    m, total, o = _part(torch.matmul(q, keys.transpose(-1, -2)) * scaling, values)
+    return o / total, m + total.log()
+
+
 def cascade_attention(query: torch.Tensor, prompt_keys: torch.Tensor, prompt_values: torch.Tensor,
                       row_keys: torch.Tensor | None, row_values: torch.Tensor | None, scaling: float,
-                      row_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      row_mask: torch.Tensor | None = None, fused: bool = True) -> torch.Tensor:
     """Attention of every row's queries over a shared prompt and the row's own keys.
 
     Parameters
@@ -60,7 +92,11 @@ def cascade_attention(query: torch.Tensor, prompt_keys: torch.Tensor, prompt_val
     scaling : float
         The softmax temperature (1/√head_dim for most models).
     row_mask : torch.Tensor, optional
-        (rows, m) boolean or 0/1: which of a row's own slots it may attend to.
+        (rows, m) boolean or 0/1: which of a row's own slots it may attend to (a wider
+        mask is read from its last m columns).
+    fused : bool
+        Use torch's fused attention kernel for the prompt part where it runs (default);
+        False computes the softmax explicitly (the fallback, also used by tests).
 
     Returns
     -------
@@ -78,21 +114,23 @@ def cascade_attention(query: torch.Tensor, prompt_keys: torch.Tensor, prompt_val
     Hkv = prompt_keys.shape[1]
     g = Hq // Hkv
     q = query.reshape(R, Hkv, g * n, D)           # head h = kv * g + j, as repeat_kv orders them
-    # shared prompt: all rows' queries of a KV head against its one copy of the prompt
-    qp = q.transpose(0, 1).reshape(Hkv, R * g * n, D)
-    m1, l1, o1 = _part(torch.matmul(qp, prompt_keys[0].transpose(-1, -2)) * scaling, prompt_values[0])
-    m1, l1, o1 = (t.reshape(Hkv, R, g * n, -1).transpose(0, 1) for t in (m1, l1, o1))
+    # shared prompt: all rows' queries of a KV head as one batch-1 query block against
+    # its one copy of the prompt
+    qp = q.transpose(0, 1).reshape(1, Hkv, R * g * n, D)
+    o1, lse1 = _prompt_part(qp, prompt_keys, prompt_values, scaling, fused)
+    o1, lse1 = (t.reshape(Hkv, R, g * n, -1).transpose(0, 1) for t in (o1, lse1))    # (R, Hkv, g*n, ·)
     if row_keys is not None and row_keys.shape[-2] > 0:
         s2 = torch.matmul(q, row_keys.transpose(-1, -2)) * scaling        # (R, Hkv, g*n, m)
         visible = _row_visibility(row_keys.shape[-2], n, g, row_mask, query.device)
         if visible is not None:
             s2 = s2.masked_fill(~visible, float("-inf"))
         m2, l2, o2 = _part(s2, row_values)
-        top = torch.maximum(m1, m2)
-        a1, a2 = torch.exp(m1 - top), torch.exp(m2 - top)
-        out = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)
+        # merge: weights relative to the larger of the two parts' maxima
+        top = torch.maximum(lse1, m2)
+        a1, a2 = torch.exp(lse1 - top), torch.exp(m2 - top)
+        out = (o1 * a1 + o2 * a2) / (a1 + l2 * a2)
     else:
-        out = o1 / l1
+        out = o1
     # (R, Hkv, g*n, D) -> (R, n, Hq, D)
     return out.to(query.dtype).reshape(R, Hq, n, D).transpose(1, 2).contiguous()
 

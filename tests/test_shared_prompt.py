@@ -35,9 +35,10 @@ def _reference(q, pk, pv, rk, rv, scaling, row_mask=None):
     return out.transpose(1, 2)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("masked", [False, True])
-def test_cascade_equals_attention_over_the_concatenation(n, masked):
+def test_cascade_equals_attention_over_the_concatenation(n, masked, fused):
     torch.manual_seed(0)
     R, Hkv, g, D, L, m = 5, 2, 3, 8, 11, 6
     q = torch.randn(R, Hkv * g, n, D)
@@ -48,7 +49,7 @@ def test_cascade_equals_attention_over_the_concatenation(n, masked):
         mask = torch.rand(R, m) < 0.6
         mask[:, -n:] = True
         mask[0, :-n] = False          # a row that sees none of its older slots
-    out = cascade_attention(q, pk, pv, rk, rv, D ** -0.5, mask)
+    out = cascade_attention(q, pk, pv, rk, rv, D ** -0.5, mask, fused=fused)
     ref = _reference(q, pk, pv, rk, rv, D ** -0.5, mask)
     assert out.shape == (R, n, Hkv * g, D)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
