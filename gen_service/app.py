@@ -36,7 +36,9 @@ from starlette.routing import Route
 from gen_service.coupling import Sampling
 from gen_service.engine import Cancelled, Engine, TraceJob
 from gen_service.memory import MemoryGate, RequestTooLarge
-from gen_service.presses import PolicyError
+from gen_service.models import context_question_ids
+from gen_service.press_catalog import catalog
+from gen_service.presses import ModelInfo, PolicyError
 from protocols import __version__ as VERSION
 
 log = logging.getLogger("kvdiv.service")
@@ -160,7 +162,7 @@ class Service:
         self.admission = Admission(self.config.max_queue)
         self.memory = MemoryGate.for_engine(engine, self.config.memory_budget)
         self.metrics = Metrics()
-        engine.registry.resolve(self.config.eviction)  # fail at start on a bad --eviction
+        engine.registry.build(self.config.eviction, ModelInfo.of(engine.lm))  # fail at start on a bad --eviction
 
     # ------------------------------------------------------------------ worker bridge
 
@@ -230,7 +232,8 @@ class Service:
         if not isinstance(policy_id, str):
             raise invalid(field, "expected a policy id string")
         try:
-            self.engine.registry.resolve(policy_id)
+            # every parameter checked and the press built once, before anything streams
+            self.engine.registry.build(policy_id, ModelInfo.of(self.engine.lm))
         except PolicyError as exc:
             raise invalid(field, str(exc)) from None
         return policy_id
@@ -509,7 +512,8 @@ def create_app(service: Service) -> Starlette:
     async def policies(request: Request) -> Response:
         reg = service.engine.registry
         return JSONResponse({"default": cfg.eviction, "names": reg.names(), "examples": reg.examples(),
-                             "grammar": "full | name@retention | name#budget | kvpress:Class@r | id:k=v,..."})
+                             "grammar": "full | name@retention | name#budget | Wrapper(Inner, ...)@r | id:k=v,...",
+                             "presses": catalog()})
 
     # ---------------------------------------------------------------- traces
 
@@ -517,10 +521,10 @@ def create_app(service: Service) -> Starlette:
         params = data.get("parameters") or {}
         if not isinstance(params, dict):
             raise invalid("parameters", "expected an object")
-        ids = service.tokenize_inputs(data, allow_messages=True)
+        ids, question = context_and_question(data)
         T = _int(params, "max_new_tokens", 32, lo=1, hi=cfg.max_new_tokens)
-        field = "messages" if data.get("messages") is not None else "inputs"
-        service.check_context(ids, T, field)
+        field = "context" if question else "messages" if data.get("messages") is not None else "inputs"
+        service.check_context(ids + question, T, field)
         kind = data.get("kind", "coupled")
         if kind not in ("coupled", "residual"):
             raise invalid("kind", "must be 'coupled' or 'residual'")
@@ -543,7 +547,25 @@ def create_app(service: Service) -> Starlette:
                         reference=service.policy("reference", data.get("reference", "full")), kind=kind,
                         horizon=T, replicates=R, window=W, sampling=parse_sampling(params, trace=True),
                         seed=_seed(params) if "seed" in params else _int(data, "seed", None, lo=0, prefix=""),
-                        doc=None if doc is None else str(doc), request_id=uuid.uuid4().hex)
+                        doc=None if doc is None else str(doc), request_id=uuid.uuid4().hex,
+                        question_ids=question)
+
+    def context_and_question(data: dict) -> tuple[list[int], list[int]]:
+        """``context`` + ``question`` (only the context is compressed; the question and
+        the chat template's tail are prefilled after, as kvpress's pipeline does), or
+        ``inputs``/``messages`` (the whole prompt compressed)."""
+        if data.get("context") is None:
+            if data.get("question") is not None:
+                raise invalid("question", "needs a `context`")
+            return service.tokenize_inputs(data, allow_messages=True), []
+        context, question = data["context"], data.get("question", "")
+        if not isinstance(context, str) or not context.strip():
+            raise invalid("context", "expected a non-empty string")
+        if not isinstance(question, str):
+            raise invalid("question", "expected a string")
+        if data.get("inputs") is not None or data.get("messages") is not None:
+            raise invalid("context", "give either `context` (+ `question`) or `inputs`/`messages`")
+        return context_question_ids(service.engine.lm.tokenizer, context, question)
 
     @endpoint("traces")
     async def traces(request: Request) -> Response:

@@ -49,6 +49,7 @@ import torch
 from transformers import DynamicCache
 
 from gen_service.coupling import Sampling, absorb_eos, maximal_coupling, probs
+from gen_service.head_masks import HIDDEN_ATTR, indices_to_mask, install, pad
 from gen_service.models import LoadedModel
 from gen_service.presses import ModelInfo, Plan, Policy, PolicyRegistry
 from gen_service.shared_cache import attention_route, share_prompt
@@ -161,6 +162,7 @@ class Engine:
     all model work on one worker thread."""
 
     def __init__(self, lm: LoadedModel, registry: PolicyRegistry | None = None, shared_prompt: bool = True):
+        install()  # head-wise masks through SDPA's own mask (gen_service.head_masks)
         self.lm = lm
         self.model = lm.model
         self.registry = registry or PolicyRegistry()
@@ -224,15 +226,13 @@ class Engine:
         for attn, layer in zip(self._layers(), cache.layers, strict=True):
             idx = getattr(attn, "masked_key_indices", None)
             attn.masked_key_indices = None
-            masks.append(None if idx is None else _indices_to_mask(idx, 1, layer.keys.shape[1], layer.keys.shape[-2]))
+            masks.append(None if idx is None else indices_to_mask(idx, 1, layer.keys.shape[1], layer.keys.shape[-2]))
         return masks if any(m is not None for m in masks) else None
 
     @contextmanager
     def _prefill_attention(self, press: Any) -> Iterator[None]:
         """Eager attention for presses that score with the attention weights."""
-        from kvpress import KVComposePress, ObservedAttentionPress
-
-        if press is None or not any(isinstance(p, (ObservedAttentionPress, KVComposePress)) for p in _presses(press)):
+        if not _wants_eager(press):
             yield
             return
         before = self.model.config._attn_implementation
@@ -251,7 +251,9 @@ class Engine:
         each layer's uncompressed keys/values for P while the press compresses Q's."""
         L = len(prompt_ids)
         ref_plan = ref.plan(L)
-        if ref_plan.press is not None:
+        # A press scoring with attention weights prefills under eager attention, whose
+        # logits differ from SDPA's in the last bits: P then gets its own forward.
+        if ref_plan.press is not None or _wants_eager(cand.plan(L).press):
             return self.prefill(ref, prompt_ids, question_ids), self.prefill(cand, prompt_ids, question_ids)
         full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -284,6 +286,8 @@ class Engine:
 
     @contextmanager
     def _side_applied(self, side: Side, n_new: int) -> Iterator[None]:
+        """Install ``side``'s head masks and decoding hooks for one forward, then take
+        them off the shared modules (with any masks a press added meanwhile)."""
         if side.masks is None and side.press is None:
             yield
             return
@@ -291,7 +295,7 @@ class Engine:
         hooks = []
         if side.masks is not None:
             for attn, m, n in zip(attns, side.masks, _lengths(side.cache), strict=True):
-                attn.masked_key_indices = None if m is None else _pad(m, n + n_new).nonzero(as_tuple=True)
+                setattr(attn, HIDDEN_ATTR, None if m is None else pad(m, n + n_new))
         if side.press is not None:
             hooks = [attn.register_forward_hook(side.press.forward_hook, with_kwargs=True) for attn in attns]
         try:
@@ -299,14 +303,17 @@ class Engine:
         finally:
             for hook in hooks:
                 hook.remove()
-            rows = side.cache.layers[0].keys.shape[0]
-            new = [getattr(attn, "masked_key_indices", None) for attn in attns]
-            for attn in attns:
+            shape = side.cache.layers[0].keys.shape
+            masks = []
+            for attn, n in zip(attns, _lengths(side.cache), strict=True):
+                m, added = getattr(attn, HIDDEN_ATTR, None), getattr(attn, "masked_key_indices", None)
+                setattr(attn, HIDDEN_ATTR, None)
                 attn.masked_key_indices = None
-            if side.masks is not None or any(i is not None for i in new):
-                heads = side.cache.layers[0].keys.shape[1]
-                side.masks = [None if i is None else _indices_to_mask(i, rows, heads, n)
-                              for i, n in zip(new, _lengths(side.cache), strict=True)]
+                if added is not None:  # e.g. DMS evicting while decoding
+                    fresh = indices_to_mask(added, shape[0], shape[1], n)
+                    m = fresh if m is None else pad(m, fresh.shape[-1]) | fresh
+                masks.append(None if m is None else pad(m, n))
+            side.masks = masks if any(m is not None for m in masks) else None
 
     @torch.inference_mode()
     def step(self, side: Side | DynamicCache, tokens: torch.Tensor, positions: torch.Tensor,
@@ -325,12 +332,14 @@ class Engine:
         candidate = cand.describe()
         candidate.update(params=q0.plan.params, note=q0.plan.note)
         reference = ref.describe()
+        nq = len(job.question_ids)
+        extra = {"question_tokens": nq} if nq else {}
         return header_record(
             kind=job.kind, horizon=job.horizon, window=job.window or job.horizon, model=self.lm.name,
             eos_token_id=self.lm.eos_token_id, sampling=job.sampling.as_dict(), candidate=candidate,
-            reference=reference, seed=seed, prompt_tokens=len(job.prompt_ids), retained_tokens=q0.kept,
+            reference=reference, seed=seed, prompt_tokens=job.prompt_len, retained_tokens=q0.kept + nq,
             replicates=job.replicates, vocab_size=self.lm.vocab_size, doc=job.doc, request_id=job.request_id,
-            coupling="stepwise-maximal", producer=PRODUCER, reference_retained_tokens=p0.kept,
+            coupling="stepwise-maximal", producer=PRODUCER, reference_retained_tokens=p0.kept + nq, **extra,
         )
 
     def trace(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[dict[str, Any]]:
@@ -595,6 +604,13 @@ class Engine:
         return lps
 
 
+def _wants_eager(press: Any) -> bool:
+    """Presses that score with the attention weights (only eager attention returns them)."""
+    from kvpress import KVComposePress, ObservedAttentionPress
+
+    return press is not None and any(isinstance(p, (ObservedAttentionPress, KVComposePress)) for p in _presses(press))
+
+
 def _presses(press: Any) -> Iterator[Any]:
     """A press and every press inside it (wrappers, compositions)."""
     yield press
@@ -604,24 +620,6 @@ def _presses(press: Any) -> Iterator[Any]:
             yield from _presses(inner)
     for inner in getattr(press, "presses", None) or ():
         yield from _presses(inner)
-
-
-def _pad(mask: torch.Tensor, n: int) -> torch.Tensor:
-    """A (rows, heads, slots) mask widened with unmasked slots to ``n`` slots."""
-    if mask.shape[-1] >= n:
-        return mask[..., :n]
-    extra = torch.zeros(*mask.shape[:-1], n - mask.shape[-1], dtype=torch.bool, device=mask.device)
-    return torch.cat([mask, extra], -1)
-
-
-def _indices_to_mask(idx: Any, rows: int, heads: int, slots: int) -> torch.Tensor:
-    """kvpress's (batch, head, slot) index tensors -> a boolean (rows, heads, slots) mask."""
-    b, h, s = idx
-    dev = s.device
-    n = max(slots, int(s.max()) + 1 if s.numel() else 0)
-    mask = torch.zeros(rows, heads, n, dtype=torch.bool, device=dev)
-    mask[b.to(dev), h.to(dev), s] = True
-    return mask
 
 
 class _Branches:

@@ -266,6 +266,32 @@ def load_tokenizer(model_id: str | None = None, *, gguf: str | None = None):
     return AutoTokenizer.from_pretrained(model_id)
 
 
+def context_question_ids(tokenizer: object, context: str, question: str = "") -> tuple[list[int], list[int]]:
+    """Token ids of a context (the part a press compresses) and of the question with the
+    chat template's tail, split exactly as kvpress's ``kv-press-text-generation`` pipeline
+    splits them: the user turn is ``context + question``; the template's text after the
+    context goes with the question, so only the context is compressed.
+
+    Examples
+    --------
+    >>> tok = byte_tokenizer()
+    >>> ctx, q = context_question_ids(tok, "Some long text.", "What is it?")
+    >>> tok.decode(ctx).split(chr(10))[0], tok.decode(q).split("<")[0]
+    ('<|im_start|>user', 'What is it?')
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        bos = getattr(tokenizer, "bos_token", None) or ""
+        text, suffix = bos + context, "\n"
+    else:
+        separator = "#" * (len(context) + 10)
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": context + separator}],
+                                                 add_generation_prompt=True, tokenize=False)
+        text, suffix = rendered.split(separator)
+    ctx = list(tokenizer.encode(text, add_special_tokens=False))
+    q = list(tokenizer.encode(question + suffix, add_special_tokens=False))
+    return ctx, q
+
+
 def load_model(model_id: str | None = None, *, gguf: str | None = None, device: str | None = None,
                dtype: str | None = None) -> LoadedModel:
     """Load a model for serving; see the module docstring for the ids."""

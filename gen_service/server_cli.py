@@ -15,20 +15,25 @@ log = logging.getLogger("kvdiv.service")
 def build_service(model: str | None = None, *, gguf: str | None = None, eviction: str = "full",
                   api_key: str | None = None, max_new_tokens: int = 1024, max_replicates: int = 1024,
                   max_queue: int = 16, device: str | None = None, dtype: str | None = None,
-                  press: tuple[str, ...] = (), memory_budget: float | None = None):
+                  press: tuple[str, ...] = (), press_option: tuple[str, ...] = (),
+                  memory_budget: float | None = None):
     """Model + registry + engine + app; shared by the CLI, tests and the benchmark."""
     from gen_service.app import Service, ServiceConfig, create_app
     from gen_service.engine import Engine
     from gen_service.models import load_model
-    from gen_service.presses import PolicyRegistry, load_class
+    from gen_service.presses import PolicyRegistry, load_class, parse_press_option
 
     extra = {}
     for target in press:
         name, _, spec = target.rpartition("=")
         cls = load_class(spec)
         extra[name or cls.__name__] = cls
+    options: dict[str, dict] = {}
+    for text in press_option:  # server-side press options: paths, datasets, downloads
+        cls_name, key, value = parse_press_option(text)
+        options.setdefault(cls_name, {})[key] = value
     lm = load_model(model, gguf=gguf, device=device, dtype=dtype)
-    engine = Engine(lm, PolicyRegistry(extra))
+    engine = Engine(lm, PolicyRegistry(extra, press_options=options))
     config = ServiceConfig(eviction=eviction, max_new_tokens=max_new_tokens, max_replicates=max_replicates,
                            max_queue=max_queue, api_key=api_key, memory_budget=memory_budget)
     service = Service(engine, config)
@@ -71,9 +76,12 @@ def _quiet_libraries() -> None:
 @click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16.")
 @click.option("--press", multiple=True, metavar="[NAME=]module:Class",
               help="Register a custom press class as policy NAME (default: the class name). Repeatable.")
+@click.option("--press-option", multiple=True, metavar="Class:key=value",
+              help="Server-side press option a request may not set (a stats folder, allow_download=true). "
+                   "Repeatable.")
 @click.option("--log-level", default="info", show_default=True)
 def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replicates, memory_budget, max_queue,
-          device, dtype, press, log_level):
+          device, dtype, press, press_option, log_level):
     """Run the TGI-compatible trace service (POST /generate, /v1/traces, ...)."""
     # Before torch loads OpenMP: its default busy-waiting threads collapse when the
     # cores are shared (a 576x1536 matmul went from 0.25 ms to 16 ms on 2 busy cores).
@@ -88,7 +96,7 @@ def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replic
         app, service = build_service(model, gguf=gguf, eviction=eviction, api_key=api_key,
                                      max_new_tokens=max_new_tokens, max_replicates=max_replicates,
                                      max_queue=max_queue, device=device, dtype=dtype, press=press,
-                                     memory_budget=parse_budget(memory_budget))
+                                     press_option=press_option, memory_budget=parse_budget(memory_budget))
     except Exception as exc:
         raise click.ClickException(f"could not start: {exc}") from exc
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
