@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from gen_service.head_masks import HIDDEN_ATTR
+
 __all__ = ["CACHE_KWARG", "CASCADE", "cascade_attention", "cascade_attention_forward"]
 
 CASCADE = "kvdiv_cascade"
@@ -43,11 +45,17 @@ def _part(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, tor
     return m, e.sum(-1, keepdim=True), torch.matmul(e.to(values.dtype), values).float()
 
 
-def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                  hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's fused attention kernels that also return the log-sum-exp (B, H, M)."""
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scaling)[:2]
+        bias = None if hidden is None else torch.zeros(
+            hidden.shape[0], hidden.shape[1], 1, hidden.shape[2], dtype=q.dtype, device=q.device
+        ).masked_fill(hidden[:, :, None, :], float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scaling)[:2]
+    elif hidden is not None:
+        raise NotImplementedError("CUDA's fused kernels with log-sum-exp take no per-head key mask here")
     elif q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scaling)[:2]
     else:
@@ -55,28 +63,33 @@ def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out, lse[..., :q.shape[-2]]     # the memory-efficient kernel pads M to its block
 
 
-_NO_FUSED: set[tuple[str, torch.dtype]] = set()   # (device type, dtype) whose fused kernel refused
+_NO_FUSED: set[tuple[str, torch.dtype, bool]] = set()   # (device, dtype, masked) whose fused kernel refused
 
 
 def _prompt_part(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-                 fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 fused: bool = True, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalised output (B, H, M, D) and log-sum-exp (B, H, M, 1), float32, of attention
-    over every key: torch's fused kernel (no (M, keys) score matrix in memory) where it
-    runs, else the explicit softmax."""
-    key = (q.device.type, q.dtype)
+    over the keys not ``hidden`` ((B, H, keys) boolean): torch's fused kernel (no
+    (M, keys) score matrix in memory) where it runs, else the explicit softmax."""
+    key = (q.device.type, q.dtype, hidden is not None)
     if fused and key not in _NO_FUSED:
         try:
-            out, lse = _fused_kernel(q, keys, values, scaling)
+            out, lse = _fused_kernel(q, keys, values, scaling, hidden)
             return out.float(), lse.float().unsqueeze(-1)
         except (RuntimeError, NotImplementedError, AttributeError):
             _NO_FUSED.add(key)
-    m, total, o = _part(torch.matmul(q, keys.transpose(-1, -2)) * scaling, values)
+    s = torch.matmul(q, keys.transpose(-1, -2)) * scaling
+    if hidden is not None:
+        s = s.masked_fill(hidden[:, :, None, :], float("-inf"))
+    m, total, o = _part(s, values)
+    total = total.clamp_min(torch.finfo(total.dtype).tiny)   # a head with every key hidden: 0, not NaN
     return o / total, m + total.log()
 
 
 def cascade_attention(query: torch.Tensor, prompt_keys: torch.Tensor, prompt_values: torch.Tensor,
                       row_keys: torch.Tensor | None, row_values: torch.Tensor | None, scaling: float,
-                      row_mask: torch.Tensor | None = None, fused: bool = True) -> torch.Tensor:
+                      row_mask: torch.Tensor | None = None, fused: bool = True,
+                      hidden: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every row's queries over a shared prompt and the row's own keys.
 
     Parameters
@@ -97,6 +110,10 @@ def cascade_attention(query: torch.Tensor, prompt_keys: torch.Tensor, prompt_val
     fused : bool
         Use torch's fused attention kernel for the prompt part where it runs (default);
         False computes the softmax explicitly (the fallback, also used by tests).
+    hidden : torch.Tensor, optional
+        (rows, kv_heads, prompt_slots + m) boolean: keys hidden from a KV head's
+        queries (head-wise presses such as AdaKV). Every row shares the prompt's part,
+        read from the first row; the rows' own part applies per row.
 
     Returns
     -------
@@ -117,11 +134,17 @@ def cascade_attention(query: torch.Tensor, prompt_keys: torch.Tensor, prompt_val
     # shared prompt: all rows' queries of a KV head as one batch-1 query block against
     # its one copy of the prompt
     qp = q.transpose(0, 1).reshape(1, Hkv, R * g * n, D)
-    o1, lse1 = _prompt_part(qp, prompt_keys, prompt_values, scaling, fused)
+    L = prompt_keys.shape[-2]
+    o1, lse1 = _prompt_part(qp, prompt_keys, prompt_values, scaling, fused,
+                            None if hidden is None else hidden[:1, :, :L])
     o1, lse1 = (t.reshape(Hkv, R, g * n, -1).transpose(0, 1) for t in (o1, lse1))    # (R, Hkv, g*n, ·)
     if row_keys is not None and row_keys.shape[-2] > 0:
         s2 = torch.matmul(q, row_keys.transpose(-1, -2)) * scaling        # (R, Hkv, g*n, m)
-        visible = _row_visibility(row_keys.shape[-2], n, g, row_mask, query.device)
+        m = row_keys.shape[-2]
+        visible = _row_visibility(m, n, g, row_mask, query.device)
+        if hidden is not None:
+            own = ~hidden[:, :, None, L:L + m]                            # (R, Hkv, 1, m)
+            visible = own if visible is None else visible & own
         if visible is not None:
             s2 = s2.masked_fill(~visible, float("-inf"))
         m2, l2, o2 = _part(s2, row_values)
@@ -159,7 +182,8 @@ def cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     ``key``/``value`` are the rows' own slots, as the shared cache's ``update``
     returned them; the prompt and the per-row mask come from the cache passed to the
     forward as ``kvdiv_shared_cache``. ``attention_mask`` is unused (the shared cache
-    carries the only mask that applies: its rows' own slots). The argument order is
+    carries the mask over its rows' own slots; head-wise presses' masks come from the
+    module, as gen_service.head_masks leaves them for one forward). The argument order is
     transformers' SDPA function's: kvpress's attention patch passes ``dropout``
     positionally when it wraps the registered functions.
 
@@ -174,5 +198,6 @@ def cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     layer = cache.layers[module.layer_idx]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = cascade_attention(query, layer.prompt_keys, layer.prompt_values, key, value, scaling, cache.row_mask)
+    out = cascade_attention(query, layer.prompt_keys, layer.prompt_values, key, value, scaling, cache.row_mask,
+                            hidden=getattr(module, HIDDEN_ATTR, None))
     return out, None

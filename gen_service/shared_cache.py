@@ -20,10 +20,10 @@ residual branches (prefix shortcut)                shared prompt; branch masks c
                                                    the rows' own slots only
 residual branches replayed (decoding press or      shared prompt for a side without a
 per-layer budgets)                                 decoding press
-head-wise masks (AdaKV, CriticalAdaKV, DMS ...)    per-row copies (kvpress's masked
-                                                   attention patch needs them)
-decoding-time presses (DecodingPress & co.)        per-row copies (the press edits
-                                                   the cache it is handed)
+head-wise masks set at prefill (AdaKV,              shared prompt; the prompt's mask
+CriticalAdaKV ...)                                 is shared by the rows too
+decoding-time presses (DecodingPress, DMS &        per-row copies (the press edits
+co.)                                               the cache it is handed)
 any cache other than a plain DynamicCache          per-row copies
 (quantized, sliding-window layers)
 ================================================  ===================================
@@ -56,6 +56,8 @@ class SharedPromptLayer(CacheLayerMixin):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
         super().__init__()
         self.prompt_keys, self.prompt_values = keys, values
+        # ``keys``/``values`` as other code reads them off a layer: the shared part
+        self.keys, self.values = keys, values
         self.capacity = max(int(capacity), 1)
         self.rows = 1
         self.filled = 0
@@ -173,13 +175,15 @@ class SharedPromptCache(Cache):
 
 def can_share(side: Any) -> bool:
     """Whether a side (an engine ``Side`` at batch 1, before decoding) can take the shared
-    prompt path: a plain DynamicCache of full-attention layers, no head-wise masks and no
-    press acting while decoding. Anything else keeps its per-row copies."""
+    prompt path: a plain DynamicCache of full-attention layers and no press acting while
+    decoding (head-wise masks set at prefill are fine: every row shares them). Anything
+    else keeps its per-row copies."""
     cache = side.cache
     return (type(cache) is DynamicCache and bool(cache.layers)
             and all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
             and cache.layers[0].keys.shape[0] == 1
-            and side.masks is None and side.press is None)
+            and all(m is None or m.shape[0] == 1 for m in side.masks or ())
+            and side.press is None)
 
 
 def share_prompt(side: Any, capacity: int) -> bool:

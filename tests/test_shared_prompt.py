@@ -19,7 +19,7 @@ from gen_service.models import load_model
 from gen_service.shared_cache import SharedPromptCache, can_share, share_prompt
 
 
-def _reference(q, pk, pv, rk, rv, scaling, row_mask=None):
+def _reference(q, pk, pv, rk, rv, scaling, row_mask=None, hidden=None):
     """SDPA over each row's own copy of the prompt followed by its own slots."""
     R, Hq, n, _ = q.shape
     g = Hq // pk.shape[1]
@@ -31,6 +31,8 @@ def _reference(q, pk, pv, rk, rv, scaling, row_mask=None):
     allowed = (slot[None] <= qpos[:, None])[None, None].expand(R, 1, n, L + m).clone()
     if row_mask is not None:
         allowed[..., L:] &= row_mask.bool()[:, None, None, :]
+    if hidden is not None:   # (R, kv_heads, L + m) -> per query head
+        allowed = allowed & ~hidden.repeat_interleave(g, 1)[:, :, None, :]
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
     return out.transpose(1, 2)
 
@@ -53,6 +55,24 @@ def test_cascade_equals_attention_over_the_concatenation(n, masked, fused):
     ref = _reference(q, pk, pv, rk, rv, D ** -0.5, mask)
     assert out.shape == (R, n, Hkv * g, D)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_cascade_hides_keys_per_head(fused):
+    """Head-wise presses' masks: the prompt's part shared by every row, the rows' own per row."""
+    torch.manual_seed(2)
+    R, Hkv, g, D, L, m = 4, 2, 2, 8, 13, 3
+    q = torch.randn(R, Hkv * g, 1, D)
+    pk, pv = torch.randn(1, Hkv, L, D), torch.randn(1, Hkv, L, D)
+    rk, rv = torch.randn(R, Hkv, m, D), torch.randn(R, Hkv, m, D)
+    hidden = torch.zeros(R, Hkv, L + m, dtype=torch.bool)
+    hidden[:, 0, 2:9] = True           # head 0 loses most of the prompt, head 1 a few keys
+    hidden[:, 1, [0, 5]] = True
+    hidden[1, 1, L] = True             # row 1 also hides its own first slot from head 1
+    out = cascade_attention(q, pk, pv, rk, rv, D ** -0.5, fused=fused, hidden=hidden)
+    assert torch.allclose(out, _reference(q, pk, pv, rk, rv, D ** -0.5, hidden=hidden), atol=1e-5)
+    plain = cascade_attention(q, pk, pv, rk, rv, D ** -0.5, fused=fused)
+    assert not torch.allclose(out, plain, atol=1e-3)   # the masks did change the result
 
 
 def test_cascade_prompt_only_and_row_mask_of_all_slots():
@@ -120,7 +140,8 @@ def _assert_same(a, b, tol=1e-5):
 # one press per mechanism class: prefill-only, head-wise masks, per-layer budgets,
 # decoding-time eviction, key-channel pruning
 POLICIES = ["snapkv@0.5", "kvpress:AdaKVPress(SnapKVPress)@0.5", "kvpress:PyramidKVPress@0.5",
-            "kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=48", "think@0.5"]
+            "kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=48", "think@0.5",
+            "kvpress:DMSPress(KnormPress):threshold=-9.0,sliding_window_size=16,decoding=true"]
 
 
 @pytest.mark.parametrize("kind", ["coupled", "residual"])
@@ -135,8 +156,9 @@ def test_each_side_takes_the_path_its_policy_allows(lm):
     engine = Engine(lm)
     reg, ids = engine.registry, list(range(10, 70))
     expect = {"snapkv@0.5": True, "kvpress:PyramidKVPress@0.5": True, "think@0.5": True,
-              "kvpress:AdaKVPress(SnapKVPress)@0.5": False,
-              "kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=48": False}
+              "kvpress:AdaKVPress(SnapKVPress)@0.5": True,
+              "kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=48": False,
+              "kvpress:DMSPress(KnormPress):threshold=-9.0,sliding_window_size=16,decoding=true": False}
     for policy, ok in expect.items():
         p0, q0 = engine.prefill_pair(reg.resolve("full"), reg.resolve(policy), ids)
         assert can_share(p0.side)                     # the full side always shares
