@@ -26,9 +26,10 @@ class PressEntry:
     reason: str = ""
 
 
-def _artifact(name: str, what: str) -> PressEntry:
+def _artifact(name: str, what: str, option: str = "allow_download=true") -> PressEntry:
     return PressEntry(name, f"kvpress:{name}@0.5", False, False,
-                      f"needs {what}: supplied server-side (--press-option {name}:...), never by a request")
+                      f"needs {what}, which only the operator can supply "
+                      f"(`kvdiv serve --press-option {name}:{option}`), never a request")
 
 
 CATALOG: tuple[PressEntry, ...] = (
@@ -51,10 +52,9 @@ CATALOG: tuple[PressEntry, ...] = (
     _artifact("DuoAttentionPress", "DuoAttention head patterns for the model"),
     PressEntry("EntropyGatedChunkKVPress", "kvpress:EntropyGatedChunkKVPress(SnapKVPress)@0.5"),
     PressEntry("ExpectedAttentionPress", "kvpress:ExpectedAttentionPress@0.5"),
-    _artifact("ExpectedAttentionStatsPress", "query statistics (stats_folder)"),
+    _artifact("ExpectedAttentionStatsPress", "query statistics for the model", "stats_folder=DIR"),
     _artifact("FastKVzipPress", "Fast-KVzip gate weights for the model"),
-    PressEntry("FinchPress", "kvpress:FinchPress@0.5", False, False,
-               "needs a delimiter token between context and question inside the prompt"),
+    PressEntry("FinchPress", "kvpress:FinchPress@0.5:window_size=32"),
     PressEntry("KeyDiffPress", "kvpress:KeyDiffPress@0.5"),
     PressEntry("KeyRerotationPress", "kvpress:KeyRerotationPress(KnormPress)@0.5"),
     PressEntry("KnormPress", "kvpress:KnormPress@0.5"),

@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ParamSpec", "param_specs", "press_slots", "check_value", "SERVER_SIDE", "PolicyError"]
+__all__ = ["ATTRIBUTE_PARAMS", "ParamSpec", "param_specs", "press_slots", "check_value", "SERVER_SIDE", "PolicyError"]
 
 
 class PolicyError(ValueError):
@@ -127,7 +127,16 @@ def param_specs(cls: type) -> dict[str, ParamSpec]:
             kind = ("choice", _STR_CHOICES[p.name], False)
         if kind is not None:
             out[p.name] = ParamSpec(p.name, kind[0], kind[1], kind[2])
+    out.update(ATTRIBUTE_PARAMS.get(cls.__name__, {}))
     return out
+
+
+# Settings a press takes as attributes after construction (not constructor arguments).
+# FinchPress finds its observation window from a delimiter token inside the prompt; here
+# the window is given directly, so no token has to be added to the model's vocabulary.
+ATTRIBUTE_PARAMS: dict[str, dict[str, ParamSpec]] = {
+    "FinchPress": {"window_size": ParamSpec("window_size", "int")},
+}
 
 
 def _in_range(name: str, value: float, where: str) -> None:

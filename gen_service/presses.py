@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
-from gen_service.press_params import PolicyError, check_value, param_specs, press_slots
+from gen_service.press_params import ATTRIBUTE_PARAMS, PolicyError, check_value, param_specs, press_slots
 from protocols import PolicyIdError, PolicySpec, PressTerm, parse_policy_id
 
 __all__ = ["ALIASES", "ModelInfo", "Plan", "Policy", "PolicyError", "PolicyRegistry", "expected_kept",
@@ -82,9 +82,7 @@ ARTIFACT = {
 }
 _SERVER_KEYS = {"allow_download"}
 # Presses the engine cannot run, with the reason (a 422 names it).
-UNSUPPORTED = {
-    "FinchPress": "needs a delimiter token between context and question inside the prompt",
-}
+UNSUPPORTED: dict[str, str] = {}
 _ABSTRACT = {"BasePress", "ScorerPress"}
 
 
@@ -150,14 +148,27 @@ class _Node:
             kwargs["target_size"] = self.budget
         elif self.amount_field:
             kwargs[self.amount_field] = max(self.ratio(prompt_len), 0.0)
-        # kvpress asserts windows and sinks shorter than the prompt; short prompts use
-        # what they have (the header's candidate.params report the values used).
-        for key in ("window_size", "n_sink", "sink"):
-            if key in param_specs(self.cls) and prompt_len > 1:
-                value = kwargs.get(key, _default(self.cls, key))
-                if isinstance(value, int) and value >= prompt_len:
-                    kwargs[key] = prompt_len - 1
-        return self.cls(**kwargs)
+        attrs = {k: kwargs.pop(k) for k in list(kwargs) if k in ATTRIBUTE_PARAMS.get(self.name, {})}
+        if self.name == "FinchPress":
+            attrs.setdefault("window_size", 64)
+        _fit(self, kwargs, attrs, prompt_len)
+        press = self.cls(**kwargs)
+        for key, value in attrs.items():
+            setattr(press, key, value)
+        if self.name == "FinchPress":
+            press.delimiter_token_id = -1  # no delimiter in the prompt: the window is given
+        return press
+
+
+def _fit(node: _Node, kwargs: dict[str, Any], attrs: dict[str, Any], prompt_len: int) -> None:
+    """kvpress asserts windows and sinks shorter than the prompt; short prompts use what
+    they have (the header's candidate.params report the values used)."""
+    for key in ("window_size", "n_sink", "sink"):
+        if key in param_specs(node.cls) and prompt_len > 1:
+            where = attrs if key in attrs else kwargs
+            value = where.get(key, _default(node.cls, key))
+            if isinstance(value, int) and value >= prompt_len:
+                where[key] = prompt_len - 1
 
 
 def _default(cls: type, name: str) -> Any:

@@ -56,6 +56,7 @@ def test_grammar_refuses(bad) -> None:
      lambda p: p.compression_ratios == [0.5, 0.5]),
     ("kvpress:KVComposePress@0.5:agg_task=mean", "KVComposePress", lambda p: p.agg_task == "mean"),
     ("kvpress:RandomPress@0.5:seed=3", "RandomPress", lambda p: p.seed == 3),
+    ("kvpress:FinchPress@0.5:window_size=16", "FinchPress", lambda p: p.window_size == 16 and p.rerotate_keys),
     ("kvpress:PrefillDecodingPress(SnapKVPress@0.5, DecodingPress(KnormPress)#64):compression_interval=2",
      "PrefillDecodingPress", lambda p: p.decoding_press.compression_interval == 2),
 ])
@@ -86,7 +87,7 @@ def test_budget_ratio_per_prompt(registry: PolicyRegistry) -> None:
     ("recent@0.5:n_sink=-5", "n_sink", "outside"),
     ("snapkv@0.5:window_size=100000", "window_size", "context"),
     ("kvpress:ScorerPress@0.5", "press", "abstract"),
-    ("kvpress:FinchPress@0.5", "press", "delimiter"),
+    ("kvpress:FinchPress@0.5:window_size=0", "window_size", "outside"),
     ("snapkv#4096", "budget", "context"),
     ("kvpress:ExpectedAttentionStatsPress@0.5:stats_folder=/etc", "press", "--press-option"),
     ("kvpress:ExpectedAttentionPress@0.5:stats_folder=/etc", "stats_folder", "no parameter"),
