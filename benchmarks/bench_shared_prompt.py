@@ -9,8 +9,9 @@ On one model, prompt and horizon T, for each R in ``--rows``:
 3. residual ÷ coupled request time at equal R and T, with where the time goes
    (prefill, survival steps, branches), on the shared path.
 
-All figures are medians of ``--repeats`` runs in this one process, both paths
-measured alternately so that load on the shared cores hits both alike.
+Step times are medians over the T − 1 steps of a run (and over ``--repeats`` runs),
+both paths measured alternately in this one process so that load on the shared cores
+hits both alike.
 
 Usage: ``python benchmarks/bench_shared_prompt.py [--rows 16 64] [--steps 32]
 [--prompt-tokens 746] [--model embedded] [--policy snapkv@0.5] [--repeats 3]``.
@@ -43,7 +44,9 @@ def _cache_bytes(cache: Any) -> int:
 
 
 def coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int, steps: int) -> tuple[float, int]:
-    """(seconds per step of the coupled loop, KV bytes per row afterwards on P + Q)."""
+    """(median seconds of one coupled step — a forward pair plus the coupling, timed
+    between consecutive step records so that a burst of load on the shared cores
+    moves the median little — and the KV bytes per row afterwards on P + Q)."""
     reg = engine.registry
     job = TraceJob(prompt_ids=ids, candidate=policy, horizon=steps, replicates=rows, seed=0)
     p0, q0 = engine.prefill_pair(reg.build("full"), reg.build(policy), ids)
@@ -51,10 +54,8 @@ def coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int, steps
         share_prompt(p0.side, steps)
         share_prompt(q0.side, steps)
     gen = engine.generator(0)
-    t0 = _clock(engine)
-    for _ in engine._coupled(job, p0, q0, gen, lambda: False):
-        pass
-    sec = (_clock(engine) - t0) / (steps - 1)   # T steps, T − 1 forward pairs
+    stamps = [time.perf_counter() for _ in engine._coupled(job, p0, q0, gen, lambda: False)]
+    sec = statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False))
     return sec, (_cache_bytes(p0.side.cache) + _cache_bytes(q0.side.cache)) // rows
 
 
@@ -88,7 +89,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=746)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--no-requests", action="store_true", help="skip the residual ÷ coupled requests")

@@ -540,7 +540,7 @@ def create_app(service: Service) -> Starlette:
         if doc is not None and not isinstance(doc, (str, int)):
             raise invalid("doc_id", "expected a string")
         try:
-            service.memory.admit(R, len(ids), T, kind)
+            service.memory.admit(R, len(ids) + len(question), T, kind)
         except RequestTooLarge as exc:
             raise invalid("replicates", str(exc)) from exc
         return TraceJob(prompt_ids=ids, candidate=service.policy("candidate", data["candidate"]),

@@ -170,3 +170,13 @@ def test_each_side_takes_the_path_its_policy_allows(lm):
 def test_residual_windowed_and_eos_on_the_shared_path(lm):
     kw = dict(candidate="snapkv@0.5", kind="residual", window=3)
     _assert_same(_trace(Engine(lm), **kw), _trace(Engine(lm, shared_prompt=False), **kw))
+
+
+def test_a_thousand_rows_on_one_prompt(lm):
+    """R = 1024: each row costs its own T slots only; the run matches the copy path's tokens."""
+    kw = dict(candidate="snapkv@0.5", kind="coupled")
+    job = dict(prompt_ids=list(range(10, 70)), horizon=4, replicates=1024, seed=1, sampling=Sampling())
+    a = list(Engine(lm).trace(TraceJob(**job, **kw)))
+    b = list(Engine(lm, shared_prompt=False).trace(TraceJob(**job, **kw)))
+    _assert_same(a, b)
+    assert len(a[1]["x_token"]) == 1024
