@@ -43,10 +43,11 @@ def _cache_bytes(cache: Any) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
-def coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int, steps: int) -> tuple[float, int]:
+def coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int,
+                   steps: int) -> tuple[float, int, list[dict[str, Any]]]:
     """(median seconds of one coupled step — a forward pair plus the coupling, timed
     between consecutive step records so that a burst of load on the shared cores
-    moves the median little — and the KV bytes per row afterwards on P + Q)."""
+    moves the median little —, the KV bytes per row afterwards on P + Q, and the records)."""
     reg = engine.registry
     job = TraceJob(prompt_ids=ids, candidate=policy, horizon=steps, replicates=rows, seed=0)
     p0, q0 = engine.prefill_pair(reg.build("full"), reg.build(policy), ids)
@@ -54,9 +55,18 @@ def coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int, steps
         share_prompt(p0.side, steps)
         share_prompt(q0.side, steps)
     gen = engine.generator(0)
-    stamps = [time.perf_counter() for _ in engine._coupled(job, p0, q0, gen, lambda: False)]
+    records, stamps = [], []
+    for rec in engine._coupled(job, p0, q0, gen, lambda: False):
+        stamps.append(time.perf_counter())
+        records.append(rec)
     sec = statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False))
-    return sec, (_cache_bytes(p0.side.cache) + _cache_bytes(q0.side.cache)) // rows
+    return sec, (_cache_bytes(p0.side.cache) + _cache_bytes(q0.side.cache)) // rows, records
+
+
+def agreement(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[bool, float]:
+    """(same tokens, largest |ΔTV|) between two runs' step records."""
+    same = all(ra["x_token"] == rb["x_token"] and ra["y_token"] == rb["y_token"] for ra, rb in zip(a, b, strict=True))
+    return same, max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra["tv"], rb["tv"], strict=True))
 
 
 def request_phases(engine: Engine, ids: list[int], policy: str, kind: str, rows: int,
@@ -107,16 +117,17 @@ def main() -> None:
     coupled_decode(shared, ids, pol, 2, 3)      # warm-up both paths
     coupled_decode(copies, ids, pol, 2, 3)
     print(f"\n{'R':>5s} {'copies rs/s':>12s} {'shared rs/s':>12s} {'ratio':>6s} "
-          f"{'KB/row copies':>14s} {'KB/row shared':>14s}")
+          f"{'KB/row copies':>14s} {'KB/row shared':>14s} {'same tokens':>12s} {'max |dTV|':>10s}")
     for R in args.rows:
-        res: dict[str, list[tuple[float, int]]] = {"copies": [], "shared": []}
+        res: dict[str, list[tuple[float, int, list]]] = {"copies": [], "shared": []}
         for _ in range(args.repeats):
             res["copies"].append(coupled_decode(copies, ids, pol, R, T))
             res["shared"].append(coupled_decode(shared, ids, pol, R, T))
-        sec = {k: statistics.median(s for s, _ in v) for k, v in res.items()}
+        sec = {k: statistics.median(r[0] for r in v) for k, v in res.items()}
         mem = {k: v[0][1] for k, v in res.items()}
+        same, dtv = agreement(res["copies"][0][2], res["shared"][0][2])
         print(f"{R:5d} {R / sec['copies']:12.1f} {R / sec['shared']:12.1f} {sec['copies'] / sec['shared']:6.2f} "
-              f"{mem['copies'] / 1024:14.0f} {mem['shared'] / 1024:14.0f}")
+              f"{mem['copies'] / 1024:14.0f} {mem['shared'] / 1024:14.0f} {str(same):>12s} {dtv:10.1e}")
     if args.no_requests:
         return
     R = args.rows[0]

@@ -180,3 +180,35 @@ def test_a_thousand_rows_on_one_prompt(lm):
     b = list(Engine(lm, shared_prompt=False).trace(TraceJob(**job, **kw)))
     _assert_same(a, b)
     assert len(a[1]["x_token"]) == 1024
+
+
+def test_replayed_branches_on_the_shared_path(lm):
+    """Branches replayed from the post-prefill snapshot (decoding presses' path), forced
+    for a prefill-only press: same records as the copies replaying."""
+    engines = []
+    for shared in (True, False):
+        engine = Engine(lm, shared_prompt=shared)
+        engine.force_replay = True
+        engines.append(engine)
+    kw = dict(candidate="snapkv@0.5", kind="residual")
+    _assert_same(_trace(engines[0], **kw), _trace(engines[1], **kw))
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("kind", ["coupled", "residual"])
+def test_embedded_model_tv_within_1e5_of_the_copies(kind):
+    pytest.importorskip("gguf")
+    from gen_service.models import embedded_gguf_path
+
+    try:
+        embedded_gguf_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    lm = load_model("embedded", device="cpu")
+    text = "Kernel caches keep the keys and values of every token a model has read. " * 12
+    ids = list(lm.tokenizer(text).input_ids)
+    job = dict(prompt_ids=ids, candidate="snapkv@0.5", kind=kind, horizon=8, replicates=4, seed=3,
+               sampling=Sampling())
+    a = list(Engine(lm).trace(TraceJob(**job)))
+    b = list(Engine(lm, shared_prompt=False).trace(TraceJob(**job)))
+    _assert_same(a, b, tol=1e-5)
