@@ -56,10 +56,16 @@ def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: fl
             q, k, v, 0.0, False, attn_mask=bias, scale=scaling)[:2]
     elif hidden is not None:
         raise NotImplementedError("CUDA's fused kernels with log-sum-exp take no per-head key mask here")
-    elif q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scaling)[:2]
     else:
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, scale=scaling)[:2]
+        out, lse = None, None
+        if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+            try:   # flash attention needs a recent GPU (sm80+)
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                    q, k, v, 0.0, False, False, scale=scaling)[:2]
+            except RuntimeError:
+                out = None
+        if out is None:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, scale=scaling)[:2]
     return out, lse[..., :q.shape[-2]]     # the memory-efficient kernel pads M to its block
 
 
