@@ -51,7 +51,7 @@ from transformers import DynamicCache
 from gen_service.coupling import Sampling, absorb_eos, maximal_coupling, probs
 from gen_service.head_masks import HIDDEN_ATTR, indices_to_mask, install, pad
 from gen_service.models import LoadedModel
-from gen_service.presses import ModelInfo, Plan, Policy, PolicyRegistry
+from gen_service.presses import ModelInfo, Plan, Policy, PolicyRegistry, iter_presses
 from gen_service.shared_cache import attention_route, share_prompt
 
 PRODUCER = "kvdiv.gen_service"
@@ -103,7 +103,7 @@ class Side:
         self.cache.batch_repeat_interleave(n)
         if self.masks:
             self.masks = [None if m is None else m.repeat(n, 1, 1) for m in self.masks]
-        for press in _presses(self.press) if self.press is not None else ():
+        for press in iter_presses(self.press) if self.press is not None else ():
             # per-layer buffers kvpress keeps across decoding steps, batch first
             for name in ("hidden_states_buffer", "scores_buffer"):
                 buffers = getattr(press, name, None)
@@ -610,18 +610,8 @@ def _wants_eager(press: Any) -> bool:
     """Presses that score with the attention weights (only eager attention returns them)."""
     from kvpress import KVComposePress, ObservedAttentionPress
 
-    return press is not None and any(isinstance(p, (ObservedAttentionPress, KVComposePress)) for p in _presses(press))
-
-
-def _presses(press: Any) -> Iterator[Any]:
-    """A press and every press inside it (wrappers, compositions)."""
-    yield press
-    for name in ("press", "base_press", "prefilling_press", "decoding_press"):
-        inner = getattr(press, name, None)
-        if inner is not None and inner is not press and hasattr(inner, "forward_hook"):
-            yield from _presses(inner)
-    for inner in getattr(press, "presses", None) or ():
-        yield from _presses(inner)
+    scorers = (ObservedAttentionPress, KVComposePress)
+    return press is not None and any(isinstance(p, scorers) for p in iter_presses(press))
 
 
 class _Branches:

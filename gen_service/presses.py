@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
@@ -33,7 +34,7 @@ from gen_service.press_params import ATTRIBUTE_PARAMS, PolicyError, check_value,
 from protocols import PolicyIdError, PolicySpec, PressTerm, parse_policy_id
 
 __all__ = ["ALIASES", "ModelInfo", "Plan", "Policy", "PolicyError", "PolicyRegistry", "expected_kept",
-           "load_class", "parse_press_option"]
+           "iter_presses", "load_class", "parse_press_option"]
 
 log = logging.getLogger("kvdiv.service")
 
@@ -112,6 +113,28 @@ class Plan:
     rerotates: bool = False    # kept keys are re-rotated to positions 0..kept-1
 
 
+def iter_presses(press: Any) -> Iterator[Any]:
+    """A press and every press inside it (wrappers, compositions), outermost first."""
+    yield press
+    for name in ("press", "base_press", "prefilling_press", "decoding_press"):
+        inner = getattr(press, name, None)
+        if inner is not None and inner is not press and hasattr(inner, "forward_hook"):
+            yield from iter_presses(inner)
+    for inner in getattr(press, "presses", None) or ():
+        yield from iter_presses(inner)
+
+
+def _acts_while_decoding(press: Any) -> bool:
+    from kvpress import DecodingPress, DMSPress
+
+    return isinstance(press, DecodingPress) or (isinstance(press, DMSPress) and press.decoding)
+
+
+def _rerotates(press: Any) -> bool:
+    from kvpress import FinchPress, KeyRerotationPress
+
+    return isinstance(press, KeyRerotationPress) or (isinstance(press, FinchPress) and press.rerotate_keys)
+
 
 @dataclass
 class _Node:
@@ -123,7 +146,6 @@ class _Node:
     retention: float = math.nan
     budget: int = -1
     amount_field: str | None = None
-    path: str = ""
 
     @property
     def name(self) -> str:
@@ -220,15 +242,11 @@ class Policy:
         ratio, note = self.compression_ratio(prompt_len)
         if note or prompt_len < 2:
             return Plan(None, prompt_len, note or "nothing to evict")
-        from kvpress import DecodingPress, DMSPress, FinchPress, KeyRerotationPress, PrefillDecodingPress
-
         press = self.root.make(prompt_len, self.info.num_layers)
         params: dict[str, Any] = {} if math.isnan(ratio) else {"compression_ratio": ratio}
         params.update({k: _plain(getattr(press, k, v)) for k, v in self.spec.params.items() if "." not in k})
-        decoding = (isinstance(press, DecodingPress)
-                    or (isinstance(press, PrefillDecodingPress) and press.decoding_press is not None)
-                    or (isinstance(press, DMSPress) and press.decoding))
-        rerotates = isinstance(press, KeyRerotationPress) or (isinstance(press, FinchPress) and press.rerotate_keys)
+        decoding = any(_acts_while_decoding(p) for p in iter_presses(press))
+        rerotates = any(_rerotates(p) for p in iter_presses(press))
         kept = prompt_len if math.isnan(ratio) else expected_kept(prompt_len, ratio)
         return Plan(press, kept, note, params, decoding=decoding, rerotates=rerotates)
 
@@ -334,7 +352,7 @@ class PolicyRegistry:
         if spec.budget > info.max_context:
             raise PolicyError(f"policy {spec.id!r}: budget {spec.budget} exceeds the model's context "
                               f"({info.max_context} tokens)", "budget")
-        root = self._node(spec.id, spec.press, defaults={}, path="")
+        root = self._node(spec.id, spec.press, defaults={})
         _route_params(spec.id, root, spec.params, info)
         _assign_amounts(spec.id, root, inherited=False)
         policy = Policy(spec, root, info)
@@ -364,7 +382,7 @@ class PolicyRegistry:
             raise PolicyError(f"policy {policy_id!r}: {bare} is an abstract base class, not a method", "press")
         return cls
 
-    def _node(self, policy_id: str, term: PressTerm, defaults: dict[str, Any], path: str) -> _Node:
+    def _node(self, policy_id: str, term: PressTerm, defaults: dict[str, Any]) -> _Node:
         if term.name in ALIASES:
             expression, alias_defaults = ALIASES[term.name]
             if term.args:
@@ -372,7 +390,7 @@ class PolicyRegistry:
             inner = parse_policy_id(expression).press
             assert inner is not None
             inner = PressTerm(inner.name, inner.args, term.retention, term.budget)
-            return self._node(policy_id, inner, {**alias_defaults, **defaults}, path)
+            return self._node(policy_id, inner, {**alias_defaults, **defaults})
         cls = self._class(policy_id, term.name)
         self._check_artifact(policy_id, cls)
         if cls.__name__ in UNSUPPORTED:
@@ -384,10 +402,10 @@ class PolicyRegistry:
             names = ", ".join(s for s, _, _ in slots) or "none"
             raise PolicyError(f"policy {policy_id!r}: {cls.__name__} takes inner presses ({names}); "
                               f"got {len(term.args)}", "press")
-        children = [self._node(policy_id, arg, {}, f"{path}{i}.") for i, arg in enumerate(term.args)]
+        children = [self._node(policy_id, arg, {}) for arg in term.args]
         kwargs = dict(defaults)
         kwargs.update({k: v for k, v in self.press_options.get(cls.__name__, {}).items() if k not in _SERVER_KEYS})
-        return _Node(cls, kwargs, children, term.retention, term.budget, path=path)
+        return _Node(cls, kwargs, children, term.retention, term.budget)
 
     def _check_artifact(self, policy_id: str, cls: type) -> None:
         need = ARTIFACT.get(cls.__name__)

@@ -299,3 +299,15 @@ def test_question_is_prefilled_after_compression(engine: Engine, prompt: list[in
     assert head["retained_tokens"] == len(prompt) // 2 + len(question)
     assert head["prompt_tokens"] == len(prompt) + len(question) and head["question_tokens"] == len(question)
     assert max(recs[1]["tv"]) > 0   # the question attends to the compressed context: step 1 differs
+
+
+@pytest.mark.parametrize("policy", ["adakv@0.5", "kvpress:KeyRerotationPress(KnormPress)@0.5",
+                                    "kvpress:DecodingPress(KnormPress):compression_interval=2,target_size=64"])
+def test_generate_follows_the_candidate_kernel(engine: Engine, prompt: list[int], policy: str) -> None:
+    """TGI's /generate under an eviction policy decodes the same greedy tokens as the
+    candidate side of a trace (same masks, hooks and positions)."""
+    greedy = Sampling(do_sample=False)
+    gen = [i["id"] for i in engine.generate(prompt, policy, 6, greedy, 0) if "id" in i]
+    recs = run(engine, prompt, candidate=policy, horizon=6, replicates=1, sampling=greedy, seed=0)
+    ys = [r["y_token"][0] for r in recs[1:]]
+    assert gen == ys[:len(gen)]

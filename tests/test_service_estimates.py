@@ -57,3 +57,18 @@ def test_residual_and_coupled_traces_agree(engine: Engine, policy: str) -> None:
                                      f"{float(resid[name]):.4f} (se {se:.4f})"
     # The residual estimator conditions on the survival path: it must not be noisier.
     assert float(resid["loss_se"]) <= float(crude["loss_se"])  # measured ratios 0.54-0.86
+
+
+def test_forced_replay_agrees_with_coupled(engine: Engine) -> None:
+    """The replayed-branch path on a press where the prefix shortcut also holds: same
+    estimands as the coupled traces."""
+    T, R = 6, 256
+    crude = divstats.estimate(traces(engine, "snapkv@0.9", "coupled", 21, R, T)).isel(doc=0, policy=0)
+    engine.force_replay = True
+    try:
+        resid = divstats.estimate(traces(engine, "snapkv@0.9", "residual", 22, R, T)).isel(doc=0, policy=0)
+    finally:
+        engine.force_replay = False
+    for name in NAMES:
+        se = float(np.hypot(crude[f"{name}_se"], resid[f"{name}_se"]))
+        assert abs(float(crude[name] - resid[name])) < 4.5 * se, name
