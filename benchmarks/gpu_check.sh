@@ -44,7 +44,7 @@ else
   echo "no CUDA device: the GPU tests skip and the GPU benchmarks are not run"
 fi
 
-step gpu-tests 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_shared_prompt_gpu.py
+step gpu-tests 200 "$PY" -m pytest -q -rA -s -m gpu -p no:cacheprovider tests/test_shared_prompt_gpu.py tests/test_memory_gpu.py
 
 if [ "$HAVE_CUDA" = 1 ]; then
   step bench-llama-1b 90 "$PY" benchmarks/bench_service.py --model random:llama-1b --device cuda \
