@@ -212,3 +212,10 @@ def test_embedded_model_tv_within_1e5_of_the_copies(kind):
     a = list(Engine(lm).trace(TraceJob(**job)))
     b = list(Engine(lm, shared_prompt=False).trace(TraceJob(**job)))
     _assert_same(a, b, tol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["coupled", "residual"])
+def test_qwen2_on_the_shared_path(kind):
+    qwen = load_model("tiny:qwen2")
+    kw = dict(candidate="snapkv@0.5", kind=kind)
+    _assert_same(_trace(Engine(qwen), **kw), _trace(Engine(qwen, shared_prompt=False), **kw))
