@@ -45,31 +45,36 @@ def _split_policies(value: str) -> list[str]:
 @click.option("--seed", type=int, required=True, help="Run seed; each request's seed derives from (seed, doc, policy).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Run directory (journal and manifest); rerunning resumes it.")
-@click.option("--api-key", default=None, envvar="KVDIV_API_KEY", help="Bearer token for the servers [env KVDIV_API_KEY].")
+@click.option("--api-key", default=None, envvar="KVDIV_API_KEY",
+              help="Bearer token for the servers [env KVDIV_API_KEY].")
 @click.option("--concurrency", type=click.IntRange(min=1), default=2, show_default=True,
               help="Requests in flight per server.")
 @click.option("--template", type=click.Choice(sorted(TEMPLATES)), default="summarise", show_default=True)
 @click.option("--max-attempts", type=click.IntRange(min=1), default=6, show_default=True,
               help="Tries per request before it is reported as failed.")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True,
+              help="Seconds one request may take in all (covers servers that drip bytes); then it is retried.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def collect(servers: tuple[str, ...], docs_file: Path, policies: str, kind: str, replicates: int,
             max_new_tokens: int, window: int | None, temperature: float, top_k: int | None,
             top_p: float | None, seed: int, out: Path, api_key: str | None, concurrency: int,
-            template: str, max_attempts: int, progress: bool) -> None:
+            template: str, max_attempts: int, request_timeout: float, progress: bool) -> None:
     """Collect traces for every (document, policy) into a resumable journal."""
     from collector.collect import CollectConfig
     from collector.collect import collect as run_collect
-    from collector.journal import ManifestMismatch
+    from collector.errors import CollectorError
 
     try:
         cfg = CollectConfig(servers=list(servers), docs_file=docs_file, policies=_split_policies(policies),
                             out=out, kind=kind, replicates=replicates, max_new_tokens=max_new_tokens,
                             window=window, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             template=template, api_key=api_key, concurrency=concurrency,
-                            max_attempts=max_attempts, progress=progress)
+                            max_attempts=max_attempts, request_timeout_s=request_timeout, progress=progress)
         result = run_collect(cfg)
-    except (ValueError, ManifestMismatch) as exc:
+    except CollectorError as exc:
         raise click.ClickException(str(exc)) from None
+    except OSError as exc:  # the --out folder or the documents file: unwritable, vanished
+        raise click.ClickException(f"{exc.filename or out}: {exc.strerror or exc}") from None
     click.echo(result.summary(), err=True)
     if not result.ok:
         click.echo(f"Rerun the same command to retry the failed requests; {out} keeps the rest.", err=True)
@@ -81,15 +86,24 @@ def collect(servers: tuple[str, ...], docs_file: Path, policies: str, kind: str,
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="traces.nc or traces.zarr")
 @click.option("--drop-incomplete", is_flag=True, help="Leave out documents lacking a policy instead of failing.")
-def pack(run_dir: Path, out: Path, drop_incomplete: bool) -> None:
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing --out, but only a traces file or store that kvdiv wrote.")
+def pack(run_dir: Path, out: Path, drop_incomplete: bool, overwrite: bool) -> None:
     """Assemble a collection's complete requests into one validated traces file."""
-    from collector.pack import PackError, pack_run, save_dataset
+    from collector.errors import CollectorError
+    from collector.pack import pack_run, save_dataset
 
     try:
+        if out.suffix not in (".nc", ".zarr"):  # before the work, not after
+            raise click.ClickException(f"{out}: the output must end in .nc or .zarr")
+        if (out.exists() or out.is_symlink()) and not overwrite:
+            raise click.ClickException(f"{out}: exists; pass --overwrite to replace a kvdiv traces file")
         ds = pack_run(run_dir, drop_incomplete=drop_incomplete)
-        save_dataset(ds, out)
-    except PackError as exc:
+        save_dataset(ds, out, overwrite=overwrite)
+    except CollectorError as exc:
         raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"{exc.filename or out}: {exc.strerror or exc}") from None
     click.echo(f"{out}: {ds.sizes['doc']} documents × {ds.sizes['policy']} policies × "
                f"{ds.sizes['replicate']} replicates, kind {ds.attrs['kind']}, T={ds.attrs['horizon']}", err=True)
 

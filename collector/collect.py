@@ -3,11 +3,16 @@
 ``collect`` sends one ``POST /v1/traces`` per (document, policy) to one or more
 servers (httpx, async), ``concurrency`` requests in flight per server, pulling from
 one shared queue so a faster server simply takes more work. Every stream is written
-to the journal as it arrives and becomes complete only after its sha256 and its
-structure (``protocols.assemble``) check out. Transient failures (429, 5xx, dropped
-connections, truncated or altered streams, server error records) are retried with
-exponential backoff and jitter, on whichever server is free; a request that still
-fails after ``max_attempts`` is reported and left incomplete.
+to the journal as it arrives, read once by ``protocols.StreamReader`` (limits,
+digest, order, shapes), and becomes complete only after its header answers the
+request (``collector.checks``) and its dataset assembles and validates. Transient
+failures (429, 5xx, dropped connections, a request past its deadline, truncated,
+altered or malformed streams, server error records) are retried with exponential
+backoff and jitter, on whichever server is free; a request that still fails after
+``max_attempts`` is reported and left incomplete. Permanent failures (a 4xx, a
+header that answers another request, a digested stream that does not assemble)
+end the request at once. No failure of one request escapes its worker: the run
+always finishes and reports.
 
 Determinism: each request's seed is derived from (seed, document, policy), never from
 the order of completion, so a resumed run produces the same traces as an
@@ -17,7 +22,6 @@ uninterrupted one on the same server hardware.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import random
 import sys
@@ -27,36 +31,57 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from collector.checks import RunLedger, audit_document, derive_seed, header_problems
 from collector.documents import TEMPLATES, Document, file_sha256, read_jsonl, render_messages
-from collector.journal import DOCUMENTS, Journal, JournalError
+from collector.errors import ConfigError, DocumentsError, PermanentError, RetryableError
+from collector.journal import DOCUMENTS, Journal, RequestWriter
+from protocols.stream import LIMITS, StreamError, StreamReader
+
+__all__ = [
+    "CollectConfig", "CollectResult", "Collector", "PermanentError", "RetryableError", "collect", "collect_async",
+    "derive_seed", "prepare_run", "request_body",
+]
 
 RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 KINDS = ("coupled", "residual")
 
 
-class RetryableError(RuntimeError):
-    """A failure worth another attempt (overload, connection loss, bad stream)."""
-
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class PermanentError(RuntimeError):
-    """A failure that another attempt cannot fix (bad request, wrong model).
-
-    ``fatal`` failures (authentication) would fail every request alike, so they stop
-    the whole collection at once.
-    """
-
-    def __init__(self, message: str, fatal: bool = False) -> None:
-        super().__init__(message)
-        self.fatal = fatal
-
-
 @dataclass
 class CollectConfig:
-    """Everything ``collect`` needs; the fields in :meth:`params` are the resume contract."""
+    """Everything ``collect`` needs; the fields in :meth:`params` are the resume contract.
+
+    Attributes
+    ----------
+    servers : list of str
+        Trace server URLs; requests are spread over them.
+    docs_file, out : Path
+        The JSONL documents and the run directory.
+    policies : list of str
+        Candidate policy ids (the reference is ``full``).
+    kind, replicates, max_new_tokens, window : str, int, int, int or None
+        Trace kind, R, T and W (W defaults to T).
+    temperature, top_k, top_p, seed, template
+        Sampling, the run seed and the prompt template.
+    api_key, concurrency, max_attempts, backoff_s, backoff_max_s
+        Authentication, requests in flight per server, tries per request and the
+        exponential backoff.
+    read_timeout_s, request_timeout_s : float
+        Longest silence while reading, and longest whole request (None: no limit).
+    progress : bool
+        Show a progress bar on stderr.
+
+    Raises
+    ------
+    ConfigError
+        Listing every parameter that cannot work.
+
+    Examples
+    --------
+    >>> cfg = CollectConfig(servers=["http://127.0.0.1:8080/"], docs_file="d.jsonl", policies=["snapkv@0.5"],
+    ...                     out="runs/x", max_new_tokens=8)
+    >>> cfg.servers, cfg.effective_window
+    (['http://127.0.0.1:8080'], 8)
+    """
 
     servers: list[str]
     docs_file: Path
@@ -77,6 +102,7 @@ class CollectConfig:
     backoff_s: float = 0.5
     backoff_max_s: float = 30.0
     read_timeout_s: float = 600.0
+    request_timeout_s: float | None = 3600.0
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -101,11 +127,13 @@ class CollectConfig:
             problems.append("--window applies to residual traces (coupled traces run to the horizon)")
         if self.temperature < 0:
             problems.append("--temperature must be >= 0")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            problems.append("--request-timeout must be > 0 seconds")
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ConfigError("; ".join(problems))
 
     def params(self, docs_sha256: str) -> dict[str, Any]:
-        """The parameters that decide the traces' values (compared on resume)."""
+        """The parameters that decide the traces' values (compared on resume and by ``pack``)."""
         return {
             "policies": list(self.policies), "kind": self.kind, "replicates": self.replicates,
             "max_new_tokens": self.max_new_tokens, "window": self.effective_window,
@@ -121,12 +149,27 @@ class CollectConfig:
 
 @dataclass
 class CollectResult:
-    """What a collection did: counts, failures (request -> last error), throughput."""
+    """What a collection did: counts, failures (request -> last error), throughput.
+
+    Attributes
+    ----------
+    total, skipped, completed : int
+        Requests in the run, already complete before, collected now.
+    failed : dict
+        ``"doc × policy"`` -> the reason it failed.
+    set_aside : dict
+        ``"doc × policy"`` -> why its journal file was set aside for recollection.
+    retries, tokens : int
+        Attempts repeated, tokens received.
+    elapsed_s : float
+        Wall time.
+    """
 
     total: int
     skipped: int
     completed: int = 0
     failed: dict[str, str] = field(default_factory=dict)
+    set_aside: dict[str, str] = field(default_factory=dict)
     retries: int = 0
     tokens: int = 0
     elapsed_s: float = 0.0
@@ -140,6 +183,8 @@ class CollectResult:
         text = (f"{self.completed} requests collected, {self.skipped} already complete, "
                 f"{len(self.failed)} failed, {self.retries} retries; {self.tokens} tokens in "
                 f"{self.elapsed_s:.1f} s ({rate:.1f} tokens/s)")
+        for key, reason in sorted(self.set_aside.items()):
+            text += f"\n  SET ASIDE {key}: {reason}"
         for key, reason in sorted(self.failed.items()):
             text += f"\n  FAILED {key}: {reason}"
         return text
@@ -159,14 +204,29 @@ class _Job:
 # --------------------------------------------------------------------------- requests
 
 
-def derive_seed(seed: int, doc_id: str, policy: str) -> int:
-    """A per-request seed from (seed, doc, policy): order-independent, so resume == rerun."""
-    digest = hashlib.sha256(f"kvdiv:{seed}\0{doc_id}\0{policy}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF  # 31 bits: safe for every RNG API
-
-
 def request_body(cfg: CollectConfig, doc: Document, policy: str) -> dict[str, Any]:
-    """The ``/v1/traces`` JSON for one (document, policy)."""
+    """The ``/v1/traces`` JSON for one (document, policy).
+
+    Parameters
+    ----------
+    cfg : CollectConfig
+        The run.
+    doc : Document
+        The document (rendered with ``cfg.template``).
+    policy : str
+        The candidate policy id.
+
+    Returns
+    -------
+    dict
+        The request body (docs/service.md); its seed is :func:`derive_seed`.
+
+    Examples
+    --------
+    >>> cfg = CollectConfig(servers=["http://x"], docs_file="d.jsonl", policies=["snapkv@0.5"], out="o")
+    >>> request_body(cfg, Document("d1", "Text."), "snapkv@0.5")["doc_id"]
+    'd1'
+    """
     parameters: dict[str, Any] = {
         "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "do_sample": cfg.temperature > 0, "seed": derive_seed(cfg.seed, doc.id, policy),
@@ -204,41 +264,32 @@ def _tokens_in(record: Mapping[str, Any]) -> int:
     return sum(v is not None for v in values)
 
 
-class _Checker:
-    """Checks a finished stream's header against the request and the run's model."""
+class _RequestCheck:
+    """Checks a stream's header against its request and the run (model, each document's prompt)."""
 
-    def __init__(self, cfg: CollectConfig, journal: Journal) -> None:
-        from protocols import assemble  # the full structural check before a request counts as complete
+    def __init__(self, cfg: CollectConfig, journal: Journal, params: dict[str, Any], ledger: RunLedger) -> None:
+        self.cfg, self.journal, self.params, self.ledger = cfg, journal, params, ledger
 
-        self.cfg, self.journal = cfg, journal
-        self.assemble = assemble
-        manifest = journal.read_manifest() or {}
-        self.model: str | None = manifest.get("model")
+    def __call__(self, job: _Job, header: dict[str, Any]) -> None:
+        problems = header_problems(header, self.params, job.doc.id, job.policy)
+        if problems:
+            raise PermanentError("the stream answers another request: " + "; ".join(problems))
+        problems = self.ledger.problems(header, job.doc.id)
+        if any(p.startswith("prompt") for p in problems):
+            # Which prompt is right is unknown: the document's requests are all recollected.
+            aside = [self.journal.set_aside(job.doc.id, p) for p in self.cfg.policies]
+            self.ledger.forget(job.doc.id)
+            names = ", ".join(a.name for a in aside if a is not None) or "none yet"
+            problems.append(f"set aside for recollection: {names}")
+        if problems:
+            raise PermanentError("; ".join(problems))
 
-    def __call__(self, job: _Job, header: Mapping[str, Any], lines: Sequence[bytes]) -> None:
-        cfg = self.cfg
-        expect = {"kind": cfg.kind, "horizon": cfg.max_new_tokens, "replicates": cfg.replicates}
-        if cfg.kind == "residual":
-            expect["window"] = cfg.effective_window
-        wrong = {k: header.get(k) for k, v in expect.items() if header.get(k) != v}
-        if wrong:
-            raise PermanentError(f"server answered {wrong}, asked for {expect}")
-        model = str(header.get("model"))
-        if self.model is None:
-            self._record_model(model)
-        elif model != self.model:
-            raise PermanentError(f"server runs model {model!r}, this collection uses {self.model!r}")
-        try:
-            self.assemble(list(lines), doc=job.doc.id)
-        except Exception as exc:  # any assembly failure means the stream is unusable
-            raise RetryableError(f"stream does not assemble: {exc}") from None
-
-    def _record_model(self, model: str) -> None:
-        # The first header fixes the run's model; later servers must serve the same one.
-        self.model = model
-        manifest = self.journal.read_manifest() or {}
-        manifest["model"] = model
-        self.journal.write_manifest(manifest)
+    def record(self, job: _Job, header: dict[str, Any]) -> None:
+        if self.ledger.model is None:  # the first complete request fixes the run's model
+            manifest = self.journal.read_manifest() or {}
+            manifest["model"] = header.get("model")
+            self.journal.write_manifest(manifest)
+        self.ledger.record(header, job.doc.id)
 
 
 class _Progress:
@@ -285,18 +336,36 @@ class Collector:
         # Asked after each failed attempt: a reason to give up on everything now (e.g. the
         # demo's server process has exited) instead of retrying into a dead socket.
         self.stop_reason = stop_reason
-        self.check = _Checker(cfg, journal)
+        manifest = journal.read_manifest() or {}
+        params = manifest.get("params") or cfg.params(file_sha256(cfg.docs_file))
+        ledger = RunLedger(model=manifest.get("model"))
+        self.check = _RequestCheck(cfg, journal, params, ledger)
         self.queue: asyncio.Queue[_Job] = asyncio.Queue()
         self.pending = 0
         self.finished = asyncio.Event()
         self.timers: set[asyncio.Task[None]] = set()
-        todo = [_Job(d, p) for d in self.docs for p in cfg.policies if not journal.is_complete(d.id, p)]
+        todo, set_aside = self._resume(params, ledger)
         self.result = CollectResult(total=len(self.docs) * len(cfg.policies),
-                                    skipped=len(self.docs) * len(cfg.policies) - len(todo))
+                                    skipped=len(self.docs) * len(cfg.policies) - len(todo), set_aside=set_aside)
         for job in todo:
             self.queue.put_nowait(job)
         self.pending = len(todo)
         self.unfinished = {job.key: job for job in todo}
+
+    def _resume(self, params: dict[str, Any], ledger: RunLedger) -> tuple[list[_Job], dict[str, str]]:
+        """Requests still to do: those without a complete file, and those whose file fails its checks
+        (set aside, never deleted, so a resume never counts a wrong or damaged file complete)."""
+        todo: list[_Job] = []
+        set_aside: dict[str, str] = {}
+        for doc in self.docs:
+            complete, rejected = audit_document(self.journal, doc.id, self.cfg.policies, params, ledger)
+            for policy, problem in rejected.items():
+                where = self.journal.set_aside(doc.id, policy)
+                set_aside[f"{doc.id} × {policy}"] = f"{problem} (kept as {where.name if where else '?'})"
+            todo += [_Job(doc, p) for p in self.cfg.policies if p not in complete]
+        for key, reason in set_aside.items():
+            print(f"set aside {key}: {reason}", file=sys.stderr)
+        return todo, set_aside
 
     async def run(self) -> CollectResult:
         import httpx
@@ -344,6 +413,10 @@ class Collector:
                     self._abort(str(exc))
                 else:
                     self._finish(job, str(exc))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug or an unforeseen failure: this request ends, the run goes on
+                self._finish(job, f"unexpected {type(exc).__name__}: {exc}")
             else:
                 self.result.completed += 1
                 self.progress.done()
@@ -384,7 +457,15 @@ class Collector:
         task.add_done_callback(self.timers.discard)
 
     async def _attempt(self, client: Any, server: str, job: _Job) -> None:
-        """One try: stream into the journal; raise Retryable/Permanent errors on failure."""
+        """One try, within the whole-request deadline; raises Retryable/Permanent errors on failure."""
+        try:
+            async with asyncio.timeout(self.cfg.request_timeout_s):
+                await self._request(client, server, job)
+        except TimeoutError:
+            raise RetryableError(f"no complete answer within --request-timeout {self.cfg.request_timeout_s:g} s "
+                                 f"from {server}") from None
+
+    async def _request(self, client: Any, server: str, job: _Job) -> None:
         import httpx
 
         body = request_body(self.cfg, job.doc, job.policy)
@@ -399,51 +480,92 @@ class Collector:
                         raise PermanentError(f"{message} (check --api-key)", fatal=True)
                     raise PermanentError(message)
                 await self._receive(response, job)
-        except httpx.TransportError as exc:  # refused, reset, dropped mid-stream, timed out
+        except httpx.HTTPError as exc:  # refused, reset, dropped mid-stream, timed out, undecodable body
             raise RetryableError(f"{type(exc).__name__}: {exc or 'connection lost'}") from None
+        except OSError as exc:  # the journal's disk (full, removed): worth another attempt
+            raise RetryableError(f"{type(exc).__name__}: {exc}") from None
 
     async def _receive(self, response: Any, job: _Job) -> None:
         writer = self.journal.open_request(job.doc.id, job.policy)
-        lines: list[bytes] = []
+        reader = StreamReader()
         try:
             buffer = b""
             async for chunk in response.aiter_bytes():
                 buffer += chunk
                 *complete, buffer = buffer.split(b"\n")
                 for raw in complete:
-                    if raw.strip():
-                        self._take(writer, lines, raw + b"\n")
+                    self._take(writer, reader, raw + b"\n")
+                if len(buffer) > LIMITS.line_bytes:
+                    raise RetryableError(f"a line longer than {LIMITS.line_bytes} bytes")
             if buffer.strip():
-                self._take(writer, lines, buffer)  # a final line without newline: kept, so truncation is seen
-            try:
-                writer.commit(lambda header: self.check(job, header, lines))
-            except JournalError as exc:  # truncated, altered or failed on the server
-                if b'"error_type":"validation"' in (lines[-1] if lines else b""):
-                    raise PermanentError(str(exc)) from None  # the request itself is bad
-                raise RetryableError(str(exc)) from None
+                self._take(writer, reader, buffer)  # a final line without newline: kept, so truncation is seen
+            self._complete(writer, reader, job)
         finally:
             writer.abort()
 
-    def _take(self, writer: Any, lines: list[bytes], raw: bytes) -> None:
+    def _take(self, writer: RequestWriter, reader: StreamReader, raw: bytes) -> None:
         writer.write(raw)
-        lines.append(raw)
         try:
-            record = json.loads(raw)
-        except json.JSONDecodeError:
-            return  # verify() reports it with the rest of the stream
-        if isinstance(record, dict) and record.get("type") in ("step", "shared_step", "branch"):
+            record = reader.feed(raw)
+        except StreamError as exc:
+            raise _stream_failure(exc) from None
+        if record is not None and record["type"] in ("step", "shared_step", "branch"):
             self.progress.add_tokens(_tokens_in(record))
+
+    def _complete(self, writer: RequestWriter, reader: StreamReader, job: _Job) -> None:
+        """Check the whole stream and its header, assemble it, then make the request complete."""
+        from protocols import TraceValidationError, assemble_stream
+
+        try:
+            stream = reader.finish()
+        except StreamError as exc:
+            raise _stream_failure(exc) from None
+        self.check(job, stream.header)
+        try:
+            assemble_stream(stream, doc=job.doc.id)
+        except (StreamError, TraceValidationError) as exc:
+            # The digest held: the server sent exactly this, and would again.
+            raise PermanentError(f"the stream does not assemble: {exc}") from None
+        writer.commit()
+        self.check.record(job, stream.header)
+
+
+def _stream_failure(exc: StreamError) -> RetryableError | PermanentError:
+    """A stream the reader refused: a server's validation error is permanent, the rest may pass next time."""
+    if exc.reason == "failed" and (exc.record or {}).get("error_type") == "validation":
+        return PermanentError(str(exc))
+    return RetryableError(str(exc))
 
 
 # --------------------------------------------------------------------------- entry points
 
 
 def prepare_run(cfg: CollectConfig) -> tuple[Journal, list[Document]]:
-    """Create or check the run directory: copy the documents and write/compare the manifest."""
+    """Create or check the run directory: copy the documents and write/compare the manifest.
+
+    Parameters
+    ----------
+    cfg : CollectConfig
+        The run.
+
+    Returns
+    -------
+    (Journal, list of Document)
+        The run's journal and its documents.
+
+    Raises
+    ------
+    DocumentsError
+        An unreadable or empty documents file.
+    ManifestMismatch
+        A resume with other trace-deciding parameters (each difference named).
+    JournalError
+        An unreadable manifest, or an ``--out`` folder that is not a run.
+    """
     journal = Journal(cfg.out)
     docs = read_jsonl(cfg.docs_file)
     if not docs:
-        raise ValueError(f"{cfg.docs_file}: no documents")
+        raise DocumentsError(f"{cfg.docs_file}: no documents")
     digest = file_sha256(cfg.docs_file)
     journal.start(cfg.params(digest), {
         "servers": cfg.servers, "concurrency": cfg.concurrency, "docs_file": str(cfg.docs_file),
@@ -456,6 +578,7 @@ def prepare_run(cfg: CollectConfig) -> tuple[Journal, list[Document]]:
 
 
 async def collect_async(cfg: CollectConfig, stop_reason: Callable[[], str | None] | None = None) -> CollectResult:
+    """:func:`collect` inside a running event loop."""
     journal, docs = prepare_run(cfg)
     return await Collector(cfg, docs, journal, stop_reason).run()
 
@@ -463,7 +586,29 @@ async def collect_async(cfg: CollectConfig, stop_reason: Callable[[], str | None
 def collect(cfg: CollectConfig, stop_reason: Callable[[], str | None] | None = None) -> CollectResult:
     """Run a collection to completion (or until every remaining request has failed).
 
-    ``stop_reason()`` is consulted after each failed attempt; a non-empty answer
-    stops the whole collection at once (the requests stay incomplete for a rerun).
+    Parameters
+    ----------
+    cfg : CollectConfig
+        The run; rerunning with the same ``cfg`` resumes it.
+    stop_reason : callable, optional
+        Consulted after each failed attempt; a non-empty answer stops the whole
+        collection at once (the requests stay incomplete for a rerun).
+
+    Returns
+    -------
+    CollectResult
+        Counts, failures and throughput; ``ok`` when every request is complete.
+
+    Raises
+    ------
+    CollectorError
+        Only for the run as a whole (documents, manifest, ``--out``); a failure of
+        one request is reported in the result, never raised.
+
+    Examples
+    --------
+    >>> result = collect(CollectConfig(servers=["http://127.0.0.1:8080"], docs_file="docs.jsonl",
+    ...                                policies=["snapkv@0.5"], out="runs/x", seed=1))  # doctest: +SKIP
+    >>> print(result.summary())                                                       # doctest: +SKIP
     """
     return asyncio.run(collect_async(cfg, stop_reason))

@@ -24,6 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from collector.errors import DocumentsError
+
+__all__ = [
+    "DEFAULT_QUESTION", "TEMPLATES", "Document", "DocumentsError", "TokenCounter", "approx_token_count",
+    "chunk_text", "file_sha256", "iter_summary", "load_source", "paragraphs", "pydoc_documents", "read_jsonl",
+    "read_txt_dir", "render_messages", "select", "select_key", "server_token_counter", "token_counter",
+    "write_jsonl",
+]
+
 TokenCounter = Callable[[str], int]
 
 # Paragraphs are separated by one or more blank lines (pydoc topics, .txt files).
@@ -52,7 +61,23 @@ class Document:
 
 
 def approx_token_count(text: str) -> int:
-    """A tokenizer-free count (words and punctuation marks), for tests and previews."""
+    """A tokenizer-free count (words and punctuation marks), for tests and previews.
+
+    Parameters
+    ----------
+    text : str
+        Any text.
+
+    Returns
+    -------
+    int
+        Words plus punctuation marks.
+
+    Examples
+    --------
+    >>> approx_token_count("Hello, world!")
+    4
+    """
     return len(_APPROX_TOKEN.findall(text))
 
 
@@ -62,6 +87,28 @@ def token_counter(tokenizer: Any | None) -> TokenCounter:
     A Hugging Face tokenizer is itself callable (returning an encoding), so objects
     with ``encode`` are recognised first; special tokens are left out because the
     chat template adds its own.
+
+    Parameters
+    ----------
+    tokenizer : object with ``encode``, callable, or None
+        None gives :func:`approx_token_count`.
+
+    Returns
+    -------
+    callable
+        ``text -> int``.
+
+    Raises
+    ------
+    TypeError
+        For anything else.
+
+    Examples
+    --------
+    >>> token_counter(None)("two words")
+    2
+    >>> token_counter(len)("abc")
+    3
     """
     if tokenizer is None:
         return approx_token_count
@@ -70,6 +117,63 @@ def token_counter(tokenizer: Any | None) -> TokenCounter:
     if callable(tokenizer):
         return tokenizer
     raise TypeError(f"expected a tokenizer (with .encode) or a callable, got {type(tokenizer).__name__}")
+
+
+def server_token_counter(url: str, api_key: str | None = None, timeout_s: float = 30.0) -> TokenCounter:
+    """Count tokens with a running trace server's ``POST /tokenize`` (no local tokenizer, no torch).
+
+    Parameters
+    ----------
+    url : str
+        The server's base URL (``kvdiv serve`` or any TGI-compatible server).
+    api_key : str, optional
+        Bearer token, when the server requires one.
+    timeout_s : float
+        Seconds per call.
+
+    Returns
+    -------
+    callable
+        ``text -> number of tokens``. Tokens the server adds (a BOS, with an empty
+        offset span) are not counted, like :func:`token_counter` leaves special tokens
+        out; repeated texts are asked once.
+
+    Raises
+    ------
+    DocumentsError
+        When the server cannot be reached or answers something other than a token list
+        (raised by the counter on first use).
+
+    Examples
+    --------
+    >>> count = server_token_counter("http://127.0.0.1:8080")  # doctest: +SKIP
+    >>> count("Summarise the text above.")                      # doctest: +SKIP
+    6
+    """
+    import functools
+
+    import httpx
+
+    base = url.rstrip("/")
+    client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+
+    @functools.lru_cache(maxsize=65536)
+    def count(text: str) -> int:
+        if not text:
+            return 0
+        try:
+            response = client.post(f"{base}/tokenize", json={"inputs": text})
+            response.raise_for_status()
+            tokens = response.json()
+        except httpx.HTTPError as exc:
+            raise DocumentsError(f"{base}/tokenize: {type(exc).__name__}: {exc}") from None
+        except ValueError:
+            raise DocumentsError(f"{base}/tokenize: the answer is not JSON") from None
+        if not isinstance(tokens, list) or not all(isinstance(t, dict) for t in tokens):
+            raise DocumentsError(f"{base}/tokenize: expected a list of tokens, got {str(tokens)[:80]}")
+        return sum(1 for t in tokens if t.get("stop", 1) != t.get("start", 0))
+
+    return count
 
 
 # --------------------------------------------------------------------------- chunking
@@ -113,7 +217,7 @@ def chunk_text(text: str, count: TokenCounter, target: int) -> list[str]:
     at line boundaries. Chunks are joined with a blank line, as in the source.
     """
     if target < 1:
-        raise ValueError(f"target tokens must be >= 1, got {target}")
+        raise DocumentsError(f"target tokens must be >= 1, got {target}")
     units: list[str] = []
     for para in paragraphs(text):
         units.extend(_split_long(para, count, target) if count(para) > target else [para])
@@ -132,6 +236,26 @@ def pydoc_documents(
     and target. Chunks shorter than ``min_tokens`` (default: half the target; the
     tails of topics) are dropped so that prompt lengths stay comparable, and so are
     chunks that are mostly ASCII tables.
+
+    Parameters
+    ----------
+    tokenizer : object with ``encode``, callable, or None
+        Counts tokens (see :func:`token_counter`).
+    target_tokens : int
+        Chunk length to aim for.
+    min_tokens : int, optional
+        Shortest chunk kept.
+
+    Returns
+    -------
+    list of Document
+        With metadata ``source``, ``topic``, ``chunk`` and ``n_tokens``.
+
+    Examples
+    --------
+    >>> docs = pydoc_documents(None, target_tokens=128)
+    >>> docs[0].id.startswith("pydoc:") and docs[0].meta["n_tokens"] >= 64
+    True
     """
     from pydoc_data.topics import topics  # stdlib; imported lazily (~0.5 MB of text)
 
@@ -155,30 +279,79 @@ def _mostly_table(text: str) -> bool:
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[Document]:
-    """Documents from a JSONL file (``id`` and ``text`` required; other keys kept as metadata)."""
+    """Documents from a JSONL file (``id`` and ``text`` required; other keys kept as metadata).
+
+    Parameters
+    ----------
+    path : path
+        The JSONL file; blank lines are skipped.
+
+    Returns
+    -------
+    list of Document
+        In file order.
+
+    Raises
+    ------
+    DocumentsError
+        Naming the file and line: not UTF-8, not JSON, too deeply nested, a line
+        without ``id`` or ``text``, duplicate ids.
+    OSError
+        When the file cannot be opened.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> path = write_jsonl([Document("a", "text")], Path(tempfile.mkdtemp()) / "d.jsonl")
+    >>> read_jsonl(path)[0].id
+    'a'
+    """
     docs: list[Document] = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-            if not isinstance(obj, dict) or "id" not in obj or not isinstance(obj.get("text"), str):
-                raise ValueError(f"{path}:{lineno}: each line needs an 'id' and a string 'text'")
-            docs.append(Document.from_json(obj))
+    lineno = 0
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if line.strip():
+                    docs.append(_document(json.loads(line), path, lineno))
+    except UnicodeDecodeError as exc:
+        raise DocumentsError(f"{path}:{lineno + 1}: not UTF-8 text ({exc.reason})") from None
+    except (ValueError, RecursionError) as exc:
+        if isinstance(exc, DocumentsError):
+            raise
+        raise DocumentsError(f"{path}:{lineno}: not JSON ({getattr(exc, 'msg', exc)})") from None
     _check_unique(docs, str(path))
     return docs
 
 
+def _document(obj: Any, path: str | os.PathLike[str], lineno: int) -> Document:
+    if not isinstance(obj, dict) or not isinstance(obj.get("id"), (str, int)) or not isinstance(obj.get("text"), str):
+        raise DocumentsError(f"{path}:{lineno}: each line needs an 'id' and a string 'text'")
+    return Document.from_json(obj)
+
+
 def read_txt_dir(path: str | os.PathLike[str]) -> list[Document]:
-    """One document per ``*.txt`` file (sorted by name; id = file stem)."""
+    """One document per ``*.txt`` file (sorted by name; id = file stem).
+
+    Parameters
+    ----------
+    path : path
+        A folder.
+
+    Returns
+    -------
+    list of Document
+        With metadata ``source`` (the file).
+
+    Raises
+    ------
+    DocumentsError
+        When the folder holds no ``.txt`` file.
+    """
     folder = Path(path)
     docs = [Document(p.stem, p.read_text(encoding="utf-8").strip(), {"source": str(p)})
             for p in sorted(folder.glob("*.txt"))]
     if not docs:
-        raise ValueError(f"{folder}: no .txt files")
+        raise DocumentsError(f"{folder}: no .txt files")
     return docs
 
 
@@ -188,6 +361,32 @@ def load_source(source: str, tokenizer: Any | None = None, *, target_tokens: int
 
     User documents are taken whole unless ``chunk`` is set, in which case they are
     cut like the built-in set (ids ``<id>:<chunk>``).
+
+    Parameters
+    ----------
+    source : str
+        ``"pydoc"``, a JSONL path or a folder path.
+    tokenizer : object with ``encode``, callable, or None
+        Counts tokens (``n_tokens`` metadata, chunk lengths).
+    target_tokens : int
+        Chunk length to aim for.
+    chunk : bool
+        Cut user documents at paragraph boundaries.
+
+    Returns
+    -------
+    list of Document
+        Each with ``n_tokens``.
+
+    Raises
+    ------
+    DocumentsError, OSError
+        From :func:`read_jsonl` or :func:`read_txt_dir`.
+
+    Examples
+    --------
+    >>> len(load_source("pydoc", None, target_tokens=256)) > 100
+    True
     """
     if source == "pydoc":
         return pydoc_documents(tokenizer, target_tokens=target_tokens)
@@ -206,11 +405,27 @@ def _check_unique(docs: Sequence[Document], where: str) -> None:
     for doc in docs:
         (dupes if doc.id in seen else seen).add(doc.id)
     if dupes:
-        raise ValueError(f"{where}: duplicate document ids {sorted(dupes)[:5]}")
+        raise DocumentsError(f"{where}: duplicate document ids {sorted(dupes)[:5]}")
 
 
 def select_key(doc: Document) -> str:
-    """The order :func:`select` takes documents in (a hash of the id)."""
+    """The order :func:`select` takes documents in (a hash of the id).
+
+    Parameters
+    ----------
+    doc : Document
+        Any document.
+
+    Returns
+    -------
+    str
+        sha256 of the id, hex.
+
+    Examples
+    --------
+    >>> len(select_key(Document("a", "x")))
+    64
+    """
     return hashlib.sha256(doc.id.encode("utf-8")).hexdigest()
 
 
@@ -219,6 +434,24 @@ def select(docs: Sequence[Document], count: int | None) -> list[Document]:
 
     Ordering by a hash of the id rather than taking the first ``count`` avoids a
     demo made only of topics starting with "a".
+
+    Parameters
+    ----------
+    docs : sequence of Document
+        The candidates.
+    count : int or None
+        How many to keep.
+
+    Returns
+    -------
+    list of Document
+        The chosen ones, in their original order.
+
+    Examples
+    --------
+    >>> docs = [Document(str(i), "x") for i in range(10)]
+    >>> len(select(docs, 3)), select(docs, 3) == select(docs, 3)
+    (3, True)
     """
     if count is None or count >= len(docs):
         return list(docs)
@@ -228,7 +461,26 @@ def select(docs: Sequence[Document], count: int | None) -> list[Document]:
 
 
 def write_jsonl(docs: Iterable[Document], path: str | os.PathLike[str]) -> Path:
-    """Write documents as JSONL atomically (temp file + rename)."""
+    """Write documents as JSONL atomically (temp file + rename).
+
+    Parameters
+    ----------
+    docs : iterable of Document
+        What to write.
+    path : path
+        The JSONL file (its folder is created).
+
+    Returns
+    -------
+    Path
+        ``path``.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> write_jsonl([Document("a", "x")], Path(tempfile.mkdtemp()) / "d.jsonl").name
+    'd.jsonl'
+    """
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -240,7 +492,26 @@ def write_jsonl(docs: Iterable[Document], path: str | os.PathLike[str]) -> Path:
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
-    """Hex SHA-256 of a file's bytes (the manifest's record of which documents were used)."""
+    """Hex SHA-256 of a file's bytes (the manifest's record of which documents were used).
+
+    Parameters
+    ----------
+    path : path
+        Any file.
+
+    Returns
+    -------
+    str
+        64 hex digits.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "f"
+    >>> _ = path.write_bytes(b"")
+    >>> file_sha256(path)[:12]
+    'e3b0c44298fc'
+    """
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -261,9 +532,32 @@ TEMPLATES: dict[str, str] = {
 
 
 def render_messages(doc: Document, template: str) -> list[dict[str, str]]:
-    """Chat messages for one document under a named template (the server applies the chat template)."""
+    """Chat messages for one document under a named template (the server applies the chat template).
+
+    Parameters
+    ----------
+    doc : Document
+        The document.
+    template : str
+        A key of :data:`TEMPLATES`.
+
+    Returns
+    -------
+    list of dict
+        One user turn (``role``, ``content``).
+
+    Raises
+    ------
+    DocumentsError
+        For an unknown template.
+
+    Examples
+    --------
+    >>> render_messages(Document("a", "Body."), "summarise")[0]["content"].splitlines()[0]
+    'Body.'
+    """
     if template not in TEMPLATES:
-        raise ValueError(f"unknown template {template!r}; choose from {sorted(TEMPLATES)}")
+        raise DocumentsError(f"unknown template {template!r}; choose from {sorted(TEMPLATES)}")
     question = str(doc.meta.get("question") or DEFAULT_QUESTION)
     return [{"role": "user", "content": TEMPLATES[template].format(text=doc.text, question=question)}]
 

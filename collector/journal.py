@@ -11,11 +11,14 @@ Guarantees, and why they hold:
 
 - A request's raw wire lines are appended to ``.part`` as they arrive, flushed and
   fsynced, so a crash loses at most the request in flight.
-- ``.ndjson`` exists only for a complete request: the ``end`` record is present and
-  its sha256 matches the bytes of every preceding line. The ``.part`` file is
-  verified, fsynced and then renamed (atomic on POSIX), and the directory fsynced.
+- ``.ndjson`` exists only for a complete request: the collector read every line as it
+  arrived (``protocols.StreamReader``: digest, order, shapes) and checked the header
+  against the request (``collector.checks``) before the ``.part`` file is fsynced
+  and renamed (atomic on POSIX), and the directory fsynced.
 - A rerun restarts every request without a complete file (the ``.part`` is truncated),
-  so an interrupted collection resumed equals an uninterrupted one.
+  so an interrupted collection resumed equals an uninterrupted one. A complete file
+  that no longer reads or checks out is set aside (``.ndjson.rejected-<time>``, never
+  deleted) and recollected.
 """
 
 from __future__ import annotations
@@ -25,62 +28,30 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from collector.errors import JournalError, ManifestMismatch
+
+__all__ = [
+    "DOCUMENTS", "MANIFEST", "MANIFEST_FORMAT", "REQUESTS", "Journal", "JournalError", "ManifestMismatch",
+    "RequestWriter", "request_name",
+]
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "kvdiv.collection/1"
 REQUESTS = "requests"
 DOCUMENTS = "documents.jsonl"
+#: Manifest ``params`` keys and the types a readable manifest holds.
+PARAM_TYPES: dict[str, tuple[type, ...]] = {
+    "policies": (list,), "kind": (str,), "replicates": (int,), "max_new_tokens": (int,), "window": (int,),
+    "temperature": (int, float), "top_k": (int, type(None)), "top_p": (int, float, type(None)), "seed": (int,),
+    "template": (str,), "docs_sha256": (str,), "reference": (str,),
+}
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _FSYNC_EVERY_S = 1.0  # fsync per line would dominate fast tiny-model streams
-
-
-class JournalError(RuntimeError):
-    """A journal stream that is incomplete, altered, or failed on the server."""
-
-
-class ManifestMismatch(RuntimeError):
-    """A resume asked for parameters that differ from the run's manifest."""
-
-
-# --------------------------------------------------------------------------- stream checks
-
-
-def verify_stream(lines: Iterable[bytes]) -> dict[str, Any]:
-    """Check one request's raw lines: header first, ``end`` last, digest matching.
-
-    Returns the header record. Raises :class:`JournalError` for an error record,
-    a missing ``end`` (truncation) or a digest that does not match (alteration).
-    """
-    digest = hashlib.sha256()
-    header: dict[str, Any] | None = None
-    end: dict[str, Any] | None = None
-    for raw in lines:
-        if end is not None:
-            raise JournalError("data after the end record")
-        try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise JournalError(f"line is not JSON: {raw[:80]!r}") from None
-        kind = record.get("type") if isinstance(record, dict) else None
-        if kind == "error":
-            raise JournalError(f"server error ({record.get('error_type')}): {record.get('error')}")
-        if header is None and kind != "header":
-            raise JournalError(f"first record is {kind!r}, not a header")
-        if kind == "header":
-            header = record
-        if kind == "end":
-            end = record
-        else:
-            digest.update(raw if raw.endswith(b"\n") else raw + b"\n")
-    if header is None or end is None:
-        raise JournalError("stream ended before its end record (truncated)")
-    if end.get("sha256") != digest.hexdigest():
-        raise JournalError("sha256 of the stream does not match its end record")
-    return header
 
 
 # --------------------------------------------------------------------------- request files
@@ -91,7 +62,13 @@ def _slug(text: str, limit: int = 60) -> str:
 
 
 def request_name(doc_id: str, policy: str) -> str:
-    """File stem for a request: readable slugs plus a hash so that distinct keys never collide."""
+    """File stem for a request: readable slugs plus a hash so that distinct keys never collide.
+
+    Examples
+    --------
+    >>> request_name("doc 1", "snapkv@0.5").startswith("doc_1--snapkv_0.5--")
+    True
+    """
     key = hashlib.sha256(f"{doc_id}\0{policy}".encode()).hexdigest()[:12]
     return f"{_slug(doc_id)}--{_slug(policy)}--{key}"
 
@@ -120,7 +97,9 @@ class RequestWriter:
         self.lines = 0
 
     def write(self, line: bytes) -> None:
-        assert self._fh is not None, "request already closed"
+        """Append one line (a newline is added if missing)."""
+        if self._fh is None:
+            raise JournalError(f"{self.part}: request already closed")
         self._fh.write(line if line.endswith(b"\n") else line + b"\n")
         self._fh.flush()
         self.lines += 1
@@ -128,20 +107,12 @@ class RequestWriter:
             os.fsync(self._fh.fileno())
             self._last_sync = time.monotonic()
 
-    def commit(self, check: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        """Verify the whole file, fsync it and rename it into place; returns its header.
-
-        ``check(header)`` runs after the digest verifies and before the rename; if it
-        raises, the request stays incomplete.
-        """
+    def commit(self) -> Path:
+        """Fsync the ``.part`` file and rename it into place (the caller has checked every line)."""
         self._close(sync=True)
-        with open(self.part, "rb") as fh:
-            header = verify_stream(fh)
-        if check is not None:
-            check(header)
         os.replace(self.part, self.final)
         _fsync_dir(self.final.parent)
-        return header
+        return self.final
 
     def abort(self) -> None:
         """Leave the request incomplete (the ``.part`` stays for inspection, restarted on rerun)."""
@@ -163,7 +134,13 @@ class RequestWriter:
 
 
 class Journal:
-    """A run directory: manifest, documents and one file per (document, policy) request."""
+    """A run directory: manifest, documents and one file per (document, policy) request.
+
+    Parameters
+    ----------
+    run_dir : path
+        The run directory (``kvdiv collect --out``).
+    """
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.dir = Path(run_dir)
@@ -171,32 +148,34 @@ class Journal:
 
     # -- requests
     def path(self, doc_id: str, policy: str) -> Path:
+        """The complete request file of (doc_id, policy)."""
         return self.requests / f"{request_name(doc_id, policy)}.ndjson"
 
-    def is_complete(self, doc_id: str, policy: str) -> bool:
-        """Complete means the file exists and verifies (end present, digest matching).
-
-        Renaming happens only after verification, so existence nearly suffices; the
-        re-check also catches a file damaged or edited after the run.
-        """
-        path = self.path(doc_id, policy)
-        if not path.exists():
-            return False
-        try:
-            with open(path, "rb") as fh:
-                verify_stream(fh)
-        except JournalError:
-            return False
-        return True
-
     def open_request(self, doc_id: str, policy: str) -> RequestWriter:
+        """A writer for a new attempt of (doc_id, policy), restarting its ``.part`` file."""
         self.requests.mkdir(parents=True, exist_ok=True)
         final = self.path(doc_id, policy)
         return RequestWriter(final.with_name(final.name + ".part"), final)
 
     def read_lines(self, doc_id: str, policy: str) -> list[bytes]:
+        """The raw lines of a complete request file."""
         with open(self.path(doc_id, policy), "rb") as fh:
             return fh.readlines()
+
+    def set_aside(self, doc_id: str, policy: str) -> Path | None:
+        """Rename a request file that cannot be trusted to ``<name>.rejected-<time>`` (kept, not deleted)."""
+        path = self.path(doc_id, policy)
+        if not path.exists():
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target = path.with_name(f"{path.name}.rejected-{stamp}")
+        n = 1
+        while target.exists():
+            n += 1
+            target = path.with_name(f"{path.name}.rejected-{stamp}-{n}")
+        os.replace(path, target)
+        _fsync_dir(path.parent)
+        return target
 
     # -- manifest
     @property
@@ -204,9 +183,23 @@ class Journal:
         return self.dir / MANIFEST
 
     def read_manifest(self) -> dict[str, Any] | None:
-        if not self.manifest_path.exists():
+        """The manifest, None when there is none; :class:`JournalError` naming the problem if unreadable."""
+        path = self.manifest_path
+        if not path.exists():
             return None
-        return json.loads(self.manifest_path.read_text(encoding="utf-8"))
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise JournalError(f"{path}: not UTF-8 text ({exc.reason})") from None
+        except (ValueError, RecursionError) as exc:
+            raise JournalError(f"{path}: not valid JSON ({exc}); restore it from a copy or collect into a new "
+                               "--out directory") from None
+        except OSError as exc:
+            raise JournalError(f"{path}: cannot read ({exc.strerror or exc})") from None
+        problems = _manifest_problems(manifest)
+        if problems:
+            raise JournalError(f"{path}: not a kvdiv collection manifest: " + "; ".join(problems))
+        return manifest
 
     def write_manifest(self, manifest: Mapping[str, Any]) -> None:
         """Atomic write (temp + rename): a crash never leaves half a manifest."""
@@ -225,18 +218,36 @@ class Journal:
         old = self.read_manifest()
         params = json.loads(json.dumps(dict(params)))  # normalise tuples etc. as stored
         if old is not None:
-            diffs = _diff(old.get("params", {}), params)
+            diffs = _diff(old["params"], params)
             if diffs:
                 raise ManifestMismatch(
                     f"{self.dir} holds a collection with different parameters:\n  "
                     + "\n  ".join(diffs)
                     + "\nResume with the original parameters, or collect into a new --out directory."
                 )
+        elif self.dir.exists() and any(self.dir.iterdir()):
+            raise JournalError(f"{self.dir}: exists and is not a collection run (no {MANIFEST}); "
+                               "choose a new or empty --out directory")
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         manifest = dict(old or {"format": MANIFEST_FORMAT, "created": now, "params": params})
         manifest.update({k: v for k, v in extra.items()}, updated=now)
         self.write_manifest(manifest)
         return manifest
+
+
+def _manifest_problems(manifest: Any) -> list[str]:
+    if not isinstance(manifest, dict):
+        return [f"a JSON {type(manifest).__name__}, not an object"]
+    if manifest.get("format") != MANIFEST_FORMAT:
+        return [f"format is {manifest.get('format')!r}, not {MANIFEST_FORMAT!r}"]
+    params = manifest.get("params")
+    if not isinstance(params, dict):
+        return ["no 'params' object"]
+    problems = [f"params.{key} is {params.get(key)!r}" for key, types in PARAM_TYPES.items()
+                if not isinstance(params.get(key), types) or isinstance(params.get(key), bool)]
+    if isinstance(params.get("policies"), list) and not all(isinstance(p, str) for p in params["policies"]):
+        problems.append("params.policies holds a non-string")
+    return problems
 
 
 def _diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:

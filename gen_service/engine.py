@@ -329,7 +329,7 @@ class Engine:
 
     def header(self, job: TraceJob, seed: int, cand: Policy, ref: Policy, p0: Prefilled,
                q0: Prefilled) -> dict[str, Any]:
-        from protocols import header_record
+        from protocols import header_record, prompt_digest
 
         candidate = cand.describe()
         candidate.update(params=q0.plan.params, note=q0.plan.note)
@@ -339,7 +339,8 @@ class Engine:
         return header_record(
             kind=job.kind, horizon=job.horizon, window=job.window or job.horizon, model=self.lm.name,
             eos_token_id=self.lm.eos_token_id, sampling=job.sampling.as_dict(), candidate=candidate,
-            reference=reference, seed=seed, prompt_tokens=job.prompt_len, retained_tokens=q0.kept + nq,
+            reference=reference, seed=seed, prompt_tokens=job.prompt_len,
+            prompt_sha256=prompt_digest([*job.prompt_ids, *job.question_ids]), retained_tokens=q0.kept + nq,
             replicates=job.replicates, vocab_size=self.lm.vocab_size, doc=job.doc, request_id=job.request_id,
             coupling="stepwise-maximal", producer=PRODUCER, reference_retained_tokens=p0.kept + nq, **extra,
         )

@@ -146,6 +146,7 @@ class _Node:
     retention: float = math.nan
     budget: int = -1
     amount_field: str | None = None
+    shown: set[str] = field(default_factory=set)   # parameters the header reports (not server options)
 
     @property
     def name(self) -> str:
@@ -244,7 +245,9 @@ class Policy:
             return Plan(None, prompt_len, note or "nothing to evict")
         press = self.root.make(prompt_len, self.info.num_layers)
         params: dict[str, Any] = {} if math.isnan(ratio) else {"compression_ratio": ratio}
-        params.update({k: _plain(getattr(press, k, v)) for k, v in self.spec.params.items() if "." not in k})
+        shown = {k: self.root.kwargs[k] for k in self.root.shown}
+        shown.update((k, v) for k, v in self.spec.params.items() if "." not in k)
+        params.update({k: _plain(getattr(press, k, v)) for k, v in shown.items()})
         decoding = any(_acts_while_decoding(p) for p in iter_presses(press))
         rerotates = any(_rerotates(p) for p in iter_presses(press))
         kept = prompt_len if math.isnan(ratio) else expected_kept(prompt_len, ratio)
@@ -403,9 +406,9 @@ class PolicyRegistry:
             raise PolicyError(f"policy {policy_id!r}: {cls.__name__} takes inner presses ({names}); "
                               f"got {len(term.args)}", "press")
         children = [self._node(policy_id, arg, {}) for arg in term.args]
-        kwargs = dict(defaults)
-        kwargs.update({k: v for k, v in self.press_options.get(cls.__name__, {}).items() if k not in _SERVER_KEYS})
-        return _Node(cls, kwargs, children, term.retention, term.budget)
+        kwargs = {k: v for k, v in self.press_options.get(cls.__name__, {}).items() if k not in _SERVER_KEYS}
+        kwargs.update(defaults)
+        return _Node(cls, kwargs, children, term.retention, term.budget, shown=set(defaults))
 
     def _check_artifact(self, policy_id: str, cls: type) -> None:
         need = ARTIFACT.get(cls.__name__)
@@ -464,6 +467,7 @@ def _route_params(policy_id: str, root: _Node, params: dict[str, object], info: 
             known = ", ".join(specs) or "none"
             raise PolicyError(f"{where}: press {node.name} has no parameter {name!r} (request-settable: {known})", key)
         node.kwargs[name] = check_value(specs[name], value, where, info.max_context)
+        node.shown.add(name)
         if name == "compression_ratios" and info.num_layers and len(node.kwargs[name]) != info.num_layers:
             raise PolicyError(f"{where}: compression_ratios needs one ratio per layer ({info.num_layers})", key)
 

@@ -7,6 +7,7 @@ Each package owns its subcommands; they are imported only when invoked, so that
 from __future__ import annotations
 
 import importlib
+import os
 
 import click
 
@@ -55,6 +56,17 @@ class LazyGroup(click.Group):
                     f"pip install 'kvdiv[{extra}]'") from None
             raise
         return getattr(module, attr)
+
+    def invoke(self, ctx: click.Context) -> object:
+        # The last line of defence for item "errors without tracebacks": an input error a
+        # subcommand did not word itself still ends as one line (KVDIV_DEBUG=1 re-raises).
+        try:
+            return super().invoke(ctx)
+        except (OSError, ValueError, KeyError, RecursionError) as exc:
+            if os.environ.get("KVDIV_DEBUG"):
+                raise
+            where = f" {exc.filename}:" if isinstance(exc, OSError) and exc.filename else ""
+            raise click.ClickException(f"kvdiv {ctx.invoked_subcommand}:{where} {type(exc).__name__}: {exc}") from None
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Help text comes from the table so `kvdiv --help` stays import-free.

@@ -33,18 +33,28 @@ _DEMO = DemoConfig()  # the demo's defaults, shown in its --help
               help="Cut user documents at paragraph boundaries like the built-in set.")
 @click.option("--tokenizer", "tokenizer_id", default="embedded", show_default=True,
               help="Count tokens with this model's tokenizer (a `kvdiv serve --model` id), or 'approx'.")
-def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: bool, tokenizer_id: str) -> None:
+@click.option("--server", default=None, metavar="URL",
+              help="Count tokens with this running server's POST /tokenize instead (no torch needed).")
+@click.option("--api-key", default=None, envvar="KVDIV_API_KEY", help="Bearer token for --server.")
+def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: bool, tokenizer_id: str,
+         server: str | None, api_key: str | None) -> None:
     """Build a JSONL document set (id, text, source, n_tokens, ...)."""
     from collector import documents as D
-    from kvdiv.demo import load_tokenizer
 
-    tokenizer = load_tokenizer(tokenizer_id)
+    if server is not None:
+        tokenizer = D.server_token_counter(server, api_key)
+    else:
+        from kvdiv.demo import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer_id)
     try:
         items = D.load_source(source, tokenizer, target_tokens=target_tokens, chunk=chunk)
-    except (OSError, ValueError) as exc:
+        items = D.select(items, count)
+        D.write_jsonl(items, out)
+    except OSError as exc:
+        raise click.ClickException(f"{exc.filename or out}: {exc.strerror or exc}") from None
+    except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    items = D.select(items, count)
-    D.write_jsonl(items, out)
     for line in D.iter_summary(items):
         click.echo(line, err=True)
     click.echo(str(out))

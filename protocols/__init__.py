@@ -14,11 +14,11 @@ except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
 from protocols import converters
-from protocols.assemble import StreamError, assemble
+from protocols.assemble import StreamError, assemble, assemble_stream
 from protocols.combine import CombineError, combine
 from protocols.converters import ConversionError, from_eval_logs, from_probabilities, residual_from_probabilities
 from protocols.errors import ProtocolError
-from protocols.io import open_traces, save_traces
+from protocols.io import OutputExistsError, TraceFileError, open_traces, save_traces
 from protocols.policies import PolicyIdError, PolicySpec, PressTerm, parse_policy_id, policy_coords
 from protocols.schema import (
     COUPLING,
@@ -29,6 +29,7 @@ from protocols.schema import (
     residual_dataset,
     sampling_params,
 )
+from protocols.stream import Limits, Stream, StreamReader, read_stream
 from protocols.validate import TV_ZERO_ATOL, Problem, TraceValidationError, validate
 from protocols.wire import (
     StreamWriter,
@@ -38,12 +39,16 @@ from protocols.wire import (
     end_record,
     error_record,
     header_record,
+    prompt_digest,
     shared_step_record,
     step_record,
 )
 
 __all__ = [
-    "COUPLING", "KINDS", "SCHEMA", "CombineError", "ConversionError", "PolicyIdError", "PolicySpec", "Problem",
+    "COUPLING", "KINDS", "SCHEMA", "CombineError", "ConversionError", "Limits", "OutputExistsError",
+    "PolicyIdError", "PolicySpec", "PressTerm", "Problem", "Stream", "StreamReader", "TraceFileError",
+    "assemble_stream",
+    "prompt_digest", "read_stream",
     "ProtocolError", "StreamError", "StreamWriter", "TV_ZERO_ATOL", "TraceValidationError", "__version__",
     "assemble", "branch_record", "combine", "converters", "coupled_dataset", "dataset_lines", "encode_line",
     "end_record", "error_record", "from_eval_logs", "from_probabilities", "header_record", "open_traces",

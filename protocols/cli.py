@@ -28,7 +28,7 @@ def _load(path: Path) -> xr.Dataset:
     if suffix in STREAM_SUFFIXES:
         return assemble(path.read_bytes())
     if suffix not in SUFFIXES:
-        raise click.BadParameter(f"unknown extension {path.suffix!r}; expected one of "
+        raise click.BadParameter(f"{path.name}: unknown extension {path.suffix!r}; expected one of "
                                  f"{SUFFIXES + STREAM_SUFFIXES}", param_hint="PATH")
     return open_traces(path, validate=False)
 
@@ -141,6 +141,10 @@ def info(path: Path) -> None:
     except (StreamError, TraceValidationError, OSError, ValueError) as err:
         click.echo(f"error: cannot read {path.name}: {err}")
         raise SystemExit(1) from None
+    if "schema" not in ds.attrs:  # another program's file: nothing of ours to summarise
+        click.echo(f"error: {path.name} is not a kvdiv trace file (no 'schema' attribute; variables: "
+                   f"{', '.join(map(str, ds.data_vars)) or 'none'})")
+        raise SystemExit(1)
     a = ds.attrs
     rows = [
         ("file", str(path)),

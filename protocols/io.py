@@ -2,7 +2,10 @@
 
 Both formats round-trip values, dtypes, coordinates (string ones included) and
 attributes exactly. Writes go to a temporary sibling first and are renamed into
-place, so a crash never leaves a half-written file under the final name.
+place, so a crash never leaves a half-written file under the final name. An output
+that exists is refused unless ``overwrite=True``, and even then only a file or store
+that kvdiv wrote (it carries the ``protocols_variable_order`` attribute) is replaced:
+a journal, a folder of other files or a symbolic link never is.
 Both are chunked one document per chunk (the unit the collector appends and
 divstats resamples) and compressed (NetCDF: shuffle + zlib level 1; Zarr: its
 default codec).
@@ -19,13 +22,70 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
+from protocols.errors import ProtocolError
 from protocols.validate import validate as _validate
 
-__all__ = ["ORDER_ATTR", "SUFFIXES", "open_traces", "save_traces"]
+__all__ = ["ORDER_ATTR", "SUFFIXES", "OutputExistsError", "TraceFileError", "open_traces", "save_traces"]
 
 SUFFIXES = (".nc", ".zarr")
 #: Attribute holding the variable order while on disk (both backends reorder variables).
 ORDER_ATTR = "protocols_variable_order"
+
+
+class OutputExistsError(ProtocolError, FileExistsError, ValueError):
+    """An output path that exists (or is a symbolic link) and may not be replaced."""
+
+
+class TraceFileError(ProtocolError, ValueError):
+    """A trace file that the NetCDF or Zarr backend cannot read (damaged, or something else)."""
+
+
+def _written_by_kvdiv(path: Path) -> bool:
+    """Whether ``path`` is a trace file or store that :func:`save_traces` wrote (its marker attribute)."""
+    if path.suffix.lower() == ".nc":
+        if not path.is_file():
+            return False
+        try:
+            import h5py
+
+            with h5py.File(path, "r") as f:
+                return ORDER_ATTR in f.attrs
+        except (OSError, ValueError):
+            return False
+    if not path.is_dir():
+        return False
+    # A store holds zarr.json and one folder per variable; anything else (a journal's
+    # manifest.json, someone's notes) means the folder is more than our store.
+    stray = [p for p in path.iterdir() if p.is_file() and p.name != "zarr.json"]
+    try:
+        meta = json.loads((path / "zarr.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return not stray and isinstance(meta, dict) and ORDER_ATTR in (meta.get("attributes") or {})
+
+
+def _check_replaceable(path: Path, overwrite: bool) -> None:
+    if path.is_symlink():
+        raise OutputExistsError(f"{path}: is a symbolic link; refusing to write through it (choose another path)")
+    if not path.exists():
+        return
+    if not overwrite:
+        raise OutputExistsError(f"{path}: exists; pass --overwrite (overwrite=True) to replace a kvdiv output")
+    if not _written_by_kvdiv(path):
+        what = "a folder" if path.is_dir() else "a file"
+        raise OutputExistsError(f"{path}: exists and is {what} kvdiv did not write (no {ORDER_ATTR} attribute); "
+                                "refusing to replace it even with --overwrite")
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` over ``path``; a store (a directory) is moved aside first, then removed."""
+    if tmp.is_dir() and path.exists():
+        old = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.old")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
 
 
 def _format(path: Path) -> str:
@@ -106,43 +166,48 @@ def _clear(ds: xr.Dataset) -> xr.Dataset:
     return ds
 
 
-def save_traces(ds: xr.Dataset, path: str | os.PathLike[str], *, validate: bool = True) -> Path:
+def save_traces(ds: xr.Dataset, path: str | os.PathLike[str], *, validate: bool = True,
+                overwrite: bool = False) -> Path:
     """Write ``ds`` to ``path`` (``.nc`` or ``.zarr``), validating first by default.
 
     Parameters
     ----------
     ds : xarray.Dataset
-        A trace dataset.
-    path : str or os.PathLike
-        The file; its suffix picks the format. An existing file is replaced
-        atomically (written to a temporary sibling, then renamed).
-    validate : bool, default True
-        Validate ``ds`` before writing anything.
+        The traces.
+    path : path
+        Output file (``.nc``) or store (``.zarr``).
+    validate : bool
+        Check the contract first.
+    overwrite : bool
+        Replace an existing output, but only one that kvdiv wrote.
 
     Returns
     -------
-    pathlib.Path
-        The path written.
+    Path
+        ``path``.
 
     Raises
     ------
-    ValueError
-        An unknown suffix.
+    OutputExistsError
+        ``path`` is a symbolic link, or exists and ``overwrite`` is false, or exists
+        and was not written by kvdiv (a journal, another program's file or folder).
     TraceValidationError
-        ``ds`` breaks the contract (only with ``validate=True``).
+        If ``validate`` and ``ds`` breaks the contract.
 
     Examples
     --------
-    >>> import tempfile, pathlib
+    >>> import tempfile
     >>> from protocols.examples import example_dataset
-    >>> ds = example_dataset()
-    >>> with tempfile.TemporaryDirectory() as tmp:
-    ...     path = save_traces(ds, pathlib.Path(tmp) / "traces.nc")
-    ...     open_traces(path).identical(ds)
-    True
+    >>> out = Path(tempfile.mkdtemp()) / "t.nc"
+    >>> save_traces(example_dataset(), out).name
+    't.nc'
+    >>> save_traces(example_dataset(), out)
+    Traceback (most recent call last):
+    protocols.io.OutputExistsError: ...t.nc: exists; pass --overwrite (overwrite=True) to replace a kvdiv output
     """
     path = Path(path)
     fmt = _format(path)
+    _check_replaceable(path, overwrite)
     if validate:
         _validate(ds, source=f"(writing {path.name})")
     ds = _with_order(_clear(ds))
@@ -150,12 +215,10 @@ def save_traces(ds: xr.Dataset, path: str | os.PathLike[str], *, validate: bool 
     try:
         if fmt == ".nc":
             ds.to_netcdf(tmp, engine="h5netcdf", invalid_netcdf=False, encoding=_netcdf_encoding(ds))
-            os.replace(tmp, path)
         else:
             ds.to_zarr(tmp, mode="w", zarr_format=3, consolidated=False, encoding=_zarr_encoding(ds))
-            if path.exists():
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-            os.replace(tmp, path)
+        _check_replaceable(path, overwrite)  # again: something may have appeared while writing
+        _replace(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
@@ -184,22 +247,31 @@ def open_traces(path: str | os.PathLike[str], validate: bool = True) -> xr.Datas
         No such file.
     ValueError
         An unknown suffix.
+    TraceFileError
+        The backend cannot read the file (damaged, or another program's).
     TraceValidationError
         The file breaks the contract (only with ``validate=True``).
 
     Examples
     --------
-    See :func:`save_traces`.
+    >>> import tempfile
+    >>> from protocols.examples import example_dataset
+    >>> out = save_traces(example_dataset(), Path(tempfile.mkdtemp()) / "t.nc")
+    >>> open_traces(out).identical(example_dataset())
+    True
     """
     path = Path(path)
     fmt = _format(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such trace file")
-    if fmt == ".nc":
-        with xr.open_dataset(path, engine="h5netcdf") as f:
-            ds = f.load()
-    else:
-        with xr.open_dataset(path, engine="zarr", consolidated=False, chunks=None) as f:
-            ds = f.load()
+    try:
+        if fmt == ".nc":
+            with xr.open_dataset(path, engine="h5netcdf") as f:
+                ds = f.load()
+        else:
+            with xr.open_dataset(path, engine="zarr", consolidated=False, chunks=None) as f:
+                ds = f.load()
+    except Exception as exc:  # h5py, zarr and json each fail their own way on a damaged file
+        raise TraceFileError(f"{path}: not a readable {fmt} file ({type(exc).__name__}: {exc})") from None
     ds = _restore_order(_strings(_clear(ds)))
     return _validate(ds, source=f"({path.name})") if validate else ds

@@ -53,11 +53,12 @@ class PressTerm:
 
     @property
     def class_name(self) -> str:
-        """The name without the ``kvpress:`` prefix."""
+        """The name without the ``kvpress:`` prefix (``SnapKVPress`` for ``kvpress:SnapKVPress``)."""
         return self.name.split(":", 1)[1] if self.name.startswith("kvpress:") else self.name
 
     @property
     def has_amount(self) -> bool:
+        """True when the term carries its own ``@r`` or ``#b``."""
         return self.budget >= 1 or not math.isnan(self.retention)
 
     def text(self, amount: bool = True) -> str:
@@ -83,6 +84,7 @@ class PolicySpec:
 
     @property
     def is_full(self) -> bool:
+        """True for the reference policy ``full`` (no eviction)."""
         return self.name == "full"
 
 
@@ -196,6 +198,9 @@ def parse_policy_id(policy_id: str) -> PolicySpec:
 
     Examples
     --------
+    >>> spec = parse_policy_id("snapkv@0.5")
+    >>> spec.name, spec.retention, spec.budget, spec.params
+    ('snapkv', 0.5, -1, {})
     >>> spec = parse_policy_id("kvpress:ChunkKVPress(SnapKVPress)@0.5:chunk_length=8")
     >>> spec.name, spec.retention, spec.params, spec.press.args[0].name
     ('kvpress:ChunkKVPress(SnapKVPress)', 0.5, {'chunk_length': 8}, 'SnapKVPress')
@@ -225,6 +230,30 @@ def policy_coords(policy_id: str) -> tuple[str, float, int]:
 
     Traces from other tools may use ids outside the grammar; they get press = id,
     retention NaN and budget -1 rather than an error.
+
+    Parameters
+    ----------
+    policy_id : str
+        Any policy id.
+
+    Returns
+    -------
+    tuple of (str, float, int)
+        The ``press``, ``retention`` and ``budget`` coordinates.
+
+    Raises
+    ------
+    None
+        Ids outside the grammar are accepted (see above).
+
+    Examples
+    --------
+    >>> policy_coords("snapkv#512")
+    ('snapkv', nan, 512)
+    >>> policy_coords("kvpress:AdaKVPress(SnapKVPress)@0.5")
+    ('kvpress:AdaKVPress(SnapKVPress)', 0.5, -1)
+    >>> policy_coords("my tool's policy")
+    ("my tool's policy", nan, -1)
     """
     try:
         spec = parse_policy_id(policy_id)

@@ -18,11 +18,42 @@ from typing import Any
 from protocols.schema import SCHEMA
 
 __all__ = [
+    "prompt_digest",
     "RECORD_TYPES", "StreamWriter", "branch_record", "dataset_lines", "encode_line", "end_record",
     "error_record", "header_record", "shared_step_record", "step_record",
 ]
 
 RECORD_TYPES = ("header", "step", "shared_step", "branch", "end", "error")
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """The header's ``prompt_sha256``: sha256 of the prompt token ids as decimal ASCII joined by ``,``.
+
+    A producer-independent digest of exactly the tokens the server prefilled, so a
+    client can tell that every policy of a document saw the same prompt
+    (docs/contract.md §3).
+
+    Parameters
+    ----------
+    token_ids : sequence of int
+        The prompt's token ids, in order (special tokens included).
+
+    Returns
+    -------
+    str
+        64 lowercase hex digits.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A token id that is not an integer.
+
+    Examples
+    --------
+    >>> prompt_digest([1, 2, 3]) == hashlib.sha256(b"1,2,3").hexdigest()
+    True
+    """
+    return hashlib.sha256(",".join(str(int(t)) for t in token_ids).encode("ascii")).hexdigest()
 
 
 def _clean(values: Sequence[Any] | None, *, floats: bool) -> list[Any] | None:
@@ -59,6 +90,7 @@ def header_record(
     doc: str | None = None,
     request_id: str = "",
     reference: Mapping[str, Any] | None = None,
+    prompt_sha256: str | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """The stream's first record: everything needed to build the dataset's attrs.
@@ -87,6 +119,10 @@ def header_record(
         The service's request id.
     reference : mapping, optional
         The reference policy, default ``{"policy": "full"}``.
+    prompt_sha256 : str, optional
+        :func:`prompt_digest` of the prompt's token ids (null when the producer
+        does not know them); a client checks it against the other requests for
+        the same document.
     **extra
         Further header keys (kept by :func:`protocols.assemble.assemble` in
         the ``header_extra`` coordinate).
@@ -116,7 +152,7 @@ def header_record(
         "sampling": dict(sampling), "reference": dict(reference or {"policy": "full"}),
         "candidate": dict(candidate), "seed": seed, "prompt_tokens": int(prompt_tokens),
         "retained_tokens": int(retained_tokens), "replicates": int(replicates),
-        "vocab_size": int(vocab_size), "doc": doc, "request_id": request_id,
+        "vocab_size": int(vocab_size), "doc": doc, "request_id": request_id, "prompt_sha256": prompt_sha256,
     }
     rec.update(extra)
     return rec

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_collector_support import FakeServer, fake_server  # noqa: F401  (fixture)
+from test_collector_support import FakeServer
 
 from collector import documents as D
 from collector.cli import _split_policies
@@ -23,10 +24,17 @@ from collector.collect import (
     prepare_run,
     request_body,
 )
-from collector.journal import ManifestMismatch, verify_stream
+from collector.journal import ManifestMismatch
 from collector.pack import PackError, pack_run
+from protocols import read_stream
 
 POLICIES = ["snapkv@0.5", "recent@0.5"]
+
+
+@pytest.fixture()
+def fake_server() -> Iterator[FakeServer]:
+    with FakeServer() as server:
+        yield server
 
 
 @pytest.fixture()
@@ -74,7 +82,7 @@ def test_retries_every_fault_and_never_keeps_a_corrupt_stream(docs_file: Path, t
     # Every retried stream is byte-identical to the clean run's: nothing corrupt was kept.
     assert _journal_bytes(tmp_path / "flaky") == _journal_bytes(tmp_path / "clean")
     for data in _journal_bytes(tmp_path / "flaky").values():
-        verify_stream(data.splitlines(keepends=True))
+        read_stream(data.splitlines(keepends=True))
 
 
 def test_persistent_failure_is_reported_and_left_incomplete(docs_file: Path, tmp_path: Path) -> None:

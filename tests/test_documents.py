@@ -22,7 +22,7 @@ def test_chunks_are_whole_paragraphs_within_target() -> None:
     assert "\n\n".join(chunks) == text
     assert all(p in paras for c in chunks for p in c.split("\n\n"))
     # Greedy: no two neighbouring chunks could have been merged within the target.
-    assert all(_count_words(a) + _count_words(b) > 12 for a, b in zip(chunks, chunks[1:]))
+    assert all(_count_words(a) + _count_words(b) > 12 for a, b in zip(chunks, chunks[1:], strict=False))
 
 
 def test_long_paragraph_is_cut_at_line_boundaries() -> None:
@@ -124,3 +124,23 @@ def test_docs_command_writes_a_counted_subset(tmp_path) -> None:
     res = CliRunner().invoke(docs, ["-o", str(out), "--source", str(tmp_path / "missing.jsonl"),
                                     "--tokenizer", "approx"])
     assert res.exit_code != 0 and "missing.jsonl" in res.output
+
+
+def test_docs_counts_tokens_through_a_server_without_torch(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from test_collector_support import FakeServer
+
+    src = D.write_jsonl([D.Document("a", "one two three"), D.Document("b", "four five")], tmp_path / "src.jsonl")
+    out = tmp_path / "d.jsonl"
+    probe = ("import sys; from kvdiv.cli import main\n"
+             "try:\n    main(sys.argv[1:], standalone_mode=False)\nexcept SystemExit:\n    pass\n"
+             "print('HEAVY=' + ','.join(m for m in ('torch', 'transformers') if m in sys.modules))")
+    with FakeServer() as server:
+        run = subprocess.run([sys.executable, "-c", probe, "docs", "--source", str(src), "-o", str(out),
+                              "--server", server.url], capture_output=True, text=True, timeout=120)
+    assert "HEAVY=\n" in run.stdout, run.stdout + run.stderr
+    assert [d.meta["n_tokens"] for d in D.read_jsonl(out)] == [3, 2]   # the server's BOS is not counted
+    with pytest.raises(D.DocumentsError, match="/tokenize"):
+        D.server_token_counter("http://127.0.0.1:9", timeout_s=2)("text")

@@ -210,3 +210,65 @@ def test_assemble_is_fast_for_64_replicates_512_steps():
     ds = assemble(lines)
     assert ds.sizes["replicate"] == 64 and ds.sizes["step"] == 512
     assert time.perf_counter() - t0 < 2.0     # ~0.03 s here; generous for a shared 2-core box
+
+
+def test_reader_limits_refuse_hostile_lines_without_crashing():
+    from protocols import Limits, read_stream
+
+    lines = dataset_lines(cell())
+    hostile = {
+        b"[" * 100_000 + b"]" * 100_000: "nesting 100000 deep",
+        b'{"type":"step","step":' + b"9" * 5000 + b"}": "integer literal of 5000 digits",
+        b'{"type":"step","tv":"\xff"}': "not UTF-8",
+        b'{"type":"step","tv":[NaN]}': "NaN is not JSON",
+        b'{"type":"step","pad":"' + b"x" * 300_000 + b'"}': "300024 bytes",
+    }
+    for line, message in hostile.items():
+        with pytest.raises(StreamError, match=message) as err:
+            read_stream([lines[0], line, *lines[1:]], Limits(line_bytes=250_000))
+        assert err.value.reason == "malformed"
+    # Within the limits, the same records read as usual.
+    assert len(read_stream(lines, Limits(line_bytes=250_000)).records) == 9
+
+
+def test_reader_says_why_a_stream_is_refused():
+    from protocols import StreamReader, read_stream
+
+    lines = dataset_lines(cell())
+    cases = {"truncated": lines[:-1], "altered": lines[:-1] + [lines[-1].replace(b'"sha256":"', b'"sha256":"0')],
+             "failed": lines[:3] + [encode_line(error_record("boom", "validation"))]}
+    for reason, stream in cases.items():
+        with pytest.raises(StreamError) as err:
+            read_stream(stream)
+        assert err.value.reason == reason, (reason, err.value)
+    assert err.value.record == {"type": "error", "error": "boom", "error_type": "validation"}
+    # Incremental: a bad record is refused as soon as it arrives, not at the end.
+    reader = StreamReader()
+    reader.feed(lines[0])
+    with pytest.raises(StreamError, match="expected step record for step 1"):
+        reader.feed(lines[2])
+
+
+def test_prompt_sha256_is_checked_and_kept():
+    from protocols import prompt_digest
+
+    lines = dataset_lines(cell())
+    h = json.loads(lines[0])
+    for value, ok in ((prompt_digest([1, 2, 3]), True), ("abc", False)):
+        h["prompt_sha256"] = value
+        w = StreamWriter()
+        relined = [w.line(h)] + [w.line(json.loads(ln)) for ln in lines[1:-1]] + [w.end(9, 5, 0.0)]
+        if ok:
+            assert json.loads(assemble(relined).header_extra.item())["prompt_sha256"] == value
+        else:
+            expect(relined, "prompt_sha256 'abc' is not 64 lowercase hex digits")
+
+
+def test_header_values_beyond_the_dataset_dtypes_are_stream_errors():
+    lines = dataset_lines(cell())
+    for key, value, message in (("budget", 2**40, "candidate.budget"), ("retention", "half", "retention")):
+        h = json.loads(lines[0])
+        h["candidate"] = {**h["candidate"], key: value}
+        w = StreamWriter()
+        relined = [w.line(h)] + [w.line(json.loads(ln)) for ln in lines[1:-1]] + [w.end(9, 5, 0.0)]
+        expect(relined, message)

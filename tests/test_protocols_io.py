@@ -11,7 +11,7 @@ import xarray as xr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocols import TraceValidationError, open_traces, save_traces
+from protocols import OutputExistsError, TraceValidationError, open_traces, save_traces
 from protocols.examples import example_dataset
 
 ids = st.text(st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=8)
@@ -49,9 +49,51 @@ def test_round_trip_exact(kind, fmt, docs, seed, R, T, split, note):
 def test_overwrite_and_no_temp_left(tmp_path, fmt):
     path = tmp_path / f"t{fmt}"
     save_traces(example_dataset(seed=1), path)
-    save_traces(example_dataset(seed=2), path)
+    with pytest.raises(OutputExistsError, match="exists; pass --overwrite"):
+        save_traces(example_dataset(seed=2), path)
+    save_traces(example_dataset(seed=2), path, overwrite=True)
     assert_exact(example_dataset(seed=2), open_traces(path))
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def _journal_like(folder: Path) -> dict[str, bytes]:
+    folder.mkdir()
+    (folder / "manifest.json").write_text('{"format": "kvdiv.collection/1"}')
+    (folder / "requests").mkdir()
+    (folder / "requests" / "a.ndjson").write_text("{}\n")
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("fmt", [".nc", ".zarr"])
+def test_never_replaces_what_kvdiv_did_not_write(tmp_path, fmt):
+    ds = example_dataset()
+    # A journal (or any folder of other files) under the output's name: kept, even with overwrite.
+    run = tmp_path / f"self{fmt}"
+    before = _journal_like(run) if fmt == ".zarr" else None
+    if fmt == ".nc":
+        run.write_bytes(b"precious notes")
+    for overwrite in (False, True):
+        with pytest.raises(OutputExistsError, match="exists"):
+            save_traces(ds, run, overwrite=overwrite)
+    if fmt == ".zarr":
+        assert {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    else:
+        assert run.read_bytes() == b"precious notes"
+    # A symbolic link is never written through, whatever it points to.
+    target = tmp_path / f"target{fmt}"
+    save_traces(ds, target)
+    link = tmp_path / f"link{fmt}"
+    link.symlink_to(target)
+    with pytest.raises(OutputExistsError, match="symbolic link"):
+        save_traces(example_dataset(seed=9), link, overwrite=True)
+    assert_exact(ds, open_traces(target))
+    # A kvdiv store that someone added files to is no longer only ours.
+    if fmt == ".zarr":
+        (target / "notes.txt").write_text("mine")
+        with pytest.raises(OutputExistsError, match="did not write"):
+            save_traces(ds, target, overwrite=True)
+        assert (target / "notes.txt").read_text() == "mine"
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name or p.name.endswith(".old")]
 
 
 def test_zarr_is_chunked_along_doc(tmp_path):
