@@ -222,6 +222,23 @@ class Service:
             raise invalid("inputs", "empty input")
         return ids
 
+    def context_and_question(self, data: dict[str, Any]) -> tuple[list[int], list[int]]:
+        """``context`` + ``question`` (only the context is compressed; the question and
+        the chat template's tail are prefilled after, as kvpress's pipeline does), or
+        ``inputs``/``messages`` (the whole prompt compressed)."""
+        if data.get("context") is None:
+            if data.get("question") is not None:
+                raise invalid("question", "needs a `context`")
+            return self.tokenize_inputs(data, allow_messages=True), []
+        context, question = data["context"], data.get("question", "")
+        if not isinstance(context, str) or not context.strip():
+            raise invalid("context", "expected a non-empty string")
+        if not isinstance(question, str):
+            raise invalid("question", "expected a string")
+        if data.get("inputs") is not None or data.get("messages") is not None:
+            raise invalid("context", "give either `context` (+ `question`) or `inputs`/`messages`")
+        return context_question_ids(self.engine.lm.tokenizer, context, question)
+
     def check_context(self, ids: list[int], new_tokens: int, field: str = "inputs") -> None:
         ctx = self.engine.lm.max_context
         if len(ids) + new_tokens > ctx:
@@ -521,7 +538,7 @@ def create_app(service: Service) -> Starlette:
         params = data.get("parameters") or {}
         if not isinstance(params, dict):
             raise invalid("parameters", "expected an object")
-        ids, question = context_and_question(data)
+        ids, question = service.context_and_question(data)
         T = _int(params, "max_new_tokens", 32, lo=1, hi=cfg.max_new_tokens)
         field = "context" if question else "messages" if data.get("messages") is not None else "inputs"
         service.check_context(ids + question, T, field)
@@ -550,22 +567,6 @@ def create_app(service: Service) -> Starlette:
                         doc=None if doc is None else str(doc), request_id=uuid.uuid4().hex,
                         question_ids=question)
 
-    def context_and_question(data: dict) -> tuple[list[int], list[int]]:
-        """``context`` + ``question`` (only the context is compressed; the question and
-        the chat template's tail are prefilled after, as kvpress's pipeline does), or
-        ``inputs``/``messages`` (the whole prompt compressed)."""
-        if data.get("context") is None:
-            if data.get("question") is not None:
-                raise invalid("question", "needs a `context`")
-            return service.tokenize_inputs(data, allow_messages=True), []
-        context, question = data["context"], data.get("question", "")
-        if not isinstance(context, str) or not context.strip():
-            raise invalid("context", "expected a non-empty string")
-        if not isinstance(question, str):
-            raise invalid("question", "expected a string")
-        if data.get("inputs") is not None or data.get("messages") is not None:
-            raise invalid("context", "give either `context` (+ `question`) or `inputs`/`messages`")
-        return context_question_ids(service.engine.lm.tokenizer, context, question)
 
     @endpoint("traces")
     async def traces(request: Request) -> Response:
