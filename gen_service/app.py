@@ -245,6 +245,13 @@ class Service:
             raise invalid(field, f"prompt of {len(ids)} tokens + {new_tokens} new tokens exceeds the "
                                  f"model context of {ctx}")
 
+    def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str) -> None:
+        """422 when the request's estimated memory can never fit the budget (gen_service/memory.py)."""
+        try:
+            self.memory.admit(rows, prompt_tokens, horizon, kind)
+        except RequestTooLarge as exc:
+            raise invalid("replicates", str(exc)) from exc
+
     def policy(self, field: str, policy_id: Any) -> str:
         if not isinstance(policy_id, str):
             raise invalid(field, "expected a policy id string")
@@ -556,10 +563,7 @@ def create_app(service: Service) -> Starlette:
         doc = data.get("doc_id")
         if doc is not None and not isinstance(doc, (str, int)):
             raise invalid("doc_id", "expected a string")
-        try:
-            service.memory.admit(R, len(ids) + len(question), T, kind)
-        except RequestTooLarge as exc:
-            raise invalid("replicates", str(exc)) from exc
+        service.check_memory(R, len(ids) + len(question), T, kind)
         return TraceJob(prompt_ids=ids, candidate=service.policy("candidate", data["candidate"]),
                         reference=service.policy("reference", data.get("reference", "full")), kind=kind,
                         horizon=T, replicates=R, window=W, sampling=parse_sampling(params, trace=True),
