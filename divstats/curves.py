@@ -25,6 +25,7 @@ from divstats._arrays import (
     ratio_se,
     row_chunks,
 )
+from divstats.chunked import is_lazy, map_docs
 from divstats.replicates import (
     _first_divergence,
     effective_window,
@@ -70,6 +71,8 @@ def survival(ds: xr.Dataset) -> xr.Dataset:
     S_t = prod_{s<=t} (1 - delta_s) on the survival paths (§5); reference: the mean
     of prod_{s<=t} min(1, q_s/p_s) along P-samples (§7).  ``step`` runs 0..T.
     """
+    if is_lazy(ds):
+        return map_docs(survival, ds)
     lay, T = layout(ds), horizon_of(ds)
     s = _survival_rows(ds, lay, T)
     m, se = mean_se(np.moveaxis(s, 1, -1))
@@ -152,6 +155,8 @@ def branch_tv(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     (replicates whose branch was observed at that age).  Ages beyond the observed
     window W, and ages with a zero denominator, are NaN.
     """
+    if is_lazy(ds):
+        return map_docs(branch_tv, ds, window=window)
     T = horizon_of(ds)
     age = {"age": np.arange(T)}
     try:
@@ -190,6 +195,8 @@ def branch_tv_window(ds: xr.Dataset, start: int, stop: int, window: int | None =
     ages of one replicate is accounted for.  Ages beyond the observed window make
     the average NaN (not identified) rather than silently shorter.
     """
+    if is_lazy(ds):
+        return map_docs(branch_tv_window, ds, start=start, stop=stop, window=window)
     T = horizon_of(ds)
     if not 0 <= start < stop <= T:
         raise ValueError(f"need 0 <= start < stop <= T = {T}, got start={start}, stop={stop}")

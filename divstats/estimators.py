@@ -19,6 +19,7 @@ import numpy as np
 import xarray as xr
 
 from divstats._arrays import cov_of_means, mean_se, ratio_se
+from divstats.chunked import is_lazy, load, map_docs
 from divstats.replicates import Replicates, replicate_values
 
 #: What each reported quantity is (stored in the variable's ``attrs``).
@@ -147,7 +148,10 @@ def estimate(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     truncated to W <= their own window).  When W < T - 1 the post-divergence
     quantities are NaN with the reason in ``attrs["not_identified"]`` and only the
     interval (``loss_lower``, ``loss_upper``) is reported for the loss.
+    A dask-backed ``ds`` is processed one document chunk at a time (``divstats.chunked``).
     """
+    if is_lazy(ds):
+        return map_docs(estimate, ds, window=window)
     rep = replicate_values(ds, window)
     arrays = _point_and_se(rep)
     order = [n for s in SCALARS for n in (s, s + "_se")] + ["post_mismatch_exposure_cov"]
@@ -183,6 +187,7 @@ def aggregate(estimates: xr.Dataset, dim: str = "doc") -> xr.Dataset:
       sqrt(n_docs)`` is the naive SE for a population of documents.  Document-level
       inference (bootstrap, paired tests) belongs to the plans layer.
     """
+    estimates = load(estimates)  # per-document estimates are small; a dask-backed one is computed
     T = int(estimates.attrs["horizon"])
     n_docs = estimates.sizes[dim]
     out: dict[str, xr.DataArray] = {}

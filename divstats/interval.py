@@ -17,6 +17,7 @@ import numpy as np
 import xarray as xr
 
 from divstats._arrays import mean_se, nanmean, ratio_se
+from divstats.chunked import is_lazy, map_docs
 from divstats.kernels import CoupledKernels, Kernel, step_law
 from divstats.replicates import replicate_values
 
@@ -30,6 +31,8 @@ def sharp_interval(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     ``rate_lower``/``_upper`` (post-divergence part / exposure; NaN if exposure = 0),
     each with a Monte Carlo ``_se``.
     """
+    if is_lazy(ds):
+        return map_docs(sharp_interval, ds, window=window)
     rep = replicate_values(ds, window)
     v, T, lay = rep.values, rep.horizon, rep.layout
     lo_i = v["occurrence"] + v["window_mismatch"]
@@ -64,6 +67,8 @@ def sharp_interval(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
 def interval_by_window(ds: xr.Dataset, windows: Iterable[int]) -> xr.Dataset:
     """``sharp_interval`` for each W in ``windows``, stacked along a new ``window`` dim."""
     windows = [int(w) for w in windows]
+    if is_lazy(ds):  # one pass over the data for all windows
+        return map_docs(interval_by_window, ds, windows=windows)
     parts = [sharp_interval(ds, w).drop_attrs() for w in windows]
     out = xr.concat(parts, dim=xr.DataArray(windows, dims="window", name="window"))
     out.attrs = {"kind": ds.attrs.get("kind"), "horizon": int(ds.attrs["horizon"])}

@@ -17,6 +17,7 @@ import numpy as np
 import xarray as xr
 
 from divstats._arrays import core_array, mean_se, nanmean, row_chunks
+from divstats.chunked import is_lazy, map_docs
 from divstats.replicates import replicate_values, survival_terms
 
 
@@ -72,6 +73,8 @@ def variance_check(ds: xr.Dataset) -> xr.Dataset:
     """
     if ds.attrs.get("kind") != "residual":
         raise ValueError("variance_check needs residual traces (kind='residual')")
+    if is_lazy(ds):
+        return map_docs(variance_check, ds)
     rep = replicate_values(ds)
     if not rep.identified:
         raise ValueError(f"variance_check needs branches run to the horizon (W >= T - 1); "

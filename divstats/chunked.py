@@ -1,0 +1,118 @@
+"""The estimators on dask-backed trace datasets, one document chunk at a time.
+
+Every per-(document, policy) estimator in divstats reduces the ``replicate`` and
+``step``/``age`` axes and keeps ``doc``: a chunk of documents is an independent
+problem.  :func:`map_docs` therefore runs the ordinary in-memory function on each
+document chunk of a lazily opened dataset (``protocols.open_traces(path,
+chunks=...)``) as one dask task, and concatenates the small per-document results
+along ``doc``.  Only one chunk per worker thread is in memory at a time, whatever
+the size of the file; the tasks run on whatever dask scheduler is active (the
+local threads by default, a ``dask.distributed`` cluster when a ``Client`` is
+open, see ``protocols.cluster.dask_client``).
+
+The results are the in-memory function's own numbers (each row is computed by the
+same code on the same values), so they equal an in-memory run to rounding.  What
+follows the per-document step (``aggregate``, the bootstrap over documents, the
+plan's paired tests) works on those small per-document estimates in memory.
+
+The public entry points (``divstats.estimate``, ``survival``, ``branch_tv``, ...)
+dispatch here themselves when handed a dask-backed dataset::
+
+    if is_lazy(ds):
+        return map_docs(estimate, ds, window=window)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import xarray as xr
+
+from protocols.chunks import doc_slices, is_lazy
+
+__all__ = ["concat_docs", "is_lazy", "load", "map_docs", "map_docs_many"]
+
+#: Result attributes that describe the whole dataset, merged over chunks (others are equal in every chunk).
+MERGED_ATTRS: dict[str, Callable[[list[Any]], Any]] = {"n_replicates": max, "n_replicates_min": min}
+
+
+def load(ds: xr.Dataset) -> xr.Dataset:
+    """``ds`` in memory: computed if dask-backed, else unchanged (for small per-document results)."""
+    return ds.compute() if is_lazy(ds) else ds
+
+
+def _apply(fns: Mapping[str, tuple[Callable[..., xr.Dataset], dict[str, Any]]], part: xr.Dataset,
+           ) -> dict[str, xr.Dataset]:
+    """Run each function on one in-memory chunk (the task body)."""
+    part = part.load()
+    return {name: fn(part, **kwargs) for name, (fn, kwargs) in fns.items()}
+
+
+def _merge_attrs(parts: list[xr.Dataset]) -> dict[str, Any]:
+    attrs = dict(parts[0].attrs)
+    for key, merge in MERGED_ATTRS.items():
+        if key in attrs:
+            attrs[key] = merge([p.attrs[key] for p in parts])
+    return attrs
+
+
+def concat_docs(parts: list[xr.Dataset]) -> xr.Dataset:
+    """Per-chunk results -> one result along ``doc`` (variables without ``doc`` from the first chunk)."""
+    if len(parts) == 1:
+        return parts[0]
+    out = xr.concat(parts, dim="doc", data_vars="minimal", coords="minimal", compat="override",
+                    join="exact", combine_attrs="override")
+    out.attrs = _merge_attrs(parts)
+    return out
+
+
+def map_docs_many(fns: Mapping[str, tuple[Callable[..., xr.Dataset], Mapping[str, Any]]], ds: xr.Dataset,
+                  ) -> dict[str, xr.Dataset]:
+    """Several per-document functions in one pass over the data (each chunk is read once).
+
+    Parameters
+    ----------
+    fns : mapping
+        ``name -> (function, keyword arguments)``; each function takes an in-memory
+        trace dataset and returns a Dataset with a ``doc`` dim (``divstats.estimate``,
+        ``divstats.sharp_interval``, ...).
+    ds : xarray.Dataset
+        Trace dataset, usually dask-backed and chunked along ``doc`` only.
+
+    Returns
+    -------
+    dict
+        ``name -> result`` over all documents, in memory.
+
+    Raises
+    ------
+    ValueError
+        When ``ds`` is chunked along a dim other than ``doc`` (a replicate or step
+        chunk is not an independent problem).
+
+    Examples
+    --------
+    >>> import divstats as D
+    >>> out = map_docs_many({"est": (D.estimate, {}), "si": (D.sharp_interval, {})}, ds)  # doctest: +SKIP
+    """
+    import dask
+
+    fns = {name: (fn, dict(kwargs)) for name, (fn, kwargs) in fns.items()}
+    tasks = [dask.delayed(_apply, pure=True)(fns, ds.isel(doc=sl)) for sl in doc_slices(ds)]
+    results = dask.compute(*tasks)
+    return {name: concat_docs([r[name] for r in results]) for name in fns}
+
+
+def map_docs(fn: Callable[..., xr.Dataset], ds: xr.Dataset, **kwargs: Any) -> xr.Dataset:
+    """``fn(ds, **kwargs)`` computed one document chunk at a time; see :func:`map_docs_many`.
+
+    Examples
+    --------
+    >>> import divstats as D, protocols
+    >>> ds = protocols.open_traces("traces.zarr", chunks=16)  # doctest: +SKIP
+    >>> est = map_docs(D.estimate, ds, window=8)              # doctest: +SKIP
+    """
+    return map_docs_many({"out": (fn, kwargs)}, ds)["out"]
+
+
