@@ -174,6 +174,20 @@ def open_traces(path: str | os.PathLike[str], validate: bool = True, *,
     return _validate(ds, source=f"({path.name})") if validate else ds
 
 
+# ----------------------------------------------------------------------------- piecewise writing
+
+def prepare_write(ds: xr.Dataset, fmt: str) -> tuple[xr.Dataset, dict[str, dict]]:
+    """``ds`` as it goes to disk (encodings cleared, variable order recorded) and its encoding for ``fmt``.
+
+    The one layout of a trace file, shared by ``save_traces``-style whole writes and
+    ``protocols.store.TraceStoreWriter``'s document-by-document appends.
+    """
+    if fmt not in SUFFIXES:
+        raise ValueError(f"unknown trace file format {fmt!r}; use one of {SUFFIXES}")
+    ds = _with_order(_clear(ds))
+    return ds, (_netcdf_encoding(ds) if fmt == ".nc" else _zarr_encoding(ds))
+
+
 # ----------------------------------------------------------------------------- lazy (dask-backed) open
 
 #: ``chunks="auto"``: documents per chunk chosen so that one chunk holds about this many bytes of data.
