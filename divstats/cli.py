@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from divstats.plans import PlanError, load_plan, parse_aliases, split_disagreement_note, split_table
+from protocols.chunks import cluster_options, dask_client, read_chunks
 
 
 def _fail(message: str) -> None:
@@ -38,8 +39,10 @@ def _fail(message: str) -> None:
               help="Confidence level of the descriptive intervals (plan rows use 1 - alpha).")
 @click.option("--no-validate", is_flag=True, help="Skip trace validation on load.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@cluster_options
 def analyze(traces: Path, plan_path: Path, out_dir: Path, window: int | None, aliases: tuple[str, ...],
-            seed: int, n_resamples: int, level: float, no_validate: bool, quiet: bool) -> None:
+            seed: int, n_resamples: int, level: float, no_validate: bool, quiet: bool,
+            workers: int | None, scheduler: str | None, chunk_docs: int | None) -> None:
     """Estimate everything, run the plan on TRACES and write a self-contained report."""
     from divstats.report import analyze as run_analysis
     from protocols import open_traces
@@ -47,12 +50,14 @@ def analyze(traces: Path, plan_path: Path, out_dir: Path, window: int | None, al
     try:
         plan = load_plan(plan_path)
         alias_map = parse_aliases(aliases)
-        ds = open_traces(traces, validate=not no_validate)
-        an = run_analysis(ds, plan, out_dir, window=window, policy_aliases=alias_map, seed=seed,
-                          n_resamples=n_resamples, level=level, progress=not quiet)
+        with dask_client(workers, scheduler):  # no cluster unless asked; large files are read chunk by chunk
+            ds = open_traces(traces, validate=not no_validate,
+                             chunks=read_chunks(traces, workers, scheduler, chunk_docs))
+            an = run_analysis(ds, plan, out_dir, window=window, policy_aliases=alias_map, seed=seed,
+                              n_resamples=n_resamples, level=level, progress=not quiet)
     except PlanError as exc:
         _fail(str(exc))
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ImportError) as exc:
         _fail(f"{type(exc).__name__}: {exc}")
     table = an.plan_result.table
     click.echo(f"plan {plan.name} sha256={plan.sha256}")
@@ -63,7 +68,7 @@ def analyze(traces: Path, plan_path: Path, out_dir: Path, window: int | None, al
         click.echo(f"note: {note}", err=True)
     for dev in an.plan_result.deviations:
         click.echo(f"deviation: {dev}", err=True)
-    for name, path in an.paths.items():
+    for path in an.paths.values():
         click.echo(f"wrote {path}")
 
 

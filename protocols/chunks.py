@@ -10,12 +10,17 @@ by default, or a ``dask.distributed`` cluster inside :func:`dask_client`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import click
 import xarray as xr
 
-__all__ = ["dask_client", "doc_slices", "is_lazy"]
+__all__ = ["LAZY_ABOVE_BYTES", "cluster_options", "dask_client", "doc_slices", "is_lazy", "read_chunks"]
+
+#: Commands read a trace file lazily (chunk by chunk) by default when its data exceed this size in memory.
+LAZY_ABOVE_BYTES = 2 * 2**30
 
 
 def is_lazy(ds: xr.Dataset | xr.DataArray) -> bool:
@@ -48,7 +53,10 @@ def doc_slices(ds: xr.Dataset) -> list[slice]:
     n = int(ds.sizes["doc"])
     if not is_lazy(ds):
         return [slice(0, n)]
-    chunks = ds.chunksizes
+    try:
+        chunks = ds.chunksizes
+    except ValueError as exc:  # variables chunked differently along one dim
+        raise ValueError(f"{exc} Chunk every variable alike along 'doc' only, e.g. ds.chunk(doc=16).") from exc
     for dim, sizes in chunks.items():
         if dim != "doc" and len(sizes) > 1:
             raise ValueError(f"dataset is chunked along {dim!r} ({len(sizes)} chunks); chunk along 'doc' only "
@@ -109,3 +117,37 @@ def dask_client(workers: int | None = None, scheduler: str | None = None, *,
     with (LocalCluster(n_workers=int(workers), threads_per_worker=1, processes=True, memory_limit=memory_limit,
                        dashboard_address=None) as local, Client(local) as client):
         yield client
+
+
+def read_chunks(path: str | os.PathLike[str], workers: int | None = None, scheduler: str | None = None,
+                chunk_docs: int | None = None) -> int | str | None:
+    """The ``chunks`` argument of ``open_traces`` for a command's options.
+
+    In memory (None) for a small file read by one process; lazily, ``chunk_docs``
+    documents per chunk (default ``"auto"``), when a cluster is asked for, when
+    ``chunk_docs`` is given, or when the file's data exceed :data:`LAZY_ABOVE_BYTES`.
+    """
+    if workers is not None or scheduler is not None or chunk_docs is not None:
+        return chunk_docs or "auto"
+    from pathlib import Path
+
+    path = Path(path)
+    if path.suffix.lower() not in (".nc", ".zarr"):
+        return None
+    engine = "h5netcdf" if path.suffix.lower() == ".nc" else "zarr"
+    with xr.open_dataset(path, engine=engine, chunks={}) as probe:   # metadata only
+        big = probe.nbytes > LAZY_ABOVE_BYTES
+    return "auto" if big else None
+
+
+def cluster_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Click options ``--workers``, ``--scheduler`` and ``--chunk-docs`` for a command that reads traces."""
+    command = click.option("--chunk-docs", type=click.IntRange(min=1), default=None,
+                           help="Read the traces lazily, this many documents per chunk (default: in memory for "
+                                "files under 2 GiB, else about 64 MiB per chunk).")(command)
+    command = click.option("--scheduler", default=None, metavar="ADDRESS",
+                           help="Run on an existing dask.distributed scheduler (tcp://host:8786).")(command)
+    command = click.option("--workers", type=click.IntRange(min=1), default=None,
+                           help="Run on a local dask.distributed cluster of N single-threaded worker "
+                                "processes (needs kvdiv[cluster]).")(command)
+    return command

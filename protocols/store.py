@@ -206,21 +206,25 @@ class TraceStoreWriter:
     def _load_existing(self) -> None:
         if not self.path.exists():
             raise FileNotFoundError(f"{self.path}: no trace file to append to")
+        if self.format == ".zarr":
+            self._rollback = self._consistent_length()
+            self._started = True
         existing = open_traces(self.path, validate=False, chunks=1)
         self._template = existing.isel(doc=slice(0, 0)).load()
         self._doc_ids = {str(d) for d in existing["doc"].values}
-        n = int(existing.sizes["doc"])
         existing.close()
-        if self.format == ".zarr":
-            import zarr
 
-            group = zarr.open_group(str(self.path), mode="r")
-            bad = [f"{arr.name} has {arr.shape[axis]}" for arr, axis in _doc_dim_arrays(group) if arr.shape[axis] != n]
-            if bad:
-                raise StoreError(f"{self.path}: arrays disagree on the number of documents ({n} ids; "
-                                 f"{', '.join(bad)}): an earlier append was interrupted; repair before appending")
-            self._rollback = n
-            self._started = True
+    def _consistent_length(self) -> int:
+        """The store's document count; refuses a store whose arrays disagree (an interrupted write)."""
+        import zarr
+
+        group = zarr.open_group(str(self.path), mode="r")
+        lengths = {arr.name.strip("/"): arr.shape[axis] for arr, axis in _doc_dim_arrays(group)}
+        if len(set(lengths.values())) > 1:
+            detail = ", ".join(f"{k}: {v}" for k, v in sorted(lengths.items()))
+            raise StoreError(f"{self.path}: arrays disagree on the number of documents ({detail}): an earlier "
+                             "write was interrupted; cut them back to the shortest length before appending")
+        return next(iter(lengths.values()), 0)
 
     def _check(self, ds: xr.Dataset, ids: list[str]) -> None:
         """``ds`` fits the store: same comparable attrs, policies, replicates, variables; new doc ids."""
