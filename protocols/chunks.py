@@ -134,8 +134,8 @@ def read_chunks(path: str | os.PathLike[str], workers: int | None = None, schedu
     path = Path(path)
     if path.suffix.lower() not in (".nc", ".zarr"):
         return None
-    engine = "h5netcdf" if path.suffix.lower() == ".nc" else "zarr"
-    with xr.open_dataset(path, engine=engine, chunks={}) as probe:   # metadata only
+    kwargs = {"engine": "h5netcdf"} if path.suffix.lower() == ".nc" else {"engine": "zarr", "consolidated": False}
+    with xr.open_dataset(path, chunks={}, **kwargs) as probe:   # metadata only
         big = probe.nbytes > LAZY_ABOVE_BYTES
     return "auto" if big else None
 
