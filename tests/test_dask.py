@@ -134,11 +134,23 @@ def test_open_traces_chunk_arguments(traces, tmp_path):
             open_traces(path, chunks=bad)
 
 
-def test_local_cluster_gives_the_same_numbers(traces):
+@pytest.mark.slow
+def test_cli_analyze_on_a_local_cluster_writes_the_same_results(tmp_path):
     pytest.importorskip("distributed")
-    mem, lazy = traces
-    with dask_client(workers=2, memory_limit="1GB") as client:
-        assert client is not None
-        same(D.estimate(mem), D.estimate(lazy))
+    from click.testing import CliRunner
+
+    from divstats.cli import analyze
+    from divstats.report import load_results
+
+    path = tmp_path / "traces.zarr"
+    save_traces(simulate_study(9, POLICIES, horizon=36, replicates=5, kind="residual", seed=6), path)
+    args = [str(path), "--plan", str(PAPER), "--quiet", "--n-resamples", "199"]
+    outs = {}
+    for name, extra in {"memory": [], "cluster": ["--workers", "2", "--chunk-docs", "4"]}.items():
+        outs[name] = tmp_path / name
+        res = CliRunner().invoke(analyze, args + ["--out", str(outs[name])] + extra)
+        assert res.exit_code == 0, res.output
+    a, b = (load_results(outs[k] / "results.nc") for k in ("memory", "cluster"))
+    xr.testing.assert_allclose(a, b, **TOL)
     with pytest.raises(ValueError, match="not both"), dask_client(workers=1, scheduler="tcp://x:1"):
         pass
