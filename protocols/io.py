@@ -184,7 +184,7 @@ def prepare_write(ds: xr.Dataset, fmt: str) -> tuple[xr.Dataset, dict[str, dict]
     """
     if fmt not in SUFFIXES:
         raise ValueError(f"unknown trace file format {fmt!r}; use one of {SUFFIXES}")
-    ds = _with_order(_clear(ds))
+    ds = _with_order(_clear(_strings(ds)))   # strings as object arrays: one on-disk string type for every piece
     return ds, (_netcdf_encoding(ds) if fmt == ".nc" else _zarr_encoding(ds))
 
 

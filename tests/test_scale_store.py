@@ -122,3 +122,12 @@ def test_nothing_appended_is_an_error_and_append_needs_a_file(ds, tmp_path):
         TraceStoreWriter(tmp_path / "missing.zarr", append=True)
     with pytest.raises(ValueError, match="extension"):
         TraceStoreWriter(tmp_path / "t.h5")
+
+
+def test_fixed_width_string_ids_append_to_a_store(ds, tmp_path):
+    path = tmp_path / "t.zarr"
+    piece = ds.isel(doc=[0, 1])
+    with TraceStoreWriter(path) as w:
+        w.append(piece)
+        w.append(piece.assign_coords(doc=np.array(["x0", "x1"])))   # numpy '<U2', as built by hand
+    assert [str(d) for d in open_traces(path)["doc"].values] == ["doc000", "doc001", "x0", "x1"]
