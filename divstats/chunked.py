@@ -29,7 +29,7 @@ from typing import Any
 
 import xarray as xr
 
-from protocols.chunks import doc_slices, is_lazy
+from protocols.chunks import DocChunk, doc_chunks, is_lazy
 
 __all__ = ["concat_docs", "is_lazy", "load", "map_docs", "map_docs_many"]
 
@@ -42,10 +42,10 @@ def load(ds: xr.Dataset) -> xr.Dataset:
     return ds.compute() if is_lazy(ds) else ds
 
 
-def _apply(fns: Mapping[str, tuple[Callable[..., xr.Dataset], dict[str, Any]]], part: xr.Dataset,
+def _apply(fns: Mapping[str, tuple[Callable[..., xr.Dataset], dict[str, Any]]], chunk: DocChunk,
            ) -> dict[str, xr.Dataset]:
-    """Run each function on one in-memory chunk (the task body)."""
-    part = part.load()
+    """Read one document chunk and run each function on it (the task body)."""
+    part = chunk.load()
     return {name: fn(part, **kwargs) for name, (fn, kwargs) in fns.items()}
 
 
@@ -99,7 +99,7 @@ def map_docs_many(fns: Mapping[str, tuple[Callable[..., xr.Dataset], Mapping[str
     import dask
 
     fns = {name: (fn, dict(kwargs)) for name, (fn, kwargs) in fns.items()}
-    tasks = [dask.delayed(_apply, pure=True)(fns, ds.isel(doc=sl)) for sl in doc_slices(ds)]
+    tasks = [dask.delayed(_apply)(fns, chunk) for chunk in doc_chunks(ds)]
     results = dask.compute(*tasks)
     return {name: concat_docs([r[name] for r in results]) for name in fns}
 

@@ -27,6 +27,7 @@ from protocols.schema import (
     residual_dataset,
     sampling_params,
 )
+from protocols.store import StoreError, TraceStoreWriter
 from protocols.validate import TV_ZERO_ATOL, Problem, TraceValidationError, validate
 from protocols.wire import (
     StreamWriter,

@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import click
 import xarray as xr
 
-__all__ = ["LAZY_ABOVE_BYTES", "cluster_options", "dask_client", "doc_slices", "is_lazy", "read_chunks"]
+__all__ = ["LAZY_ABOVE_BYTES", "DocChunk", "cluster_options", "dask_client", "doc_chunks", "doc_slices", "is_lazy",
+           "read_chunks"]
 
 #: Commands read a trace file lazily (chunk by chunk) by default when its data exceed this size in memory.
 LAZY_ABOVE_BYTES = 2 * 2**30
@@ -66,6 +68,30 @@ def doc_slices(ds: xr.Dataset) -> list[slice]:
         out.append(slice(start, start + int(size)))
         start += int(size)
     return out
+
+
+@dataclass(frozen=True)
+class DocChunk:
+    """One document chunk of a dask-backed dataset, still unread.
+
+    Handed to a dask task as an argument, it stays opaque to dask (a plain object,
+    not a dask collection), so the task reads its chunk itself with :meth:`load`
+    on the worker that runs it: no chunk is read on one worker and shipped to
+    another, and a task holds one chunk at a time.
+    """
+
+    ds: xr.Dataset
+    start: int   # index of the chunk's first document in the whole dataset
+
+    def load(self) -> xr.Dataset:
+        """The chunk in memory, read in this thread (the synchronous scheduler, inside the calling task)."""
+        return self.ds.load(scheduler="sync")
+
+
+def doc_chunks(ds: xr.Dataset, names: list[str] | None = None) -> list[DocChunk]:
+    """``ds`` (or its variables ``names``) cut into its document chunks; see :func:`doc_slices`."""
+    sub = ds if names is None else ds[names]
+    return [DocChunk(sub.isel(doc=sl), sl.start) for sl in doc_slices(ds)]
 
 
 @contextlib.contextmanager

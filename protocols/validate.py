@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from protocols.chunks import doc_slices, is_lazy
+from protocols.chunks import DocChunk, doc_chunks, is_lazy
 from protocols.schema import (
     COUPLING,
     KINDS,
@@ -506,8 +506,11 @@ _VALUE_RULES: tuple[Callable[[_Ctx], Iterator[_Finding]], ...] = (
 
 # ----------------------------------------------------------------------------- chunks
 
-def _chunk_findings(ctx: _Ctx, part: xr.Dataset, offset: int) -> list[_Finding]:
-    """Every value rule on one chunk of documents (``part``, read into memory here)."""
+def _chunk_findings(ctx: _Ctx, part: xr.Dataset | DocChunk) -> list[_Finding]:
+    """Every value rule on one chunk of documents (a ``DocChunk`` is read here, inside the task)."""
+    offset = 0
+    if isinstance(part, DocChunk):
+        part, offset = part.load(), part.start
     arrays = {name: part[name].transpose(*dims).values for name, dims in ctx.dims.items()}
     chunk = replace(ctx, arrays=arrays, offset=offset)
     return [f for rule in _VALUE_RULES for f in rule(chunk)]
@@ -530,12 +533,11 @@ def _value_problems(ds: xr.Dataset, ctx: _Ctx) -> list[Problem]:
     if not names:
         return []
     if "doc" not in ds.dims or not is_lazy(ds):
-        findings = [_chunk_findings(ctx, ds, 0)]
+        findings = [_chunk_findings(ctx, ds)]
     else:
         import dask  # a dask-backed dataset implies dask is installed
 
-        tasks = [dask.delayed(_chunk_findings, pure=True)(ctx, ds[names].isel(doc=sl), sl.start)
-                 for sl in doc_slices(ds)]
+        tasks = [dask.delayed(_chunk_findings)(ctx, chunk) for chunk in doc_chunks(ds, names)]
         findings = list(dask.compute(*tasks))
     return [_problem(ds, ctx.dims[f.name], f) for f in _merge(findings)]
 
