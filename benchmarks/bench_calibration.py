@@ -25,7 +25,7 @@ from divstats.calibration import (
     paired_calibration,
     simulate_study,
 )
-from divstats.plans import run_plan
+from divstats.planrun import run_plan
 
 
 def paired_table(n_sims: int, sizes: list[int], shift: float) -> None:

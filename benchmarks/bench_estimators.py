@@ -103,7 +103,7 @@ def loop_estimate(ds) -> dict[str, np.ndarray]:
                 exp_.append(total_exp)
                 rmtd.append(total_rmtd)
                 post.append((1 - surv) * n_mis if ts > 0 else 0.0)
-            for k, v in zip(out, (occ, exp_, rmtd, post)):
+            for k, v in zip(out, (occ, exp_, rmtd, post), strict=True):
                 out[k][d, p] = np.mean(v)
     return out
 

@@ -23,8 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 import xarray as xr
 
-from divstats.decompose import _split
+from divstats.decompose import bootstrap_gap, split_gap
 from divstats.paired import paired_test
+
+__all__ = [
+    "DecompositionCoverage", "PairedCalibration", "PolicyEffect", "decomposition_coverage", "markov_kernels",
+    "paired_calibration", "simulate_study"
+]
 
 # ---------------------------------------------------------------------------
 # Simulated studies (trace datasets)
@@ -50,6 +55,30 @@ def markov_kernels(doc_seed: int, policy_seed: int, effect: PolicyEffect, vocab_
     The chain's rows share a common base law (weight 1 − ``row_mix``), so two
     branches that differ only in their last token have close next-token laws and
     the branch-aligned TV is driven by the policy's ε_t rather than by the chain.
+
+    Parameters
+    ----------
+    doc_seed, policy_seed : int
+        Seeds of the document's chain and of the policy's perturbation.
+    effect : PolicyEffect
+        The policy's strength.
+    vocab_size : int
+        V.
+    doc_scale : float
+        The document's strength multiplier.
+    row_mix : float
+        Weight of the row-specific part of each transition row.
+
+    Returns
+    -------
+    (callable, callable)
+        p and q: a history (tuple of tokens) → probabilities.
+
+    Examples
+    --------
+    >>> p, q = markov_kernels(0, 0, PolicyEffect(0.1))
+    >>> round(float(p((1,)).sum()), 12), round(float(q((1,)).sum()), 12)
+    (1.0, 1.0)
     """
     rng = np.random.default_rng([doc_seed, 17])
     base = rng.dirichlet(np.full(vocab_size, 1.0))
@@ -77,6 +106,40 @@ def simulate_study(n_docs: int, policies: Mapping[str, PolicyEffect], *, horizon
 
     Each document has its own chain and a random strength multiplier exp(N(0, doc_sd))
     shared by its policies (so paired comparisons see correlated documents).
+
+    Parameters
+    ----------
+    n_docs : int
+        Documents.
+    policies : mapping of str to PolicyEffect
+        Policy id → its simulated strength.
+    horizon, replicates : int
+        T and replicates per (doc, policy).
+    kind : {"coupled", "residual", "reference"}
+        Trace kind.
+    window : int, optional
+        W for residual traces.
+    vocab_size : int
+        V.
+    seed : int
+        Seed of the whole study.
+    doc_prefix : str
+        Document ids are ``doc_prefix + index``.
+    models : sequence of str, optional
+        Simulate each model separately and stack along a ``model`` dim.
+    doc_sd : float
+        SD of the log strength multiplier across documents.
+
+    Returns
+    -------
+    xarray.Dataset
+        A trace dataset over (doc, policy[, model], replicate, step).
+
+    Examples
+    --------
+    >>> ds = simulate_study(3, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2)}, horizon=4, replicates=2)
+    >>> dict(ds.sizes)["doc"], ds["policy"].values.tolist()
+    (3, ['a', 'b'])
     """
     from divstats import simulate
 
@@ -106,6 +169,8 @@ def simulate_study(n_docs: int, policies: Mapping[str, PolicyEffect], *, horizon
 
 @dataclass(frozen=True)
 class PairedCalibration:
+    """Outcome of :func:`paired_calibration`: rejection rate and interval coverages at one setting."""
+
     test: str
     alternative: str
     n_docs: int
@@ -124,6 +189,36 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
 
     The law is symmetric, so mean, median and Hodges–Lehmann location all equal
     ``shift``: every interval is checked against the same truth.
+
+    Parameters
+    ----------
+    test : str
+        The paired test (``divstats.paired.TESTS``).
+    n_docs, n_sims : int
+        Documents per simulated study and studies.
+    shift : float
+        The true location of the differences (0: the null).
+    alpha : float
+        Level of the test; intervals are at 1 − alpha.
+    alternative : str
+        H1 about A − B.
+    seed : int
+        Seed of the simulation.
+    n_resamples : int
+        Resamples of each test.
+    mean_ci : {"t", "bootstrap"}
+        Interval for the mean difference.
+
+    Returns
+    -------
+    PairedCalibration
+        Rejection rate and the three coverages.
+
+    Examples
+    --------
+    >>> r = paired_calibration("ttest", n_docs=10, n_sims=20)
+    >>> 0 <= r.rejection_rate <= 1
+    True
     """
     rng = np.random.default_rng(seed)
     rej = cov = cov_m = cov_hl = 0
@@ -158,6 +253,8 @@ def _population(n: int, rng: np.random.Generator, horizon: int) -> tuple[np.ndar
 
 @dataclass(frozen=True)
 class DecompositionCoverage:
+    """Outcome of :func:`decomposition_coverage`: coverage per part and the true values."""
+
     n_docs: int
     n_sims: int
     level: float
@@ -169,18 +266,43 @@ class DecompositionCoverage:
 def decomposition_coverage(*, n_docs: int = 30, n_sims: int = 100, level: float = 0.95,
                            method: str = "BCa", n_resamples: int = 999, horizon: int = 32,
                            seed: int = 0) -> DecompositionCoverage:
-    """Coverage of the paired bootstrap intervals for gap, Δfirst, Δexposure, Δrate."""
-    from divstats.decompose import _bootstrap
+    """Coverage of the paired bootstrap intervals for gap, Δfirst, Δexposure, Δrate.
 
+    Parameters
+    ----------
+    n_docs, n_sims : int
+        Documents per simulated study and studies.
+    level : float
+        Interval level.
+    method : str
+        scipy bootstrap method.
+    n_resamples : int
+        Resamples per interval.
+    horizon : int
+        T.
+    seed : int
+        Seed of the simulation.
+
+    Returns
+    -------
+    DecompositionCoverage
+        Coverage and true value of gap, first, exposure and rate.
+
+    Examples
+    --------
+    >>> r = decomposition_coverage(n_docs=10, n_sims=2, n_resamples=99, method="percentile")
+    >>> sorted(r.coverage)
+    ['exposure', 'first', 'gap', 'rate']
+    """
     rng = np.random.default_rng(seed)
     truth_draw = _population(2_000_000, np.random.default_rng(seed + 1), horizon)
-    truth = _split(*truth_draw, horizon, "shapley")[:4]
+    truth = split_gap(*truth_draw, horizon, "shapley")[:4]
     names = ("gap", "first", "exposure", "rate")
     hits = np.zeros(4)
     for i in range(n_sims):
         sample = _population(n_docs, rng, horizon)
-        lo, hi = _bootstrap(sample, horizon, "shapley", level, method, n_resamples, seed + i)
+        lo, hi = bootstrap_gap(sample, horizon, "shapley", level, method, n_resamples, seed + i)
         hits += (lo <= truth) & (truth <= hi)
     return DecompositionCoverage(n_docs, n_sims, level, method,
-                                 {k: float(h / n_sims) for k, h in zip(names, hits)},
-                                 {k: float(t) for k, t in zip(names, truth)})
+                                 {k: float(h / n_sims) for k, h in zip(names, hits, strict=True)},
+                                 {k: float(t) for k, t in zip(names, truth, strict=True)})

@@ -9,11 +9,21 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from divstats.plans import PlanError, load_plan, parse_aliases, split_disagreement_note, split_table
+from divstats.errors import DivstatsError
+from divstats.plans import PlanError, load_plan, parse_aliases, shipped_plans, split_disagreement_note, split_table
 from protocols.chunks import cluster_options, dask_client, read_chunks
+
+if TYPE_CHECKING:
+    from divstats.analysis import Analysis
+
+__all__ = ["analyze", "split"]
+
+#: What --plan accepts (both commands).
+_PLAN_CHOICES = f"a shipped plan's name ({', '.join(shipped_plans())}) or a plan TOML file"
 
 
 def _fail(message: str) -> None:
@@ -22,10 +32,14 @@ def _fail(message: str) -> None:
 
 @click.command("analyze")
 @click.argument("traces", type=click.Path(exists=True, path_type=Path))
-@click.option("--plan", "plan_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Prespecified plan (TOML); its SHA-256 is recorded in every output.")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Directory for report.html, summary.md and results.nc.")
+@click.option("--plan", "plan_source", default=None, metavar="NAME|PATH",
+              help=f"The prespecified plan: {_PLAN_CHOICES}; its SHA-256 is recorded in every output. "
+                   "Without --plan the report is descriptive: every comparison is exploratory.")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path),
+              help="Directory for report.html, summary.md and results.nc (built beside it, then renamed "
+                   "into place). It must not exist (or be empty) unless --overwrite.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing --out, but only one that holds nothing except a report kvdiv wrote.")
 @click.option("--window", type=click.IntRange(min=0), default=None,
               help="Truncate the observation window to W steps after divergence (default: all observed).")
 @click.option("--policy-alias", "aliases", multiple=True, metavar="PLANNED=ACTUAL",
@@ -40,33 +54,45 @@ def _fail(message: str) -> None:
 @click.option("--no-validate", is_flag=True, help="Skip trace validation on load.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @cluster_options
-def analyze(traces: Path, plan_path: Path, out_dir: Path, window: int | None, aliases: tuple[str, ...],
-            seed: int, n_resamples: int, level: float, no_validate: bool, quiet: bool,
-            workers: int | None, scheduler: str | None, chunk_docs: int | None) -> None:
-    """Estimate everything, run the plan on TRACES and write a self-contained report."""
-    from divstats.report import analyze as run_analysis
+def analyze(traces: Path, plan_source: str | None, out_dir: Path, overwrite: bool, window: int | None,
+            aliases: tuple[str, ...], seed: int, n_resamples: int, level: float, no_validate: bool,
+            quiet: bool, workers: int | None, scheduler: str | None, chunk_docs: int | None) -> None:
+    """Estimate everything, run the plan (if any) on TRACES and write a self-contained report."""
+    from divstats.analysis import compute
+    from divstats.report import check_publishable, publish_report
     from protocols import open_traces
 
     try:
-        plan = load_plan(plan_path)
+        plan = load_plan(plan_source) if plan_source is not None else None
         alias_map = parse_aliases(aliases)
+        if plan is None and alias_map:
+            raise PlanError("--policy-alias substitutes planned policies; it needs --plan")
+        check_publishable(out_dir, overwrite)  # refuse before minutes of computing, not after
         with dask_client(workers, scheduler):  # no cluster unless asked; large files are read chunk by chunk
             ds = open_traces(traces, validate=not no_validate,
                              chunks=read_chunks(traces, workers, scheduler, chunk_docs))
-            an = run_analysis(ds, plan, out_dir, window=window, policy_aliases=alias_map, seed=seed,
-                              n_resamples=n_resamples, level=level, progress=not quiet)
-    except PlanError as exc:
+            an = compute(ds, plan, window=window, policy_aliases=alias_map, seed=seed, n_resamples=n_resamples,
+                         level=level, progress=not quiet)
+        publish_report(an, out_dir, overwrite=overwrite)
+    except DivstatsError as exc:
         _fail(str(exc))
     except (ValueError, FileNotFoundError, ImportError) as exc:
         _fail(f"{type(exc).__name__}: {exc}")
-    table = an.plan_result.table
-    click.echo(f"plan {plan.name} sha256={plan.sha256}")
-    for r in table.itertuples(index=False):
-        click.echo(f"  {r.id:<24} {r.label:<12} p={r.p_value:.3g} p_adj={r.p_adjusted:.3g} "
-                   f"reject={'yes' if r.reject else 'no'} effect={r.effect:.4g}")
+    _echo_summary(an)
+
+
+def _echo_summary(an: Analysis) -> None:
+    """The plan rows (or that there is no plan), notes, deviations and the files written."""
+    if an.plan is None:
+        click.echo("no plan: descriptive report (every comparison is exploratory)")
+    else:
+        click.echo(f"plan {an.plan.name} sha256={an.plan.sha256}")
+        for r in an.plan_result.table.itertuples(index=False):
+            click.echo(f"  {r.id:<24} {r.label:<12} p={r.p_value:.3g} p_adj={r.p_adjusted:.3g} "
+                       f"reject={'yes' if r.reject else 'no'} effect={r.effect:.4g}")
     for note in an.notes:
         click.echo(f"note: {note}", err=True)
-    for dev in an.plan_result.deviations:
+    for dev in (an.plan_result.deviations if an.plan_result is not None else []):
         click.echo(f"deviation: {dev}", err=True)
     for path in an.paths.values():
         click.echo(f"wrote {path}")
@@ -99,11 +125,11 @@ def _doc_ids(path: Path) -> tuple[list[str], list[str] | None, str]:
 
 @click.command("split")
 @click.argument("source", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--plan", "plan_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Plan whose salt and confirmatory fraction define the split.")
+@click.option("--plan", "plan_source", required=True, metavar="NAME|PATH",
+              help=f"Plan whose salt and confirmatory fraction define the split: {_PLAN_CHOICES}.")
 @click.option("--format", "fmt", type=click.Choice(["table", "jsonl", "csv"]), default="table", show_default=True)
 @click.option("--strict", is_flag=True, help="Exit with status 1 if the file's split labels disagree with the plan.")
-def split(source: Path, plan_path: Path, fmt: str, strict: bool) -> None:
+def split(source: Path, plan_source: str, fmt: str, strict: bool) -> None:
     """Show the plan's exploratory/confirmatory split for SOURCE (traces .nc/.zarr or documents .jsonl).
 
     The split is sha256(salt + ":" + doc_id) read as a number in [0, 1): confirmatory
@@ -111,7 +137,7 @@ def split(source: Path, plan_path: Path, fmt: str, strict: bool) -> None:
     split labels that disagree are reported.
     """
     try:
-        plan = load_plan(plan_path)
+        plan = load_plan(plan_source)
     except PlanError as exc:
         _fail(str(exc))
     ids, labels, what = _doc_ids(source)

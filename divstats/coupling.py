@@ -16,6 +16,8 @@ from divstats.kernels import CoupledKernels, Kernel, StepLaw
 from divstats.replicates import survival_terms
 from protocols import coupled_dataset, reference_dataset, residual_dataset, validate
 
+__all__ = ["KINDS", "simulate"]
+
 KINDS = ("coupled", "residual", "reference")
 
 
@@ -140,6 +142,47 @@ def simulate(
     ``kind="reference"``: samples from P with log p and log q of each token (§7).
     ``window`` (residual only) is W; None means the branches run to the horizon.
     Randomness comes from ``np.random.default_rng(seed)``.
+
+    Parameters
+    ----------
+    p, q : callable
+        Kernels: a history (tuple of the branch's own tokens) → probabilities over
+        ``vocab_size`` tokens; P is evaluated on X's history, Q on Y's.
+    vocab_size : int
+        V.
+    horizon : int
+        T.
+    replicates : int
+        Replicates per dataset.
+    kind : {"coupled", "residual", "reference"}
+        The trace kind (docs/contract.md).
+    window : int, optional
+        W for residual traces.
+    seed : int
+        Seed of the generator.
+    eos : int, optional
+        Absorbing end-of-sequence token.
+    doc, policy : str
+        Coordinates of the single document and policy.
+
+    Returns
+    -------
+    xarray.Dataset
+        A validated ``kvdiv.trace/1`` dataset over (doc, policy, replicate, step).
+
+    Raises
+    ------
+    ValueError
+        For an unknown kind, sizes below 1, or a window on non-residual traces.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> p = lambda h: np.array([0.6, 0.4])
+    >>> q = lambda h: np.array([0.5, 0.5])
+    >>> ds = simulate(p, q, 2, horizon=4, replicates=3, seed=1)
+    >>> dict(ds.sizes)["replicate"], ds.attrs["kind"]
+    (3, 'coupled')
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")

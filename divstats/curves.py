@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from divstats._arrays import (
+from divstats.arrays import (
     core_array,
     kind_of,
     layout,
@@ -26,13 +26,16 @@ from divstats._arrays import (
     row_chunks,
 )
 from divstats.chunked import is_lazy, map_docs
+from divstats.errors import DivstatsError
 from divstats.replicates import (
-    _first_divergence,
     effective_window,
+    first_divergence,
     horizon_of,
     reference_survival,
     survival_terms,
 )
+
+__all__ = ["branch_tv", "branch_tv_window", "survival"]
 
 
 def _n_replicates(ds: xr.Dataset, lay) -> int:
@@ -50,7 +53,7 @@ def _survival_rows(ds: xr.Dataset, lay, T: int) -> np.ndarray:
     if kind == "coupled":
         x, y = (core_array(ds, v, lay, core) for v in ("x_token", "y_token"))
         for sl in row_chunks(lay.rows, n * T):
-            _, tau = _first_divergence(x[sl], y[sl], T)
+            _, tau = first_divergence(x[sl], y[sl], T)
             out[sl, :, 1:] = tau[..., None] > np.arange(1, T + 1)
     elif kind == "residual":
         stv = core_array(ds, "shared_tv", lay, core)
@@ -70,6 +73,24 @@ def survival(ds: xr.Dataset) -> xr.Dataset:
     coupled: the empirical survival of tau (docs/statistics.md §4); residual: the mean of
     S_t = prod_{s<=t} (1 - delta_s) on the survival paths (§5); reference: the mean
     of prod_{s<=t} min(1, q_s/p_s) along P-samples (§7).  ``step`` runs 0..T.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset of any kind.
+
+    Returns
+    -------
+    xarray.Dataset
+        ``survival`` and ``survival_se`` over (doc, policy[, model], step).
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.2)}, horizon=5, replicates=4)
+    >>> s = survival(ds)
+    >>> s["survival"].dims, float(s["survival"].isel(step=0).min())
+    (('doc', 'policy', 'step'), 1.0)
     """
     if is_lazy(ds):
         return map_docs(survival, ds)
@@ -88,7 +109,7 @@ def survival(ds: xr.Dataset) -> xr.Dataset:
 
 def _coupled_branch(tv: np.ndarray, x: np.ndarray, y: np.ndarray, T: int, W: int):
     """(numerator, denominator, observed) per replicate and age, coupled traces."""
-    _, tau = _first_divergence(x, y, T)
+    _, tau = first_divergence(x, y, T)
     ages = np.arange(T)
     idx = tau[..., None] - 1 + ages                      # 0-based step of tau + k
     valid = (idx <= T - 1) & (ages <= W)
@@ -134,11 +155,11 @@ def _branch_rows(ds: xr.Dataset, window: int | None, reducer):
         return np.where(absent, np.nan, num), np.where(absent, np.nan, den), observed & ~absent
 
     parts = [reducer(*masked(sl)) for sl in row_chunks(lay.rows, 3 * n * T)]
-    return lay, T, W, [np.concatenate(p, axis=0) for p in zip(*parts)]
+    return lay, T, W, [np.concatenate(p, axis=0) for p in zip(*parts, strict=True)]
 
 
-class _NotIdentified(ValueError):
-    pass
+class _NotIdentified(DivstatsError, ValueError):
+    """Branch TV cannot be estimated from these traces (caught in branch_tv: NaN with the reason)."""
 
 
 def _per_age(num: np.ndarray, den: np.ndarray, observed: np.ndarray):
@@ -154,6 +175,27 @@ def branch_tv(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     ``branch_tv_denominator`` (estimate of P(tau + k <= T)) and ``branch_tv_count``
     (replicates whose branch was observed at that age).  Ages beyond the observed
     window W, and ages with a zero denominator, are NaN.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Coupled or residual traces (reference traces give NaN with the reason in
+        ``attrs["not_identified"]``).
+    window : int, optional
+        Truncate the observation window W after divergence.
+
+    Returns
+    -------
+    xarray.Dataset
+        ``branch_tv``, ``branch_tv_se``, ``branch_tv_denominator``, ``branch_tv_count``
+        over (doc, policy[, model], age).
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.2)}, horizon=5, replicates=4)
+    >>> branch_tv(ds)["branch_tv"].sizes["age"]
+    5
     """
     if is_lazy(ds):
         return map_docs(branch_tv, ds, window=window)
@@ -194,6 +236,32 @@ def branch_tv_window(ds: xr.Dataset, start: int, stop: int, window: int | None =
     (1/m) sum_k (num_ik - r_k den_ik) / mean(den_k), so the correlation between
     ages of one replicate is accounted for.  Ages beyond the observed window make
     the average NaN (not identified) rather than silently shorter.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Coupled or residual traces.
+    start, stop : int
+        Ages ``start <= k < stop``.
+    window : int, optional
+        Truncate the observation window W after divergence.
+
+    Returns
+    -------
+    xarray.Dataset
+        ``branch_tv_window``, its ``_se`` and ``branch_tv_window_ages`` over (doc, policy[, model]).
+
+    Raises
+    ------
+    ValueError
+        Unless 0 <= start < stop <= T.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.2)}, horizon=5, replicates=4)
+    >>> sorted(branch_tv_window(ds, 1, 3).data_vars)[0]
+    'branch_tv_window'
     """
     if is_lazy(ds):
         return map_docs(branch_tv_window, ds, start=start, stop=stop, window=window)

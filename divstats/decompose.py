@@ -33,6 +33,11 @@ import numpy as np
 import xarray as xr
 from scipy import stats
 
+__all__ = [
+    "ATTRIBUTIONS", "PARTS", "DecompositionInterval", "DecompositionResult", "Parts", "as_estimates",
+    "bootstrap_gap", "decompose", "horizon_of", "split_gap"
+]
+
 ATTRIBUTIONS: tuple[str, ...] = ("shapley", "exposure-first", "rate-first")
 PARTS: tuple[str, ...] = ("gap", "first", "exposure", "rate")
 _NEEDED = ("occurrence", "exposure", "post_mismatch")
@@ -57,6 +62,15 @@ class DecompositionInterval:
     method: str
     n_resamples: int
 
+    def to_dataset(self) -> xr.Dataset:
+        """The bounds as ``<part>_low`` / ``<part>_high`` variables (scalars or over ``model``)."""
+        data = {}
+        for name in PARTS:
+            data[f"{name}_low"] = _as_da(getattr(self.low, name))
+            data[f"{name}_high"] = _as_da(getattr(self.high, name))
+        return xr.Dataset(data, attrs={"confidence_level": self.confidence_level, "method": self.method,
+                                       "n_resamples": self.n_resamples})
+
     def to_frame(self):
         """One row per quantity (and model), columns ``low``/``high``."""
         import pandas as pd
@@ -77,11 +91,37 @@ class DecompositionInterval:
 # Core arithmetic (vectorised over any leading axes; documents on the last axis)
 # ---------------------------------------------------------------------------
 
-def _split(o_a, o_b, e_a, e_b, p_a, p_b, horizon: float, attribution: str) -> np.ndarray:
-    """Aggregate and split; inputs are per-document arrays, documents on axis -1.
+def split_gap(o_a, o_b, e_a, e_b, p_a, p_b, horizon: float, attribution: str) -> np.ndarray:
+    """Aggregate two policies' per-document parts and split the gap.
 
-    Returns an array stacked as (gap, first, exposure, rate, M_A, M_B, rho_A, rho_B)
-    on axis 0, with the per-document axis reduced.
+    Parameters
+    ----------
+    o_a, o_b, e_a, e_b, p_a, p_b : numpy.ndarray
+        Per-document occurrence, exposure and post_mismatch of A and B, documents
+        on the last axis (any leading axes, e.g. bootstrap resamples).
+    horizon : float
+        T.
+    attribution : str
+        One of :data:`ATTRIBUTIONS`.
+
+    Returns
+    -------
+    numpy.ndarray
+        Stacked on axis 0 as (gap, first, exposure, rate, M_A, M_B, rho_A, rho_B),
+        the document axis reduced.
+
+    Raises
+    ------
+    ValueError
+        For an unknown attribution.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> one = np.ones(3)
+    >>> out = split_gap(one * 0.5, one * 0.25, one * 4, one * 2, one, one * 0.5, 10, "shapley")
+    >>> bool(np.isclose(out[0], out[1] + out[2] + out[3]))
+    True
     """
     oa, ob = o_a.mean(-1), o_b.mean(-1)
     ea, eb = e_a.mean(-1), e_b.mean(-1)
@@ -119,7 +159,33 @@ def _is_estimate(ds: xr.Dataset) -> bool:
 
 
 def as_estimates(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
-    """Per-document estimates from a trace dataset, or ``ds`` itself if it already is one."""
+    """Per-document estimates from a trace dataset, or ``ds`` itself if it already is one.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Traces or per-document estimates.
+    window : int, optional
+        Observation window for ``divstats.estimate``.
+
+    Returns
+    -------
+    xarray.Dataset
+        Per-document estimates.
+
+    Raises
+    ------
+    ValueError
+        For a dataset that is neither.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=5, replicates=4)
+    >>> est = as_estimates(ds)
+    >>> as_estimates(est) is est
+    True
+    """
     if _is_estimate(ds):
         return ds
     if "replicate" not in ds.dims:
@@ -131,7 +197,29 @@ def as_estimates(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
 
 
 def horizon_of(est: xr.Dataset) -> int:
-    """T from the attrs, else from loss / mismatch_fraction."""
+    """T from the attrs, else from loss / mismatch_fraction.
+
+    Parameters
+    ----------
+    est : xarray.Dataset
+        Per-document estimates.
+
+    Returns
+    -------
+    int
+        T.
+
+    Raises
+    ------
+    ValueError
+        When neither the attribute nor loss / mismatch_fraction give it.
+
+    Examples
+    --------
+    >>> import xarray as xr
+    >>> horizon_of(xr.Dataset(attrs={"horizon": 8}))
+    8
+    """
     if "horizon" in est.attrs:
         return int(est.attrs["horizon"])
     if "loss" in est and "mismatch_fraction" in est:
@@ -206,7 +294,7 @@ class DecompositionResult:
         """Paired bootstrap over documents (same resampled documents for A and B)."""
         lows, highs = {}, {}
         for key, arrays in self._data.items():
-            lows[key], highs[key] = _bootstrap(arrays, self.horizon, self.attribution,
+            lows[key], highs[key] = bootstrap_gap(arrays, self.horizon, self.attribution,
                                                level, method, n_resamples, seed)
         low = _assemble([lows[k] for k in self._data], list(self._data))
         high = _assemble([highs[k] for k in self._data], list(self._data))
@@ -244,11 +332,45 @@ def _assemble(values: list[np.ndarray], keys: list[Any]) -> Parts:
     return Parts(*(xr.DataArray(stacked[:, i], dims="model", coords={"model": keys}) for i in range(4)))
 
 
-def _bootstrap(arrays: tuple[np.ndarray, ...], horizon: int, attribution: str, level: float,
-               method: str, n_resamples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def bootstrap_gap(arrays: tuple[np.ndarray, ...], horizon: int, attribution: str, level: float,
+                  method: str, n_resamples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Paired bootstrap interval (scipy.stats.bootstrap) of the gap and its three parts.
+
+    Parameters
+    ----------
+    arrays : tuple of numpy.ndarray
+        (o_A, o_B, e_A, e_B, post_A, post_B) per document, as :func:`split_gap` takes them.
+    horizon : int
+        T.
+    attribution : str
+        One of :data:`ATTRIBUTIONS`.
+    level : float
+        Confidence level.
+    method : str
+        scipy's bootstrap method ("BCa", "percentile", "basic").
+    n_resamples : int
+        Resamples.
+    seed : int
+        Seed of the resampling.
+
+    Returns
+    -------
+    (numpy.ndarray, numpy.ndarray)
+        Lower and upper bounds of (gap, first, exposure, rate); NaN with fewer than
+        two documents; a part constant across resamples gets the point as both bounds.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> o = rng.uniform(0.2, 0.8, (2, 12)); e = o * 5; p = e * 0.3
+    >>> lo, hi = bootstrap_gap((o[0], o[1], e[0], e[1], p[0], p[1]), 10, "shapley", 0.9, "percentile", 200, 0)
+    >>> bool((lo <= hi).all())
+    True
+    """
     def statistic(*xs, axis=-1):
         xs = [np.moveaxis(x, axis, -1) for x in xs]
-        return _split(*xs, horizon, attribution)[:4]
+        return split_gap(*xs, horizon, attribution)[:4]
 
     n = arrays[0].size
     point = statistic(*arrays)
@@ -281,6 +403,36 @@ def decompose(ds: xr.Dataset, a: str, b: str, attribution: str = "shapley", *,
     dataset. With a ``model`` dim, each model is decomposed separately and the
     fields are DataArrays over ``model``. Documents missing for either policy are
     dropped; ``n_docs`` is the number used.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Traces or per-document estimates.
+    a, b : str
+        The two policies; the gap is M_A − M_B.
+    attribution : {"shapley", "exposure-first", "rate-first"}
+        How the exposure × rate term is split.
+    window : int, optional
+        Observation window when ``ds`` holds traces.
+
+    Returns
+    -------
+    DecompositionResult
+        The gap, its parts and shares; ``confidence_interval()`` bootstraps them.
+
+    Raises
+    ------
+    ValueError
+        For an unknown attribution or policy, no common documents, or a
+        post-divergence part that is not identified.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=5, replicates=4)
+    >>> d = decompose(ds, "b", "a")
+    >>> bool(abs(d.gap - (d.first + d.exposure + d.rate)) < 1e-12)
+    True
     """
     if attribution not in ATTRIBUTIONS:
         raise ValueError(f"unknown attribution {attribution!r}; expected one of {ATTRIBUTIONS}")
@@ -292,8 +444,8 @@ def decompose(ds: xr.Dataset, a: str, b: str, attribution: str = "shapley", *,
         if arrays[0].size == 0:
             where = f" for model {m!r}" if m is not None else ""
             raise ValueError(f"no document has estimates for both {a!r} and {b!r}{where}")
-    main = [_split(*data[m], horizon, attribution) for m in models]
-    ordered_raw = {name: [_split(*data[m], horizon, name) for m in models]
+    main = [split_gap(*data[m], horizon, attribution) for m in models]
+    ordered_raw = {name: [split_gap(*data[m], horizon, name) for m in models]
                    for name in ("exposure-first", "rate-first")}
     pick = _picker(models)
     gap, first, exp_part, rate_part = (pick(main, i) for i in range(4))

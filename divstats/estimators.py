@@ -15,12 +15,19 @@ defined as 0 and loss = occurrence.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import xarray as xr
 
-from divstats._arrays import cov_of_means, mean_se, ratio_se
+from divstats.arrays import cov_of_means, mean_se, ratio_se
 from divstats.chunked import is_lazy, load, map_docs
 from divstats.replicates import Replicates, replicate_values
+
+__all__ = [
+    "BOOTSTRAP_BATCH", "DESCRIPTIONS", "ESTIMATORS", "INTERVAL_QUANTITIES", "MEAN_OVER_DOCS", "NOT_IDENTIFIED_POST",
+    "NOT_IDENTIFIED_REF", "SCALARS", "aggregate", "aggregate_intervals", "derived_quantities", "estimate"
+]
 
 #: What each reported quantity is (stored in the variable's ``attrs``).
 DESCRIPTIONS: dict[str, str] = {
@@ -60,8 +67,30 @@ NOT_IDENTIFIED_REF = ("reference traces observe nothing after divergence (W = 0)
 _POST_DEPENDENT = ("post_mismatch", "rate", "loss", "mismatch_fraction", "exposure_contribution")
 
 
-def _derive(occ: np.ndarray, exposure: np.ndarray, post: np.ndarray, T: int) -> dict[str, np.ndarray]:
-    """rate and the identity-bound quantities, computed from (occurrence, exposure, post)."""
+def derived_quantities(occ: np.ndarray, exposure: np.ndarray, post: np.ndarray, T: int) -> dict[str, np.ndarray]:
+    """The rate and the identity-bound quantities, computed from their parts.
+
+    Parameters
+    ----------
+    occ, exposure, post : numpy.ndarray
+        Means of occurrence, exposure and post_mismatch (same shape).
+    T : int
+        The horizon.
+
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        ``rate`` (NaN where exposure = 0), ``loss``, ``first_mismatch_contribution``,
+        ``exposure_contribution`` and ``mismatch_fraction``; loss = occ + exposure * rate
+        and mismatch_fraction = first + exposure contributions hold to rounding.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> d = derived_quantities(np.array([0.5]), np.array([4.0]), np.array([1.0]), 10)
+    >>> float(d["rate"][0]), round(float(d["mismatch_fraction"][0]), 12)
+    (0.25, 0.15)
+    """
     pos = exposure > 0
     with np.errstate(invalid="ignore", divide="ignore"):
         rate = np.where(pos, post / np.where(pos, exposure, 1.0), np.nan)
@@ -82,7 +111,7 @@ def _point_and_se(rep: Replicates) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name in ("occurrence", "exposure", "rmtd", "post_mismatch", "window_mismatch", "tail_capacity"):
         out[name], out[name + "_se"] = mean_se(v[name])
-    out.update(_derive(out["occurrence"], out["exposure"], out["post_mismatch"], T))
+    out.update(derived_quantities(out["occurrence"], out["exposure"], out["post_mismatch"], T))
     _, out["rate_se"] = ratio_se(v["post_mismatch"], v["exposure"])
     out["rate_se"] = np.where(np.isnan(out["rate"]), np.nan, out["rate_se"])
     _, out["loss_se"] = mean_se(v["occurrence"] + v["post_mismatch"])
@@ -149,6 +178,32 @@ def estimate(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     quantities are NaN with the reason in ``attrs["not_identified"]`` and only the
     interval (``loss_lower``, ``loss_upper``) is reported for the loss.
     A dask-backed ``ds`` is processed one document chunk at a time (``divstats.chunked``).
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset of any kind.
+    window : int, optional
+        Truncate the observation window W after divergence.
+
+    Returns
+    -------
+    xarray.Dataset
+        Every name in :data:`SCALARS` and its ``_se``, plus ``post_mismatch_exposure_cov``,
+        over (doc, policy[, model]); attrs describe the estimator.
+
+    Raises
+    ------
+    ValueError
+        For an unknown trace kind or a window beyond what the data observe.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=5, replicates=4)
+    >>> est = estimate(ds)
+    >>> bool(abs(est["loss"] - est["occurrence"] - est["exposure"] * est["rate"]).max() < 1e-9)
+    True
     """
     if is_lazy(ds):
         return map_docs(estimate, ds, window=window)
@@ -160,7 +215,8 @@ def estimate(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
 
 # --------------------------------------------------------------------------- aggregate
 
-_MEAN_OVER_DOCS = ("occurrence", "rmtd", "exposure", "post_mismatch", "window_mismatch",
+#: Quantities ``aggregate`` averages over documents; the rest are derived from them.
+MEAN_OVER_DOCS = ("occurrence", "rmtd", "exposure", "post_mismatch", "window_mismatch",
                    "tail_capacity")
 
 
@@ -186,15 +242,35 @@ def aggregate(estimates: xr.Dataset, dim: str = "doc") -> xr.Dataset:
       (between-document spread, which includes MC noise); ``<name>_sd_docs /
       sqrt(n_docs)`` is the naive SE for a population of documents.  Document-level
       inference (bootstrap, paired tests) belongs to the plans layer.
+
+    Parameters
+    ----------
+    estimates : xarray.Dataset
+        :func:`estimate`'s output.
+    dim : str
+        The document dim.
+
+    Returns
+    -------
+    xarray.Dataset
+        Every name in :data:`SCALARS` with ``_se`` and ``_sd_docs``, ``dim`` reduced.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=5, replicates=4)
+    >>> agg = aggregate(estimate(ds))
+    >>> agg["occurrence"].dims
+    ('policy',)
     """
     estimates = load(estimates)  # per-document estimates are small; a dask-backed one is computed
     T = int(estimates.attrs["horizon"])
     n_docs = estimates.sizes[dim]
     out: dict[str, xr.DataArray] = {}
-    for name in _MEAN_OVER_DOCS:
+    for name in MEAN_OVER_DOCS:
         out[name] = estimates[name].mean(dim, skipna=False)
         out[name + "_se"] = _combine_se(estimates[name + "_se"], dim)
-    derived = _derive(out["occurrence"].values, out["exposure"].values, out["post_mismatch"].values, T)
+    derived = derived_quantities(out["occurrence"].values, out["exposure"].values, out["post_mismatch"].values, T)
     like = out["occurrence"]
     for name, values in derived.items():
         out[name] = like.copy(data=values)
@@ -225,3 +301,87 @@ def aggregate(estimates: xr.Dataset, dim: str = "doc") -> xr.Dataset:
                  se_meaning="_se: Monte Carlo SE given the documents; _sd_docs: between-document SD")
     res = xr.Dataset(ordered, attrs=attrs)
     return res.drop_vars([c for c in res.coords if dim in res[c].dims], errors="ignore")
+
+
+# --------------------------------------------------------------------------- document bootstrap
+
+#: Quantities :func:`aggregate_intervals` gives intervals for (the report's estimates table).
+INTERVAL_QUANTITIES: tuple[str, ...] = (
+    "occurrence", "rmtd", "exposure", "rate", "mismatch_fraction", "first_mismatch_contribution",
+    "exposure_contribution", "loss_lower", "loss_upper",
+)
+#: Resamples evaluated at once: memory stays near BATCH x n_docs x (policy, model) values.
+BOOTSTRAP_BATCH = 500
+
+
+def _resampled_means(estimates: xr.Dataset, idx: np.ndarray) -> dict[str, np.ndarray]:
+    """Document means of MEAN_OVER_DOCS for each row of document indices ``idx``."""
+    means = {}
+    for name in MEAN_OVER_DOCS:
+        arr = np.asarray(estimates[name].transpose("doc", ...).values, dtype=float)
+        means[name] = np.concatenate([arr[idx[i:i + BOOTSTRAP_BATCH]].mean(axis=1)
+                                      for i in range(0, len(idx), BOOTSTRAP_BATCH)])
+    return means
+
+
+def _percentiles(boot: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
+    """Equal-tailed percentile interval over axis 0, NaN where nothing is finite."""
+    a = (1 - level) / 2
+    if not np.isfinite(boot).any():
+        return np.full(boot.shape[1:], np.nan), np.full(boot.shape[1:], np.nan)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices: not identified
+        lo, hi = np.nanquantile(boot, [a, 1 - a], axis=0)
+    return lo, hi
+
+
+def aggregate_intervals(estimates: xr.Dataset, *, level: float = 0.95, n_resamples: int = 2000,
+                        seed: int = 0) -> xr.Dataset:
+    """Percentile bootstrap over documents for the aggregate quantities.
+
+    Each resample draws documents with replacement (the same draw for every
+    policy) and recomputes the aggregate exactly as :func:`aggregate` does:
+    document means, rate = sum post / sum exposure, and the derived quantities.
+
+    Parameters
+    ----------
+    estimates : xarray.Dataset
+        Per-document estimates from :func:`estimate` (a ``doc`` dim, ``horizon`` attr).
+    level : float
+        Confidence level of the equal-tailed percentile interval.
+    n_resamples : int
+        Bootstrap resamples.
+    seed : int
+        Seed of the resampling.
+
+    Returns
+    -------
+    xarray.Dataset
+        ``<name>_low`` / ``<name>_high`` over (policy[, model]) for every name in
+        :data:`INTERVAL_QUANTITIES`; attrs record level, resamples, seed and method.
+
+    Examples
+    --------
+    >>> import divstats
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(6, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2)}, horizon=6, replicates=4)
+    >>> ci = aggregate_intervals(divstats.estimate(ds), n_resamples=200)
+    >>> bool((ci["occurrence_low"] <= ci["occurrence_high"]).all())
+    True
+    """
+    T = int(estimates.attrs["horizon"])
+    n = estimates.sizes["doc"]
+    idx = np.random.default_rng(seed).integers(0, n, (n_resamples, n))
+    means = _resampled_means(estimates, idx)
+    parts = derived_quantities(means["occurrence"], means["exposure"], means["post_mismatch"], T)
+    lower = means["occurrence"] + means["window_mismatch"]
+    boot = {**means, **parts, "loss_lower": lower, "loss_upper": lower + means["tail_capacity"]}
+    template = estimates["occurrence"].isel(doc=0, drop=True)
+    template = template.drop_vars([c for c in template.coords if not template[c].dims])
+    out = {}
+    for name in INTERVAL_QUANTITIES:
+        lo, hi = _percentiles(boot[name], level)
+        out[f"{name}_low"] = template.copy(data=lo)
+        out[f"{name}_high"] = template.copy(data=hi)
+    return xr.Dataset(out, attrs={"level": level, "n_resamples": n_resamples, "seed": seed,
+                                  "method": "percentile bootstrap over documents"})

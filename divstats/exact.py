@@ -16,6 +16,8 @@ import numpy as np
 
 from divstats.kernels import CoupledKernels, Kernel
 
+__all__ = ["ExactResult", "exact"]
+
 
 @dataclass(frozen=True)
 class ExactResult:
@@ -87,55 +89,86 @@ def exact(
     window : W, post-divergence steps observed (None = T: branches run to the end).
         Only ``window_mismatch``, ``tail_capacity`` and the interval depend on it.
     eos : absorbing end-of-sequence token, or None.
+
+    Returns
+    -------
+    ExactResult
+        Every estimand, with the number of enumerated states.
+
+    Raises
+    ------
+    ValueError
+        For a horizon below 1, a negative window, or kernels that are not probability laws.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> p = lambda h: np.array([0.6, 0.4])
+    >>> q = lambda h: np.array([0.5, 0.5])
+    >>> r = exact(p, q, 2, horizon=3)
+    >>> round(r.occurrence, 6), bool(np.isclose(r.loss, r.occurrence + r.exposure * r.rate))
+    (0.271, True)
     """
     if horizon < 1:
         raise ValueError(f"horizon must be >= 1, got {horizon}")
     T = int(horizon)
     W = _resolve_window(window, T)
     kern = CoupledKernels(p, q, vocab_size, eos)
-
-    diverge_at = np.zeros(T + 1)     # P(tau = t), t = 1..T
-    post = 0.0                       # E[R] = sum_t P(D_t = 1, tau < t)
-    win = 0.0                        # E[sum_{tau < t <= tau + W} D_t]
-    tail = 0.0                       # E[(T - tau - K) 1[not both ended at tau + K]; tau <= T]
-    bt_num = np.zeros(T)             # E[delta_{tau+k} 1[tau + k <= T]]
-
+    acc = _Sums(diverge_at=np.zeros(T + 1), bt_num=np.zeros(T))
     # state: (x history, y history, tau) -> probability; tau = 0 while they agree
-    states: dict[tuple[tuple[int, ...], tuple[int, ...], int], float] = {((), (), 0): 1.0}
+    states: dict[_State, float] = {((), (), 0): 1.0}
     n_states = 1
     for t in range(1, T + 1):
-        nxt: dict[tuple[tuple[int, ...], tuple[int, ...], int], float] = defaultdict(float)
-        for (xh, yh, tau), prob in states.items():
-            law = kern.law(xh, yh)
-            d = law.tv
-            if tau == 0:
-                diverge_at[t] += prob * d
-                bt_num[0] += prob * d * d
-            else:
-                k = t - tau
-                bt_num[k] += prob * d
-                post += prob * d
-                if k <= W:
-                    win += prob * d
-            if law.shared is not None:
-                for v in np.flatnonzero(law.shared):
-                    nxt[(xh + (int(v),), yh + (int(v),), tau)] += prob * (1.0 - d) * law.shared[v]
-            if law.x_res is not None:
-                new_tau = tau if tau else t
-                for a in np.flatnonzero(law.x_res):
-                    pa = prob * d * law.x_res[a]
-                    for b in np.flatnonzero(law.y_res):
-                        nxt[(xh + (int(a),), yh + (int(b),), new_tau)] += pa * law.y_res[b]
-        states = nxt
+        states = _step(states, t, W, kern, acc)
         n_states += len(states)
         # The observation window closes after step tau + W; what is left of the horizon
         # is the tail, which counts unless both branches have already ended.
         if t < T:
             for (xh, yh, tau), prob in states.items():
                 if tau and t - tau == W and not (kern.ended(xh) and kern.ended(yh)):
-                    tail += prob * (T - t)
+                    acc.tail += prob * (T - t)
+    return _assemble(T, W, acc.diverge_at, acc.post, acc.win, acc.tail, acc.bt_num, n_states)
 
-    return _assemble(T, W, diverge_at, post, win, tail, bt_num, n_states)
+
+_State = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+@dataclass
+class _Sums:
+    """The expectations ``exact`` accumulates over the enumerated states."""
+
+    diverge_at: np.ndarray           # P(tau = t), t = 1..T
+    bt_num: np.ndarray               # E[delta_{tau+k} 1[tau + k <= T]]
+    post: float = 0.0                # E[R] = sum_t P(D_t = 1, tau < t)
+    win: float = 0.0                 # E[sum_{tau < t <= tau + W} D_t]
+    tail: float = 0.0                # E[(T - tau - K) 1[not both ended at tau + K]; tau <= T]
+
+
+def _step(states: dict[_State, float], t: int, W: int, kern: CoupledKernels, acc: _Sums) -> dict[_State, float]:
+    """Step t of the coupled process: add its mismatch terms to ``acc``, return the next states."""
+    nxt: dict[_State, float] = defaultdict(float)
+    for (xh, yh, tau), prob in states.items():
+        law = kern.law(xh, yh)
+        d = law.tv
+        if tau == 0:
+            acc.diverge_at[t] += prob * d
+            acc.bt_num[0] += prob * d * d
+        else:
+            k = t - tau
+            acc.bt_num[k] += prob * d
+            acc.post += prob * d
+            if k <= W:
+                acc.win += prob * d
+        if law.shared is not None:
+            for v in np.flatnonzero(law.shared):
+                nxt[(xh + (int(v),), yh + (int(v),), tau)] += prob * (1.0 - d) * law.shared[v]
+        if law.x_res is not None:
+            new_tau = tau if tau else t
+            for a in np.flatnonzero(law.x_res):
+                pa = prob * d * law.x_res[a]
+                for b in np.flatnonzero(law.y_res):
+                    nxt[(xh + (int(a),), yh + (int(b),), new_tau)] += pa * law.y_res[b]
+    return nxt
 
 
 def _assemble(T: int, W: int, diverge_at: np.ndarray, post: float, win: float, tail: float,

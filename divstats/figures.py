@@ -20,13 +20,34 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from scipy import stats
 
+__all__ = [
+    "branch_tv_figure", "decomposition_figure", "doc_band", "gap_figure", "interval_figure", "policy_colors",
+    "survival_figure", "variance_figure"
+]
+
 _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
             "#7f7f7f", "#bcbd22", "#17becf")
 _WINDOW_COLORS = ("#9ecae1", "#fdae6b", "#a1d99b", "#d9d9d9")
 
 
 def policy_colors(policies: Sequence[str]) -> dict[str, str]:
-    """A stable colour per policy (in dataset order), shared by every figure."""
+    """A stable colour per policy (in dataset order), shared by every figure.
+
+    Parameters
+    ----------
+    policies : sequence of str
+        Policy ids in dataset order.
+
+    Returns
+    -------
+    dict of str to str
+        Policy → hex colour.
+
+    Examples
+    --------
+    >>> policy_colors(["a", "b"])
+    {'a': '#1f77b4', 'b': '#d62728'}
+    """
     return {str(p): _PALETTE[i % len(_PALETTE)] for i, p in enumerate(policies)}
 
 
@@ -49,7 +70,31 @@ def _panels(n: int, width: float = 6.4, height: float = 4.2, sharey: bool = True
 
 def doc_band(values: xr.DataArray, se: xr.DataArray | None = None, level: float = 0.95,
              dim: str = "doc") -> tuple[xr.DataArray, xr.DataArray, xr.DataArray]:
-    """(mean, low, high) over documents: mean ± z·SD_docs/√n (MC SE if one document)."""
+    """(mean, low, high) over documents: mean ± z·SD_docs/√n (MC SE if one document).
+
+    Parameters
+    ----------
+    values : xarray.DataArray
+        Per-document values.
+    se : xarray.DataArray, optional
+        Their Monte Carlo SEs (used with a single document).
+    level : float
+        Band level.
+    dim : str
+        The document dim.
+
+    Returns
+    -------
+    (xarray.DataArray, xarray.DataArray, xarray.DataArray)
+        Mean, low and high, ``dim`` reduced.
+
+    Examples
+    --------
+    >>> import xarray as xr
+    >>> m, lo, hi = doc_band(xr.DataArray([1.0, 2.0, 3.0], dims="doc"))
+    >>> float(m), bool(lo < m < hi)
+    (2.0, True)
+    """
     z = stats.norm.ppf(0.5 + level / 2)
     mean = values.mean(dim, skipna=True)
     n = values.notnull().sum(dim)
@@ -74,12 +119,33 @@ def _legend(ax, n: int) -> None:
 # ---------------------------------------------------------------------------
 
 def survival_figure(surv: xr.Dataset, *, level: float = 0.95) -> Figure:
-    """Survival S(t) = P(tau > t) per policy, document mean with a band (docs/statistics.md §3)."""
+    """Survival S(t) = P(tau > t) per policy, document mean with a band (docs/statistics.md §3).
+
+    Parameters
+    ----------
+    surv : xarray.Dataset
+        ``divstats.survival(ds)``.
+    level : float
+        Band level.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One panel per model.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=5, replicates=4)
+    >>> import divstats
+    >>> len(survival_figure(divstats.survival(ds)).axes)
+    1
+    """
     models = _models(surv)
     fig, axes = _panels(len(models))
     colors = policy_colors(surv["policy"].values)
     step = surv["step"].values
-    for ax, model in zip(axes, models):
+    for ax, model in zip(axes, models, strict=True):
         sub = surv if model is None else surv.sel(model=model)
         for pol in sub["policy"].values:
             s = sub.sel(policy=pol)
@@ -103,13 +169,33 @@ def decomposition_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
     Error bars: the total's document-level interval (mean ± z·SD_docs/√n). When the
     post-divergence part is not identified (finite window), the identified window
     part is drawn solid and the tail capacity as a hatched range (the sharp interval).
+
+    Parameters
+    ----------
+    agg : xarray.Dataset
+        ``divstats.aggregate(est)``.
+    level : float
+        Error-bar level.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One panel per model.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=5, replicates=4)
+    >>> import divstats
+    >>> len(decomposition_figure(divstats.aggregate(divstats.estimate(ds))).axes)
+    1
     """
     models = _models(agg)
     fig, axes = _panels(len(models), height=max(2.6, 0.55 * agg.sizes["policy"] + 1.8))
     z = stats.norm.ppf(0.5 + level / 2)
     n_docs = int(agg.attrs.get("n_docs", 1))
     T = float(agg.attrs.get("horizon", 1))
-    for ax, model in zip(axes, models):
+    for ax, model in zip(axes, models, strict=True):
         sub = agg if model is None else agg.sel(model=model)
         pols = [str(p) for p in sub["policy"].values]
         y = np.arange(len(pols))
@@ -148,6 +234,23 @@ def gap_figure(rows: Sequence[Mapping[str, Any]]) -> Figure:
 
     ``rows``: dicts with ``label`` and, for each of gap/first/exposure/rate, the
     value and ``<name>_low``/``<name>_high`` (as in the report's decomposition table).
+
+    Parameters
+    ----------
+    rows : sequence of mapping
+        As described above.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        Horizontal bars with interval whiskers.
+
+    Examples
+    --------
+    >>> row = {"label": "a vs b", **{k: 0.1 for k in ("gap", "first", "exposure", "rate")},
+    ...        **{f"{k}_{e}": 0.1 for k in ("gap", "first", "exposure", "rate") for e in ("low", "high")}}
+    >>> len(gap_figure([row]).axes) >= 1
+    True
     """
     parts = [("first", "Δ first mismatch", "#4c72b0"), ("exposure", "Δ exposure", "#dd8452"),
              ("rate", "Δ rate", "#55a868"), ("gap", "gap (total)", "#333333")]
@@ -175,12 +278,35 @@ def gap_figure(rows: Sequence[Mapping[str, Any]]) -> Figure:
 
 def branch_tv_figure(bt: xr.Dataset, windows: Mapping[str, tuple[int, int]] | None = None,
                      *, level: float = 0.95) -> Figure:
-    """Branch-aligned TV by age since divergence, with the plan's windows shaded."""
+    """Branch-aligned TV by age since divergence, with the plan's windows shaded.
+
+    Parameters
+    ----------
+    bt : xarray.Dataset
+        ``divstats.branch_tv(ds)``.
+    windows : mapping of str to (int, int), optional
+        Named inclusive age ranges to shade (a plan's ``windows``).
+    level : float
+        Band level.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One panel per model.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=5, replicates=4)
+    >>> import divstats
+    >>> len(branch_tv_figure(divstats.branch_tv(ds), {"early": (1, 2)}).axes)
+    1
+    """
     models = _models(bt)
     fig, axes = _panels(len(models))
     colors = policy_colors(bt["policy"].values)
     age = bt["age"].values
-    for ax, model in zip(axes, models):
+    for ax, model in zip(axes, models, strict=True):
         sub = bt if model is None else bt.sel(model=model)
         for k, (name, (first, last)) in enumerate((windows or {}).items()):
             ax.axvspan(first - 0.5, min(last, age.max()) + 0.5, color=_WINDOW_COLORS[k % 4], alpha=0.35, lw=0)
@@ -208,13 +334,33 @@ def interval_figure(ivw: xr.Dataset, full: xr.Dataset | None = None) -> Figure:
     ``ivw``: ``divstats.interval_by_window(ds, windows)``; per-document bounds are
     averaged over documents (equal weights, as the aggregate). ``full``: the
     aggregate at the full horizon, drawn dotted where the loss is identified.
+
+    Parameters
+    ----------
+    ivw : xarray.Dataset
+        ``divstats.interval_by_window(ds, windows)``.
+    full : xarray.Dataset, optional
+        ``divstats.aggregate(est)`` at the full horizon.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One panel per model.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=5, replicates=4)
+    >>> import divstats
+    >>> len(interval_figure(divstats.interval_by_window(ds, [0, 2, 4])).axes)
+    1
     """
     curve = ivw.mean("doc") if "doc" in ivw.dims else ivw
     models = _models(curve)
     fig, axes = _panels(len(models))
     colors = policy_colors(curve["policy"].values)
     w = curve["window"].values
-    for ax, model in zip(axes, models):
+    for ax, model in zip(axes, models, strict=True):
         sub = curve if model is None else curve.sel(model=model)
         for pol in sub["policy"].values:
             s = sub.sel(policy=pol)
@@ -243,6 +389,26 @@ def variance_figure(vc: xr.Dataset, *, residual: str = "var_residual",
     """Residual-branch vs implied crude variance per (document, policy), log–log.
 
     Points below the diagonal are variance reductions (docs/statistics.md §5 guarantees ≤).
+
+    Parameters
+    ----------
+    vc : xarray.Dataset
+        ``divstats.variance_check(ds)``.
+    residual, crude : str
+        The variables plotted on the y and x axes.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        A log–log scatter with the diagonal.
+
+    Examples
+    --------
+    >>> import divstats
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(3, {"a": PolicyEffect(0.2)}, horizon=5, replicates=4, kind="residual")
+    >>> len(variance_figure(divstats.variance_check(ds)).axes)
+    1
     """
     fig = _figure(6.0, 5.0)
     ax = fig.subplots()

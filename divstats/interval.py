@@ -16,10 +16,12 @@ from collections.abc import Iterable
 import numpy as np
 import xarray as xr
 
-from divstats._arrays import mean_se, nanmean, ratio_se
+from divstats.arrays import mean_se, nanmean, ratio_se
 from divstats.chunked import is_lazy, map_docs
 from divstats.kernels import CoupledKernels, Kernel, step_law
 from divstats.replicates import replicate_values
+
+__all__ = ["Untag", "extremal_kernels", "interval_by_window", "sharp_interval"]
 
 
 def sharp_interval(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
@@ -30,6 +32,26 @@ def sharp_interval(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     ``loss_lower``, ``loss_upper``, ``mismatch_fraction_lower``/``_upper`` (= /T),
     ``rate_lower``/``_upper`` (post-divergence part / exposure; NaN if exposure = 0),
     each with a Monte Carlo ``_se``.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset of any kind.
+    window : int, optional
+        The observation window W (coupled and residual traces can be truncated).
+
+    Returns
+    -------
+    xarray.Dataset
+        The bounds and their SEs over (doc, policy[, model]).
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.2)}, horizon=5, replicates=4)
+    >>> iv = sharp_interval(ds, window=1)
+    >>> bool((iv["loss_lower"] <= iv["loss_upper"]).all())
+    True
     """
     if is_lazy(ds):
         return map_docs(sharp_interval, ds, window=window)
@@ -65,7 +87,27 @@ def sharp_interval(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
 
 
 def interval_by_window(ds: xr.Dataset, windows: Iterable[int]) -> xr.Dataset:
-    """``sharp_interval`` for each W in ``windows``, stacked along a new ``window`` dim."""
+    """``sharp_interval`` for each W in ``windows``, stacked along a new ``window`` dim.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset.
+    windows : iterable of int
+        Observation windows W.
+
+    Returns
+    -------
+    xarray.Dataset
+        :func:`sharp_interval`'s variables with a leading ``window`` dim.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.2)}, horizon=5, replicates=4)
+    >>> interval_by_window(ds, [0, 2, 4])["window"].values.tolist()
+    [0, 2, 4]
+    """
     windows = [int(w) for w in windows]
     if is_lazy(ds):  # one pass over the data for all windows
         return map_docs(interval_by_window, ds, windows=windows)
@@ -168,6 +210,41 @@ def extremal_kernels(
     different fixed tokens (``"upper"``: D = 1 unless both have already ended).
     ``exact(p2, q2, vocab_size2, horizon, window, eos)`` then gives
     loss = the endpoint with the original occurrence and window mismatch.
+
+    Parameters
+    ----------
+    p, q : callable
+        Kernels: a history (tuple of tokens) → probabilities over ``vocab_size`` tokens.
+    vocab_size : int
+        V.
+    horizon : int
+        T.
+    window : int
+        W, post-divergence steps observed.
+    bound : {"lower", "upper"}
+        Which end of the interval to attain.
+    eos : int, optional
+        Absorbing end-of-sequence token.
+
+    Returns
+    -------
+    (callable, callable, int, Untag)
+        ``(p2, q2, vocab_size2, untag)``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown bound, a negative window or a horizon below 1.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> p = lambda h: np.array([0.6, 0.4])
+    >>> q = lambda h: np.array([0.5, 0.5])
+    >>> from divstats.exact import exact
+    >>> p2, q2, v2, untag = extremal_kernels(p, q, 2, 4, 1, "upper")
+    >>> bool(np.isclose(exact(p2, q2, v2, 4, 1).loss, exact(p, q, 2, 4, 1).loss_upper))
+    True
     """
     if bound not in ("lower", "upper"):
         raise ValueError(f"bound must be 'lower' or 'upper', got {bound!r}")

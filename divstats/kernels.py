@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+__all__ = ["SUM_TOL", "CoupledKernels", "Kernel", "StepLaw", "step_law"]
+
 Kernel = Callable[[tuple[int, ...]], np.ndarray]
 
 #: Probability vectors must sum to one within this tolerance (then renormalised).
@@ -43,7 +45,25 @@ def _normalise(name: str, vec: np.ndarray) -> np.ndarray:
 
 
 def step_law(p: np.ndarray, q: np.ndarray) -> StepLaw:
-    """Split (p, q) into the shared part and the two residuals of the maximal coupling."""
+    """Split (p, q) into the shared part and the two residuals of the maximal coupling.
+
+    Parameters
+    ----------
+    p, q : numpy.ndarray
+        Probability vectors over the same tokens.
+
+    Returns
+    -------
+    StepLaw
+        tv, the shared law and the two residual laws (None where the mass is 0).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> law = step_law(np.array([0.6, 0.4]), np.array([0.5, 0.5]))
+    >>> round(law.tv, 10), law.x_res.tolist(), law.y_res.tolist()
+    (0.1, [1.0, 0.0], [0.0, 1.0])
+    """
     common = np.minimum(p, q)
     xr_ = np.clip(p - q, 0.0, None)
     yr_ = np.clip(q - p, 0.0, None)

@@ -37,6 +37,12 @@ from typing import Literal
 import numpy as np
 from scipy import stats
 
+__all__ = [
+    "ALTERNATIVES", "EXACT_PERMUTATION_MAX_N", "EXACT_SIGNED_RANK_MAX_N", "TESTS", "Alternative",
+    "PairedTestResult", "TestName", "hodges_lehmann", "holm", "mean_difference_bootstrap", "mean_difference_t",
+    "paired_test", "signed_rank_null_cdf"
+]
+
 Alternative = Literal["two-sided", "less", "greater"]
 TestName = Literal["wilcoxon", "ttest", "permutation"]
 
@@ -101,6 +107,21 @@ def signed_rank_null_cdf(n: int) -> np.ndarray:
     Returns ``cdf`` with ``cdf[w] = P(W+ <= w)`` for w = 0..n(n+1)/2, from the
     subset-sum recursion (counts of subsets of {1..n} summing to w) in floats
     normalised as we go so that large n does not overflow.
+
+    Parameters
+    ----------
+    n : int
+        Number of pairs.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``cdf`` of length n(n+1)/2 + 1.
+
+    Examples
+    --------
+    >>> signed_rank_null_cdf(2).tolist()
+    [0.25, 0.5, 0.75, 1.0]
     """
     m = n * (n + 1) // 2
     pmf = np.zeros(m + 1)
@@ -137,6 +158,26 @@ def hodges_lehmann(d: np.ndarray, confidence_level: float = 0.95,
     """Hodges–Lehmann location of paired differences with the Wilcoxon-inverted interval.
 
     Returns ``(estimate, low, high)``; one-sided alternatives give a one-sided bound.
+
+    Parameters
+    ----------
+    d : numpy.ndarray
+        Paired differences (NaN-free).
+    confidence_level : float
+        Level of the interval.
+    alternative : {"two-sided", "less", "greater"}
+        Side of the bound.
+
+    Returns
+    -------
+    (float, float, float)
+        Estimate, lower and upper bound.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> hodges_lehmann(np.array([1.0, 2.0, 3.0]))[0]
+    2.0
     """
     d = np.asarray(d, dtype=float)
     d = d[np.isfinite(d)]
@@ -159,7 +200,29 @@ def hodges_lehmann(d: np.ndarray, confidence_level: float = 0.95,
 
 def mean_difference_t(d: np.ndarray, confidence_level: float = 0.95,
                       alternative: Alternative = "two-sided") -> tuple[float, float, float]:
-    """Mean of paired differences with its t interval (one-sided bound if asked)."""
+    """Mean of paired differences with its t interval (one-sided bound if asked).
+
+    Parameters
+    ----------
+    d : numpy.ndarray
+        Paired differences (NaN-free).
+    confidence_level : float
+        Level of the interval.
+    alternative : {"two-sided", "less", "greater"}
+        Side of the bound.
+
+    Returns
+    -------
+    (float, float, float)
+        Mean, lower and upper bound.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> m, lo, hi = mean_difference_t(np.array([1.0, 2.0, 3.0]), alternative="greater")
+    >>> m, hi
+    (2.0, inf)
+    """
     d = np.asarray(d, dtype=float)
     d = d[np.isfinite(d)]
     if d.size == 0:
@@ -183,7 +246,33 @@ def mean_difference_t(d: np.ndarray, confidence_level: float = 0.95,
 def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
                               alternative: Alternative = "two-sided", *, n_resamples: int = 9999,
                               seed: int = 0) -> tuple[float, float, float]:
-    """Mean of paired differences with a BCa bootstrap interval over documents."""
+    """Mean of paired differences with a BCa bootstrap interval over documents.
+
+    Parameters
+    ----------
+    d : numpy.ndarray
+        Paired differences (NaN-free).
+    confidence_level : float
+        Level of the interval.
+    alternative : {"two-sided", "less", "greater"}
+        Side of the bound.
+    n_resamples : int
+        Bootstrap resamples.
+    seed : int
+        Seed of the resampling.
+
+    Returns
+    -------
+    (float, float, float)
+        Mean, lower and upper bound.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> m, lo, hi = mean_difference_bootstrap(np.arange(10.0), n_resamples=999)
+    >>> lo < m < hi
+    True
+    """
     d = np.asarray(d, dtype=float)
     d = d[np.isfinite(d)]
     if d.size == 0:
@@ -250,6 +339,42 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
 
     ``alternative`` is about A − B: ``less`` means H1: A < B. Pairs with a missing
     value (NaN) on either side are dropped; ``n`` is the number used.
+
+    Parameters
+    ----------
+    a, b : numpy.ndarray
+        Per-document values of the two sides (same length).
+    test : {"wilcoxon", "ttest", "permutation"}
+        The test (docs/plans.md).
+    alternative : {"two-sided", "less", "greater"}
+        H1 about A − B.
+    confidence_level : float
+        Level of the effect-size intervals (one-sided bounds for one-sided H1).
+    n_resamples : int
+        Monte Carlo permutations (beyond exact enumeration) and bootstrap resamples.
+    seed : int
+        Seed of every resampling.
+    mean_ci : {"t", "bootstrap"}
+        Interval for the mean difference.
+
+    Returns
+    -------
+    PairedTestResult
+        Statistic, p-value, the test's effect size with its interval, both effect
+        sizes with their intervals, and ``n``.
+
+    Raises
+    ------
+    ValueError
+        For unequal lengths or an unknown test, alternative or ``mean_ci``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> a = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6]); b = a + np.array([0.1, 0.12, 0.09, 0.11, 0.1, 0.13])
+    >>> res = paired_test(a, b, "ttest", "less")
+    >>> res.n, res.pvalue < 0.05
+    (6, True)
     """
     if test not in TESTS:
         raise ValueError(f"unknown test {test!r}; expected one of {TESTS}")
@@ -284,7 +409,27 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
 
 
 def holm(pvalues: np.ndarray, alpha: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
-    """Holm step-down within one family: ``(reject, p_adjusted)``; NaN p-values stay NaN."""
+    """Holm step-down within one family: ``(reject, p_adjusted)``; NaN p-values stay NaN.
+
+    Parameters
+    ----------
+    pvalues : numpy.ndarray
+        The family's p-values (NaN: not evaluated).
+    alpha : float
+        The family's level.
+
+    Returns
+    -------
+    (numpy.ndarray, numpy.ndarray)
+        Boolean rejections and adjusted p-values.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> reject, adj = holm(np.array([0.01, 0.04, np.nan]))
+    >>> reject.tolist(), [round(float(x), 2) for x in adj]
+    ([True, True, False], [0.02, 0.04, nan])
+    """
     from statsmodels.stats.multitest import multipletests
 
     p = np.asarray(pvalues, dtype=float)

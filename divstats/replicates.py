@@ -14,7 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import xarray as xr
 
-from divstats._arrays import Layout, core_array, kind_of, layout, present_replicates, row_chunks
+from divstats.arrays import Layout, core_array, kind_of, layout, present_replicates, row_chunks
+
+__all__ = [
+    "VALUES", "Replicates", "effective_window", "eos_of", "eos_rows", "first_divergence", "horizon_of",
+    "reference_survival", "replicate_values", "survival_terms",
+]
 
 #: Per-replicate values produced for every kind.
 VALUES = ("occurrence", "exposure", "rmtd", "post_mismatch", "window_mismatch", "tail_capacity",
@@ -40,10 +45,47 @@ class Replicates:
 
 
 def horizon_of(ds: xr.Dataset) -> int:
+    """The horizon T of a trace dataset (its ``horizon`` attribute).
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset.
+
+    Returns
+    -------
+    int
+        T.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.1)}, horizon=4, replicates=3)
+    >>> horizon_of(ds)
+    4
+    """
     return int(ds.attrs["horizon"])
 
 
 def eos_of(ds: xr.Dataset) -> int:
+    """The dataset-wide EOS token id, -1 when there is none.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset.
+
+    Returns
+    -------
+    int
+        The ``eos_token_id`` attribute, or -1.
+
+    Examples
+    --------
+    >>> import xarray as xr
+    >>> eos_of(xr.Dataset(attrs={"eos_token_id": 2})), eos_of(xr.Dataset())
+    (2, -1)
+    """
     eos = ds.attrs.get("eos_token_id", -1)
     return -1 if eos is None else int(eos)
 
@@ -53,16 +95,61 @@ def eos_rows(ds: xr.Dataset, lay: Layout) -> np.ndarray:
 
     Datasets combined across models carry a per-model ``eos_token_id`` coordinate
     (the global attr is then -1 when the models differ); it takes precedence.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset.
+    lay : Layout
+        ``divstats.arrays.layout(ds)``.
+
+    Returns
+    -------
+    numpy.ndarray
+        int64, shape ``(lay.rows,)``.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.1)}, horizon=4, replicates=3)
+    >>> from divstats.arrays import layout
+    >>> eos_rows(ds, layout(ds)).shape
+    (2,)
     """
     coord = ds.coords.get("eos_token_id")
     if coord is None or not coord.dims or not set(coord.dims) <= set(lay.dims):
         return np.full(lay.rows, eos_of(ds))
-    var = coord.variable.set_dims(dict(zip(lay.dims, lay.shape)))
+    var = coord.variable.set_dims(dict(zip(lay.dims, lay.shape, strict=True)))
     return var.transpose(*lay.dims).values.reshape(-1).astype(np.int64)
 
 
 def effective_window(ds: xr.Dataset, window: int | None) -> int:
-    """W actually used: the data's own window, or a truncation of it."""
+    """W actually used: the data's own window, or a truncation of it.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset (coupled traces observe W = T, reference traces W = 0).
+    window : int or None
+        A truncation, or None for the data's own window.
+
+    Returns
+    -------
+    int
+        W, at most T.
+
+    Raises
+    ------
+    ValueError
+        For a negative window, or one beyond what the data observe.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.1)}, horizon=4, replicates=3)
+    >>> effective_window(ds, None), effective_window(ds, 2)
+    (4, 2)
+    """
     kind, T = kind_of(ds), horizon_of(ds)
     data_w = {"coupled": T, "residual": int(ds.attrs.get("window", T)), "reference": 0}[kind]
     data_w = min(data_w, T)
@@ -76,8 +163,28 @@ def effective_window(ds: xr.Dataset, window: int | None) -> int:
     return window
 
 
-def _first_divergence(x: np.ndarray, y: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:
-    """(D, tau) with tau = T + 1 standing for 'no divergence in 1..T'."""
+def first_divergence(x: np.ndarray, y: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """(D, tau) with tau = T + 1 standing for 'no divergence in 1..T'.
+
+    Parameters
+    ----------
+    x, y : numpy.ndarray
+        The two branches' tokens, steps on the last axis.
+    T : int
+        The horizon.
+
+    Returns
+    -------
+    (numpy.ndarray, numpy.ndarray)
+        D (``x != y`` per step) and tau (1-based step of the first mismatch, T + 1 if none).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> d, tau = first_divergence(np.array([[1, 2, 3], [1, 2, 3]]), np.array([[1, 5, 3], [1, 2, 3]]), 3)
+    >>> tau.tolist()
+    [2, 4]
+    """
     d = x != y
     hit = d.any(axis=-1)
     tau = np.where(hit, d.argmax(axis=-1) + 1, T + 1)
@@ -98,7 +205,7 @@ def _both_ended(x: np.ndarray, y: np.ndarray, idx: np.ndarray, eos: np.ndarray) 
 
 
 def _coupled_chunk(x: np.ndarray, y: np.ndarray, T: int, W: int, eos: np.ndarray) -> dict[str, np.ndarray]:
-    d, tau = _first_divergence(x, y, T)
+    d, tau = first_divergence(x, y, T)
     occ = tau <= T
     steps = np.arange(1, T + 1)
     t = tau[..., None]
@@ -122,6 +229,24 @@ def survival_terms(shared_tv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     After a step with tv = 1 the path is dead: S is 0 from there on, so filling the
     NaNs with 0 leaves S and pi unchanged.
+
+    Parameters
+    ----------
+    shared_tv : numpy.ndarray
+        TV between the branches' next-token laws along the survival path, steps on the
+        last axis (NaN after the path stops).
+
+    Returns
+    -------
+    (numpy.ndarray, numpy.ndarray)
+        S_t = prod_{s<=t} (1 - tv_s) and pi_t = S_{t-1} tv_t, same shape as the input.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> s, pi = survival_terms(np.array([0.5, 0.5]))
+    >>> s.tolist(), pi.tolist()
+    ([0.5, 0.25], [0.5, 0.25])
     """
     d = _fill_tv(shared_tv)
     s = np.cumprod(1.0 - d, axis=-1)
@@ -174,7 +299,24 @@ def _residual_chunk(stv: np.ndarray, tstar: np.ndarray, bx: np.ndarray, by: np.n
 
 
 def reference_survival(logp: np.ndarray, logq: np.ndarray) -> np.ndarray:
-    """S_t = prod_{s<=t} min(1, q_s/p_s) along P's own sample (docs/statistics.md §7), t = 1..T."""
+    """S_t = prod_{s<=t} min(1, q_s/p_s) along P's own sample (docs/statistics.md §7), t = 1..T.
+
+    Parameters
+    ----------
+    logp, logq : numpy.ndarray
+        Log-probabilities of P's sampled tokens under P and Q, steps on the last axis.
+
+    Returns
+    -------
+    numpy.ndarray
+        S_t, same shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> reference_survival(np.log([0.5, 0.5]), np.log([0.25, 0.5])).tolist()
+    [0.5, 0.5]
+    """
     with np.errstate(invalid="ignore"):
         log_ratio = np.minimum(0.0, logq.astype(np.float64) - logp.astype(np.float64))
     return np.exp(np.cumsum(log_ratio, axis=-1))
@@ -201,7 +343,32 @@ def _reference_chunk(logp: np.ndarray, logq: np.ndarray, T: int) -> dict[str, np
 
 
 def replicate_values(ds: xr.Dataset, window: int | None = None) -> Replicates:
-    """Per-replicate values of every estimand for a trace dataset of any kind."""
+    """Per-replicate values of every estimand for a trace dataset of any kind.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset (coupled, residual or reference).
+    window : int, optional
+        Truncate the observation window (see :func:`effective_window`).
+
+    Returns
+    -------
+    Replicates
+        Values of :data:`VALUES` per (row, replicate), NaN for absent replicates.
+
+    Raises
+    ------
+    ValueError
+        For an unknown kind or an impossible window.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.1)}, horizon=4, replicates=3)
+    >>> replicate_values(ds).values["occurrence"].shape
+    (2, 3)
+    """
     kind, T, eos = kind_of(ds), horizon_of(ds), eos_of(ds)
     W = effective_window(ds, window)
     lay = layout(ds)

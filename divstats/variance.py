@@ -16,9 +16,11 @@ import warnings
 import numpy as np
 import xarray as xr
 
-from divstats._arrays import core_array, mean_se, nanmean, row_chunks
+from divstats.arrays import core_array, mean_se, nanmean, row_chunks
 from divstats.chunked import is_lazy, map_docs
 from divstats.replicates import replicate_values, survival_terms
+
+__all__ = ["variance_check"]
 
 
 def _arviz():
@@ -70,6 +72,28 @@ def variance_check(ds: xr.Dataset) -> xr.Dataset:
       favours the residual mode);
     * ``ess``, ``mcse``: arviz effective sample size and MCSE of the mean loss
       (replicates as one chain; ESS near n says they behave as independent draws).
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Residual traces with W >= T - 1 and at least 2 replicates.
+
+    Returns
+    -------
+    xarray.Dataset
+        The variables above over (doc, policy[, model]).
+
+    Raises
+    ------
+    ValueError
+        For other trace kinds, a short window, or fewer than 2 replicates.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.2)}, horizon=5, replicates=4, kind="residual")
+    >>> bool((variance_check(ds)["variance_ratio"] <= 1).all())
+    True
     """
     if ds.attrs.get("kind") != "residual":
         raise ValueError("variance_check needs residual traces (kind='residual')")

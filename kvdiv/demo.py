@@ -9,7 +9,7 @@ Steps (each shown on stderr as it runs):
 3. collect residual-branch traces for the paper's policies: ``snapkv@0.5``,
    ``snapkv#N`` with N about half the median prompt, ``recent@0.5`` and ``snapkv@0.9``;
 4. stop the server, pack ``traces.nc``;
-5. run the shipped plan (``plans/paper.toml``) with ``snapkv#512`` substituted by
+5. run the shipped plan (``paper``, divstats package data) with ``snapkv#512`` substituted by
    ``snapkv#N`` (a recorded deviation: the two budget rows are labelled
    exploratory), writing ``results.nc``, ``report.html`` and ``summary.md``.
 
@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -311,14 +312,11 @@ def _prepare_documents(cfg: DemoConfig) -> tuple[Path, int]:
 # --------------------------------------------------------------------------- analysis
 
 
-def shipped_plan() -> Path:
-    """``plans/paper.toml`` beside the packages (a source checkout, as ``make demo`` uses)."""
-    import divstats
+def shipped_plan() -> Traversable:
+    """The shipped paper plan (package data of divstats, so a wheel install has it too)."""
+    from divstats.plans import shipped_plan as packaged
 
-    path = Path(divstats.__file__).resolve().parents[1] / "plans" / "paper.toml"
-    if not path.exists():
-        raise DemoError(f"the shipped plan {path} is missing; pass a plan explicitly")
-    return path
+    return packaged("paper")
 
 
 def headline(an: Any) -> str:

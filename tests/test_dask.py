@@ -11,7 +11,7 @@ import xarray as xr
 import divstats as D
 from divstats.calibration import PolicyEffect, simulate_study
 from divstats.chunked import map_docs_many
-from divstats.plans import run_plan
+from divstats.planrun import run_plan
 from protocols import open_traces, save_traces
 from protocols.chunks import dask_client, doc_slices, is_lazy
 
@@ -97,7 +97,7 @@ def test_run_plan_equal_in_memory(traces):
 
 
 def test_report_results_equal_in_memory(traces):
-    from divstats.report import compute
+    from divstats.analysis import compute
 
     mem, lazy = traces
     a = compute(mem, PAPER, n_resamples=199, progress=False).results
@@ -140,7 +140,7 @@ def test_cli_analyze_on_a_local_cluster_writes_the_same_results(tmp_path):
     from click.testing import CliRunner
 
     from divstats.cli import analyze
-    from divstats.report import load_results
+    from divstats.results import load_results
 
     path = tmp_path / "traces.zarr"
     save_traces(simulate_study(9, POLICIES, horizon=36, replicates=5, kind="residual", seed=6), path)

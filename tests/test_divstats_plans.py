@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,19 +17,18 @@ import xarray as xr
 from scipy import stats
 
 from divstats.paired import hodges_lehmann, holm, paired_test, signed_rank_null_cdf
+from divstats.planrun import TABLE_COLUMNS, run_plan
 from divstats.plans import (
-    TABLE_COLUMNS,
     PlanError,
     assign_split,
     load_plan,
     parse_aliases,
-    run_plan,
+    shipped_plan,
     split_table,
     split_uniform,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-PAPER = ROOT / "plans" / "paper.toml"
+PAPER = shipped_plan("paper")  # package data, as a wheel install has it
 POLICIES = ["snapkv@0.5", "snapkv#512", "recent@0.5", "snapkv@0.9"]
 
 

@@ -9,7 +9,8 @@ import pytest
 
 import divstats
 from divstats.calibration import PolicyEffect, paired_calibration, simulate_study
-from divstats.plans import PlanError, run_plan, window_mean
+from divstats.planrun import run_plan, window_mean
+from divstats.plans import PlanError
 
 PLANTED = {"snapkv@0.5": PolicyEffect(0.03), "snapkv#512": PolicyEffect(0.09),
            "recent@0.5": PolicyEffect(0.09), "snapkv@0.9": PolicyEffect(0.02, growth=1.0)}

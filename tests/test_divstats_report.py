@@ -6,7 +6,6 @@ import hashlib
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,14 +15,17 @@ from matplotlib.figure import Figure
 
 import divstats
 from divstats import figures as F
+from divstats.analysis import compute
 from divstats.calibration import PolicyEffect, simulate_study
 from divstats.cli import analyze, split
 from divstats.decompose import decompose
-from divstats.plans import assign_split, run_plan
-from divstats.report import compute, fmt, load_results, make_figures
+from divstats.planrun import run_plan
+from divstats.plans import assign_split, shipped_plan
+from divstats.render import make_figures
+from divstats.results import load_results
+from divstats.tables import fmt
 
-ROOT = Path(__file__).resolve().parents[1]
-PAPER = ROOT / "plans" / "paper.toml"
+PAPER = shipped_plan("paper")  # package data, as a wheel install has it
 POLICIES = {"snapkv@0.5": PolicyEffect(0.04), "snapkv#128": PolicyEffect(0.12),
             "recent@0.5": PolicyEffect(0.12), "snapkv@0.9": PolicyEffect(0.03, growth=1.0)}
 
@@ -117,7 +119,7 @@ def test_cli_analyze_writes_the_three_files(traces, tmp_path):
 
 
 def test_results_round_trip_exactly(analysis, tmp_path):
-    from divstats.report import save_results
+    from divstats.results import save_results
 
     path = save_results(analysis.results, tmp_path / "r.nc")
     back = load_results(path)

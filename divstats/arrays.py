@@ -15,6 +15,11 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+__all__ = [
+    "CHUNK_ELEMENTS", "CORE_DIMS", "KEY_VARIABLE", "Layout", "core_array", "cov_of_means", "kind_of", "layout",
+    "mean_se", "nanmean", "present_replicates", "ratio_se", "row_chunks",
+]
+
 CORE_DIMS = ("replicate", "step", "age")
 #: Rows per chunk are chosen so that one float64 temporary stays near this size
 #: (8 MiB: small enough for the passes over a chunk to stay mostly in cache).
@@ -54,6 +59,29 @@ class Layout:
 
 
 def kind_of(ds: xr.Dataset) -> str:
+    """The trace kind (``coupled``, ``residual`` or ``reference``) from the dataset's attrs.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset.
+
+    Returns
+    -------
+    str
+        The ``kind`` attribute.
+
+    Raises
+    ------
+    ValueError
+        When ``kind`` is missing or not a known kind.
+
+    Examples
+    --------
+    >>> import xarray as xr
+    >>> kind_of(xr.Dataset(attrs={"kind": "residual"}))
+    'residual'
+    """
     kind = ds.attrs.get("kind")
     if kind not in KEY_VARIABLE:
         raise ValueError(f"dataset kind {kind!r} is not one of {tuple(KEY_VARIABLE)}")
@@ -61,6 +89,26 @@ def kind_of(ds: xr.Dataset) -> str:
 
 
 def layout(ds: xr.Dataset) -> Layout:
+    """Where the leading (non-core) dims of a trace dataset are and how big they are.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset.
+
+    Returns
+    -------
+    Layout
+        The leading dims (those of the kind's key variable other than replicate,
+        step and age), their shape, the coords over them and the replicate count.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> lay = layout(simulate_study(2, {"a": PolicyEffect(0.1)}, horizon=4, replicates=3))
+    >>> lay.dims, lay.rows, lay.n_replicates
+    (('doc', 'policy'), 2, 3)
+    """
     key = ds[KEY_VARIABLE[kind_of(ds)]]
     dims = tuple(d for d in key.dims if d not in CORE_DIMS)
     shape = tuple(int(ds.sizes[d]) for d in dims)
@@ -70,19 +118,79 @@ def layout(ds: xr.Dataset) -> Layout:
 
 
 def core_array(ds: xr.Dataset, name: str, lay: Layout, core: Sequence[str]) -> np.ndarray:
-    """Variable ``name`` as a numpy array (rows, *core); a view when already in order."""
+    """Variable ``name`` as a numpy array (rows, *core); a view when already in order.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset.
+    name : str
+        A variable of ``ds``.
+    lay : Layout
+        ``layout(ds)``.
+    core : sequence of str
+        The trailing dims, in order (e.g. ``("replicate", "step")``).
+
+    Returns
+    -------
+    numpy.ndarray
+        Shape ``(lay.rows, *core sizes)``.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.1)}, horizon=4, replicates=3)
+    >>> core_array(ds, "x_token", layout(ds), ("replicate", "step")).shape
+    (2, 3, 4)
+    """
     values = ds.variables[name].transpose(*lay.dims, *core).values
     return values.reshape((lay.rows,) + values.shape[len(lay.dims):])
 
 
 def row_chunks(rows: int, per_row: int) -> Iterator[slice]:
+    """Slices over ``rows`` sized so one float64 temporary stays near CHUNK_ELEMENTS values.
+
+    Parameters
+    ----------
+    rows : int
+        Number of rows.
+    per_row : int
+        Values one row contributes to the temporary.
+
+    Returns
+    -------
+    iterator of slice
+        Consecutive slices covering ``range(rows)``.
+
+    Examples
+    --------
+    >>> list(row_chunks(3, CHUNK_ELEMENTS))
+    [slice(0, 1, None), slice(1, 2, None), slice(2, 3, None)]
+    """
     step = max(1, CHUNK_ELEMENTS // max(1, per_row))
     for start in range(0, rows, step):
         yield slice(start, min(rows, start + step))
 
 
 def nanmean(x: np.ndarray) -> np.ndarray:
-    """Mean over the last axis ignoring NaN (padded replicates); NaN when nothing is left."""
+    """Mean over the last axis ignoring NaN (padded replicates); NaN when nothing is left.
+
+    Parameters
+    ----------
+    x : numpy.ndarray
+        Replicates on the last axis.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``x`` reduced over the last axis.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> nanmean(np.array([[1.0, np.nan, 3.0], [np.nan, np.nan, np.nan]])).tolist()
+    [2.0, nan]
+    """
     ok = ~np.isnan(x)
     if ok.all():
         return x.mean(axis=-1)
@@ -103,6 +211,23 @@ def mean_se(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     NaN entries are replicates that are absent (padding when datasets with different
     replicate counts were combined): n counts the others.  SE is NaN when n < 2.
+
+    Parameters
+    ----------
+    x : numpy.ndarray
+        Replicates on the last axis (NaN: absent).
+
+    Returns
+    -------
+    (numpy.ndarray, numpy.ndarray)
+        The mean and its standard error, the last axis reduced.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> m, se = mean_se(np.array([1.0, 2.0, 3.0]))
+    >>> float(m), round(float(se), 4)
+    (2.0, 0.5774)
     """
     m = nanmean(x)
     dev, n = _centred(x)
@@ -117,6 +242,23 @@ def ratio_se(num: np.ndarray, den: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     r = mean(num) / mean(den); SE = SD(num - r den) / (sqrt(n) mean(den)), which is
     the delta method with the sample covariance of (num, den).  NaN where
     mean(den) = 0 (the ratio is not defined there).  NaNs are absent replicates.
+
+    Parameters
+    ----------
+    num, den : numpy.ndarray
+        Replicates of numerator and denominator on the last axis (NaN: absent).
+
+    Returns
+    -------
+    (numpy.ndarray, numpy.ndarray)
+        The ratio and its SE, the last axis reduced.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> r, se = ratio_se(np.array([1.0, 2.0]), np.array([2.0, 2.0]))
+    >>> float(r)
+    0.75
     """
     absent = np.isnan(num) | np.isnan(den)
     if absent.any():
@@ -130,7 +272,24 @@ def ratio_se(num: np.ndarray, den: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def cov_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Monte Carlo covariance of two replicate means (sample covariance / n)."""
+    """Monte Carlo covariance of two replicate means (sample covariance / n).
+
+    Parameters
+    ----------
+    a, b : numpy.ndarray
+        Paired replicates on the last axis (NaN: absent).
+
+    Returns
+    -------
+    numpy.ndarray
+        The covariance, NaN with fewer than two replicates.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> float(cov_of_means(np.array([1.0, 2.0, 3.0]), np.array([2.0, 4.0, 6.0])))
+    0.6666666666666666
+    """
     da, n = _centred(a)
     db, _ = _centred(b)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -143,6 +302,25 @@ def present_replicates(ds: xr.Dataset, lay: Layout) -> np.ndarray:
 
     A real replicate always has its first step: a token for coupled/reference traces
     and a TV on the survival path for residual traces.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset.
+    lay : Layout
+        ``layout(ds)``.
+
+    Returns
+    -------
+    numpy.ndarray
+        Boolean, shape ``(lay.rows, lay.n_replicates)``.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.1)}, horizon=4, replicates=3)
+    >>> bool(present_replicates(ds, layout(ds)).all())
+    True
     """
     kind = kind_of(ds)
     if kind == "residual":
