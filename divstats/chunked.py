@@ -24,17 +24,20 @@ dispatch here themselves when handed a dask-backed dataset::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import xarray as xr
 
 from protocols.chunks import DocChunk, doc_chunks, is_lazy
 
-__all__ = ["concat_docs", "is_lazy", "load", "map_docs", "map_docs_many"]
+__all__ = ["MERGED_ATTRS", "UNREAD", "concat_docs", "is_lazy", "load", "map_docs", "map_docs_many"]
 
 #: Result attributes that describe the whole dataset, merged over chunks (others are equal in every chunk).
 MERGED_ATTRS: dict[str, Callable[[list[Any]], Any]] = {"n_replicates": max, "n_replicates_min": min}
+
+#: Trace variables, by kind, that no divstats estimator reads (validation does): left on disk by default.
+UNREAD: dict[str, tuple[str, ...]] = {"coupled": ("x_logp", "y_logp"), "residual": ("shared_token",)}
 
 
 def load(ds: xr.Dataset) -> xr.Dataset:
@@ -68,7 +71,7 @@ def concat_docs(parts: list[xr.Dataset]) -> xr.Dataset:
 
 
 def map_docs_many(fns: Mapping[str, tuple[Callable[..., xr.Dataset], Mapping[str, Any]]], ds: xr.Dataset,
-                  ) -> dict[str, xr.Dataset]:
+                  *, skip: Sequence[str] | None = None) -> dict[str, xr.Dataset]:
     """Several per-document functions in one pass over the data (each chunk is read once).
 
     Parameters
@@ -79,6 +82,9 @@ def map_docs_many(fns: Mapping[str, tuple[Callable[..., xr.Dataset], Mapping[str
         ``divstats.sharp_interval``, ...).
     ds : xarray.Dataset
         Trace dataset, usually dask-backed and chunked along ``doc`` only.
+    skip : sequence of str, optional
+        Variables not to read (default :data:`UNREAD` for the dataset's kind; pass
+        ``()`` for a function that needs every variable).
 
     Returns
     -------
@@ -99,6 +105,8 @@ def map_docs_many(fns: Mapping[str, tuple[Callable[..., xr.Dataset], Mapping[str
     import dask
 
     fns = {name: (fn, dict(kwargs)) for name, (fn, kwargs) in fns.items()}
+    skip = UNREAD.get(ds.attrs.get("kind"), ()) if skip is None else skip
+    ds = ds.drop_vars([name for name in skip if name in ds.data_vars])
     tasks = [dask.delayed(_apply)(fns, chunk) for chunk in doc_chunks(ds)]
     results = dask.compute(*tasks)
     return {name: concat_docs([r[name] for r in results]) for name in fns}
