@@ -13,7 +13,7 @@ from divstats.calibration import PolicyEffect, simulate_study
 from divstats.chunked import map_docs_many
 from divstats.planrun import run_plan
 from protocols import open_traces, save_traces
-from protocols.chunks import dask_client, doc_slices, is_lazy
+from protocols.chunks import dask_client, doc_chunks, doc_slices, is_lazy
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT / "plans" / "paper.toml"
@@ -110,6 +110,17 @@ def test_one_pass_for_several_estimators(traces):
     out = map_docs_many({"est": (D.estimate, {}), "si": (D.sharp_interval, {"window": 2})}, lazy)
     same(D.estimate(mem), out["est"])
     same(D.sharp_interval(mem, window=2), out["si"])
+
+
+def test_a_task_reads_its_own_chunk(traces):
+    import dask
+
+    _, lazy = traces
+    chunk = doc_chunks(lazy)[1]
+    task = dask.delayed(lambda c: c.load())(chunk)
+    assert len(task.dask) == 1          # no separate read tasks whose results would travel between workers
+    part = task.compute()
+    assert not is_lazy(part) and part.sizes["doc"] == 3 and chunk.start == 3
 
 
 def test_chunks_must_hold_whole_documents(traces):
