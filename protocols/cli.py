@@ -86,7 +86,7 @@ def info(path: Path) -> None:
     Works on invalid files too (the last line says whether the file is valid).
     """
     try:
-        ds = _load(path)
+        ds = _load(path, read_chunks(path))   # a large file is read chunk by chunk, for the validity line
     except (StreamError, TraceValidationError, OSError, ValueError) as err:
         click.echo(f"error: cannot read {path.name}: {err}")
         raise SystemExit(1) from None

@@ -81,6 +81,8 @@ def test_decompose_equal_in_memory(traces):
     a, b = D.decompose(mem, "snapkv@0.5", "snapkv#512"), D.decompose(lazy, "snapkv@0.5", "snapkv#512")
     for name in ("gap", "first", "exposure", "rate"):
         np.testing.assert_allclose(getattr(a, name), getattr(b, name), **TOL)
+    c = D.decompose(D.estimate(mem).chunk(doc=4), "snapkv@0.5", "snapkv#512")   # dask-backed estimates
+    np.testing.assert_allclose(a.gap, c.gap, **TOL)
     ca = a.confidence_interval(0.9, n_resamples=199, seed=1)
     cb = b.confidence_interval(0.9, n_resamples=199, seed=1)
     np.testing.assert_allclose(np.array(ca.low), np.array(cb.low), **TOL)
