@@ -13,8 +13,9 @@
 3. ``--scale`` x on dask: the same analysis on the big store with the same cluster,
    in one pass over the data (``divstats.chunked.map_docs_many``), and, with
    ``--separate``, as the plain separate calls.  Reported: time per document against
-   the in-memory time per document at paper scale (target: within 2x) and each
-   worker's peak RSS (target <= 1.5 GB).
+   the in-memory time per document at paper scale (target: within 2x), the time to
+   validate the big store chunk by chunk on the cluster, and each worker's peak RSS
+   over all of it (target <= 1.5 GB).
 
 Every number is measured in this run on this machine; ratios compare runs of the same
 invocation.  The machine's load (other users) is printed with them.
@@ -111,6 +112,11 @@ def analysis_one_pass(ds, plan) -> dict:
 
 def max_diff(a: dict, b: dict) -> float:
     """Largest absolute difference over every number of two analysis results (NaN positions must agree)."""
+    with np.errstate(invalid="ignore"):
+        return _max_diff(a, b)
+
+
+def _max_diff(a: dict, b: dict) -> float:
     worst = 0.0
     for key in ("estimate", "aggregate", "sharp_interval"):
         for name in a[key].data_vars:
@@ -158,6 +164,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="in-memory baseline runs (median)")
     ap.add_argument("--per-append", type=int, default=8, help="documents per TraceStoreWriter.append")
     ap.add_argument("--separate", action="store_true", help="also time the big run as separate calls")
+    ap.add_argument("--no-validate", action="store_true", help="skip validating the big store on the cluster")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/kvdiv-bench-scale"), help="where the stores go")
     ap.add_argument("--keep", action="store_true", help="keep the stores")
     ap.add_argument("--pack-child", type=Path, help=argparse.SUPPRESS)
@@ -174,7 +181,7 @@ def run(args) -> None:
     import dask
 
     import divstats as D
-    from protocols import open_traces
+    from protocols import open_traces, validate
     from protocols.chunks import dask_client
 
     big_docs = max(1, round(PAPER_DOCS * args.scale))
@@ -235,6 +242,12 @@ def run(args) -> None:
                   f"time per doc  (target <= 2x)"),
                  ("  the same against in-memory time per doc including its load",
                   f"{per_doc_big / (per_doc_mem + t_open / args.paper_docs):.2f}x")]
+        if not args.no_validate:
+            t1 = time.perf_counter()
+            validate(big)
+            t_val = time.perf_counter() - t1
+            rows.append((f"  validate the {big_docs} docs chunk by chunk on the cluster",
+                         f"{t_val:.1f} s = {t_val / big_docs * 1e3:.2f} ms/doc"))
         if args.separate:
             _, t_sep, _ = timed(analysis, big, plan)
             rows.append(("  same, separate calls (3 passes)",
