@@ -26,6 +26,7 @@ variables; document ids must be new.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -35,7 +36,7 @@ from types import TracebackType
 import numpy as np
 import xarray as xr
 
-from protocols.io import open_traces, prepare_write
+from protocols.io import ORDER_ATTR, open_traces, prepare_write
 from protocols.validate import TV_ZERO_ATOL
 from protocols.validate import validate as _validate
 
@@ -54,6 +55,46 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
+
+
+def _written_by_kvdiv(path: Path) -> bool:
+    """A trace file or store that kvdiv wrote: it carries the variable-order attribute, and nothing else is inside."""
+    if path.suffix.lower() == ".nc":
+        try:
+            import h5py
+
+            with h5py.File(path, "r") as f:
+                return ORDER_ATTR in f.attrs
+        except (OSError, ValueError):
+            return False
+    try:
+        meta = json.loads((path / "zarr.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    stray = [p for p in path.iterdir() if p.is_file() and p.name != "zarr.json"]
+    return not stray and isinstance(meta, dict) and ORDER_ATTR in (meta.get("attributes") or {})
+
+
+def _check_replaceable(path: Path, overwrite: bool) -> None:
+    if path.is_symlink():
+        raise FileExistsError(f"{path}: is a symbolic link; refusing to write through it")
+    if not path.exists():
+        return
+    if not overwrite:
+        raise FileExistsError(f"{path}: exists; pass overwrite=True to replace it, or append=True to add to it")
+    if not _written_by_kvdiv(path):
+        raise FileExistsError(f"{path}: exists and is not a trace file kvdiv wrote; refusing to replace it")
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    """Rename the staged store ``tmp`` over ``path``; an old store is moved aside first, then removed."""
+    if path.exists():
+        old = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.old")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        _remove(old)
+    else:
+        os.replace(tmp, path)
 
 
 def _doc_dim_arrays(group) -> list[tuple[object, int]]:
@@ -79,18 +120,20 @@ class TraceStoreWriter:
         Validate every piece before it is written (``protocols.validate``).
     tv_atol : float
         Passed to ``validate``.
+    overwrite : bool
+        Replace an existing file at ``path`` (without ``append``), but only a trace
+        file or store that kvdiv wrote, and only at :meth:`close`: until then it
+        stays as it was.
 
     Raises
     ------
     FileNotFoundError
         ``append=True`` and ``path`` does not exist.
+    FileExistsError
+        ``path`` exists and neither ``append`` nor ``overwrite`` is given; or it is a
+        symbolic link, or something kvdiv did not write.
     StoreError
         ``append=True`` on a Zarr store whose arrays disagree on the number of documents.
-
-    Notes
-    -----
-    Without ``append`` an existing file at ``path`` is replaced, but only at
-    :meth:`close` (like ``save_traces``): until then it stays as it was.
 
     Examples
     --------
@@ -106,7 +149,7 @@ class TraceStoreWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, append: bool = False, validate: bool = True,
-                 tv_atol: float = TV_ZERO_ATOL) -> None:
+                 tv_atol: float = TV_ZERO_ATOL, overwrite: bool = False) -> None:
         self.path = Path(path)
         self.format = self.path.suffix.lower()
         if self.format not in (".zarr", ".nc"):
@@ -124,6 +167,8 @@ class TraceStoreWriter:
         self._started = False
         if self.append_mode:
             self._load_existing()
+        else:
+            _check_replaceable(self.path, overwrite)
 
     # -------------------------------------------------------------- public API
 
@@ -171,8 +216,7 @@ class TraceStoreWriter:
             if self.format == ".nc":
                 self._write_netcdf()
             elif not self.append_mode:
-                _remove(self.path)
-                os.replace(self._target, self.path)
+                _replace(self._target, self.path)
         except BaseException:
             self.abort()
             raise

@@ -131,3 +131,22 @@ def test_fixed_width_string_ids_append_to_a_store(ds, tmp_path):
         w.append(piece)
         w.append(piece.assign_coords(doc=np.array(["x0", "x1"])))   # numpy '<U2', as built by hand
     assert [str(d) for d in open_traces(path)["doc"].values] == ["doc000", "doc001", "x0", "x1"]
+
+
+def test_an_existing_file_is_replaced_only_when_asked_and_only_if_kvdiv_wrote_it(ds, tmp_path):
+    path = tmp_path / "t.zarr"
+    write_in_pieces(path, ds, [[0]])
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        TraceStoreWriter(path)
+    write_in_pieces(path, ds, [[1, 2]], overwrite=True)
+    xr.testing.assert_identical(open_traces(path), ds.isel(doc=[1, 2]))
+    other = tmp_path / "journal.zarr"
+    other.mkdir()
+    (other / "manifest.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="not a trace file kvdiv wrote"):
+        TraceStoreWriter(other, overwrite=True)
+    assert (other / "manifest.json").exists()
+    nc = tmp_path / "t.nc"
+    write_in_pieces(nc, ds, [[0]])
+    write_in_pieces(nc, ds, [[3]], overwrite=True)
+    xr.testing.assert_identical(open_traces(nc), ds.isel(doc=[3]))

@@ -63,9 +63,10 @@ def test_open_lazily_validates_per_chunk(tmp_path, suffix):
     save_traces(ds, path)
     assert is_lazy(open_traces(path, chunks=2))
     ds.shared_tv.values[4, 0, 0, 0] = 2.0
-    save_traces(ds, path, validate=False)
+    bad = tmp_path / f"bad{suffix}"
+    save_traces(ds, bad, validate=False)
     with pytest.raises(TraceValidationError) as info:
-        open_traces(path, chunks=2)
+        open_traces(bad, chunks=2)
     assert problems(ds) == [(str(p), p.where) for p in info.value.problems]
 
 
@@ -79,6 +80,7 @@ def test_cli_validate_reads_chunks_and_reports_every_problem(tmp_path):
     res = CliRunner().invoke(validate_cmd, [str(path), "--chunk-docs", "1"])
     assert res.exit_code == 0 and res.output.startswith("ok: coupled, 4 docs"), res.output
     ds.tv.values[3, 0, 0, 0] = np.nan
-    save_traces(ds, path, validate=False)
-    res = CliRunner().invoke(validate_cmd, [str(path), "--chunk-docs", "1"])
+    bad = tmp_path / "bad.zarr"
+    save_traces(ds, bad, validate=False)
+    res = CliRunner().invoke(validate_cmd, [str(bad), "--chunk-docs", "1"])
     assert res.exit_code == 1 and "tv[doc='doc003'" in res.output, res.output
