@@ -20,6 +20,9 @@ from protocols.chunks import cluster_options, dask_client, read_chunks
 if TYPE_CHECKING:
     from divstats.analysis import Analysis
 
+if TYPE_CHECKING:
+    from divstats.analysis import Analysis
+
 __all__ = ["analyze", "split"]
 
 #: What --plan accepts (both commands).

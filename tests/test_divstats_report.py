@@ -162,7 +162,8 @@ def test_cli_split_on_traces_reports_the_disagreeing_label(traces):
 
 
 def test_analysis_modules_never_import_model_stacks():
-    code = ("import sys, divstats.cli, divstats.report, divstats.plans, divstats.decompose, divstats.figures;"
+    code = ("import sys, divstats.cli, divstats.report, divstats.plans, divstats.decompose, divstats.figures, "
+            "divstats.analysis, divstats.results, divstats.render, divstats.tables, divstats.planrun;"
             "bad = [m for m in ('torch', 'transformers', 'httpx', 'gen_service') if m in sys.modules];"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
