@@ -31,7 +31,7 @@ import xarray as xr
 
 from protocols.chunks import DocChunk, doc_chunks, is_lazy
 
-__all__ = ["MERGED_ATTRS", "UNREAD", "concat_docs", "is_lazy", "load", "map_docs", "map_docs_many"]
+__all__ = ["MERGED_ATTRS", "UNREAD", "concat_docs", "load", "map_docs", "map_docs_many"]
 
 #: Result attributes that describe the whole dataset, merged over chunks (others are equal in every chunk).
 MERGED_ATTRS: dict[str, Callable[[list[Any]], Any]] = {"n_replicates": max, "n_replicates_min": min}
@@ -41,7 +41,25 @@ UNREAD: dict[str, tuple[str, ...]] = {"coupled": ("x_logp", "y_logp"), "residual
 
 
 def load(ds: xr.Dataset) -> xr.Dataset:
-    """``ds`` in memory: computed if dask-backed, else unchanged (for small per-document results)."""
+    """``ds`` in memory: computed if dask-backed, else unchanged (for small per-document results).
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Any dataset, e.g. per-document estimates.
+
+    Returns
+    -------
+    xarray.Dataset
+        With numpy-backed variables.
+
+    Examples
+    --------
+    >>> import xarray as xr
+    >>> lazy = xr.Dataset({"a": ("doc", [1.0, 2.0])}).chunk(doc=1)
+    >>> type(load(lazy)["a"].data).__name__
+    'ndarray'
+    """
     return ds.compute() if is_lazy(ds) else ds
 
 
@@ -61,7 +79,28 @@ def _merge_attrs(parts: list[xr.Dataset]) -> dict[str, Any]:
 
 
 def concat_docs(parts: list[xr.Dataset]) -> xr.Dataset:
-    """Per-chunk results -> one result along ``doc`` (variables without ``doc`` from the first chunk)."""
+    """Per-chunk results -> one result along ``doc`` (variables without ``doc`` from the first chunk).
+
+    Parameters
+    ----------
+    parts : list of xarray.Dataset
+        Results of one function on consecutive document chunks, in order.
+
+    Returns
+    -------
+    xarray.Dataset
+        Concatenated along ``doc``; attributes from the first part, except those in
+        :data:`MERGED_ATTRS` (e.g. ``n_replicates``, the largest over the parts).
+
+    Examples
+    --------
+    >>> import xarray as xr
+    >>> a = xr.Dataset({"x": ("doc", [1.0])}, attrs={"n_replicates": 4})
+    >>> b = xr.Dataset({"x": ("doc", [2.0])}, attrs={"n_replicates": 6})
+    >>> out = concat_docs([a, b])
+    >>> out["x"].values.tolist(), out.attrs["n_replicates"]
+    ([1.0, 2.0], 6)
+    """
     if len(parts) == 1:
         return parts[0]
     out = xr.concat(parts, dim="doc", data_vars="minimal", coords="minimal", compat="override",
@@ -114,6 +153,26 @@ def map_docs_many(fns: Mapping[str, tuple[Callable[..., xr.Dataset], Mapping[str
 
 def map_docs(fn: Callable[..., xr.Dataset], ds: xr.Dataset, **kwargs: Any) -> xr.Dataset:
     """``fn(ds, **kwargs)`` computed one document chunk at a time; see :func:`map_docs_many`.
+
+    Parameters
+    ----------
+    fn : callable
+        A per-document function of an in-memory trace dataset returning a Dataset
+        with a ``doc`` dim.
+    ds : xarray.Dataset
+        Trace dataset, dask-backed and chunked along ``doc`` only.
+    **kwargs
+        Passed to ``fn``.
+
+    Returns
+    -------
+    xarray.Dataset
+        ``fn``'s result over all documents, in memory.
+
+    Raises
+    ------
+    ValueError
+        When ``ds`` is chunked along a dim other than ``doc``.
 
     Examples
     --------

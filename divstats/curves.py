@@ -25,7 +25,7 @@ from divstats.arrays import (
     ratio_se,
     row_chunks,
 )
-from divstats.chunked import is_lazy, map_docs
+from divstats.chunked import map_docs
 from divstats.errors import DivstatsError
 from divstats.replicates import (
     effective_window,
@@ -34,6 +34,7 @@ from divstats.replicates import (
     reference_survival,
     survival_terms,
 )
+from protocols.chunks import is_lazy
 
 __all__ = ["branch_tv", "branch_tv_window", "survival"]
 

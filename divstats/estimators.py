@@ -21,8 +21,9 @@ import numpy as np
 import xarray as xr
 
 from divstats.arrays import cov_of_means, mean_se, ratio_se
-from divstats.chunked import is_lazy, load, map_docs
+from divstats.chunked import load, map_docs
 from divstats.replicates import Replicates, replicate_values
+from protocols.chunks import is_lazy
 
 __all__ = [
     "BOOTSTRAP_BATCH", "DESCRIPTIONS", "ESTIMATORS", "INTERVAL_QUANTITIES", "MEAN_OVER_DOCS", "NOT_IDENTIFIED_POST",

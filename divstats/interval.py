@@ -17,9 +17,10 @@ import numpy as np
 import xarray as xr
 
 from divstats.arrays import mean_se, nanmean, ratio_se
-from divstats.chunked import is_lazy, map_docs
+from divstats.chunked import map_docs
 from divstats.kernels import CoupledKernels, Kernel, step_law
 from divstats.replicates import replicate_values
+from protocols.chunks import is_lazy
 
 __all__ = ["Untag", "extremal_kernels", "interval_by_window", "sharp_interval"]
 

@@ -17,8 +17,9 @@ import numpy as np
 import xarray as xr
 
 from divstats.arrays import core_array, mean_se, nanmean, row_chunks
-from divstats.chunked import is_lazy, map_docs
+from divstats.chunked import map_docs
 from divstats.replicates import replicate_values, survival_terms
+from protocols.chunks import is_lazy
 
 __all__ = ["variance_check"]
 
