@@ -32,6 +32,14 @@ LAZY_ABOVE_BYTES = 2 * 2**30
 def is_lazy(ds: xr.Dataset | xr.DataArray) -> bool:
     """True when any data variable of ``ds`` is a dask array (not yet in memory).
 
+    Parameters
+    ----------
+    ds : xarray.Dataset or xarray.DataArray
+
+    Returns
+    -------
+    bool
+
     Examples
     --------
     >>> import xarray as xr
@@ -44,6 +52,16 @@ def is_lazy(ds: xr.Dataset | xr.DataArray) -> bool:
 
 def doc_slices(ds: xr.Dataset) -> list[slice]:
     """The document ranges of ``ds``'s dask chunks along ``doc`` (one range if ``ds`` is in memory).
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset.
+
+    Returns
+    -------
+    list of slice
+        Consecutive, covering every document.
 
     Raises
     ------
@@ -105,7 +123,25 @@ class DocChunk:
 
 
 def doc_chunks(ds: xr.Dataset, names: list[str] | None = None) -> list[DocChunk]:
-    """``ds`` (or its variables ``names``) cut into its document chunks; see :func:`doc_slices`."""
+    """``ds`` (or its variables ``names``) cut into its document chunks, unread; see :func:`doc_slices`.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A dask-backed trace dataset chunked along ``doc``.
+    names : list of str, optional
+        Only these variables (default: all).
+
+    Returns
+    -------
+    list of DocChunk
+
+    Examples
+    --------
+    >>> import xarray as xr
+    >>> [c.start for c in doc_chunks(xr.Dataset({"a": ("doc", [1, 2, 3])}).chunk(doc=2))]
+    [0, 2]
+    """
     sub = ds if names is None else ds[names]
     return [DocChunk(sub.isel(doc=sl), sl.start) for sl in doc_slices(ds)]
 
@@ -173,6 +209,22 @@ def read_chunks(path: str | os.PathLike[str], workers: int | None = None, schedu
     In memory (None) for a small file read by one process; lazily, ``chunk_docs``
     documents per chunk (default ``"auto"``), when a cluster is asked for, when
     ``chunk_docs`` is given, or when the file's data exceed :data:`LAZY_ABOVE_BYTES`.
+
+    Parameters
+    ----------
+    path : str or PathLike
+        The trace file (its metadata is read to learn its size).
+    workers, scheduler, chunk_docs
+        The command's ``--workers``, ``--scheduler`` and ``--chunk-docs``.
+
+    Returns
+    -------
+    int, "auto" or None
+
+    Examples
+    --------
+    >>> read_chunks("traces.zarr", chunk_docs=16)
+    16
     """
     if workers is not None or scheduler is not None or chunk_docs is not None:
         return chunk_docs or "auto"
@@ -188,7 +240,27 @@ def read_chunks(path: str | os.PathLike[str], workers: int | None = None, schedu
 
 
 def cluster_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Click options ``--workers``, ``--scheduler`` and ``--chunk-docs`` for a command that reads traces."""
+    """Click options ``--workers``, ``--scheduler`` and ``--chunk-docs`` for a command that reads traces.
+
+    Parameters
+    ----------
+    command : callable
+        The click command function; it receives ``workers``, ``scheduler`` and ``chunk_docs``.
+
+    Returns
+    -------
+    callable
+        ``command`` with the three options.
+
+    Examples
+    --------
+    >>> @click.command()
+    ... @cluster_options
+    ... def run(workers, scheduler, chunk_docs):
+    ...     pass
+    >>> sorted(p.name for p in run.params)
+    ['chunk_docs', 'scheduler', 'workers']
+    """
     command = click.option("--chunk-docs", type=click.IntRange(min=1), default=None,
                            help="Read the traces lazily, this many documents per chunk (default: in memory for "
                                 "files under 2 GiB, else about 64 MiB per chunk).")(command)

@@ -61,7 +61,7 @@ def _zarr_encoding(ds: xr.Dataset) -> dict[str, dict]:
     for name, var in ds.variables.items():
         e: dict = {}
         if "doc" in var.dims and var.dtype != object:
-            e["chunks"] = tuple(1 if d == "doc" else n for d, n in zip(var.dims, var.shape))
+            e["chunks"] = tuple(1 if d == "doc" else n for d, n in zip(var.dims, var.shape, strict=True))
         if var.dtype.kind == "f":
             e["fill_value"] = np.nan     # keep NaN a value, not a mask sentinel clash
         enc[name] = e
@@ -94,7 +94,7 @@ def _netcdf_encoding(ds: xr.Dataset) -> dict[str, dict]:
     for name, var in ds.data_vars.items():
         if "doc" in var.dims and var.dtype != object and var.size:
             enc[name] = {"zlib": True, "complevel": 1, "shuffle": True,
-                         "chunksizes": tuple(1 if d == "doc" else n for d, n in zip(var.dims, var.shape))}
+                         "chunksizes": tuple(1 if d == "doc" else n for d, n in zip(var.dims, var.shape, strict=True))}
     return enc
 
 
@@ -181,6 +181,30 @@ def prepare_write(ds: xr.Dataset, fmt: str) -> tuple[xr.Dataset, dict[str, dict]
 
     The one layout of a trace file, shared by ``save_traces``-style whole writes and
     ``protocols.store.TraceStoreWriter``'s document-by-document appends.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Trace dataset.
+    fmt : str
+        ``".nc"`` or ``".zarr"``.
+
+    Returns
+    -------
+    (xarray.Dataset, dict)
+        The dataset to write and the ``encoding`` argument for ``to_netcdf`` / ``to_zarr``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown format.
+
+    Examples
+    --------
+    >>> from protocols.examples import example_dataset
+    >>> out, enc = prepare_write(example_dataset(), ".zarr")
+    >>> enc["tv"]["chunks"][0]
+    1
     """
     if fmt not in SUFFIXES:
         raise ValueError(f"unknown trace file format {fmt!r}; use one of {SUFFIXES}")
@@ -195,7 +219,29 @@ AUTO_CHUNK_BYTES = 64 * 2**20
 
 
 def docs_per_chunk(ds: xr.Dataset, chunks: int | str | Mapping[str, int]) -> int:
-    """Documents per dask chunk for ``chunks`` (an int, ``"auto"`` or ``{"doc": n}``), at least 1."""
+    """Documents per dask chunk for ``chunks`` (an int, ``"auto"`` or ``{"doc": n}``), at least 1.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        The trace dataset (lazy is fine: only sizes and dtypes are used).
+    chunks : int, "auto" or mapping
+        As for :func:`open_traces`.
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    ValueError
+        For anything else, or a mapping naming a dim other than ``doc``.
+
+    Examples
+    --------
+    >>> docs_per_chunk(xr.Dataset(), {"doc": 8})
+    8
+    """
     if isinstance(chunks, Mapping):
         extra = sorted(set(chunks) - {"doc"})
         if extra or "doc" not in chunks:
