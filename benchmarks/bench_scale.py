@@ -147,6 +147,19 @@ def worker_peaks(client) -> list[float]:
     return [float(v) for v in client.run(vm_hwm_mb).values()]
 
 
+class Table(list):
+    """Rows printed as they are added (a long run shows its progress and keeps what it measured)."""
+
+    def append(self, row: tuple[str, str]) -> None:
+        super().append(row)
+        print(f"{row[0]:<70}  {row[1]}", flush=True)
+
+    def __iadd__(self, rows):
+        for row in rows:
+            self.append(row)
+        return self
+
+
 def warm_up() -> None:
     """Import the analysis stack in a worker, so that the first timed task does not pay for it."""
     import divstats  # noqa: F401
@@ -187,8 +200,9 @@ def run(args) -> None:
     big_docs = max(1, round(PAPER_DOCS * args.scale))
     args.dir.mkdir(parents=True, exist_ok=True)
     paper_path, big_path = args.dir / "paper.zarr", args.dir / f"x{args.scale:g}.zarr"
-    rows: list[tuple[str, str]] = [("cpus / load average at start", f"{len(os.sched_getaffinity(0))} / {load()}"),
-                                   ("dask", dask.__version__)]
+    rows = Table()
+    rows += [("cpus / load average at start", f"{len(os.sched_getaffinity(0))} / {load()}"),
+             ("dask", dask.__version__)]
     shape = f"x {POLICIES} policies x {REPLICATES} replicates x T={HORIZON}"
 
     t0 = time.perf_counter()
@@ -259,6 +273,7 @@ def run(args) -> None:
     if not args.keep:
         shutil.rmtree(paper_path, ignore_errors=True)
         shutil.rmtree(big_path, ignore_errors=True)
+    print()
     width = max(len(k) for k, _ in rows)
     print(f"{'benchmark':<{width}}  result")
     print("-" * (width + 60))

@@ -22,8 +22,9 @@ __all__ = ["LAZY_ABOVE_BYTES", "WORKER_MALLOC", "DocChunk", "cluster_options", "
 
 #: glibc malloc settings for local workers. distributed's default (a 64 KiB trim threshold) hands freed
 #: memory back to the OS at once, so every chunk's reads and temporaries (megabytes each) page-fault
-#: anew: chunk tasks ran about 3x slower here. Memory is still bounded by one chunk per worker.
-WORKER_MALLOC = {"MALLOC_TRIM_THRESHOLD_": 256 * 2**20, "MALLOC_MMAP_THRESHOLD_": 64 * 2**20}
+#: anew: chunk tasks ran about 3x slower here. A 64 MiB threshold keeps one chunk's worth; two arenas
+#: keep the reader threads' and the task's freed memory from multiplying per thread.
+WORKER_MALLOC = {"MALLOC_TRIM_THRESHOLD_": 64 * 2**20, "MALLOC_ARENA_MAX": 2}
 
 #: Commands read a trace file lazily (chunk by chunk) by default when its data exceed this size in memory.
 LAZY_ABOVE_BYTES = 2 * 2**30
