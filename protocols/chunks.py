@@ -119,8 +119,12 @@ class DocChunk:
         return f"DocChunk(docs {self.start}..{self.start + self.ds.sizes.get('doc', 0) - 1})"
 
     def load(self) -> xr.Dataset:
-        """The chunk in memory, read in this thread (the synchronous scheduler, inside the calling task)."""
-        return self.ds.load(scheduler="sync")
+        """The chunk in memory, read in this thread (the synchronous scheduler, inside the calling task).
+
+        A new dataset: the chunk itself stays unread, since a worker keeps a task's
+        arguments until its result is collected (``Dataset.load`` would fill them in).
+        """
+        return self.ds.compute(scheduler="sync")
 
 
 def doc_chunks(ds: xr.Dataset, names: list[str] | None = None) -> list[DocChunk]:
