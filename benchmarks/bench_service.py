@@ -8,12 +8,20 @@ Measures, on a ~500-token prompt with R rows and horizon T:
    only: each side's prefill is timed separately and subtracted);
 3. both caches in one forward pass (Q's shorter cache padded and masked, 2R rows) vs
    two forwards;
-4. end-to-end request time for coupled and residual traces (what a client sees).
+4. end-to-end request time for coupled and residual traces (what a client sees);
+5. the memory-bandwidth floor of a coupled step: the bytes it must read (both sides'
+   weights, P's and Q's prompt KV — once with the shared prompt, R times with
+   ``--copies`` — and the rows' own tokens) over the device's bandwidth (``--bandwidth``
+   GB/s, else measured by a large on-device copy), and the fraction of that floor the
+   measured step reaches.
+
+The engine stores the prompt once per request (gen_service/shared_cache.py);
+``--copies`` measures the old path, one copy of the prompt's KV per row.
 
 Usage: ``python benchmarks/bench_service.py [--rows 8] [--steps 32] [--prompt-tokens 500]
-[--model embedded] [--policy snapkv@0.5] [--device cpu|cuda] [--dtype auto]``.
+[--model embedded] [--policy snapkv@0.5] [--device cpu|cuda] [--dtype auto] [--copies]``.
 On a GPU: ``python benchmarks/bench_service.py --model random:llama-1b --device cuda``
-(a random-initialised ~1.2B Llama in bf16).
+(a random-initialised ~1.2B Llama in bf16; ``random:llama-8b`` for Llama-3.1-8B's shapes).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import torch  # noqa: E402
 from gen_service.coupling import Sampling  # noqa: E402
 from gen_service.engine import Engine, TraceJob  # noqa: E402
 from gen_service.models import load_model  # noqa: E402
+from gen_service.shared_cache import share_prompt  # noqa: E402
 
 PARAGRAPH = (
     "A block is a piece of Python program text that is executed as a unit. The following are blocks: a "
@@ -64,17 +73,27 @@ def best(fn: Callable[[], float], repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
+def prefilled(engine: Engine, ids: list[int], policy: str, steps: int):
+    """P's and Q's prompt states as a request starts decoding them (shared prompt
+    where the engine and the policy allow, as ``Engine.trace`` does)."""
+    p0, q0 = engine.prefill_pair(engine.registry.build("full"), engine.registry.build(policy), ids)
+    if engine.shared_prompt:
+        share_prompt(p0.side, steps)
+        share_prompt(q0.side, steps)
+    return p0, q0
+
+
 def time_bare(engine: Engine, ids: list[int], policy: str, rows: int, steps: int) -> float:
     """Per-step seconds of the two batched forwards alone (argmax tokens, no coupling)."""
-    p0, q0 = engine.prefill_pair(engine.registry.resolve("full"), engine.registry.resolve(policy), ids)
-    p0.cache.batch_repeat_interleave(rows)
-    q0.cache.batch_repeat_interleave(rows)
+    p0, q0 = prefilled(engine, ids, policy, steps)
+    p0.side.rows(rows)
+    q0.side.rows(rows)
     tok = p0.logits.argmax(-1).expand(rows)
     t0 = _clock(engine)
     for t in range(1, steps):
         pos = torch.full((rows,), len(ids) + t - 1, dtype=torch.long, device=engine.lm.device)
-        lp = engine.step(p0.cache, tok, pos)
-        engine.step(q0.cache, tok, pos)
+        lp = engine.step(p0.side, tok, pos)
+        engine.step(q0.side, tok, pos)
         tok = lp.argmax(-1)
     return (_clock(engine) - t0) / (steps - 1)
 
@@ -82,7 +101,7 @@ def time_bare(engine: Engine, ids: list[int], policy: str, rows: int, steps: int
 def time_coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int, steps: int) -> float:
     """Per-step seconds of the engine's coupled loop (prefill excluded)."""
     job = TraceJob(prompt_ids=ids, candidate=policy, horizon=steps, replicates=rows, seed=0)
-    p0, q0 = engine.prefill_pair(engine.registry.resolve("full"), engine.registry.resolve(policy), ids)
+    p0, q0 = prefilled(engine, ids, policy, steps)
     gen = engine.generator(0)
     t0 = _clock(engine)
     for _ in engine._coupled(job, p0, q0, gen, lambda: False):
@@ -93,7 +112,7 @@ def time_coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int, 
 def time_fused(engine: Engine, ids: list[int], policy: str, rows: int, steps: int) -> float:
     """Per-step seconds with P and Q rows in one forward: Q's cache is padded to P's
     length (zeros, masked out) and stacked under P's along the batch."""
-    p0, q0 = engine.prefill_pair(engine.registry.resolve("full"), engine.registry.resolve(policy), ids)
+    p0, q0 = engine.prefill_pair(engine.registry.build("full"), engine.registry.build(policy), ids)
     L, m = p0.kept, q0.kept
     for pl, ql in zip(p0.cache.layers, q0.cache.layers, strict=True):
         pad = ql.keys.new_zeros(*ql.keys.shape[:2], L - m, ql.keys.shape[-1])
@@ -114,7 +133,7 @@ def time_fused(engine: Engine, ids: list[int], policy: str, rows: int, steps: in
 def time_generate(engine: Engine, ids: list[int], rows: int, steps: int) -> float:
     """Per-step seconds of ``model.generate`` sampling R rows for T tokens from a prompt
     cache prefilled once and expanded (as the engine does), so prefill is excluded."""
-    pre = engine.prefill(engine.registry.resolve("full"), ids[:-1])
+    pre = engine.prefill(engine.registry.build("full"), ids[:-1])
     pre.cache.batch_repeat_interleave(rows)
     x = torch.tensor([ids] * rows, device=engine.lm.device)
     with torch.inference_mode():
@@ -134,6 +153,32 @@ def time_request(engine: Engine, ids: list[int], policy: str, kind: str, rows: i
     return _clock(engine) - t0
 
 
+def device_bandwidth(engine: Engine, size: int = 1 << 30) -> float:
+    """Bytes/s of a large on-device copy (each byte read once and written once)."""
+    dev = engine.lm.device
+    src = torch.empty(size // 2, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        t0 = _clock(engine)
+        dst.copy_(src)
+        times.append(_clock(engine) - t0)
+    return 2 * src.numel() / statistics.median(times)
+
+
+def step_bytes(engine: Engine, prompt: int, kept: int, rows: int, steps: int) -> int:
+    """Bytes a coupled step must read at least: both sides' weights, P's and Q's prompt
+    KV (once when shared, once per row otherwise) and the rows' own tokens (T/2 on
+    average over a run)."""
+    from gen_service.memory import ModelShape
+
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    token = ModelShape.of(engine.model.config, engine.lm.dtype.itemsize).kv_bytes_per_token
+    copies = 1 if engine.shared_prompt else rows
+    return 2 * weights + token * (copies * (prompt + kept) + 2 * rows * steps // 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="embedded")
@@ -145,24 +190,31 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     ap.add_argument("--dtype", default="auto", help="auto = bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--copies", action="store_true", help="one copy of the prompt's KV per row (the old path)")
+    ap.add_argument("--bandwidth", type=float, default=None, help="device memory bandwidth, GB/s (default: measured)")
+    ap.add_argument("--skip-generate", action="store_true", help="skip the model.generate and fused comparisons")
     args = ap.parse_args()
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    engine = Engine(load_model(args.model, device=args.device, dtype=args.dtype))
+    engine = Engine(load_model(args.model, device=args.device, dtype=args.dtype), shared_prompt=not args.copies)
     ids = prompt_ids(engine, args.prompt_tokens)
     R, T, pol = args.rows, args.steps, args.policy
     print(f"model={engine.lm.name} device={engine.lm.device} dtype={engine.lm.dtype} "
-          f"prompt={len(ids)} tokens R={R} T={T} policy={pol} torch threads={torch.get_num_threads()}")
+          f"prompt={len(ids)} tokens R={R} T={T} policy={pol} torch threads={torch.get_num_threads()} "
+          f"prompt KV {'one copy per row' if args.copies else 'shared by the rows'}")
     time_request(engine, ids, pol, "coupled", 2, 3)  # warm-up
     bare = best(lambda: time_bare(engine, ids, pol, R, T), args.repeats)
     coupled = best(lambda: time_coupled_decode(engine, ids, pol, R, T), args.repeats)
-    fused = best(lambda: time_fused(engine, ids, pol, R, T), args.repeats)
-    gen = best(lambda: time_generate(engine, ids, R, T), args.repeats)
+    if args.skip_generate:
+        fused = gen = float("nan")
+    else:
+        fused = best(lambda: time_fused(engine, ids, pol, R, T), args.repeats)
+        gen = best(lambda: time_generate(engine, ids, R, T), args.repeats)
     TR = args.request_steps
     t0 = _clock(engine)
-    engine.prefill_pair(engine.registry.resolve("full"), engine.registry.resolve(pol), ids)
+    _, q0 = engine.prefill_pair(engine.registry.build("full"), engine.registry.build(pol), ids)
     prefill = _clock(engine) - t0
     req_c = best(lambda: time_request(engine, ids, pol, "coupled", R, TR), args.repeats)
     req_r = best(lambda: time_request(engine, ids, pol, "residual", R, TR), args.repeats)
@@ -184,6 +236,12 @@ def main() -> None:
           f"{prefill:.2f} s):")
     print(f"  coupled  {req_c:7.2f} s  ({R * TR / (req_c - prefill):.1f} row-steps/s after prefill)")
     print(f"  residual {req_r:7.2f} s  (survival T steps + branches up to T - t* steps, all rows batched)")
+    bw = args.bandwidth * 1e9 if args.bandwidth else device_bandwidth(engine)
+    need = step_bytes(engine, len(ids), q0.kept, R, T)
+    print(f"\nmemory-bandwidth floor of a coupled step: {need / 1e9:.3f} GB read at "
+          f"{bw / 1e9:.0f} GB/s{'' if args.bandwidth else ' (measured copy)'} = {need / bw * 1e3:.2f} ms; "
+          f"measured {coupled * 1e3:.2f} ms: {need / bw / coupled:.1%} of the floor "
+          f"({R / coupled:.1f} row-steps/s)")
 
 
 if __name__ == "__main__":

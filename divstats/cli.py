@@ -15,6 +15,10 @@ import click
 
 from divstats.errors import DivstatsError
 from divstats.plans import PlanError, load_plan, parse_aliases, shipped_plans, split_disagreement_note, split_table
+from protocols.chunks import cluster_options, dask_client, read_chunks
+
+if TYPE_CHECKING:
+    from divstats.analysis import Analysis
 
 if TYPE_CHECKING:
     from divstats.analysis import Analysis
@@ -52,9 +56,10 @@ def _fail(message: str) -> None:
               help="Confidence level of the descriptive intervals (plan rows use 1 - alpha).")
 @click.option("--no-validate", is_flag=True, help="Skip trace validation on load.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@cluster_options
 def analyze(traces: Path, plan_source: str | None, out_dir: Path, overwrite: bool, window: int | None,
             aliases: tuple[str, ...], seed: int, n_resamples: int, level: float, no_validate: bool,
-            quiet: bool) -> None:
+            quiet: bool, workers: int | None, scheduler: str | None, chunk_docs: int | None) -> None:
     """Estimate everything, run the plan (if any) on TRACES and write a self-contained report."""
     from divstats.analysis import compute
     from divstats.report import check_publishable, publish_report
@@ -66,13 +71,15 @@ def analyze(traces: Path, plan_source: str | None, out_dir: Path, overwrite: boo
         if plan is None and alias_map:
             raise PlanError("--policy-alias substitutes planned policies; it needs --plan")
         check_publishable(out_dir, overwrite)  # refuse before minutes of computing, not after
-        ds = open_traces(traces, validate=not no_validate)
-        an = compute(ds, plan, window=window, policy_aliases=alias_map, seed=seed, n_resamples=n_resamples,
-                     level=level, progress=not quiet)
+        with dask_client(workers, scheduler):  # no cluster unless asked; large files are read chunk by chunk
+            ds = open_traces(traces, validate=not no_validate,
+                             chunks=read_chunks(traces, workers, scheduler, chunk_docs))
+            an = compute(ds, plan, window=window, policy_aliases=alias_map, seed=seed, n_resamples=n_resamples,
+                         level=level, progress=not quiet)
         publish_report(an, out_dir, overwrite=overwrite)
     except DivstatsError as exc:
         _fail(str(exc))
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ImportError) as exc:
         _fail(f"{type(exc).__name__}: {exc}")
     _echo_summary(an)
 

@@ -33,6 +33,7 @@ from divstats.arrays import (
     ratio_se,
     row_chunks,
 )
+from divstats.chunked import map_docs
 from divstats.errors import DivstatsError
 from divstats.replicates import (
     effective_window,
@@ -41,6 +42,7 @@ from divstats.replicates import (
     reference_survival,
     survival_terms,
 )
+from protocols.chunks import is_lazy
 
 __all__ = ["MIN_SE_COUNT", "branch_tv", "branch_tv_window", "small_count_se", "survival"]
 
@@ -99,6 +101,8 @@ def survival(ds: xr.Dataset) -> xr.Dataset:
     >>> s["survival"].dims, float(s["survival"].isel(step=0).min())
     (('doc', 'policy', 'step'), 1.0)
     """
+    if is_lazy(ds):
+        return map_docs(survival, ds)
     lay, T = layout(ds), horizon_of(ds)
     s = _survival_rows(ds, lay, T)
     m, se = mean_se(np.moveaxis(s, 1, -1))
@@ -259,6 +263,8 @@ def branch_tv(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     >>> branch_tv(ds)["branch_tv"].sizes["age"]
     5
     """
+    if is_lazy(ds):
+        return map_docs(branch_tv, ds, window=window)
     T = horizon_of(ds)
     age = {"age": np.arange(T)}
     try:
@@ -326,6 +332,8 @@ def branch_tv_window(ds: xr.Dataset, start: int, stop: int, window: int | None =
     >>> sorted(branch_tv_window(ds, 1, 3).data_vars)[0]
     'branch_tv_window'
     """
+    if is_lazy(ds):
+        return map_docs(branch_tv_window, ds, start=start, stop=stop, window=window)
     T = horizon_of(ds)
     if not 0 <= start < stop <= T:
         raise ValueError(f"need 0 <= start < stop <= T = {T}, got start={start}, stop={stop}")

@@ -19,8 +19,10 @@ import numpy as np
 import xarray as xr
 
 from divstats.arrays import cov_of_means, mean_se, ratio_se
+from divstats.chunked import load, map_docs
 from divstats.replicates import Replicates, replicate_values
 from divstats.resample import MIN_DOCS, document_interval
+from protocols.chunks import is_lazy
 
 __all__ = [
     "DESCRIPTIONS", "ESTIMATORS", "INTERVAL_QUANTITIES", "MEAN_OVER_DOCS", "NOT_IDENTIFIED_POST",
@@ -179,6 +181,7 @@ def estimate(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     truncated to W <= their own window).  When W < T - 1 the post-divergence
     quantities are NaN with the reason in ``attrs["not_identified"]`` and only the
     interval (``loss_lower``, ``loss_upper``) is reported for the loss.
+    A dask-backed ``ds`` is processed one document chunk at a time (``divstats.chunked``).
 
     Parameters
     ----------
@@ -206,6 +209,8 @@ def estimate(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     >>> bool(abs(est["loss"] - est["occurrence"] - est["exposure"] * est["rate"]).max() < 1e-9)
     True
     """
+    if is_lazy(ds):
+        return map_docs(estimate, ds, window=window)
     rep = replicate_values(ds, window)
     arrays = _point_and_se(rep)
     order = [n for s in SCALARS for n in (s, s + "_se")] + ["post_mismatch_exposure_cov"]
@@ -262,6 +267,7 @@ def aggregate(estimates: xr.Dataset, dim: str = "doc") -> xr.Dataset:
     >>> agg["occurrence"].dims
     ('policy',)
     """
+    estimates = load(estimates)  # per-document estimates are small; a dask-backed one is computed
     T = int(estimates.attrs["horizon"])
     n_docs = estimates.sizes[dim]
     out: dict[str, xr.DataArray] = {}

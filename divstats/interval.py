@@ -17,8 +17,10 @@ import numpy as np
 import xarray as xr
 
 from divstats.arrays import mean_se, nanmean, ratio_se
+from divstats.chunked import map_docs
 from divstats.kernels import CoupledKernels, Kernel, step_law
 from divstats.replicates import replicate_values
+from protocols.chunks import is_lazy
 
 __all__ = ["Untag", "extremal_kernels", "interval_by_window", "sharp_interval"]
 
@@ -52,6 +54,8 @@ def sharp_interval(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     >>> bool((iv["loss_lower"] <= iv["loss_upper"]).all())
     True
     """
+    if is_lazy(ds):
+        return map_docs(sharp_interval, ds, window=window)
     rep = replicate_values(ds, window)
     v, T, lay = rep.values, rep.horizon, rep.layout
     lo_i = v["occurrence"] + v["window_mismatch"]
@@ -106,6 +110,8 @@ def interval_by_window(ds: xr.Dataset, windows: Iterable[int]) -> xr.Dataset:
     [0, 2, 4]
     """
     windows = [int(w) for w in windows]
+    if is_lazy(ds):  # one pass over the data for all windows
+        return map_docs(interval_by_window, ds, windows=windows)
     parts = [sharp_interval(ds, w).drop_attrs() for w in windows]
     out = xr.concat(parts, dim=xr.DataArray(windows, dims="window", name="window"))
     out.attrs = {"kind": ds.attrs.get("kind"), "horizon": int(ds.attrs["horizon"])}

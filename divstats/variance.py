@@ -17,7 +17,9 @@ import numpy as np
 import xarray as xr
 
 from divstats.arrays import core_array, mean_se, nanmean, row_chunks
+from divstats.chunked import map_docs
 from divstats.replicates import replicate_values, survival_terms
+from protocols.chunks import is_lazy
 
 __all__ = ["variance_check"]
 
@@ -96,6 +98,8 @@ def variance_check(ds: xr.Dataset) -> xr.Dataset:
     """
     if ds.attrs.get("kind") != "residual":
         raise ValueError("variance_check needs residual traces (kind='residual')")
+    if is_lazy(ds):
+        return map_docs(variance_check, ds)
     rep = replicate_values(ds)
     if not rep.identified:
         raise ValueError(f"variance_check needs branches run to the horizon (W >= T - 1); "

@@ -53,6 +53,7 @@ from gen_service.errors import ServiceError
 from gen_service.head_masks import HIDDEN_ATTR, indices_to_mask, install, pad
 from gen_service.models import LoadedModel
 from gen_service.presses import ModelInfo, Plan, Policy, PolicyRegistry, iter_presses
+from gen_service.shared_cache import attention_route, share_prompt
 
 PRODUCER = "kvdiv.gen_service"
 
@@ -118,7 +119,7 @@ class Side:
 
     def crop(self, lengths: list[int]) -> None:
         for layer, n in zip(self.cache.layers, lengths, strict=True):
-            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+            layer.crop(n)
         if self.masks:
             self.masks = [None if m is None else m[..., :n] for m, n in zip(self.masks, lengths, strict=True)]
 
@@ -153,19 +154,21 @@ class Prefilled:
 
 
 def _lengths(cache: DynamicCache) -> list[int]:
-    return [layer.keys.shape[-2] for layer in cache.layers]
+    return [layer.get_seq_length() for layer in cache.layers]
 
 
 class Engine:
     """Runs prefill and decoding for one loaded model. Not thread-safe: the app runs
     all model work on one worker thread."""
 
-    def __init__(self, lm: LoadedModel, registry: PolicyRegistry | None = None):
+    def __init__(self, lm: LoadedModel, registry: PolicyRegistry | None = None, shared_prompt: bool = True):
         install()  # head-wise masks through SDPA's own mask (gen_service.head_masks)
         self.lm = lm
         self.model = lm.model
         self.registry = registry or PolicyRegistry()
         self.device = lm.device
+        # store the prompt once for all rows where the side allows (gen_service/shared_cache.py)
+        self.shared_prompt = shared_prompt
         # replay residual branches even when they could be prefixes of the survival
         # caches (benchmarks measure the replay's price with it)
         self.force_replay = False
@@ -284,9 +287,9 @@ class Engine:
                 mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
         """One forward of ``side`` over (rows, n) tokens -> (rows, V) float logits of the
         last one, with that side's head masks and decoding hooks in place."""
-        with self._side_applied(side, tokens.shape[1]):
+        with self._side_applied(side, tokens.shape[1]), attention_route(self.model, side.cache, mask) as (mask, kw):
             out = self.model(input_ids=tokens, past_key_values=side.cache, position_ids=positions,
-                             attention_mask=mask, use_cache=True, logits_to_keep=logits_to_keep)
+                             attention_mask=mask, use_cache=True, logits_to_keep=logits_to_keep, **kw)
         return out.logits[:, -1].float()
 
     @contextmanager
@@ -357,6 +360,9 @@ class Engine:
         ref = self.registry.build(job.reference, info)
         p0, q0 = self.prefill_pair(ref, cand, job.prompt_ids, job.question_ids)
         yield self.header(job, seed, cand, ref, p0, q0)
+        if self.shared_prompt:
+            for side in (p0.side, q0.side):
+                share_prompt(side, job.horizon)
         gen = self.generator(seed)
         if job.kind == "coupled":
             yield from self._coupled(job, p0, q0, gen, cancelled)

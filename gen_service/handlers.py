@@ -273,7 +273,8 @@ async def info(request: Request) -> Response:
         "kvdiv": {"eviction": cfg.eviction, "max_new_tokens": cfg.max_new_tokens,
                   "max_replicates": cfg.max_replicates, "max_input_bytes": cfg.max_input_bytes,
                   "max_request_seconds": cfg.max_request_seconds, "vocab_size": lm.vocab_size,
-                  "eos_token_id": lm.eos_token_id, "policies": svc.engine.registry.names()},
+                  "eos_token_id": lm.eos_token_id, "policies": svc.engine.registry.names(),
+                  **svc.memory.info()},
     })
 
 
@@ -316,6 +317,7 @@ async def traces(request: Request) -> Response:
         else:
             ids = await svc.off_loop(svc.encode, req.inputs, req.add_special_tokens)
         svc.check_context(ids + question, req.horizon, req.prompt_field)
+        svc.check_memory(req.replicates, len(ids) + len(question), req.horizon, req.kind)
         # the press compresses the context only: policies are fitted to its length
         await svc.off_loop(svc.check_policy, "candidate", req.candidate, len(ids))
         await svc.off_loop(svc.check_policy, "reference", req.reference, len(ids))

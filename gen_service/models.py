@@ -11,6 +11,8 @@ Model ids understood by :func:`load_model`:
 - ``random:llama-1b``: a random-initialised ~1.2B-parameter Llama (Llama-3.2-1B
   shapes, SmolLM2's tokenizer and vocabulary) for benchmarks on a GPU, built
   directly on the device in the serving dtype; no weights to download;
+- ``random:llama-8b``: the same with Llama-3.1-8B's shapes (~8B parameters, 16 GB in
+  bf16: a GPU benchmark model);
 - a local directory or hub id (anything ``from_pretrained`` accepts);
 - with ``gguf=PATH``: that GGUF file (dequantised, cached like the embedded one).
 """
@@ -33,10 +35,15 @@ EMBEDDED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_IDS = ("tiny:llama", "tiny:qwen2")
 # Random-initialised benchmark models: Llama-3.2-1B's shapes over SmolLM2's vocabulary.
-RANDOM_CONFIGS: dict[str, dict[str, int | float]] = {
+RANDOM_CONFIGS: dict[str, dict[str, int | float | bool]] = {
     "random:llama-1b": dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192,
                             num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                             max_position_embeddings=8192, rope_theta=500000.0),
+    # Llama-3.1-8B's shapes, its 128k vocabulary and untied head (what a decoding step
+    # reads); SmolLM2's tokenizer encodes the prompts, so ids >= 49152 never appear in them
+    "random:llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                            max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False),
 }
 
 # ChatML, as SmolLM2 uses; the tiny tokenizer gets the same template so chat requests
@@ -174,8 +181,8 @@ def random_model(model_id: str, device: torch.device, dtype: torch.dtype, seed: 
     (a 1B model initialised in fp32 on the CPU first would take minutes)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(**RANDOM_CONFIGS[model_id], bos_token_id=1, eos_token_id=2,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(**{"tie_word_embeddings": True, **RANDOM_CONFIGS[model_id]}, bos_token_id=1,
+                         eos_token_id=2)
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)

@@ -35,7 +35,7 @@ class Limits:
     """What one server accepts (set by ``kvdiv serve`` flags)."""
 
     max_new_tokens: int = 1024
-    max_replicates: int = 64
+    max_replicates: int = 1024
     max_input_bytes: int = 1 << 20
     max_stop: int = 4
     max_top_n: int = 32

@@ -15,7 +15,7 @@ log = logging.getLogger("kvdiv.service")
 
 
 def build_service(model: str | None = None, *, gguf: str | None = None, eviction: str = "full",
-                  api_key: str | None = None, max_new_tokens: int = 1024, max_replicates: int = 64,
+                  api_key: str | None = None, max_new_tokens: int = 1024, max_replicates: int = 1024,
                   max_queue: int = 16, device: str | None = None, dtype: str | None = None,
                   press: tuple[str, ...] = (), press_option: tuple[str, ...] = (), **limits):
     """Model + registry + engine + app; shared by the CLI, tests and the benchmark.
@@ -35,7 +35,8 @@ def build_service(model: str | None = None, *, gguf: str | None = None, eviction
         ``allow_download=true``), which requests may not set.
     **limits
         Further :class:`gen_service.service.ServiceConfig` fields (``max_input_bytes``,
-        ``max_body_bytes``, ``body_timeout_s``, ``max_request_seconds``, ...).
+        ``max_body_bytes``, ``body_timeout_s``, ``max_request_seconds``,
+        ``memory_budget``, ...).
 
     Returns
     -------
@@ -92,8 +93,8 @@ def _quiet_libraries() -> None:
 
 @click.command("serve")
 @click.option("--model", default="embedded", show_default=True,
-              help="embedded (SmolLM2-135M-Instruct GGUF), tiny:llama, tiny:qwen2, random:llama-1b (benchmarks), "
-                   "a local dir or a hub id.")
+              help="embedded (SmolLM2-135M-Instruct GGUF), tiny:llama, tiny:qwen2, random:llama-1b or "
+                   "random:llama-8b (benchmarks), a local dir or a hub id.")
 @click.option("--gguf", type=click.Path(exists=True, dir_okay=False), default=None, help="Load this GGUF file.")
 @click.option("--eviction", default="full", show_default=True,
               help="Default policy for TGI requests (parameters.eviction overrides).")
@@ -103,7 +104,11 @@ def _quiet_libraries() -> None:
               help="Require 'Authorization: Bearer KEY' (all but /health); an empty key refuses to start. "
                    "Env: KVDIV_API_KEY.")
 @click.option("--max-new-tokens", default=1024, show_default=True, type=int, help="Largest T a request may ask.")
-@click.option("--max-replicates", default=64, show_default=True, type=int, help="Largest R per trace request.")
+@click.option("--max-replicates", default=1024, show_default=True, type=int,
+              help="Largest R per trace request (the memory budget may allow fewer).")
+@click.option("--memory-budget", default=None, metavar="BYTES|FRACTION",
+              help="Memory a trace request may use beyond the weights: bytes (8GiB) or a fraction of the free "
+                   "memory at start (0.5). Default 0.8. Requests estimated above it get 422 with the numbers.")
 @click.option("--max-queue", default=16, show_default=True, type=int,
               help="Requests queued or running before answering 429.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1 ...")
@@ -122,8 +127,9 @@ def _quiet_libraries() -> None:
 @click.option("--max-request-seconds", default=None, type=click.FloatRange(0, min_open=True),
               help="Wall time of one request's model work; a stream past it ends with an error record.")
 @click.option("--log-level", default="info", show_default=True)
-def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replicates, max_queue, device, dtype,
-          press, press_option, max_input_bytes, max_body_bytes, body_timeout, max_request_seconds, log_level):
+def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replicates, memory_budget, max_queue,
+          device, dtype, press, press_option, max_input_bytes, max_body_bytes, body_timeout, max_request_seconds,
+          log_level):
     """Run the TGI-compatible trace service (POST /generate, /v1/traces, ...)."""
     # Before torch loads OpenMP: its default busy-waiting threads collapse when the
     # cores are shared (a 576x1536 matmul went from 0.25 ms to 16 ms on 2 busy cores).
@@ -135,12 +141,15 @@ def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replic
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries()
     try:
+        from gen_service.memory import parse_budget
+
         app, service = build_service(model, gguf=gguf, eviction=eviction, api_key=api_key,
                                      max_new_tokens=max_new_tokens, max_replicates=max_replicates,
                                      max_queue=max_queue, device=device, dtype=dtype, press=press,
                                      press_option=press_option,
                                      max_input_bytes=max_input_bytes, max_body_bytes=max_body_bytes,
-                                     body_timeout_s=body_timeout, max_request_seconds=max_request_seconds)
+                                     body_timeout_s=body_timeout, max_request_seconds=max_request_seconds,
+                                     memory_budget=parse_budget(memory_budget))
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     except ModuleNotFoundError as exc:  # a base install: the model stack is the [service] extra

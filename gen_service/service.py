@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from gen_service.body import BodyLimits
 from gen_service.engine import Cancelled, Engine
 from gen_service.errors import ApiError, ConfigError, RequestTimeout, invalid
+from gen_service.memory import MemoryGate, RequestTooLarge
 from gen_service.models import context_question_ids
 from gen_service.presses import ModelInfo, PolicyError
 from gen_service.requests import Limits, Message
@@ -49,7 +50,8 @@ class ServiceConfig:
 
     eviction: str = "full"              # default policy for TGI requests
     max_new_tokens: int = 1024          # T limit
-    max_replicates: int = 64            # R limit
+    max_replicates: int = 1024          # R limit; the memory budget may allow fewer
+    memory_budget: float | None = None  # bytes, or a fraction of free memory (None: gen_service/memory.py's default)
     max_queue: int = 16                 # queued + running requests
     max_body_bytes: int = 1 << 20
     max_input_bytes: int = 1 << 20      # text of inputs / messages, checked before tokenising
@@ -274,6 +276,7 @@ class Service:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdiv-model")
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvdiv-text")
         self.admission = Admission(self.config.max_queue)
+        self.memory = MemoryGate.for_engine(engine, self.config.memory_budget)
         self.metrics = Metrics()
         self.created = int(time.time())
         self.tokenizer = engine.lm.tokenizer
@@ -373,6 +376,13 @@ class Service:
         if len(ids) + new_tokens > ctx:
             raise invalid(field, f"prompt of {len(ids)} tokens + {new_tokens} new tokens exceeds the "
                                  f"model context of {ctx}")
+
+    def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str) -> None:
+        """422 when the request's estimated memory can never fit the budget (gen_service/memory.py)."""
+        try:
+            self.memory.admit(rows, prompt_tokens, horizon, kind)
+        except RequestTooLarge as exc:
+            raise invalid("replicates", str(exc)) from exc
 
     def check_policy(self, field: str, policy_id: str, prompt_len: int) -> None:
         """Build the policy for this prompt through the registry so a bad id is a 422

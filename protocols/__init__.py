@@ -29,6 +29,7 @@ from protocols.schema import (
     residual_dataset,
     sampling_params,
 )
+from protocols.store import StoreError, TraceStoreWriter
 from protocols.stream import Limits, Stream, StreamReader, read_stream
 from protocols.validate import TV_ZERO_ATOL, Problem, TraceValidationError, validate
 from protocols.wire import (
@@ -46,7 +47,8 @@ from protocols.wire import (
 
 __all__ = [
     "COUPLING", "KINDS", "SCHEMA", "CombineError", "ConversionError", "Limits", "OutputExistsError",
-    "PolicyIdError", "PolicySpec", "PressTerm", "Problem", "Stream", "StreamReader", "TraceFileError",
+    "PolicyIdError", "PolicySpec", "PressTerm", "Problem", "StoreError", "Stream", "StreamReader",
+    "TraceFileError", "TraceStoreWriter",
     "assemble_stream",
     "prompt_digest", "read_stream",
     "ProtocolError", "StreamError", "StreamWriter", "TV_ZERO_ATOL", "TraceValidationError", "__version__",

@@ -13,6 +13,7 @@ import click
 import xarray as xr
 
 from protocols.assemble import StreamError, assemble
+from protocols.chunks import cluster_options, dask_client, read_chunks
 from protocols.io import SUFFIXES, open_traces
 from protocols.validate import TraceValidationError
 from protocols.validate import validate as _validate
@@ -22,7 +23,7 @@ __all__ = ["STREAM_SUFFIXES", "info", "validate"]
 STREAM_SUFFIXES = (".ndjson",)   # a journal request file; .jsonl is left to eval logs
 
 
-def _load(path: Path) -> xr.Dataset:
+def _load(path: Path, chunks: int | str | None = None) -> xr.Dataset:
     """A dataset from a trace file (unvalidated) or from one recorded wire stream (assembled)."""
     suffix = path.suffix.lower()
     if suffix in STREAM_SUFFIXES:
@@ -30,7 +31,7 @@ def _load(path: Path) -> xr.Dataset:
     if suffix not in SUFFIXES:
         raise click.BadParameter(f"{path.name}: unknown extension {path.suffix!r}; expected one of "
                                  f"{SUFFIXES + STREAM_SUFFIXES}", param_hint="PATH")
-    return open_traces(path, validate=False)
+    return open_traces(path, validate=False, chunks=chunks)
 
 
 def _shape(ds: xr.Dataset) -> str:
@@ -45,7 +46,8 @@ def _shape(ds: xr.Dataset) -> str:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("path", type=click.Path(exists=True, dir_okay=True, path_type=Path))
-def validate(path: Path) -> None:
+@cluster_options
+def validate(path: Path, workers: int | None, scheduler: str | None, chunk_docs: int | None) -> None:
     """Check the trace file PATH against the kvdiv.trace/1 contract.
 
     PATH is a .nc or .zarr dataset, or one recorded wire stream (.ndjson, e.g. a
@@ -79,14 +81,15 @@ def validate(path: Path) -> None:
     ok: coupled, 2 docs × 2 policies × 4 replicates × T=8 (t.nc)
     """
     try:
-        ds = _load(path)
-        _validate(ds, source=f"({path.name})")
+        with dask_client(workers, scheduler):  # no cluster unless asked; large files are read chunk by chunk
+            ds = _load(path, read_chunks(path, workers, scheduler, chunk_docs))
+            _validate(ds, source=f"({path.name})")
     except TraceValidationError as err:
         click.echo(f"invalid: {len(err.problems)} problem(s) in {path.name}")
         for p in err.problems:
             click.echo(f"  - {p}")
         raise SystemExit(1) from None
-    except (StreamError, OSError, ValueError) as err:
+    except (StreamError, OSError, ValueError, ImportError) as err:
         click.echo(f"invalid: {path.name}: {err}")
         raise SystemExit(1) from None
     click.echo(f"ok: {ds.attrs['kind']}, {_shape(ds)} ({path.name})")
@@ -137,7 +140,7 @@ def info(path: Path) -> None:
     valid       yes
     """
     try:
-        ds = _load(path)
+        ds = _load(path, read_chunks(path))   # a large file is read chunk by chunk, for the validity line
     except (StreamError, TraceValidationError, OSError, ValueError) as err:
         click.echo(f"error: cannot read {path.name}: {err}")
         raise SystemExit(1) from None

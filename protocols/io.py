@@ -17,6 +17,8 @@ import json
 import os
 import shutil
 import uuid
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -225,21 +227,27 @@ def save_traces(ds: xr.Dataset, path: str | os.PathLike[str], *, validate: bool 
     return path
 
 
-def open_traces(path: str | os.PathLike[str], validate: bool = True) -> xr.Dataset:
-    """Load a trace file fully into memory (the file is closed) and validate it by default.
+def open_traces(path: str | os.PathLike[str], validate: bool = True, *,
+                chunks: int | str | Mapping[str, int] | None = None) -> xr.Dataset:
+    """Open a trace file and validate it by default.
 
     Parameters
     ----------
     path : str or os.PathLike
         A ``.nc`` or ``.zarr`` trace file.
     validate : bool, default True
-        Validate the dataset read.
+        Check the contract (``protocols.validate``; chunk by chunk when lazy).
+    chunks : int, "auto", mapping or None
+        None (default): load everything into memory and close the file.  Otherwise
+        open lazily as a dask-backed dataset chunked along ``doc`` only: an int is
+        the documents per chunk, ``"auto"`` picks about :data:`AUTO_CHUNK_BYTES` of
+        data per chunk, ``{"doc": n}`` is the same as ``n``.  Needs dask.
 
     Returns
     -------
     xarray.Dataset
         The dataset, with variables in the order they were written and string
-        coordinates as object arrays of ``str``.
+        coordinates as object arrays of ``str``; dask-backed when ``chunks`` is given.
 
     Raises
     ------
@@ -259,11 +267,14 @@ def open_traces(path: str | os.PathLike[str], validate: bool = True) -> xr.Datas
     >>> out = save_traces(example_dataset(), Path(tempfile.mkdtemp()) / "t.nc")
     >>> open_traces(out).identical(example_dataset())
     True
+    >>> ds = open_traces("traces.zarr", chunks="auto")   # doctest: +SKIP
     """
     path = Path(path)
     fmt = _format(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such trace file")
+    if chunks is not None:
+        return _open_lazy(path, fmt, chunks, validate)
     try:
         if fmt == ".nc":
             with xr.open_dataset(path, engine="h5netcdf") as f:
@@ -273,5 +284,103 @@ def open_traces(path: str | os.PathLike[str], validate: bool = True) -> xr.Datas
                 ds = f.load()
     except Exception as exc:  # h5py, zarr and json each fail their own way on a damaged file
         raise TraceFileError(f"{path}: not a readable {fmt} file ({type(exc).__name__}: {exc})") from None
+    ds = _restore_order(_strings(_clear(ds)))
+    return _validate(ds, source=f"({path.name})") if validate else ds
+
+
+# ----------------------------------------------------------------------------- piecewise writing
+
+def prepare_write(ds: xr.Dataset, fmt: str) -> tuple[xr.Dataset, dict[str, dict]]:
+    """``ds`` as it goes to disk (encodings cleared, variable order recorded) and its encoding for ``fmt``.
+
+    The one layout of a trace file, shared by ``save_traces``-style whole writes and
+    ``protocols.store.TraceStoreWriter``'s document-by-document appends.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Trace dataset.
+    fmt : str
+        ``".nc"`` or ``".zarr"``.
+
+    Returns
+    -------
+    (xarray.Dataset, dict)
+        The dataset to write and the ``encoding`` argument for ``to_netcdf`` / ``to_zarr``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown format.
+
+    Examples
+    --------
+    >>> from protocols.examples import example_dataset
+    >>> out, enc = prepare_write(example_dataset(), ".zarr")
+    >>> enc["tv"]["chunks"][0]
+    1
+    """
+    if fmt not in SUFFIXES:
+        raise ValueError(f"unknown trace file format {fmt!r}; use one of {SUFFIXES}")
+    ds = _with_order(_clear(_strings(ds)))   # strings as object arrays: one on-disk string type for every piece
+    return ds, (_netcdf_encoding(ds) if fmt == ".nc" else _zarr_encoding(ds))
+
+
+# ----------------------------------------------------------------------------- lazy (dask-backed) open
+
+#: ``chunks="auto"``: documents per chunk chosen so that one chunk holds about this many bytes of data.
+AUTO_CHUNK_BYTES = 64 * 2**20
+
+
+def docs_per_chunk(ds: xr.Dataset, chunks: int | str | Mapping[str, int]) -> int:
+    """Documents per dask chunk for ``chunks`` (an int, ``"auto"`` or ``{"doc": n}``), at least 1.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        The trace dataset (lazy is fine: only sizes and dtypes are used).
+    chunks : int, "auto" or mapping
+        As for :func:`open_traces`.
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    ValueError
+        For anything else, or a mapping naming a dim other than ``doc``.
+
+    Examples
+    --------
+    >>> docs_per_chunk(xr.Dataset(), {"doc": 8})
+    8
+    """
+    if isinstance(chunks, Mapping):
+        extra = sorted(set(chunks) - {"doc"})
+        if extra or "doc" not in chunks:
+            raise ValueError(f"chunks={dict(chunks)!r}: trace datasets are chunked along 'doc' only")
+        chunks = chunks["doc"]
+    if chunks == "auto":
+        n_docs = max(1, int(ds.sizes.get("doc", 1)))
+        per_doc = sum(v.dtype.itemsize * v.size for v in ds.data_vars.values() if "doc" in v.dims) / n_docs
+        return max(1, int(AUTO_CHUNK_BYTES // max(per_doc, 1)))
+    if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
+        raise ValueError(f"chunks={chunks!r}: expected documents per chunk (an int >= 1), 'auto' or {{'doc': n}}")
+    return int(chunks)
+
+
+def _open_lazy(path: Path, fmt: str, chunks: int | str | Mapping[str, int], validate: bool) -> xr.Dataset:
+    """Dask-backed dataset over the open file, chunked along ``doc``; small coordinates in memory."""
+    kwargs = {"engine": "h5netcdf"} if fmt == ".nc" else {"engine": "zarr", "consolidated": False}
+    probe = xr.open_dataset(path, chunks={}, **kwargs)
+    n = docs_per_chunk(probe, chunks)
+    probe.close()
+    with warnings.catch_warnings():
+        # small coordinates stored in one piece are "split" by doc chunks; they are loaded below
+        warnings.filterwarnings("ignore", message="The specified chunks separate the stored chunks")
+        ds = xr.open_dataset(path, chunks={"doc": n}, **kwargs)
+    # coordinates (ids, split labels, budgets) are small: in memory, so labels never trigger a read
+    ds = ds.assign_coords({name: c.variable.load() for name, c in ds.coords.items()})
     ds = _restore_order(_strings(_clear(ds)))
     return _validate(ds, source=f"({path.name})") if validate else ds

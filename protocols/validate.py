@@ -8,7 +8,12 @@ written with coordinate labels, e.g.::
     tv: 3 values outside [0, 1], e.g. tv[doc='d0', policy='snapkv@0.5', replicate=3, step=7] = 1.3
 
 Every rule is vectorised over (doc, policy, replicate, step|age); the only Python
-loops are over variables and rules. An optional leading ``model`` dim (datasets
+loops are over variables, rules and document chunks. The value rules are a table
+(:data:`_VALUE_RULES`) run on one chunk of documents at a time: a dataset in memory
+is one chunk, a dask-backed one (``open_traces(path, chunks=...)``) is checked
+chunk by chunk in bounded memory (as dask tasks, so on a cluster when one is
+active) and the per-chunk findings are merged: counts add up and the example is
+the first offending value of the whole dataset, exactly as for one chunk. An optional leading ``model`` dim (datasets
 combined across models) is allowed on every data variable; per-model
 ``vocab_size`` / ``eos_token_id`` coordinates on that dim, when present, take
 precedence over the global attributes.
@@ -27,12 +32,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import xarray as xr
 
+from protocols.chunks import DocChunk, doc_chunks, is_lazy
 from protocols.errors import ProtocolError
 from protocols.schema import (
     COUPLING,
@@ -67,18 +73,7 @@ _TV_VARS = {"tv", "shared_tv", "branch_tv"}
 
 
 class Problem(str):
-    """One problem message; ``.where`` maps dims to the example's coordinate labels ({} for attrs).
-
-    A ``str`` subclass, so a list of problems prints and compares as text; the
-    converters use ``.where`` to point back at the input row of a bad value.
-
-    Parameters
-    ----------
-    text : str
-        The message.
-    where : dict, optional
-        Dim name -> coordinate label of the example value (e.g. ``{"doc": "d0"}``).
-    """
+    """One problem message; ``.where`` maps dims to the example's coordinate labels ({} for attrs)."""
 
     where: dict[str, Any]
 
@@ -89,15 +84,7 @@ class Problem(str):
 
 
 class TraceValidationError(ProtocolError, ValueError):
-    """A dataset that breaks the trace contract; ``.problems`` lists every problem.
-
-    Parameters
-    ----------
-    problems : list of str
-        Every problem found (:class:`Problem` instances when raised by :func:`validate`).
-    source : str, optional
-        Where the dataset came from (a file name), added to the message.
-    """
+    """A dataset that breaks the trace contract; ``.problems`` lists every problem."""
 
     def __init__(self, problems: list[str], source: str | None = None) -> None:
         self.problems = list(problems)
@@ -111,9 +98,8 @@ class TraceValidationError(ProtocolError, ValueError):
 
 @dataclass
 class _Ctx:
-    """What the value rules need: the kind, sizes and canonical numpy arrays."""
+    """What the value rules need: the kind, sizes and canonical numpy arrays of one document chunk."""
 
-    ds: xr.Dataset
     kind: str
     horizon: int | None
     window: int | None
@@ -123,6 +109,18 @@ class _Ctx:
     tv_atol: float = TV_ZERO_ATOL
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     dims: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    offset: int = 0               # index of the chunk's first document in the whole dataset
+
+
+@dataclass(frozen=True)
+class _Finding:
+    """One rule applied to one variable of one chunk: how many values break it and the first one."""
+
+    name: str
+    what: str
+    count: int
+    index: tuple[int, ...] | None  # first offending element, indices into the whole dataset
+    value: str | None
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -149,19 +147,26 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _report(ctx: _Ctx, name: str, bad: np.ndarray, what: str) -> Iterator[str]:
-    """One problem line if ``bad`` has any True: count, rule and the first example."""
+def _report(ctx: _Ctx, name: str, bad: np.ndarray, what: str) -> Iterator[_Finding]:
+    """The count of True in ``bad`` and its first example (always one finding, so chunks line up)."""
     if not bad.any():
+        yield _Finding(name, what, 0, None, None)
         return
     dims = ctx.dims[name]
     bad = np.broadcast_to(bad, ctx.arrays[name].shape)
     flat = int(np.argmax(bad))          # first offending element in C order
-    idx = np.unravel_index(flat, bad.shape)
+    idx = tuple(int(i) for i in np.unravel_index(flat, bad.shape))
     value = _fmt(ctx.arrays[name][idx])
-    where = {d: _scalar(ctx.ds.coords[d].values[i]) if d in ctx.ds.coords else int(i)
-             for d, i in zip(dims, idx, strict=True)}
-    yield Problem(f"{name}: {int(bad.sum())} value(s) {what}, e.g. "
-                  f"{name}[{_where(ctx.ds, dims, idx)}] = {value}", where)
+    glob = tuple(i + ctx.offset if d == "doc" else i for d, i in zip(dims, idx, strict=True))
+    yield _Finding(name, what, int(np.count_nonzero(bad)), glob, value)
+
+
+def _problem(ds: xr.Dataset, dims: tuple[str, ...], f: _Finding) -> Problem:
+    """The message for a finding, located with the whole dataset's coordinate labels."""
+    idx = f.index or ()
+    where = {d: _scalar(ds.coords[d].values[i]) if d in ds.coords else int(i) for d, i in zip(dims, idx, strict=True)}
+    return Problem(f"{f.name}: {f.count} value(s) {f.what}, e.g. {f.name}[{_where(ds, dims, idx)}] = {f.value}",
+                   where)
 
 
 def _scalar(v: Any) -> Any:
@@ -194,12 +199,11 @@ def _check_attrs(ds: xr.Dataset) -> Iterator[str]:
     for name in REQUIRED_ATTRS:
         if name not in a:
             yield f"attribute {name!r} is missing"
-    if "schema" in a and a["schema"] != SCHEMA:
-        yield f"attribute 'schema' = {a['schema']!r}, expected {SCHEMA!r}"
+    for name, expected in (("schema", SCHEMA), ("coupling", COUPLING)):
+        if name in a and a[name] != expected:
+            yield f"attribute {name!r} = {a[name]!r}, expected {expected!r}"
     if "kind" in a and a["kind"] not in KINDS:
         yield f"attribute 'kind' = {a['kind']!r} is not one of {KINDS}"
-    if "coupling" in a and a["coupling"] != COUPLING:
-        yield f"attribute 'coupling' = {a['coupling']!r}, expected {COUPLING!r}"
     yield from _check_attr_types(a)
     v, e = a.get("vocab_size"), a.get("eos_token_id")
     if _is_int(v) and _is_int(e) and e >= v:
@@ -208,7 +212,6 @@ def _check_attrs(ds: xr.Dataset) -> Iterator[str]:
 
 
 def _check_attr_types(a: dict[str, Any]) -> Iterator[str]:
-    """Integer attributes with their lower bounds, string attributes, sampling as a JSON object."""
     for name, low in (("horizon", 1), ("vocab_size", 2), ("window", 0), ("eos_token_id", -1)):
         if name in a and not (_is_int(a[name]) and a[name] >= low):
             yield f"attribute {name!r} = {a[name]!r} is not an integer >= {low}"
@@ -235,14 +238,8 @@ def _check_window(a: dict[str, Any]) -> Iterator[str]:
         yield f"attribute 'window' = {w} exceeds horizon = {h}"
 
 
-def _check_coords(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
-    yield from _check_ids(ds)
-    yield from _check_labels(ds)
-    yield from _check_axes(ds, ctx)
-
-
 def _check_ids(ds: xr.Dataset) -> Iterator[str]:
-    """``doc`` and ``policy`` hold unique string ids."""
+    """``doc`` and ``policy`` ids are present, strings and unique."""
     for dim in ("doc", "policy"):
         if dim not in ds.coords:
             yield f"coordinate {dim!r} is missing"
@@ -255,8 +252,8 @@ def _check_ids(ds: xr.Dataset) -> Iterator[str]:
             yield f"coordinate {dim!r}: duplicate ids {sorted(uniq[counts > 1].tolist())}"
 
 
-def _check_labels(ds: xr.Dataset) -> Iterator[str]:
-    """The per-doc and per-policy coordinates exist on the right dim; split values are known."""
+def _check_coords(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
+    yield from _check_ids(ds)
     for name, dim in (("split", "doc"), ("prompt_tokens", "doc"), ("press", "policy"),
                       ("retention", "policy"), ("budget", "policy")):
         if name not in ds.coords:
@@ -267,14 +264,15 @@ def _check_labels(ds: xr.Dataset) -> Iterator[str]:
         bad = sorted({str(s) for s in ds.coords["split"].values} - set(SPLITS))
         if bad:
             yield f"coordinate 'split': values {bad} are not in {list(SPLITS)}"
-
-
-def _check_axes(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
-    """``replicate`` unique integers, ``step`` = 1..T and (residual) ``age`` = 0..T-1."""
     if "replicate" in ds.coords:
         r = ds.coords["replicate"].values
         if not np.issubdtype(r.dtype, np.integer) or len(np.unique(r)) != len(r):
             yield "coordinate 'replicate': must be unique integers"
+    yield from _check_time_coords(ds, ctx)
+
+
+def _check_time_coords(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
+    """``step`` is 1..T; a residual dataset's ``age`` is 0..T-1."""
     h = ctx.horizon
     if h is not None and "step" in ds.dims:
         if ds.sizes["step"] != h:
@@ -289,7 +287,7 @@ def _check_axes(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
 
 
 def _check_vars(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
-    """Presence, dims and dtypes; well-formed variables go into ``ctx.arrays``."""
+    """Presence, dims and dtypes; well-formed variables go into ``ctx.dims`` (read later, per chunk)."""
     wanted = dict(REQUIRED_VARS[ctx.kind])
     optional = OPTIONAL_VARS.get(ctx.kind, {})
     for name, dims in list(wanted.items()) + [(k, v) for k, v in optional.items() if k in ds]:
@@ -305,7 +303,6 @@ def _check_vars(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
         if var.dtype != want:
             yield f"variable {name!r} has dtype {var.dtype}, expected {np.dtype(want)}"
             continue
-        ctx.arrays[name] = var.transpose(*full).values
         ctx.dims[name] = full
 
 
@@ -371,7 +368,7 @@ def _age0(ctx: _Ctx, mask: np.ndarray) -> np.ndarray:
     return out
 
 
-def _absorbing(ctx: _Ctx, name: str, problems: list[str], observed: np.ndarray | None = None) -> np.ndarray:
+def _absorbing(ctx: _Ctx, name: str, problems: list[_Finding], observed: np.ndarray | None = None) -> np.ndarray:
     """Check EOS is absorbing along the last axis of ``name``; return 'strictly after the first EOS'."""
     a = ctx.arrays[name]
     is_eos = _eos_mask(ctx, a)
@@ -387,7 +384,7 @@ def _rule_eos(ctx: _Ctx) -> Iterator[str]:
     """EOS is absorbing; once both sides are EOS both laws are the EOS point mass (TV 0, log 1 = 0)."""
     if np.all(np.asarray(ctx.eos) < 0):
         return
-    out: list[str] = []
+    out: list[_Finding] = []
     arr = ctx.arrays
     if ctx.kind == "coupled" and {"x_token", "y_token"} <= arr.keys():
         both = _absorbing(ctx, "x_token", out) & _absorbing(ctx, "y_token", out)
@@ -507,10 +504,48 @@ def _rule_logp(ctx: _Ctx) -> Iterator[str]:
                            f"> 0 (a log-probability; tolerance {LOGP_ATOL:g})")
 
 
-_VALUE_RULES: tuple[Callable[[_Ctx], Iterator[str]], ...] = (
+_VALUE_RULES: tuple[Callable[[_Ctx], Iterator[_Finding]], ...] = (
     _rule_tv_range, _rule_token_range, _rule_mismatch, _rule_eos, _rule_shared_path, _rule_branch_masks,
     _rule_logp,
 )
+
+
+# ----------------------------------------------------------------------------- chunks
+
+def _chunk_findings(ctx: _Ctx, part: xr.Dataset | DocChunk) -> list[_Finding]:
+    """Every value rule on one chunk of documents (a ``DocChunk`` is read here, inside the task)."""
+    offset = 0
+    if isinstance(part, DocChunk):
+        part, offset = part.load(), part.start
+    arrays = {name: part[name].transpose(*dims).values for name, dims in ctx.dims.items()}
+    chunk = replace(ctx, arrays=arrays, offset=offset)
+    return [f for rule in _VALUE_RULES for f in rule(chunk)]
+
+
+def _merge(chunks: list[list[_Finding]]) -> list[_Finding]:
+    """Per-chunk findings -> one per rule and variable: counts summed, the first example kept."""
+    merged = []
+    for same in zip(*chunks, strict=True):
+        hits = [f for f in same if f.count]
+        if hits:
+            first = min(hits, key=lambda f: f.index)
+            merged.append(_Finding(first.name, first.what, sum(f.count for f in hits), first.index, first.value))
+    return merged
+
+
+def _value_problems(ds: xr.Dataset, ctx: _Ctx) -> list[Problem]:
+    """The value rules over every document chunk (one chunk when ``ds`` is in memory)."""
+    names = list(ctx.dims)
+    if not names:
+        return []
+    if "doc" not in ds.dims or not is_lazy(ds):
+        findings = [_chunk_findings(ctx, ds)]
+    else:
+        import dask  # a dask-backed dataset implies dask is installed
+
+        tasks = [dask.delayed(_chunk_findings)(ctx, chunk) for chunk in doc_chunks(ds, names)]
+        findings = list(dask.compute(*tasks))
+    return [_problem(ds, ctx.dims[f.name], f) for f in _merge(findings)]
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -534,6 +569,9 @@ def validate(ds: xr.Dataset, *, source: str | None = None, tv_atol: float = TV_Z
     tv_atol : float, default TV_ZERO_ATOL
         The TV at or below which a token mismatch counts as impossible (module
         docstring); pass 0.0 for the exact rule "tokens differ => TV > 0".
+        A dask-backed ``ds`` is checked document chunk by document chunk in
+        bounded memory; counts are summed and the example is the first bad value
+        of the whole dataset.
 
     Returns
     -------
@@ -566,7 +604,7 @@ def validate(ds: xr.Dataset, *, source: str | None = None, tv_atol: float = TV_Z
     if kind in KINDS:
         a = ds.attrs
         ctx = _Ctx(
-            ds=ds, kind=kind,
+            kind=kind,
             horizon=int(a["horizon"]) if _is_int(a.get("horizon")) else None,
             window=int(a["window"]) if _is_int(a.get("window")) else None,
             vocab=_per_model(ds, "vocab_size", a.get("vocab_size") if _is_int(a.get("vocab_size")) else np.inf),
@@ -575,8 +613,7 @@ def validate(ds: xr.Dataset, *, source: str | None = None, tv_atol: float = TV_Z
         )
         problems += list(_check_coords(ds, ctx))
         problems += list(_check_vars(ds, ctx))
-        for rule in _VALUE_RULES:
-            problems += list(rule(ctx))
+        problems += _value_problems(ds, ctx)
     if problems:
         raise TraceValidationError([p if isinstance(p, Problem) else Problem(p) for p in problems], source)
     return ds

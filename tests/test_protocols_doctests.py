@@ -45,6 +45,8 @@ def test_public_functions_have_numpydoc_sections(name: str) -> None:
         if not inspect.isfunction(func) or func.__module__ != name:
             continue
         doc = inspect.getdoc(func) or ""
+        if "Yields\n------" in doc:                  # a generator (or context manager) yields
+            doc += "\nReturns\n-------"
         absent = [s for s in SECTIONS if f"{s}\n{'-' * len(s)}" not in doc]
         assert not absent, f"{name}.{attr}: docstring lacks {absent}"
 

@@ -1,0 +1,209 @@
+"""Cascade attention: a prompt shared by every row plus each row's own tokens.
+
+Decoding R rows from one prompt, every row attends to the same prompt keys/values
+and to the tokens it generated itself. Storing the prompt once (batch 1) and the
+rows' tokens apart, attention splits into two parts merged exactly by log-sum-exp,
+as cascade attention (FlashInfer) does:
+
+- over the shared prompt, all rows' queries against one copy of its keys: one
+  batch-1 attention per KV head (torch's fused kernel, which also returns the
+  log-sum-exp, where it runs) that reads the prompt once per step, not R times;
+- over each row's own tokens, a batched product over (rows, heads), masked per row.
+
+With s_1, s_2 the two parts' scores, m_i their maxima, l_i = Σ exp(s_i − m_i) and
+o_i = Σ exp(s_i − m_i) v the unnormalised outputs, softmax attention over the
+concatenation is (o_1 e^{m_1 − M} + o_2 e^{m_2 − M}) / (l_1 e^{m_1 − M} + l_2 e^{m_2 − M})
+with M = max(m_1, m_2): the same numbers as one softmax over all keys, up to rounding.
+
+:func:`cascade_attention_forward` has transformers' attention-function signature and
+is registered in ``AttentionInterface`` as :data:`CASCADE`; the cache it reads
+(:class:`gen_service.shared_cache.SharedPromptCache`) arrives through the forward's
+keyword arguments under :data:`CACHE_KWARG`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gen_service.head_masks import HIDDEN_ATTR
+
+__all__ = ["CACHE_KWARG", "CASCADE", "cascade_attention", "cascade_attention_forward"]
+
+CASCADE = "kvdiv_cascade"
+CACHE_KWARG = "kvdiv_shared_cache"
+
+
+def _part(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(max, Σ exp(s − max), Σ exp(s − max) v) of one part, softmax statistics in float32."""
+    s = scores.float()
+    m = s.amax(-1, keepdim=True)
+    # a row whose keys are all masked has m = −inf: keep its weights at 0, not NaN
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    return m, e.sum(-1, keepdim=True), torch.matmul(e.to(values.dtype), values).float()
+
+
+def _fused_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                  hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's fused attention kernels that also return the log-sum-exp (B, H, M)."""
+    if q.device.type == "cpu":
+        bias = None if hidden is None else torch.zeros(
+            hidden.shape[0], hidden.shape[1], 1, hidden.shape[2], dtype=q.dtype, device=q.device
+        ).masked_fill(hidden[:, :, None, :], float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scaling)[:2]
+    elif hidden is not None:
+        raise NotImplementedError("CUDA's fused kernels with log-sum-exp take no per-head key mask here")
+    else:
+        out, lse = None, None
+        if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+            try:   # flash attention needs a recent GPU (sm80+)
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                    q, k, v, 0.0, False, False, scale=scaling)[:2]
+            except RuntimeError:
+                out = None
+        if out is None:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, scale=scaling)[:2]
+    return out, lse[..., :q.shape[-2]]     # the memory-efficient kernel pads M to its block
+
+
+_NO_FUSED: set[tuple[str, torch.dtype, bool]] = set()   # (device, dtype, masked) whose fused kernel refused
+
+
+def _prompt_part(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                 fused: bool = True, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised output (B, H, M, D) and log-sum-exp (B, H, M, 1), float32, of attention
+    over the keys not ``hidden`` ((B, H, keys) boolean): torch's fused kernel (no
+    (M, keys) score matrix in memory) where it runs, else the explicit softmax."""
+    key = (q.device.type, q.dtype, hidden is not None)
+    if fused and key not in _NO_FUSED:
+        try:
+            out, lse = _fused_kernel(q, keys, values, scaling, hidden)
+            return out.float(), lse.float().unsqueeze(-1)
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _NO_FUSED.add(key)
+    s = torch.matmul(q, keys.transpose(-1, -2)) * scaling
+    if hidden is not None:
+        s = s.masked_fill(hidden[:, :, None, :], float("-inf"))
+    m, total, o = _part(s, values)
+    total = total.clamp_min(torch.finfo(total.dtype).tiny)   # a head with every key hidden: 0, not NaN
+    return o / total, m + total.log()
+
+
+def cascade_attention(query: torch.Tensor, prompt_keys: torch.Tensor, prompt_values: torch.Tensor,
+                      row_keys: torch.Tensor | None, row_values: torch.Tensor | None, scaling: float,
+                      row_mask: torch.Tensor | None = None, fused: bool = True,
+                      hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of every row's queries over a shared prompt and the row's own keys.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        (rows, q_heads, n, head_dim): the n newest tokens of each row; q_heads is a
+        multiple of the KV heads (grouped-query attention, head h reads KV head h // g).
+    prompt_keys, prompt_values : torch.Tensor
+        (1, kv_heads, prompt_slots, head_dim), shared by every row and visible to all.
+    row_keys, row_values : torch.Tensor or None
+        (rows, kv_heads, m, head_dim): each row's own slots, the last n being the
+        queries' own tokens (causal among them); None when no row has any.
+    scaling : float
+        The softmax temperature (1/√head_dim for most models).
+    row_mask : torch.Tensor, optional
+        (rows, m) boolean or 0/1: which of a row's own slots it may attend to (a wider
+        mask is read from its last m columns).
+    fused : bool
+        Use torch's fused attention kernel for the prompt part where it runs (default);
+        False computes the softmax explicitly (the fallback, also used by tests).
+    hidden : torch.Tensor, optional
+        (rows, kv_heads, prompt_slots + m) boolean: keys hidden from a KV head's
+        queries (head-wise presses such as AdaKV). Every row shares the prompt's part,
+        read from the first row; the rows' own part applies per row.
+
+    Returns
+    -------
+    torch.Tensor
+        (rows, n, q_heads, head_dim), in the layout transformers' attention
+        functions return.
+
+    Examples
+    --------
+    >>> q, k, v = torch.randn(2, 4, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    >>> cascade_attention(q, k, v, None, None, 8 ** -0.5).shape
+    torch.Size([2, 1, 4, 8])
+    """
+    R, Hq, n, D = query.shape
+    Hkv = prompt_keys.shape[1]
+    g = Hq // Hkv
+    q = query.reshape(R, Hkv, g * n, D)           # head h = kv * g + j, as repeat_kv orders them
+    # shared prompt: all rows' queries of a KV head as one batch-1 query block against
+    # its one copy of the prompt
+    qp = q.transpose(0, 1).reshape(1, Hkv, R * g * n, D)
+    L = prompt_keys.shape[-2]
+    o1, lse1 = _prompt_part(qp, prompt_keys, prompt_values, scaling, fused,
+                            None if hidden is None else hidden[:1, :, :L])
+    o1, lse1 = (t.reshape(Hkv, R, g * n, -1).transpose(0, 1) for t in (o1, lse1))    # (R, Hkv, g*n, ·)
+    if row_keys is not None and row_keys.shape[-2] > 0:
+        s2 = torch.matmul(q, row_keys.transpose(-1, -2)) * scaling        # (R, Hkv, g*n, m)
+        m = row_keys.shape[-2]
+        visible = _row_visibility(m, n, g, row_mask, query.device)
+        if hidden is not None:
+            own = ~hidden[:, :, None, L:L + m]                            # (R, Hkv, 1, m)
+            visible = own if visible is None else visible & own
+        if visible is not None:
+            s2 = s2.masked_fill(~visible, float("-inf"))
+        m2, l2, o2 = _part(s2, row_values)
+        # merge: weights relative to the larger of the two parts' maxima
+        top = torch.maximum(lse1, m2)
+        a1, a2 = torch.exp(lse1 - top), torch.exp(m2 - top)
+        out = (o1 * a1 + o2 * a2) / (a1 + l2 * a2)
+    else:
+        out = o1
+    # (R, Hkv, g*n, D) -> (R, n, Hq, D)
+    return out.to(query.dtype).reshape(R, Hq, n, D).transpose(1, 2).contiguous()
+
+
+def _row_visibility(m: int, n: int, g: int, row_mask: torch.Tensor | None,
+                    device: torch.device) -> torch.Tensor | None:
+    """(rows or 1, 1, g*n, m) boolean: causal among the n new tokens, and the row mask."""
+    visible = None
+    if n > 1:
+        slot = torch.arange(m, device=device)
+        qpos = (m - n) + torch.arange(n, device=device)
+        causal = slot[None, :] <= qpos[:, None]                           # (n, m)
+        visible = causal.repeat(g, 1)[None, None]                         # (1, 1, g*n, m)
+    if row_mask is not None:
+        rm = row_mask[:, -m:].bool()[:, None, None, :]                    # (R, 1, 1, m)
+        visible = rm if visible is None else visible & rm
+    return visible
+
+
+def cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, attention_mask: torch.Tensor | None,
+                              dropout: float = 0.0, scaling: float | None = None,
+                              **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function form of :func:`cascade_attention`.
+
+    ``key``/``value`` are the rows' own slots, as the shared cache's ``update``
+    returned them; the prompt and the per-row mask come from the cache passed to the
+    forward as ``kvdiv_shared_cache``. ``attention_mask`` is unused (the shared cache
+    carries the mask over its rows' own slots; head-wise presses' masks come from the
+    module, as gen_service.head_masks leaves them for one forward). The argument order is
+    transformers' SDPA function's: kvpress's attention patch passes ``dropout``
+    positionally when it wraps the registered functions.
+
+    Raises
+    ------
+    RuntimeError
+        When called without a shared cache (the route was set but the cache not passed).
+    """
+    cache = kwargs.get(CACHE_KWARG)
+    if cache is None:
+        raise RuntimeError(f"{CASCADE} attention needs the shared prompt cache as `{CACHE_KWARG}`")
+    layer = cache.layers[module.layer_idx]
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = cascade_attention(query, layer.prompt_keys, layer.prompt_values, key, value, scaling, cache.row_mask,
+                            hidden=getattr(module, HIDDEN_ATTR, None))
+    return out, None

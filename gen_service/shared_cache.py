@@ -1,0 +1,216 @@
+"""The prompt's KV stored once per request, each row's own tokens in preallocated buffers.
+
+A request decodes R rows from one prompt. transformers' ``DynamicCache`` would hold R
+copies of the prompt's keys/values (``batch_repeat_interleave``) and append each new
+token by concatenation, copying every layer's whole cache at every step. A
+:class:`SharedPromptCache` keeps, per layer, the prompt once (batch 1, as prefill left
+it, compressed or not) and each row's generated tokens in a buffer allocated for the
+horizon, written in place. Its forwards attend through :mod:`gen_service.cascade`
+(prompt part broadcast over rows, row part batched, merged by log-sum-exp), routed by
+:func:`attention_route` for that forward only.
+
+Which path each mechanism takes (per side: P and Q decide independently):
+
+================================================  ===================================
+mechanism                                          path
+================================================  ===================================
+full cache, any prefill-only press (uniform or     shared prompt
+per-layer budgets, ThinK, re-rotation, question)
+residual branches (prefix shortcut)                shared prompt; branch masks cover
+                                                   the rows' own slots only
+residual branches replayed (decoding press or      shared prompt for a side without a
+per-layer budgets)                                 decoding press
+head-wise masks set at prefill (AdaKV,              shared prompt; the prompt's mask
+CriticalAdaKV ...)                                 is shared by the rows too
+decoding-time presses (DecodingPress, DMS &        per-row copies (the press edits
+co.)                                               the cache it is handed)
+any cache other than a plain DynamicCache          per-row copies
+(quantized, sliding-window layers)
+================================================  ===================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from gen_service.cascade import CACHE_KWARG, CASCADE, cascade_attention_forward
+
+__all__ = ["SharedPromptCache", "SharedPromptLayer", "attention_route", "can_share", "share_prompt"]
+
+AttentionInterface.register(CASCADE, cascade_attention_forward)
+
+
+class SharedPromptLayer(CacheLayerMixin):
+    """One layer: the prompt's keys/values (1, heads, slots, dim) and the rows' own
+    slots in (rows, heads, capacity, dim) buffers, the first ``filled`` in use."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+        super().__init__()
+        self.prompt_keys, self.prompt_values = keys, values
+        # ``keys``/``values`` as other code reads them off a layer: the shared part
+        self.keys, self.values = keys, values
+        self.capacity = max(int(capacity), 1)
+        self.rows = 1
+        self.filled = 0
+        self.row_keys: torch.Tensor | None = None
+        self.row_values: torch.Tensor | None = None
+        self.is_initialized = True
+
+    # -- CacheLayerMixin
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the prompt part exists from the start."""
+
+    def _allocate(self, rows: int, capacity: int) -> None:
+        shape = (rows, self.prompt_keys.shape[1], capacity, self.prompt_keys.shape[-1])
+        keys = self.prompt_keys.new_empty(shape)
+        values = self.prompt_values.new_empty(shape[:-1] + (self.prompt_values.shape[-1],))
+        if self.row_keys is not None and self.filled:
+            keys[:, :, :self.filled] = self.row_keys[:, :, :self.filled]
+            values[:, :, :self.filled] = self.row_values[:, :, :self.filled]
+        self.row_keys, self.row_values, self.rows, self.capacity = keys, values, rows, capacity
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens into each row's buffer; return the rows' slots so far."""
+        rows, n = key_states.shape[0], key_states.shape[-2]
+        if self.row_keys is None or rows != self.rows:
+            if self.filled:
+                raise ValueError(f"shared prompt cache holds {self.rows} rows, got a forward over {rows}")
+            self.row_keys = None
+            self._allocate(rows, self.capacity)
+        if self.filled + n > self.capacity:   # a longer run than planned: grow geometrically
+            self._allocate(self.rows, max(2 * self.capacity, self.filled + n))
+        self.row_keys[:, :, self.filled:self.filled + n] = key_states
+        self.row_values[:, :, self.filled:self.filled + n] = value_states
+        self.filled += n
+        return self.row_keys[:, :, :self.filled], self.row_values[:, :, :self.filled]
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        return self.get_seq_length() + cache_position.shape[0], 0
+
+    def get_seq_length(self) -> int:
+        """Slots a row sees: the prompt's plus its own."""
+        return self.prompt_keys.shape[-2] + self.filled
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    # -- what the engine's Side does with a cache
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` slots (the prompt is never cropped)."""
+        self.filled = max(0, min(self.filled, max_length - self.prompt_keys.shape[-2]))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.row_keys is None:
+            self.rows *= repeats
+            return
+        self._set_rows(self.row_keys.repeat_interleave(repeats, 0), self.row_values.repeat_interleave(repeats, 0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.row_keys is None:
+            self.rows = len(indices)
+            return
+        self._set_rows(self.row_keys[indices], self.row_values[indices])
+
+    def _set_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.row_keys, self.row_values, self.rows = keys, values, keys.shape[0]
+
+    def row_bytes(self) -> int:
+        """Bytes of the rows' buffers (all rows, whole capacity)."""
+        if self.row_keys is None:
+            return 0
+        return self.row_keys.numel() * self.row_keys.element_size() * 2
+
+    def prompt_bytes(self) -> int:
+        return (self.prompt_keys.numel() * self.prompt_keys.element_size()
+                + self.prompt_values.numel() * self.prompt_values.element_size())
+
+
+class SharedPromptCache(Cache):
+    """A cache whose prompt part is stored once for all rows.
+
+    Built from a batch-1 ``DynamicCache`` after prefill (:func:`share_prompt`); then
+    ``batch_repeat_interleave(R)`` makes R rows without copying the prompt, and each
+    forward writes the rows' new tokens into per-row buffers sized for ``capacity``
+    tokens (grown by doubling if a run goes longer). ``row_mask`` is set per forward by
+    :func:`attention_route`: the (rows, slots) mask of the call, whose last columns
+    cover the rows' own slots (the prompt part is always visible).
+
+    Examples
+    --------
+    >>> from transformers import DynamicCache
+    >>> dc = DynamicCache()
+    >>> _ = dc.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), 0)
+    >>> cache = SharedPromptCache.from_dynamic(dc, capacity=8)
+    >>> cache.batch_repeat_interleave(3)
+    >>> k, v = cache.update(torch.ones(3, 2, 1, 4), torch.ones(3, 2, 1, 4), 0)
+    >>> tuple(k.shape), cache.get_seq_length()
+    ((3, 2, 1, 4), 6)
+    """
+
+    def __init__(self, layers: list[SharedPromptLayer]):
+        super().__init__(layers=layers)
+        self.row_mask: torch.Tensor | None = None
+
+    @classmethod
+    def from_dynamic(cls, cache: DynamicCache, capacity: int) -> SharedPromptCache:
+        """Take over a batch-1 cache's tensors (no copy) as the shared prompt."""
+        return cls([SharedPromptLayer(layer.keys, layer.values, capacity) for layer in cache.layers])
+
+    def row_bytes(self) -> int:
+        return sum(layer.row_bytes() for layer in self.layers)
+
+    def prompt_bytes(self) -> int:
+        return sum(layer.prompt_bytes() for layer in self.layers)
+
+
+def can_share(side: Any) -> bool:
+    """Whether a side (an engine ``Side`` at batch 1, before decoding) can take the shared
+    prompt path: a plain DynamicCache of full-attention layers and no press acting while
+    decoding (head-wise masks set at prefill are fine: every row shares them). Anything
+    else keeps its per-row copies."""
+    cache = side.cache
+    return (type(cache) is DynamicCache and bool(cache.layers)
+            and all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers)
+            and cache.layers[0].keys.shape[0] == 1
+            and all(m is None or m.shape[0] == 1 for m in side.masks or ())
+            and side.press is None)
+
+
+def share_prompt(side: Any, capacity: int) -> bool:
+    """Switch a side to the shared prompt path when :func:`can_share` allows; returns
+    whether it did. ``capacity``: tokens per row to preallocate (the horizon)."""
+    if not can_share(side):
+        return False
+    side.cache = SharedPromptCache.from_dynamic(side.cache, capacity)
+    return True
+
+
+@contextmanager
+def attention_route(model: torch.nn.Module, cache: Any,
+                    mask: torch.Tensor | None) -> Iterator[tuple[torch.Tensor | None, dict[str, Any]]]:
+    """For one forward: ``(attention_mask, extra model kwargs)``. With a shared prompt
+    cache, attention goes through the cascade function (the model's attention setting
+    is switched for this forward only) and the mask travels on the cache; otherwise
+    the forward is left as it was."""
+    if not isinstance(cache, SharedPromptCache):
+        yield mask, {}
+        return
+    config = model.config
+    before = config._attn_implementation_internal
+    config._attn_implementation_internal = CASCADE
+    cache.row_mask = mask
+    try:
+        yield None, {CACHE_KWARG: cache}
+    finally:
+        config._attn_implementation_internal = before
+        cache.row_mask = None
