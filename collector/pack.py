@@ -261,8 +261,6 @@ def pack_to(run_dir: str | Path, out: str | Path, *, append: bool = False, overw
     40
     """
     out = Path(out)
-    if append and _writer_class() is _WholeFileWriter:
-        raise PackError(f"{out}: --append needs protocols.TraceStoreWriter, which this kvdiv lacks")
     run = _Run(run_dir)
     kept = _existing_documents(out, run) if append else set()
     if not append:
@@ -297,42 +295,12 @@ def _batched(pieces: Iterator[Any], max_bytes: float) -> Iterator[list[Any]]:
 
 def _open_writer(out: Path, *, append: bool, overwrite: bool) -> Any:
     """The one place packing creates its writer: ``protocols.TraceStoreWriter``."""
-    try:
-        return _writer_class()(out, append=append, overwrite=overwrite)
-    except (ValueError, OSError) as exc:  # an output that may not be replaced, a store that cannot be appended to
-        raise PackError(_named(out, exc)) from None
-
-
-def _writer_class() -> Any:
     import protocols
 
-    return getattr(protocols, "TraceStoreWriter", None) or _WholeFileWriter
-
-
-class _WholeFileWriter:
-    """Stand-in for ``protocols.TraceStoreWriter`` until it is merged (issue 15, branch ``scale``): the same
-    interface, but it keeps every piece and writes the file at ``close`` (``save_dataset``), so memory is
-    not bounded and ``append`` is refused. Delete this class once ``protocols`` exports the writer."""
-
-    def __init__(self, path: Path, *, append: bool = False, overwrite: bool = False) -> None:
-        self.path, self.overwrite, self.pieces = Path(path), overwrite, []
-
-    def append(self, ds: Any) -> None:
-        self.pieces.append(ds)
-
-    def close(self) -> Path:
-        import protocols
-
-        return save_dataset(protocols.combine(self.pieces, dim="doc"), self.path, overwrite=self.overwrite)
-
-    def abort(self) -> None:
-        self.pieces = []
-
-    def __enter__(self) -> _WholeFileWriter:
-        return self
-
-    def __exit__(self, exc_type: Any, *rest: Any) -> None:
-        self.close() if exc_type is None else self.abort()
+    try:
+        return protocols.TraceStoreWriter(out, append=append, overwrite=overwrite)
+    except (ValueError, OSError) as exc:  # an output that may not be replaced, a store that cannot be appended to
+        raise PackError(_named(out, exc)) from None
 
 
 def _named(out: Path, exc: BaseException) -> str:

@@ -20,10 +20,6 @@ from collector.pack import PackError, pack_run, pack_to
 
 POLICIES = ["snapkv@0.5", "recent@0.5"]
 LAST = ("doc3", "recent@0.5")
-#: Until protocols.TraceStoreWriter is merged (issue 15, branch scale), pack writes whole files and refuses
-#: --append; delete this marker with collector.pack._WholeFileWriter.
-needs_writer = pytest.mark.skipif(not hasattr(protocols, "TraceStoreWriter"),
-                                  reason="needs protocols.TraceStoreWriter (issue 15, branch scale)")
 
 
 def _cfg(server: str, docs_file: Path, out: Path, **kw) -> CollectConfig:
@@ -62,7 +58,6 @@ def test_streaming_pack_writes_the_in_memory_dataset(runs: dict[str, Path], tmp_
     assert not _leftovers(tmp_path)
 
 
-@needs_writer
 @pytest.mark.parametrize("suffix", [".zarr", ".nc"])
 def test_append_adds_the_documents_collected_since(runs: dict[str, Path], tmp_path: Path, suffix: str) -> None:
     partial = tmp_path / "partial"
@@ -85,7 +80,6 @@ def test_append_adds_the_documents_collected_since(runs: dict[str, Path], tmp_pa
     assert not _leftovers(tmp_path)
 
 
-@needs_writer
 def test_append_refuses_another_collection_and_keeps_the_file(runs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "t.zarr"
     pack_to(runs["partial"], out, drop_incomplete=True, progress=False)
@@ -108,7 +102,7 @@ def test_append_refuses_another_collection_and_keeps_the_file(runs: dict[str, Pa
     xr.testing.assert_identical(protocols.open_traces(out), before)
 
 
-@pytest.mark.parametrize("append", [False, pytest.param(True, marks=needs_writer)])
+@pytest.mark.parametrize("append", [False, True])
 def test_an_untrusted_file_late_in_the_run_leaves_nothing_written(runs: dict[str, Path], tmp_path: Path,
                                                                    append: bool) -> None:
     run = tmp_path / "run"
@@ -134,7 +128,6 @@ def test_an_untrusted_file_late_in_the_run_leaves_nothing_written(runs: dict[str
     assert not _leftovers(tmp_path)
 
 
-@needs_writer
 def test_cli_pack_streams_and_appends(runs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "t.zarr"
     res = CliRunner().invoke(pack_cmd, [str(runs["partial"]), "-o", str(out), "--drop-incomplete"])
