@@ -261,10 +261,10 @@ def pack_to(run_dir: str | Path, out: str | Path, *, append: bool = False, overw
     40
     """
     out = Path(out)
+    if not append:  # an output that may not be replaced is refused before any reading
+        _check_new_output(out, overwrite)
     run = _Run(run_dir)
     kept = _existing_documents(out, run) if append else set()
-    if not append:
-        _check_new_output(out, overwrite)
     pieces = run.pieces(drop_incomplete=drop_incomplete, progress=progress, skip=kept)
     first = next(pieces, None)  # checks and gaps fail here, before any file is touched
     written = 0
