@@ -42,8 +42,12 @@ class TraceFileError(ProtocolError, ValueError):
     """A trace file that the NetCDF or Zarr backend cannot read (damaged, or something else)."""
 
 
-def _written_by_kvdiv(path: Path) -> bool:
-    """Whether ``path`` is a trace file or store that :func:`save_traces` wrote (its marker attribute)."""
+def written_by_kvdiv(path: Path) -> bool:
+    """Whether ``path`` is a trace file or store that kvdiv wrote (its marker attribute, nothing else inside).
+
+    Shared by :func:`save_traces` and :class:`protocols.store.TraceStoreWriter`: the
+    one test of what kvdiv may replace.
+    """
     if path.suffix.lower() == ".nc":
         if not path.is_file():
             return False
@@ -73,13 +77,13 @@ def _check_replaceable(path: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         raise OutputExistsError(f"{path}: exists; pass --overwrite (overwrite=True) to replace a kvdiv output")
-    if not _written_by_kvdiv(path):
+    if not written_by_kvdiv(path):
         what = "a folder" if path.is_dir() else "a file"
         raise OutputExistsError(f"{path}: exists and is {what} kvdiv did not write (no {ORDER_ATTR} attribute); "
                                 "refusing to replace it even with --overwrite")
 
 
-def _replace(tmp: Path, path: Path) -> None:
+def replace_output(tmp: Path, path: Path) -> None:
     """Rename ``tmp`` over ``path``; a store (a directory) is moved aside first, then removed."""
     if tmp.is_dir() and path.exists():
         old = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.old")
@@ -220,7 +224,7 @@ def save_traces(ds: xr.Dataset, path: str | os.PathLike[str], *, validate: bool 
         else:
             ds.to_zarr(tmp, mode="w", zarr_format=3, consolidated=False, encoding=_zarr_encoding(ds))
         _check_replaceable(path, overwrite)  # again: something may have appeared while writing
-        _replace(tmp, path)
+        replace_output(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()

@@ -26,7 +26,6 @@ variables; document ids must be new.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -37,7 +36,7 @@ import numpy as np
 import xarray as xr
 
 from protocols.errors import ProtocolError
-from protocols.io import ORDER_ATTR, open_traces, prepare_write
+from protocols.io import open_traces, prepare_write, replace_output, written_by_kvdiv
 from protocols.validate import TV_ZERO_ATOL
 from protocols.validate import validate as _validate
 
@@ -58,24 +57,6 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _written_by_kvdiv(path: Path) -> bool:
-    """A trace file or store that kvdiv wrote: it carries the variable-order attribute, and nothing else is inside."""
-    if path.suffix.lower() == ".nc":
-        try:
-            import h5py
-
-            with h5py.File(path, "r") as f:
-                return ORDER_ATTR in f.attrs
-        except (OSError, ValueError):
-            return False
-    try:
-        meta = json.loads((path / "zarr.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    stray = [p for p in path.iterdir() if p.is_file() and p.name != "zarr.json"]
-    return not stray and isinstance(meta, dict) and ORDER_ATTR in (meta.get("attributes") or {})
-
-
 def _check_replaceable(path: Path, overwrite: bool) -> None:
     if path.is_symlink():
         raise FileExistsError(f"{path}: is a symbolic link; refusing to write through it")
@@ -83,19 +64,8 @@ def _check_replaceable(path: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         raise FileExistsError(f"{path}: exists; pass overwrite=True to replace it, or append=True to add to it")
-    if not _written_by_kvdiv(path):
+    if not written_by_kvdiv(path):
         raise FileExistsError(f"{path}: exists and is not a trace file kvdiv wrote; refusing to replace it")
-
-
-def _replace(tmp: Path, path: Path) -> None:
-    """Rename the staged store ``tmp`` over ``path``; an old store is moved aside first, then removed."""
-    if path.exists():
-        old = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.old")
-        os.replace(path, old)
-        os.replace(tmp, path)
-        _remove(old)
-    else:
-        os.replace(tmp, path)
 
 
 def _doc_dim_arrays(group) -> list[tuple[object, int]]:
@@ -217,7 +187,7 @@ class TraceStoreWriter:
             if self.format == ".nc":
                 self._write_netcdf()
             elif not self.append_mode:
-                _replace(self._target, self.path)
+                replace_output(self._target, self.path)
         except BaseException:
             self.abort()
             raise
