@@ -260,7 +260,6 @@ def hodges_lehmann(d: np.ndarray, confidence_level: float = 0.95,
     The tabled ranks (:func:`signed_rank_null_cdf`) give the starting point of the
     search.  Returns ``(estimate, low, high)``; one-sided alternatives give a
     one-sided bound.
-    Returns ``(estimate, low, high)``; one-sided alternatives give a one-sided bound.
 
     Parameters
     ----------
@@ -307,6 +306,7 @@ def mean_difference_t(d: np.ndarray, confidence_level: float = 0.95,
 
     With one document the interval is (-inf, inf); with zero spread it is NaN
     (not estimable: a zero-width interval would claim certainty).
+
     Parameters
     ----------
     d : numpy.ndarray
