@@ -40,7 +40,7 @@ from divstats.resample import document_interval
 
 __all__ = [
     "ATTRIBUTIONS", "PARTS", "DecompositionInterval", "DecompositionResult", "Parts", "as_estimates",
-    "PartIntervals", "decompose", "decomposition_interval", "horizon_of", "parts_and_shares", "split_gap"
+    "PartIntervals", "decompose", "decomposition_interval", "estimates_horizon", "parts_and_shares", "split_gap"
 ]
 
 ATTRIBUTIONS: tuple[str, ...] = ("shapley", "exposure-first", "rate-first")
@@ -220,8 +220,10 @@ def as_estimates(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     return estimate(ds, window=window)
 
 
-def horizon_of(est: xr.Dataset) -> int:
-    """T from the attrs, else from loss / mismatch_fraction.
+def estimates_horizon(est: xr.Dataset) -> int:
+    """T of per-document estimates: the attrs, else loss / mismatch_fraction.
+
+    (:func:`divstats.replicates.horizon_of` reads T from a trace dataset.)
 
     Parameters
     ----------
@@ -241,7 +243,7 @@ def horizon_of(est: xr.Dataset) -> int:
     Examples
     --------
     >>> import xarray as xr
-    >>> horizon_of(xr.Dataset(attrs={"horizon": 8}))
+    >>> estimates_horizon(xr.Dataset(attrs={"horizon": 8}))
     8
     """
     if "horizon" in est.attrs:
@@ -506,7 +508,7 @@ def decompose(ds: xr.Dataset, a: str, b: str, attribution: str = "shapley", *,
     if attribution not in ATTRIBUTIONS:
         raise ValueError(f"unknown attribution {attribution!r}; expected one of {ATTRIBUTIONS}")
     est = as_estimates(ds, window)
-    horizon = horizon_of(est)
+    horizon = estimates_horizon(est)
     models = _models(est)
     data = {m: _paired_docs(est, a, b, m) for m in models}
     for m, arrays in data.items():

@@ -36,10 +36,15 @@ _DEMO = DemoConfig()  # the demo's defaults, shown in its --help
 @click.option("--server", default=None, metavar="URL",
               help="Count tokens with this running server's POST /tokenize instead (no torch needed).")
 @click.option("--api-key", default=None, envvar="KVDIV_API_KEY", help="Bearer token for --server.")
+@click.option("--force", is_flag=True, help="Replace --out if it exists.")
 def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: bool, tokenizer_id: str,
-         server: str | None, api_key: str | None) -> None:
+         server: str | None, api_key: str | None, force: bool) -> None:
     """Build a JSONL document set (id, text, source, n_tokens, ...)."""
     from collector import documents as D
+
+    # A document set may be hand-curated; refuse before the (slow) tokenizer loads.
+    if out.exists() and not force:
+        raise click.ClickException(f"{out} exists; pass --force to replace it")
 
     if server is not None:
         tokenizer = D.server_token_counter(server, api_key)

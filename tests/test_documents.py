@@ -121,9 +121,15 @@ def test_docs_command_writes_a_counted_subset(tmp_path) -> None:
     assert res.exit_code == 0, res.output
     items = D.read_jsonl(out)
     assert len(items) == 7 and all(45 <= d.meta["n_tokens"] <= 90 for d in items)
+    before = out.read_bytes()
+    res = CliRunner().invoke(docs, ["-o", str(out), "--tokenizer", "approx", "--count", "2"])
+    assert res.exit_code != 0 and "--force" in res.output and out.read_bytes() == before
     res = CliRunner().invoke(docs, ["-o", str(out), "--source", str(tmp_path / "missing.jsonl"),
-                                    "--tokenizer", "approx"])
+                                    "--tokenizer", "approx", "--force"])
     assert res.exit_code != 0 and "missing.jsonl" in res.output
+    res = CliRunner().invoke(docs, ["-o", str(out), "--tokenizer", "approx", "--count", "2", "--force"])
+    assert res.exit_code == 0, res.output
+    assert len(D.read_jsonl(out)) == 2
 
 
 def test_docs_counts_tokens_through_a_server_without_torch(tmp_path) -> None:
