@@ -111,6 +111,7 @@ class Plan:
     params: dict[str, Any] = field(default_factory=dict)
     decoding: bool = False     # the press also compresses during decoding
     rerotates: bool = False    # kept keys are re-rotated to positions 0..kept-1
+    quant: Any | None = None   # a gen_service.quantized.KIVIConfig: the cache is quantized
 
 
 def iter_presses(press: Any) -> Iterator[Any]:
@@ -221,6 +222,7 @@ class Policy:
     spec: PolicySpec
     root: _Node | None = None
     info: ModelInfo = field(default_factory=ModelInfo)
+    quant: Any | None = None   # a gen_service.quantized.KIVIConfig for "+quant:" / "quant:" ids
 
     @property
     def press_name(self) -> str:
@@ -238,6 +240,13 @@ class Policy:
         return 1.0 - self.spec.retention, ""
 
     def plan(self, prompt_len: int) -> Plan:
+        plan = self._press_plan(prompt_len)
+        if self.quant is not None:
+            plan.quant = self.quant
+            plan.params.update(self.quant.params())
+        return plan
+
+    def _press_plan(self, prompt_len: int) -> Plan:
         if self.root is None:
             return Plan(None, prompt_len)
         ratio, note = self.compression_ratio(prompt_len)
@@ -351,20 +360,30 @@ class PolicyRegistry:
             raise PolicyError(str(exc)) from None
         if spec.is_full:
             return Policy(spec, None, info)
-        assert spec.press is not None
+        quant = None
+        if spec.quant is not None:
+            from gen_service.quantized import KIVIConfig
+
+            quant = KIVIConfig.from_term(spec.quant, spec.id, info.max_context)
+        if spec.press is None:
+            return Policy(spec, None, info, quant)
         if spec.budget > info.max_context:
             raise PolicyError(f"policy {spec.id!r}: budget {spec.budget} exceeds the model's context "
                               f"({info.max_context} tokens)", "budget")
         root = self._node(spec.id, spec.press, defaults={})
         _route_params(spec.id, root, spec.params, info)
         _assign_amounts(spec.id, root, inherited=False)
-        policy = Policy(spec, root, info)
+        policy = Policy(spec, root, info, quant)
         try:  # construct once on a notional prompt so kvpress's own checks fail now
-            root.make(min(info.max_context, 4096), info.num_layers)
+            press = root.make(min(info.max_context, 4096), info.num_layers)
         except PolicyError:
             raise
         except (AssertionError, TypeError, ValueError, AttributeError) as exc:
             raise PolicyError(f"policy {spec.id!r}: {root.name} cannot be built: {exc or type(exc).__name__}") from None
+        if quant is not None:
+            from gen_service.quantized import check_press
+
+            check_press(spec.id, press)
         return policy
 
     resolve = build  # the name the HTTP layer used before build() existed
