@@ -331,6 +331,8 @@ class PolicyRegistry:
                 "streaming@0.5", "adakv@0.5", "kvpress:KnormPress@0.5",
                 "kvpress:ChunkKVPress(SnapKVPress)@0.5:chunk_length=8",
                 "kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=64",
+                "quant:kivi@2", "quant:kivi@4:group_size=64,residual_length=64",
+                "snapkv@0.5+quant:kivi@4", "kvpress:SnapKVPress@0.5:window_size=32+quant:kivi@2:key_axis=token",
                 *(f"{n}@0.5" for n in self.custom)]
 
     def build(self, policy_id: str, model_info: ModelInfo | None = None) -> Policy:

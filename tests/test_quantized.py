@@ -247,3 +247,11 @@ def test_residual_and_coupled_traces_agree(engine: Engine, policy: str) -> None:
         assert se > 0, name
         assert abs(diff) < 4.5 * se, f"{name}: coupled {float(crude[name]):.4f} vs residual " \
                                      f"{float(resid[name]):.4f} (se {se:.4f})"
+
+
+def test_policy_examples_build(engine: Engine) -> None:
+    """GET /v1/policies lists quantized examples, and every example builds."""
+    examples = engine.registry.examples()
+    assert "quant:kivi@2" in examples and "snapkv@0.5+quant:kivi@4" in examples
+    for example in examples:
+        engine.registry.build(example)
