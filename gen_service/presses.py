@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
+from gen_service.press_artifacts import LOCAL_ARTIFACTS, OPTION_KEYS, artifact_path, attach, check_options
 from gen_service.press_params import ATTRIBUTE_PARAMS, PolicyError, check_value, param_specs, press_slots
 from protocols import PolicyIdError, PolicySpec, PressTerm, parse_policy_id
 
@@ -73,15 +74,17 @@ _BUDGET_FIELD = {"DecodingPress": "target_size", "CAMPress": "target_size"}
 # Presses whose artifact (weights, statistics, patterns) comes from the hub or the web:
 # the server must supply it or allow the download (``--press-option Class:allow_download=true``).
 ARTIFACT = {
-    "QFilterPress": "Q-filters for this model (hub repo nthngdy/<model>_qfilt)",
+    "QFilterPress": "Q-filters for this model (hub repo nthngdy/<model>_qfilt): "
+                    "--press-option QFilterPress:path=DIR",
     "KVzapPress": "a KVzap scorer for this model (hub repo nvidia/KVzap-<type>-<model>)",
     "ExpectedAttentionStatsPress": "query statistics: --press-option ExpectedAttentionStatsPress:stats_folder=DIR",
     "FastKVzipPress": "Fast-KVzip gate weights for this model (hub repo Jang-Hyun/Fast-KVzip)",
     "DuoAttentionPress": "DuoAttention head patterns for this model (downloaded from GitHub)",
     "LUKVPress": "an LU-KV budget curve for this model (downloaded from GitHub)",
-    "RestoreKVPress": "RestoreKV weights for this model (hub repo higokri/RestoreKV-<model>)",
+    "RestoreKVPress": "RestoreKV weights for this model (hub repo higokri/RestoreKV-<model>): "
+                      "--press-option RestoreKVPress:path=DIR (plus_path=DIR for kvzip_plus_normalization)",
 }
-_SERVER_KEYS = {"allow_download"}
+_SERVER_KEYS = {"allow_download"} | OPTION_KEYS
 # Presses the engine cannot run, with the reason (a 422 names it).
 UNSUPPORTED: dict[str, str] = {}
 _ABSTRACT = {"BasePress", "ScorerPress"}
@@ -148,6 +151,7 @@ class _Node:
     budget: int = -1
     amount_field: str | None = None
     shown: set[str] = field(default_factory=set)   # parameters the header reports (not server options)
+    artifact: str | None = None                    # a local folder the press loads its artifact from
 
     @property
     def name(self) -> str:
@@ -179,6 +183,8 @@ class _Node:
         press = self.cls(**kwargs)
         for key, value in attrs.items():
             setattr(press, key, value)
+        if self.artifact is not None:
+            attach(press, self.artifact)
         if self.name == "FinchPress":
             press.delimiter_token_id = -1  # no delimiter in the prompt: the window is given
         return press
@@ -322,6 +328,7 @@ class PolicyRegistry:
                     log.warning("press entry point %s failed to load: %s", ep.name, exc)
         self.custom.update(extra or {})
         self.press_options = {k: dict(v) for k, v in (press_options or {}).items()}
+        check_options(self.press_options)
 
     def names(self) -> list[str]:
         return ["full", *ALIASES, *self.custom, "kvpress:<PressClass>"]
@@ -374,6 +381,7 @@ class PolicyRegistry:
                               f"({info.max_context} tokens)", "budget")
         root = self._node(spec.id, spec.press, defaults={})
         _route_params(spec.id, root, spec.params, info)
+        self._local_artifacts(spec.id, root)
         _assign_amounts(spec.id, root, inherited=False)
         policy = Policy(spec, root, info, quant)
         try:  # construct once on a notional prompt so kvpress's own checks fail now
@@ -438,9 +446,25 @@ class PolicyRegistry:
             return
         if cls.__name__ == "ExpectedAttentionStatsPress" and options.get("stats_folder"):
             return
+        if cls.__name__ in LOCAL_ARTIFACTS and OPTION_KEYS & set(options):
+            return   # which folder (variant) is checked once the parameters are known
         raise PolicyError(f"policy {policy_id!r}: {cls.__name__} needs {need}; this server has none. The operator "
                           f"supplies it with `kvdiv serve --press-option {cls.__name__}:...` (never a request)",
                           "press")
+
+
+    def _local_artifacts(self, policy_id: str, root: _Node) -> None:
+        """Point each press with an operator-supplied artifact at its folder; refuse a
+        variant the operator supplied none for."""
+        for node in _walk(root):
+            options = self.press_options.get(node.name, {})
+            if node.name not in LOCAL_ARTIFACTS or options.get("allow_download") is True:
+                continue
+            folder, key = artifact_path(node.name, options, node.kwargs)
+            if folder is None:
+                raise PolicyError(f"policy {policy_id!r}: {node.name} with these parameters needs the operator's "
+                                  f"`--press-option {node.name}:{key}=DIR`; this server has none", "press")
+            node.artifact = folder
 
 
 def _walk(node: _Node) -> list[_Node]:
