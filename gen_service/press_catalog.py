@@ -62,7 +62,7 @@ CATALOG: tuple[PressEntry, ...] = (
     _artifact("DuoAttentionPress", "DuoAttention head patterns for the model"),
     PressEntry("EntropyGatedChunkKVPress", "kvpress:EntropyGatedChunkKVPress(SnapKVPress)@0.5"),
     PressEntry("ExpectedAttentionPress", "kvpress:ExpectedAttentionPress@0.5"),
-    _artifact("ExpectedAttentionStatsPress", "query statistics for the model", "stats_folder=DIR"),
+    _local("ExpectedAttentionStatsPress", "query statistics for the model", "stats_folder=DIR"),
     _artifact("FastKVzipPress", "Fast-KVzip gate weights for the model"),
     PressEntry("FinchPress", "kvpress:FinchPress@0.5:window_size=32"),
     PressEntry("KeyDiffPress", "kvpress:KeyDiffPress@0.5"),

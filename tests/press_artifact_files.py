@@ -11,8 +11,10 @@ __all__ = ["write_artifacts"]
 
 
 def write_artifacts(root: Path, restore_tokens: int = 8) -> dict[str, dict[str, str]]:
-    """RestoreKV (a PEFT LoRA adapter + restore embeddings) and Q-filters for tiny:llama
-    under ``root``; returns the press options that point at them."""
+    """RestoreKV (a PEFT LoRA adapter + restore embeddings), Q-filters and query
+    statistics (ExpectedAttentionStats) for tiny:llama under ``root``; returns the press
+    options that point at them."""
+    from kvpress.presses.expected_attention_with_stats import ExpectedAttentionStats
     from kvpress.presses.qfilter_press import QFilters
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import save_file
@@ -31,4 +33,11 @@ def write_artifacts(root: Path, restore_tokens: int = 8) -> dict[str, dict[str, 
                   str(root / "restorekv" / "restore_embeddings.safetensors"))
         head_dim = config.hidden_size // config.num_attention_heads
         QFilters(config.num_hidden_layers, config.num_key_value_heads, head_dim).save_pretrained(root / "qfilters")
-    return {"RestoreKVPress": {"path": str(root / "restorekv")}, "QFilterPress": {"path": str(root / "qfilters")}}
+        stats = ExpectedAttentionStats(config.num_hidden_layers, config.num_attention_heads, head_dim, "random",
+                                       "tiny:llama", 1, 1, 4)
+        a = torch.randn(config.num_hidden_layers, config.num_attention_heads, head_dim, head_dim) / head_dim**0.5
+        stats.query_mean.data = torch.randn_like(stats.query_mean)
+        stats.query_cov.data = a @ a.transpose(-1, -2)          # a covariance: symmetric, positive semi-definite
+        stats.save_pretrained(root / "query_stats")
+    return {"RestoreKVPress": {"path": str(root / "restorekv")}, "QFilterPress": {"path": str(root / "qfilters")},
+            "ExpectedAttentionStatsPress": {"stats_folder": str(root / "query_stats")}}

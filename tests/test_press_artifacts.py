@@ -45,7 +45,8 @@ def _no_download(monkeypatch) -> None:
     monkeypatch.setattr("kvpress.presses.restorekv_press.hf_hub_download", refuse)
 
 
-@pytest.mark.parametrize("policy", ["kvpress:RestoreKVPress@0.5", "kvpress:QFilterPress@0.5"])
+@pytest.mark.parametrize("policy", ["kvpress:RestoreKVPress@0.5", "kvpress:QFilterPress@0.5",
+                                    "kvpress:ExpectedAttentionStatsPress@0.5"])
 def test_runs_in_both_kinds_without_downloading(engine: Engine, policy: str, monkeypatch) -> None:
     _no_download(monkeypatch)
     prompt = list(engine.lm.tokenizer(CONTEXT).input_ids)
