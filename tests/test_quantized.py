@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache, QuantizedCache, QuantizedLayer
 
 import divstats
+from gen_service.coupling import Sampling
 from gen_service.engine import Engine, TraceJob
 from gen_service.models import load_model
 from gen_service.presses import PolicyError, PolicyRegistry
@@ -202,6 +203,31 @@ def test_press_then_quantization_matches_kvpress_with_a_quantized_cache(engine: 
     assert got == ref
     for a, b in zip(got_logits, ref_logits, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_question_after_a_quantized_prompt(engine: Engine, prompt: list[int]) -> None:
+    """A question is prefilled after the prompt, into the residual (kvpress's pipeline
+    with a QuantizedCache does the same), then the answer decodes."""
+    # 7 tokens: the first step's flush quantizes 64 + 7 + 1 tokens (quanto needs 16 | 2 x 72)
+    question = list(engine.lm.tokenizer(" Whose?").input_ids)
+    assert len(question) == 7
+    n = 12
+    job = TraceJob(prompt_ids=prompt, question_ids=question, candidate="quant:kivi@2:group_size=16,residual_length=8",
+                   horizon=n, replicates=1, seed=0, sampling=Sampling(do_sample=False))
+    ys = [r["y_token"][0] for r in engine.trace(job) if r["type"] == "step"]
+    cache = ReferenceCache(2, 2, -1, 0, 16, 8)
+    model = engine.model
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompt]), past_key_values=cache)
+        pos = torch.arange(len(prompt), len(prompt) + len(question))[None]
+        logits = model(input_ids=torch.tensor([question]), past_key_values=cache, position_ids=pos).logits[:, -1]
+        ref = []
+        for k in range(n):
+            tok = logits.argmax(-1)
+            ref.append(int(tok))
+            logits = model(input_ids=tok[:, None], past_key_values=cache,
+                           position_ids=torch.tensor([[len(prompt) + len(question) + k]])).logits[:, -1]
+    assert ys == ref
 
 
 def test_engine_matches_quanto_backend(engine: Engine, prompt: list[int]) -> None:
