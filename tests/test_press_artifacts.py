@@ -115,3 +115,21 @@ def test_without_the_artifact_a_request_is_refused_naming_the_option(options, tm
     # never from a request
     with pytest.raises(PolicyError):
         PolicyRegistry(press_options=options).build(f"kvpress:QFilterPress@0.5:path={tmp_path}")
+
+
+@pytest.mark.service
+def test_serve_press_option_supplies_the_folder(options) -> None:
+    """`kvdiv serve --press-option RestoreKVPress:path=DIR`, end to end over HTTP."""
+    from starlette.testclient import TestClient
+
+    from gen_service.server_cli import build_service
+
+    app, _ = build_service("tiny:llama", max_new_tokens=8, max_replicates=4,
+                           press_option=(f"RestoreKVPress:path={options['RestoreKVPress']['path']}",))
+    with TestClient(app) as client:
+        body = {"inputs": CONTEXT, "candidate": "kvpress:RestoreKVPress@0.5", "kind": "residual", "replicates": 2,
+                "parameters": {"max_new_tokens": 4, "seed": 1}}
+        r = client.post("/v1/traces", json=body)
+        assert r.status_code == 200, r.text
+        r = client.post("/v1/traces", json={**body, "candidate": "kvpress:QFilterPress@0.5"})
+        assert r.status_code == 422 and "--press-option QFilterPress" in r.json()["error"], r.text

@@ -281,3 +281,24 @@ def test_policy_examples_build(engine: Engine) -> None:
     assert "quant:kivi@2" in examples and "snapkv@0.5+quant:kivi@4" in examples
     for example in examples:
         engine.registry.build(example)
+
+
+@pytest.mark.service
+def test_http_quantized_candidate() -> None:
+    import json
+
+    from starlette.testclient import TestClient
+
+    from gen_service.server_cli import build_service
+
+    app, _ = build_service("tiny:llama", max_new_tokens=16, max_replicates=4)
+    with TestClient(app) as client:
+        assert "quant:kivi@2" in client.get("/v1/policies").json()["examples"]
+        body = {"inputs": TEXT, "candidate": "snapkv@0.5+quant:kivi@2:residual_length=4", "kind": "residual",
+                "replicates": 2, "parameters": {"max_new_tokens": 6, "seed": 1}}
+        r = client.post("/v1/traces", json=body)
+        assert r.status_code == 200, r.text
+        head = json.loads(r.text.splitlines()[0])
+        assert head["candidate"]["params"]["bits"] == 2 and head["candidate"]["params"]["residual_length"] == 4
+        r = client.post("/v1/traces", json={**body, "candidate": "quant:kivi@3"})
+        assert r.status_code == 422 and "@2 or @4" in r.json()["error"], r.text
