@@ -9,6 +9,11 @@ that also act while decoding (DecodingPress, PrefillDecodingPress, DMSPress with
 ``decoding=true``, CAMPress) are flagged in the :class:`Plan`; the engine runs their
 hooks around the candidate's decoding forwards only.
 
+A ``+quant:kivi@<bits>`` suffix (or ``quant:kivi@<bits>`` alone) quantizes the cache
+as well (gen_service/quantized.py): the :class:`Plan` carries the quantizer's settings
+and the engine builds the quantized cache at prefill. Presses whose artifact the
+operator supplies as local files load it from there (gen_service/press_artifacts.py).
+
 Names: the short aliases in :data:`ALIASES` (``snapkv``, ``adakv``, ``pyramidkv``...),
 any kvpress press class (``kvpress:SnapKVPress`` or ``SnapKVPress``), wrappers with
 inner presses in parentheses, entry point group ``kvdiv.presses`` (name -> press
@@ -451,7 +456,6 @@ class PolicyRegistry:
         raise PolicyError(f"policy {policy_id!r}: {cls.__name__} needs {need}; this server has none. The operator "
                           f"supplies it with `kvdiv serve --press-option {cls.__name__}:...` (never a request)",
                           "press")
-
 
     def _local_artifacts(self, policy_id: str, root: _Node) -> None:
         """Point each press with an operator-supplied artifact at its folder; refuse a
