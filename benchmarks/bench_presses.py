@@ -5,7 +5,8 @@ branches) is timed in the same process, repeated, and the median is divided by
 SnapKV's median in the same kind, measured in the same run. Mechanisms: head-wise
 masks (AdaKV), per-layer budgets (PyramidKV: residual branches are replayed),
 decoding-time eviction (DecodingPress: a press hook on every decoding forward, replayed
-residual branches), key re-rotation, key-channel pruning (ThinK) and composition.
+residual branches), key re-rotation, key-channel pruning (ThinK), composition and
+KIVI-quantized caches (per-row copies, re-quantized at each flush, replayed branches).
 
 Usage: ``python benchmarks/bench_presses.py [--model embedded] [--rows 8] [--steps 16]
 [--prompt-tokens 400] [--repeats 3] [--device cpu|cuda]``.
@@ -43,6 +44,9 @@ POLICIES = {
     "re-rotation: KeyRerotation(Knorm)": "kvpress:KeyRerotationPress(KnormPress)@0.5",
     "key channels: Composed(SnapKV, ThinK)": "kvpress:ComposedPress(SnapKVPress@0.5, ThinKPress@0.5)",
     "SnapKV, residual branches replayed (forced)": "snapkv@0.5",
+    "quantized: quant:kivi@2": "quant:kivi@2",
+    "quantized: quant:kivi@2, flush every 4": "quant:kivi@2:residual_length=4",
+    "quantized: SnapKV + quant:kivi@4": "snapkv@0.5+quant:kivi@4",
 }
 FORCED = "forced"   # rows whose label says so run the replayed-branch path on purpose: its price alone
 

@@ -53,6 +53,7 @@ from gen_service.errors import ServiceError
 from gen_service.head_masks import HIDDEN_ATTR, indices_to_mask, install, pad
 from gen_service.models import LoadedModel
 from gen_service.presses import ModelInfo, Plan, Policy, PolicyRegistry, iter_presses
+from gen_service.quantized import is_quantized
 from gen_service.shared_cache import attention_route, share_prompt
 
 PRODUCER = "kvdiv.gen_service"
@@ -191,7 +192,7 @@ class Engine:
         compression, as kvpress's pipeline does, and is never compressed."""
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         plan = policy.plan(len(prompt_ids))
-        cache = DynamicCache()
+        cache = DynamicCache() if plan.quant is None else plan.quant.cache(self.model.config.num_hidden_layers)
         positions = torch.arange(len(prompt_ids), device=self.device)[None]
         press = plan.press  # a decoding-only press's hooks do nothing during prefill
         with self._prefill_attention(press), (press(self.model) if press is not None else nullcontext()):
@@ -256,7 +257,10 @@ class Engine:
         ref_plan = ref.plan(L)
         # A press scoring with attention weights prefills under eager attention, whose
         # logits differ from SDPA's in the last bits: P then gets its own forward.
-        if ref_plan.press is not None or _wants_eager(cand.plan(L).press):
+        # A quantized candidate's cache holds no full-precision prompt to copy for P.
+        cand_plan = cand.plan(L)
+        if ref_plan.press is not None or ref_plan.quant is not None or cand_plan.quant is not None \
+                or _wants_eager(cand_plan.press):
             return self.prefill(ref, prompt_ids, question_ids), self.prefill(cand, prompt_ids, question_ids)
         full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -690,5 +694,7 @@ class _Branches:
 
 def _needs_replay(p0: Prefilled, q0: Prefilled) -> bool:
     """Branch caches are prefixes of the survival caches only when no press acts while
-    decoding and every layer of each side keeps the same number of prompt slots."""
-    return any(pre.side.press is not None or len(set(_lengths(pre.cache))) != 1 for pre in (p0, q0))
+    decoding, no cache is quantized while decoding, and every layer of each side keeps
+    the same number of prompt slots."""
+    return any(pre.side.press is not None or is_quantized(pre.cache) or len(set(_lengths(pre.cache))) != 1
+               for pre in (p0, q0))

@@ -295,7 +295,8 @@ async def policies(request: Request) -> Response:
     svc = state(request)
     reg = svc.engine.registry
     return JSONResponse({"default": svc.config.eviction, "names": reg.names(), "examples": reg.examples(),
-                         "grammar": "full | name@retention | name#budget | Wrapper(Inner, ...)@r | id:k=v,...",
+                         "grammar": "full | name@retention | name#budget | Wrapper(Inner, ...)@r | id:k=v,... "
+                                    "| id+quant:kivi@bits:k=v,... | quant:kivi@bits:k=v,...",
                          "presses": catalog()})
 
 

@@ -1,5 +1,7 @@
 """Every press class kvpress exports: an example policy id, whether it runs in coupled
-and residual traces, and why not when it does not.
+and residual traces, and why not when it does not. Presses that run only with an
+artifact the operator supplies (``artifact``: the ``--press-option`` that names it) say
+so in ``reason``.
 
 This table is what ``GET /v1/policies`` serves and what docs/service.md shows; a test
 (tests/test_presses_catalog.py) runs every example in both kinds on ``tiny:llama`` and
@@ -24,6 +26,14 @@ class PressEntry:
     coupled: bool = True
     residual: bool = True
     reason: str = ""
+    artifact: str = ""       # the server-side option that supplies its artifact, when it needs one
+
+
+def _local(name: str, what: str, option: str = "path=DIR") -> PressEntry:
+    return PressEntry(name, f"kvpress:{name}@0.5", True, True,
+                      f"runs with {what} that the operator supplies as local files "
+                      f"(`kvdiv serve --press-option {name}:{option}`); without it a 422 names what is missing",
+                      f"{name}:{option}")
 
 
 def _artifact(name: str, what: str, option: str = "allow_download=true") -> PressEntry:
@@ -52,7 +62,7 @@ CATALOG: tuple[PressEntry, ...] = (
     _artifact("DuoAttentionPress", "DuoAttention head patterns for the model"),
     PressEntry("EntropyGatedChunkKVPress", "kvpress:EntropyGatedChunkKVPress(SnapKVPress)@0.5"),
     PressEntry("ExpectedAttentionPress", "kvpress:ExpectedAttentionPress@0.5"),
-    _artifact("ExpectedAttentionStatsPress", "query statistics for the model", "stats_folder=DIR"),
+    _local("ExpectedAttentionStatsPress", "query statistics for the model", "stats_folder=DIR"),
     _artifact("FastKVzipPress", "Fast-KVzip gate weights for the model"),
     PressEntry("FinchPress", "kvpress:FinchPress@0.5:window_size=32"),
     PressEntry("KeyDiffPress", "kvpress:KeyDiffPress@0.5"),
@@ -73,9 +83,9 @@ CATALOG: tuple[PressEntry, ...] = (
                "kvpress:PrefillDecodingPress(SnapKVPress@0.5, kvpress:DecodingPress(KnormPress)#96)"
                ":compression_interval=4"),
     PressEntry("PyramidKVPress", "kvpress:PyramidKVPress@0.5"),
-    _artifact("QFilterPress", "Q-filters for the model"),
+    _local("QFilterPress", "Q-filters for the model"),
     PressEntry("RandomPress", "kvpress:RandomPress@0.5:seed=0"),
-    _artifact("RestoreKVPress", "RestoreKV weights for the model"),
+    _local("RestoreKVPress", "RestoreKV weights for the model (a PEFT LoRA adapter and restore embeddings)"),
     PressEntry("ScorerPress", "", False, False, ABSTRACT),
     PressEntry("SimLayerKVPress", "kvpress:SimLayerKVPress:n_recent=32,lazy_threshold=0.5"),
     PressEntry("SnapKVPress", "kvpress:SnapKVPress@0.5"),
@@ -98,7 +108,9 @@ def markdown_table() -> str:
         rows.append(f"| {e.name} | {ex} | {'yes' if e.coupled else 'no'} | {'yes' if e.residual else 'no'} "
                     f"| {e.reason} |")
     both = sum(e.coupled and e.residual for e in CATALOG)
+    local = sum(e.coupled and e.residual and bool(e.artifact) for e in CATALOG)
     rows.append("")
-    rows.append(f"{both} of {len(CATALOG)} press classes run in both kinds; "
-                f"{sum(e.coupled for e in CATALOG)} coupled, {sum(e.residual for e in CATALOG)} residual.")
+    rows.append(f"{both} of {len(CATALOG)} press classes run in both kinds ({local} of them only with an artifact "
+                f"the operator supplies); {sum(e.coupled for e in CATALOG)} coupled, "
+                f"{sum(e.residual for e in CATALOG)} residual.")
     return "\n".join(rows)

@@ -9,6 +9,11 @@ that also act while decoding (DecodingPress, PrefillDecodingPress, DMSPress with
 ``decoding=true``, CAMPress) are flagged in the :class:`Plan`; the engine runs their
 hooks around the candidate's decoding forwards only.
 
+A ``+quant:kivi@<bits>`` suffix (or ``quant:kivi@<bits>`` alone) quantizes the cache
+as well (gen_service/quantized.py): the :class:`Plan` carries the quantizer's settings
+and the engine builds the quantized cache at prefill. Presses whose artifact the
+operator supplies as local files load it from there (gen_service/press_artifacts.py).
+
 Names: the short aliases in :data:`ALIASES` (``snapkv``, ``adakv``, ``pyramidkv``...),
 any kvpress press class (``kvpress:SnapKVPress`` or ``SnapKVPress``), wrappers with
 inner presses in parentheses, entry point group ``kvdiv.presses`` (name -> press
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
+from gen_service.press_artifacts import LOCAL_ARTIFACTS, OPTION_KEYS, artifact_path, attach, check_options
 from gen_service.press_params import ATTRIBUTE_PARAMS, PolicyError, check_value, param_specs, press_slots
 from protocols import PolicyIdError, PolicySpec, PressTerm, parse_policy_id
 
@@ -73,15 +79,17 @@ _BUDGET_FIELD = {"DecodingPress": "target_size", "CAMPress": "target_size"}
 # Presses whose artifact (weights, statistics, patterns) comes from the hub or the web:
 # the server must supply it or allow the download (``--press-option Class:allow_download=true``).
 ARTIFACT = {
-    "QFilterPress": "Q-filters for this model (hub repo nthngdy/<model>_qfilt)",
+    "QFilterPress": "Q-filters for this model (hub repo nthngdy/<model>_qfilt): "
+                    "--press-option QFilterPress:path=DIR",
     "KVzapPress": "a KVzap scorer for this model (hub repo nvidia/KVzap-<type>-<model>)",
     "ExpectedAttentionStatsPress": "query statistics: --press-option ExpectedAttentionStatsPress:stats_folder=DIR",
     "FastKVzipPress": "Fast-KVzip gate weights for this model (hub repo Jang-Hyun/Fast-KVzip)",
     "DuoAttentionPress": "DuoAttention head patterns for this model (downloaded from GitHub)",
     "LUKVPress": "an LU-KV budget curve for this model (downloaded from GitHub)",
-    "RestoreKVPress": "RestoreKV weights for this model (hub repo higokri/RestoreKV-<model>)",
+    "RestoreKVPress": "RestoreKV weights for this model (hub repo higokri/RestoreKV-<model>): "
+                      "--press-option RestoreKVPress:path=DIR (plus_path=DIR for kvzip_plus_normalization)",
 }
-_SERVER_KEYS = {"allow_download"}
+_SERVER_KEYS = {"allow_download"} | OPTION_KEYS
 # Presses the engine cannot run, with the reason (a 422 names it).
 UNSUPPORTED: dict[str, str] = {}
 _ABSTRACT = {"BasePress", "ScorerPress"}
@@ -111,6 +119,7 @@ class Plan:
     params: dict[str, Any] = field(default_factory=dict)
     decoding: bool = False     # the press also compresses during decoding
     rerotates: bool = False    # kept keys are re-rotated to positions 0..kept-1
+    quant: Any | None = None   # a gen_service.quantized.KIVIConfig: the cache is quantized
 
 
 def iter_presses(press: Any) -> Iterator[Any]:
@@ -147,6 +156,7 @@ class _Node:
     budget: int = -1
     amount_field: str | None = None
     shown: set[str] = field(default_factory=set)   # parameters the header reports (not server options)
+    artifact: str | None = None                    # a local folder the press loads its artifact from
 
     @property
     def name(self) -> str:
@@ -178,6 +188,8 @@ class _Node:
         press = self.cls(**kwargs)
         for key, value in attrs.items():
             setattr(press, key, value)
+        if self.artifact is not None:
+            attach(press, self.artifact)
         if self.name == "FinchPress":
             press.delimiter_token_id = -1  # no delimiter in the prompt: the window is given
         return press
@@ -221,6 +233,7 @@ class Policy:
     spec: PolicySpec
     root: _Node | None = None
     info: ModelInfo = field(default_factory=ModelInfo)
+    quant: Any | None = None   # a gen_service.quantized.KIVIConfig for "+quant:" / "quant:" ids
 
     @property
     def press_name(self) -> str:
@@ -238,6 +251,13 @@ class Policy:
         return 1.0 - self.spec.retention, ""
 
     def plan(self, prompt_len: int) -> Plan:
+        plan = self._press_plan(prompt_len)
+        if self.quant is not None:
+            plan.quant = self.quant
+            plan.params.update(self.quant.params())
+        return plan
+
+    def _press_plan(self, prompt_len: int) -> Plan:
         if self.root is None:
             return Plan(None, prompt_len)
         ratio, note = self.compression_ratio(prompt_len)
@@ -313,6 +333,7 @@ class PolicyRegistry:
                     log.warning("press entry point %s failed to load: %s", ep.name, exc)
         self.custom.update(extra or {})
         self.press_options = {k: dict(v) for k, v in (press_options or {}).items()}
+        check_options(self.press_options)
 
     def names(self) -> list[str]:
         return ["full", *ALIASES, *self.custom, "kvpress:<PressClass>"]
@@ -322,6 +343,8 @@ class PolicyRegistry:
                 "streaming@0.5", "adakv@0.5", "kvpress:KnormPress@0.5",
                 "kvpress:ChunkKVPress(SnapKVPress)@0.5:chunk_length=8",
                 "kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=64",
+                "quant:kivi@2", "quant:kivi@4:group_size=64,residual_length=64",
+                "snapkv@0.5+quant:kivi@4", "kvpress:SnapKVPress@0.5:window_size=32+quant:kivi@2:key_axis=token",
                 *(f"{n}@0.5" for n in self.custom)]
 
     def build(self, policy_id: str, model_info: ModelInfo | None = None) -> Policy:
@@ -351,20 +374,31 @@ class PolicyRegistry:
             raise PolicyError(str(exc)) from None
         if spec.is_full:
             return Policy(spec, None, info)
-        assert spec.press is not None
+        quant = None
+        if spec.quant is not None:
+            from gen_service.quantized import KIVIConfig
+
+            quant = KIVIConfig.from_term(spec.quant, spec.id, info.max_context)
+        if spec.press is None:
+            return Policy(spec, None, info, quant)
         if spec.budget > info.max_context:
             raise PolicyError(f"policy {spec.id!r}: budget {spec.budget} exceeds the model's context "
                               f"({info.max_context} tokens)", "budget")
         root = self._node(spec.id, spec.press, defaults={})
         _route_params(spec.id, root, spec.params, info)
+        self._local_artifacts(spec.id, root)
         _assign_amounts(spec.id, root, inherited=False)
-        policy = Policy(spec, root, info)
+        policy = Policy(spec, root, info, quant)
         try:  # construct once on a notional prompt so kvpress's own checks fail now
-            root.make(min(info.max_context, 4096), info.num_layers)
+            press = root.make(min(info.max_context, 4096), info.num_layers)
         except PolicyError:
             raise
         except (AssertionError, TypeError, ValueError, AttributeError) as exc:
             raise PolicyError(f"policy {spec.id!r}: {root.name} cannot be built: {exc or type(exc).__name__}") from None
+        if quant is not None:
+            from gen_service.quantized import check_press
+
+            check_press(spec.id, press)
         return policy
 
     resolve = build  # the name the HTTP layer used before build() existed
@@ -417,9 +451,24 @@ class PolicyRegistry:
             return
         if cls.__name__ == "ExpectedAttentionStatsPress" and options.get("stats_folder"):
             return
+        if cls.__name__ in LOCAL_ARTIFACTS and OPTION_KEYS & set(options):
+            return   # which folder (variant) is checked once the parameters are known
         raise PolicyError(f"policy {policy_id!r}: {cls.__name__} needs {need}; this server has none. The operator "
                           f"supplies it with `kvdiv serve --press-option {cls.__name__}:...` (never a request)",
                           "press")
+
+    def _local_artifacts(self, policy_id: str, root: _Node) -> None:
+        """Point each press with an operator-supplied artifact at its folder; refuse a
+        variant the operator supplied none for."""
+        for node in _walk(root):
+            options = self.press_options.get(node.name, {})
+            if node.name not in LOCAL_ARTIFACTS or options.get("allow_download") is True:
+                continue
+            folder, key = artifact_path(node.name, options, node.kwargs)
+            if folder is None:
+                raise PolicyError(f"policy {policy_id!r}: {node.name} with these parameters needs the operator's "
+                                  f"`--press-option {node.name}:{key}=DIR`; this server has none", "press")
+            node.artifact = folder
 
 
 def _walk(node: _Node) -> list[_Node]:

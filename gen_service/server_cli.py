@@ -116,8 +116,8 @@ def _quiet_libraries() -> None:
 @click.option("--press", multiple=True, metavar="[NAME=]module:Class",
               help="Register a custom press class as policy NAME (default: the class name). Repeatable.")
 @click.option("--press-option", multiple=True, metavar="Class:key=value",
-              help="Server-side press option a request may not set (a stats folder, allow_download=true). "
-                   "Repeatable.")
+              help="Server-side press option a request may not set (a stats folder, a local artifact folder "
+                   "such as RestoreKVPress:path=DIR, allow_download=true). Repeatable.")
 @click.option("--max-input-bytes", default=1 << 20, show_default=True, type=click.IntRange(1),
               help="Largest prompt text (inputs / messages, UTF-8 bytes), checked before tokenising.")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1),

@@ -19,7 +19,7 @@ from protocols.combine import CombineError, combine
 from protocols.converters import ConversionError, from_eval_logs, from_probabilities, residual_from_probabilities
 from protocols.errors import ProtocolError
 from protocols.io import OutputExistsError, TraceFileError, open_traces, save_traces
-from protocols.policies import PolicyIdError, PolicySpec, PressTerm, parse_policy_id, policy_coords
+from protocols.policies import PolicyIdError, PolicySpec, PressTerm, QuantTerm, parse_policy_id, policy_coords
 from protocols.schema import (
     COUPLING,
     KINDS,
@@ -47,7 +47,7 @@ from protocols.wire import (
 
 __all__ = [
     "COUPLING", "KINDS", "SCHEMA", "CombineError", "ConversionError", "Limits", "OutputExistsError",
-    "PolicyIdError", "PolicySpec", "PressTerm", "Problem", "StoreError", "Stream", "StreamReader",
+    "PolicyIdError", "PolicySpec", "PressTerm", "Problem", "QuantTerm", "StoreError", "Stream", "StreamReader",
     "TraceFileError", "TraceStoreWriter",
     "assemble_stream",
     "prompt_digest", "read_stream",

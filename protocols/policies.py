@@ -2,7 +2,9 @@
 
 Grammar (docs/contract.md, "Policy ids"; every press has an example in docs/service.md)::
 
-    policy := "full" | term [":" params]
+    policy := "full" | press ["+" quant] | quant
+    press  := term [":" params]
+    quant  := "quant:" identifier "@" bits [":" params]   a quantized KV cache
     term   := name ["(" term {"," term} ")"] ["@" retention | "#" budget]
     name   := ["kvpress:"] identifier         a short alias (snapkv) or a press class
     params := key "=" value {"," key "=" value}
@@ -15,6 +17,10 @@ Grammar (docs/contract.md, "Policy ids"; every press has an example in docs/serv
   ``kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=64``.
 - Values are integers, floats, ``true``/``false`` or bare words; ``;`` separates the
   items of a list value (``compression_ratios=0.2;0.6``).
+- ``quant:kivi@2`` quantizes the cache to 2 bits (KIVI); after a press,
+  ``kvpress:SnapKVPress@0.5+quant:kivi@4:group_size=32`` compresses the prompt and
+  quantizes what it keeps. The quantizer's own parameters follow its term; the press's
+  end at ``+quant:``.
 
 This module only parses; which press implements a name, and which parameters a
 request may set, is the service's business.
@@ -28,7 +34,7 @@ from dataclasses import dataclass, field
 
 from protocols.errors import ProtocolError
 
-__all__ = ["PolicyIdError", "PolicySpec", "PressTerm", "parse_policy_id", "policy_coords", "MAX_POLICY_ID",
+__all__ = ["PolicyIdError", "PolicySpec", "PressTerm", "QuantTerm", "parse_policy_id", "policy_coords", "MAX_POLICY_ID",
            "MAX_BUDGET"]
 
 MAX_POLICY_ID = 1000            # characters; longer ids are refused before parsing
@@ -36,6 +42,8 @@ MAX_BUDGET = 2**31 - 1          # traces store budgets as int32
 _NAME = re.compile(r"(?:kvpress:)?[A-Za-z_][A-Za-z0-9_.\-]*")
 _KEY = re.compile(r"^(?:[A-Za-z0-9_]+\.)*[A-Za-z_][A-Za-z0-9_]*$")
 _INT = re.compile(r"^[+-]?\d{1,18}$")
+QUANT_PREFIX = "quant:"
+_QUANT = re.compile(r"quant:([A-Za-z_][A-Za-z0-9_\-]*)@(\d{1,2})(?::(.*))?$", re.S)
 
 
 class PolicyIdError(ProtocolError, ValueError):
@@ -72,6 +80,19 @@ class PressTerm:
 
 
 @dataclass(frozen=True)
+class QuantTerm:
+    """A quantized KV cache in a policy id: a method, its bit width and its parameters."""
+
+    method: str                            # e.g. "kivi"
+    bits: int                              # from "@b"
+    params: dict[str, object] = field(default_factory=dict)
+
+    def text(self) -> str:
+        """Canonical text without parameters, e.g. ``quant:kivi@2``."""
+        return f"{QUANT_PREFIX}{self.method}@{self.bits}"
+
+
+@dataclass(frozen=True)
 class PolicySpec:
     """A parsed policy id."""
 
@@ -80,7 +101,8 @@ class PolicySpec:
     retention: float = math.nan    # fraction of prompt tokens kept; NaN if budget-based or none
     budget: int = -1               # prompt tokens kept; -1 if ratio-based or none
     params: dict[str, object] = field(default_factory=dict)
-    press: PressTerm | None = None  # the parsed press tree; None for "full"
+    press: PressTerm | None = None  # the parsed press tree; None for "full" and a quantizer alone
+    quant: QuantTerm | None = None  # the cache's quantizer ("+quant:..." or "quant:..."); None when full precision
 
     @property
     def is_full(self) -> bool:
@@ -183,13 +205,15 @@ def parse_policy_id(policy_id: str) -> PolicySpec:
     Parameters
     ----------
     policy_id : str
-        e.g. ``"snapkv@0.5"``, ``"kvpress:AdaKVPress(SnapKVPress)@0.5:alpha_safeguard=0.1"``.
+        e.g. ``"snapkv@0.5"``, ``"kvpress:AdaKVPress(SnapKVPress)@0.5:alpha_safeguard=0.1"``,
+        ``"quant:kivi@2"``, ``"snapkv@0.5+quant:kivi@4"``.
 
     Returns
     -------
     PolicySpec
-        The id, the press expression as ``name``, the outer amount and parameters,
-        and the press tree as ``press``.
+        The id, the press expression as ``name`` (with ``+quant:<method>@<bits>``
+        when quantized), the outer amount and parameters, the press tree as
+        ``press`` and the quantizer as ``quant``.
 
     Raises
     ------
@@ -204,6 +228,9 @@ def parse_policy_id(policy_id: str) -> PolicySpec:
     >>> spec = parse_policy_id("kvpress:ChunkKVPress(SnapKVPress)@0.5:chunk_length=8")
     >>> spec.name, spec.retention, spec.params, spec.press.args[0].name
     ('kvpress:ChunkKVPress(SnapKVPress)', 0.5, {'chunk_length': 8}, 'SnapKVPress')
+    >>> spec = parse_policy_id("snapkv@0.5+quant:kivi@4:residual_length=32")
+    >>> spec.name, spec.retention, spec.quant
+    ('snapkv+quant:kivi@4', 0.5, QuantTerm(method='kivi', bits=4, params={'residual_length': 32}))
     """
     if not isinstance(policy_id, str):
         raise PolicyIdError(f"policy id must be a string, not {type(policy_id).__name__}")
@@ -212,17 +239,34 @@ def parse_policy_id(policy_id: str) -> PolicySpec:
         raise PolicyIdError(f"policy id of {len(text)} characters is longer than {MAX_POLICY_ID}")
     if text == "full":
         return PolicySpec(id=text, name="full", retention=1.0)
-    parser = _Parser(text)
+    if text.startswith(QUANT_PREFIX):
+        quant = _quant(text, text)
+        return PolicySpec(id=text, name=quant.text(), quant=quant)
+    press_text, sep, quant_text = text.partition("+" + QUANT_PREFIX)
+    quant = _quant(text, QUANT_PREFIX + quant_text) if sep else None
+    parser = _Parser(press_text)
     term = parser.term()
     params: dict[str, object] = {}
     if parser.peek() == ":":
-        params = _params(text, text[parser.pos + 1:])
+        params = _params(text, press_text[parser.pos + 1:])
     elif parser.peek():
         raise parser.fail(f"unexpected {parser.peek()!r}")
     if term.name == "full":
-        raise PolicyIdError(f"policy id {text!r}: 'full' takes no retention, budget, inner press or parameters")
-    return PolicySpec(id=text, name=term.text(amount=False), retention=term.retention, budget=term.budget,
-                      params=params, press=term)
+        raise PolicyIdError(f"policy id {text!r}: 'full' takes no retention, budget, inner press, parameters or "
+                            f"quantizer (a quantized cache alone is 'quant:<method>@<bits>')")
+    name = term.text(amount=False) + ("" if quant is None else "+" + quant.text())
+    return PolicySpec(id=text, name=name, retention=term.retention, budget=term.budget,
+                      params=params, press=term, quant=quant)
+
+
+def _quant(policy_id: str, text: str) -> QuantTerm:
+    """``quant:<method>@<bits>[:params]`` -> a :class:`QuantTerm`."""
+    m = _QUANT.match(text)
+    if not m:
+        raise PolicyIdError(f"policy id {policy_id!r}: {text!r} is not quant:<method>@<bits>[:key=value,...] "
+                            f"(e.g. quant:kivi@2)")
+    method, bits, rest = m.group(1), int(m.group(2)), m.group(3)
+    return QuantTerm(method, bits, {} if rest is None else _params(policy_id, rest))
 
 
 def policy_coords(policy_id: str) -> tuple[str, float, int]:

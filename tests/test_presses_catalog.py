@@ -10,6 +10,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 from pathlib import Path
 
 import pytest
+from press_artifact_files import write_artifacts
 
 from gen_service.engine import Engine, TraceJob
 from gen_service.models import load_model
@@ -23,8 +24,10 @@ BEGIN, END = "<!-- press-table:begin -->", "<!-- press-table:end -->"
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(load_model("tiny:llama"), PolicyRegistry())
+def engine(tmp_path_factory) -> Engine:
+    """The operator supplies random-initialised artifacts for the presses that take them."""
+    options = write_artifacts(tmp_path_factory.mktemp("artifacts"))
+    return Engine(load_model("tiny:llama"), PolicyRegistry(press_options=options))
 
 
 def test_catalog_lists_every_exported_press() -> None:
@@ -33,12 +36,16 @@ def test_catalog_lists_every_exported_press() -> None:
     exported = {n for n in kvpress.__all__ if n.endswith("Press")}
     assert {e.name for e in CATALOG} == exported
     both = sum(e.coupled and e.residual for e in CATALOG)
-    assert both >= 37, both  # 46 − 2 abstract − 7 needing an artifact
+    assert both >= 40, both  # 46 − 2 abstract − 4 needing an artifact nobody supplies here
+    assert {e.name for e in CATALOG if e.artifact} == {"RestoreKVPress", "QFilterPress", "ExpectedAttentionStatsPress"}
 
 
 @pytest.mark.parametrize("entry", [e for e in CATALOG if e.example], ids=lambda e: e.name)
 def test_example_runs_as_claimed(engine: Engine, entry) -> None:
     prompt = list(engine.lm.tokenizer(TEXT).input_ids)
+    if entry.artifact:  # a server without the operator's artifact refuses it, naming the option
+        with pytest.raises(PolicyError, match="--press-option"):
+            PolicyRegistry().build(entry.example)
     for kind, claimed in (("coupled", entry.coupled), ("residual", entry.residual)):
         job = TraceJob(prompt_ids=prompt, candidate=entry.example, kind=kind, horizon=4, replicates=2, seed=1)
         if not claimed:

@@ -222,6 +222,8 @@ MECHANISMS = [
     "kvpress:KeyRerotationPress(KnormPress)@0.5",                        # re-rotated positions
     "kvpress:ComposedPress(SnapKVPress@0.5, ThinKPress@0.5)",            # key-channel pruning
     "kvpress:ObservedAttentionPress@0.5",                                # eager attention
+    "quant:kivi@2:residual_length=3",                                    # quantized while decoding
+    "pyramidkv@0.5+quant:kivi@4:residual_length=3",
 ]
 
 
