@@ -8,7 +8,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+import xarray as xr
 from test_collector_support import FakeServer
 
 from collector import documents as D
@@ -16,6 +18,7 @@ from collector.checks import derive_seed
 from collector.collect import CollectConfig, Collector, collect, prepare_run
 from collector.errors import ConfigError, ManifestMismatch
 from collector.journal import Journal
+from collector.pack import PackError, pack_run, pack_to
 
 POLICIES = ["snapkv@0.5", "recent@0.5"]
 ALLOCATION = {"doc0": {"snapkv@0.5": 3, "recent@0.5": 0}, "doc1": {"snapkv@0.5": 1, "recent@0.5": 4},
@@ -105,3 +108,34 @@ def test_an_interrupted_round_resumes_to_the_uninterrupted_result(docs_file: Pat
         assert result.skipped == done and result.completed == 5 - done and len(server.requests) == 5 - done
     assert _round_files(tmp_path / "cut", 1) == _round_files(tmp_path / "whole", 1)
     assert _round_files(tmp_path / "cut", 0) == _round_files(tmp_path / "whole", 0)
+
+
+def test_pack_stacks_the_rounds_along_replicate_with_a_round_coordinate(fake_server: FakeServer, docs_file: Path,
+                                                                         tmp_path: Path) -> None:
+    import protocols
+
+    run = tmp_path / "run"
+    collect(_cfg([fake_server.url], docs_file, run))
+    plain = pack_run(run, progress=False)
+    collect(_cfg([fake_server.url], docs_file, run, round_index=1, allocation=ALLOCATION))
+    ds = pack_run(run, progress=False)
+    assert ds.sizes["replicate"] == 2 + 4 and ds["round"].values.tolist() == [0, 0, 1, 1, 1, 1]
+    # round 0 is the plain run's data, unchanged; a later round's block holds its own request, then absent slots
+    xr.testing.assert_identical(ds.isel(replicate=[0, 1]).drop_vars(
+        ["round", "request_round", "round_replicates", "round_seed", "round_elapsed_s"]).drop_attrs(deep=False),
+        plain.drop_attrs(deep=False))
+    one = protocols.assemble(Journal(run, 1).read_lines("doc1", "snapkv@0.5"), doc="doc1")
+    cell = ds.sel(doc="doc1", policy="snapkv@0.5")
+    np.testing.assert_array_equal(cell["shared_tv"].values[2:3], one["shared_tv"].values[0, 0])
+    assert np.isnan(cell["shared_tv"].values[3:]).all() and (cell["branch_step"].values[3:] == 0).all()
+    assert ds["round_replicates"].sel(doc="doc1").values.tolist() == [[2, 1], [2, 4]]
+    assert ds["round_seed"].sel(doc="doc0", policy="recent@0.5").values.tolist()[1] == -1  # not asked in round 1
+    assert int(ds["round_seed"].sel(doc="doc0", policy="snapkv@0.5", request_round=1)) == derive_seed(
+        7, "doc0", "snapkv@0.5", 1)
+    assert json.loads(ds.attrs["collection"])["round_replicates"] == [2, 4]
+    # the streaming writer gives the same file; a missing round-1 request is named with its round
+    out = pack_to(run, tmp_path / "t.zarr", progress=False)
+    assert out.total == 3 and protocols.open_traces(tmp_path / "t.zarr").load().identical(ds)
+    next(Journal(run, 1).requests.glob("doc2--recent*.ndjson")).unlink()
+    with pytest.raises(PackError, match=r"doc2: recent@0.5 \(round 1\)"):
+        pack_run(run, progress=False)
