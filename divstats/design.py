@@ -344,6 +344,18 @@ def _neyman(w: xr.DataArray, r0: xr.DataArray, total: float) -> xr.DataArray:
         alloc = (share / float(share.sum()) * left).where(free, r0)
         under = free & (alloc < r0)
         if not bool(under.any()):
-            return np.floor(alloc)
+            return _largest_remainder(alloc, total)
         fixed = fixed | under
     return r0.astype(float)
+
+
+def _largest_remainder(alloc: xr.DataArray, total: float) -> xr.DataArray:
+    """Whole replicates summing to floor(total): floors, then one more for the largest remainders."""
+    whole = np.floor(alloc)
+    short = int(math.floor(total) - float(whole.sum()))
+    if short > 0:
+        frac = (alloc - whole).values.ravel()
+        bump = np.zeros(frac.size)
+        bump[np.argsort(-frac, kind="stable")[:short]] = 1.0
+        whole = whole + bump.reshape(whole.shape)
+    return whole
