@@ -34,7 +34,7 @@ import numpy as np
 from collector.checks import asked_replicates
 from collector.journal import Journal
 
-__all__ = ["RoundLayout", "pad_replicates", "stack_rounds"]
+__all__ = ["RoundLayout", "absent_value", "pad_replicates", "stack_rounds"]
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,15 @@ class RoundLayout:
         return np.repeat(np.array(self.rounds, dtype=np.int32), self.widths)
 
 
-def _absent(name: str, dtype: np.dtype) -> Any:
-    """The contract's "nothing observed" value of a per-replicate variable."""
+def absent_value(name: str, dtype: np.dtype) -> Any:
+    """The contract's "nothing observed" value of a per-replicate variable (an absent replicate).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> absent_value("shared_tv", np.dtype("float32")), absent_value("branch_step", np.dtype("int32"))
+    (nan, 0)
+    """
     if np.issubdtype(dtype, np.floating):
         return np.nan
     return 0 if name == "branch_step" else -1
@@ -136,7 +143,7 @@ def pad_replicates(ds: Any, width: int) -> Any:
     if n == width:
         return ds
     dtypes = {name: var.dtype for name, var in ds.data_vars.items() if "replicate" in var.dims}
-    fill = {name: _absent(str(name), dtype) for name, dtype in dtypes.items()}
+    fill = {name: absent_value(str(name), dtype) for name, dtype in dtypes.items()}
     out = ds.reindex(replicate=np.arange(width, dtype=np.int32), fill_value=fill)
     return out.assign({name: out[name].astype(dtype) for name, dtype in dtypes.items()})  # reindex promotes
 
