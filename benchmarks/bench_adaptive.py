@@ -23,36 +23,37 @@ import time
 
 from kvdiv.adaptive import AdaptiveSpec, bias_table, simulate_adaptive
 
+TYPICAL = {"effects": (0.06, 0.15), "pilot_replicates": 3}
+# rare divergence next to frequent, and a pilot of 2: the pilot's variance says least where it matters most
+RARE = {"effects": (0.02, 0.3), "pilot_replicates": 2}
+OCC, POST = {"occurrence": 0.02}, {"post_mismatch": 0.1}
 SETTINGS = {
-    "target SE 0.02 on occurrence, by cell, up to 3 rounds":
-        AdaptiveSpec(("occurrence",), target_se={"occurrence": 0.02}),
-    "target SE 0.02 on occurrence, by cell, 1 round":
-        AdaptiveSpec(("occurrence",), target_se={"occurrence": 0.02}, max_rounds=1),
-    "target SE 0.02 on occurrence, by policy, up to 3 rounds":
-        AdaptiveSpec(("occurrence",), target_se={"occurrence": 0.02}, by="policy"),
-    "budget 120 replicates, occurrence + loss, by cell":
-        AdaptiveSpec(("occurrence", "loss"), budget=120),
-    "target SE occurrence 0.03 + loss 0.15, by cell, up to 3 rounds":
-        AdaptiveSpec(("occurrence", "loss"), target_se={"occurrence": 0.03, "loss": 0.15}),
+    "occurrence SE 0.02, 1 round (default)": (AdaptiveSpec(("occurrence",), target_se=OCC, max_rounds=1), TYPICAL),
+    "occurrence SE 0.02, up to 3 rounds": (AdaptiveSpec(("occurrence",), target_se=OCC, max_rounds=3), TYPICAL),
+    "budget 120, occurrence + loss, 1 round": (AdaptiveSpec(("occurrence", "loss"), budget=120), TYPICAL),
+    "post_mismatch SE 0.1, rare, 1 round (default)": (AdaptiveSpec(("post_mismatch",), target_se=POST,
+                                                                   max_rounds=1), RARE),
+    "post_mismatch SE 0.1, rare, up to 3 rounds": (AdaptiveSpec(("post_mismatch",), target_se=POST,
+                                                                max_rounds=3), RARE),
 }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repetitions", type=int, default=300, help="runs of the whole procedure per setting")
-    ap.add_argument("--docs", type=int, default=6, help="simulated documents (two policies each)")
+    ap.add_argument("--docs", type=int, default=4, help="simulated documents (two policies each)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     start = time.perf_counter()
-    print(f"{args.docs} documents x 2 policies (PolicyEffect 0.06, 0.15), T = 5, W = 5, V = 4, pilot R = 3, "
-          f"{args.repetitions} repetitions per setting\n")
-    print(f"{'setting':<64}{'metric':<12}{'estimate':<23}{'rel. bias':>10}{'± se':>8}{'max|z|':>8}"
+    print(f"{args.docs} documents x 2 policies, T = 5, W = 5, V = 4, {args.repetitions} repetitions per setting; "
+          f"typical: {TYPICAL}; rare: {RARE}\n")
+    print(f"{'setting':<48}{'metric':<15}{'estimate':<23}{'rel. bias':>10}{'± se':>8}{'max|z|':>8}"
           f"{'rounds':>8}{'R/pair':>8}")
-    for name, spec in SETTINGS.items():
-        sim = simulate_adaptive(spec, docs=args.docs, repetitions=args.repetitions, seed=args.seed)
+    for name, (spec, population) in SETTINGS.items():
+        sim = simulate_adaptive(spec, docs=args.docs, repetitions=args.repetitions, seed=args.seed, **population)
         rounds, per_pair = float(sim["rounds"].mean()), float(sim["counted"].mean())
         for row in bias_table(sim, spec.metrics):
-            print(f"{name:<64}{row['metric']:<12}{row['estimate']:<23}{row['relative_bias']:>+10.4f}"
+            print(f"{name:<48}{row['metric']:<15}{row['estimate']:<23}{row['relative_bias']:>+10.4f}"
                   f"{row['se']:>8.4f}{row['max_abs_z']:>8.2f}{rounds:>8.2f}{per_pair:>8.1f}", flush=True)
     print(f"\n{time.perf_counter() - start:.0f} s")
 

@@ -73,6 +73,9 @@ class AdaptiveSpec:
         Allocate from each (document, policy)'s own variance, or the policy's mean.
     max_rounds : int
         Rounds after the pilot, at most (``target_se``; a budget is spent in one).
+        One round keeps the estimate exactly unbiased; each further round is
+        allocated from data the estimate uses, which leaves a small bias
+        (docs/design.md). May be raised when a run is resumed.
     min_replicates : int
         Each pair a round asks gets at least this many (round 1 asks every pair).
     plan : str, optional
@@ -87,7 +90,7 @@ class AdaptiveSpec:
     Examples
     --------
     >>> AdaptiveSpec(("occurrence",), target_se={"occurrence": 0.05}).describe()
-    'target SE occurrence=0.05, by cell, at most 3 rounds after the pilot'
+    'target SE occurrence=0.05, by cell, at most 1 round after the pilot'
     """
 
     metrics: tuple[str, ...]
@@ -95,7 +98,7 @@ class AdaptiveSpec:
     budget: float | None = None
     budget_unit: str = "replicates"
     by: str = "cell"
-    max_rounds: int = 3
+    max_rounds: int = 1
     min_replicates: int = 2
     plan: str | None = None
 
@@ -143,7 +146,8 @@ class AdaptiveSpec:
             goal = "target SE " + ", ".join(f"{m}={x:g}" for m, x in self.target_se.items())
         else:
             goal = f"budget {self.budget:g} {self.budget_unit}"
-        return f"{goal}, by {self.by}, at most {self.rounds_allowed} rounds after the pilot"
+        rounds = "1 round" if self.rounds_allowed == 1 else f"{self.rounds_allowed} rounds"
+        return f"{goal}, by {self.by}, at most {rounds} after the pilot"
 
 
 def json_safe(obj: Any) -> Any:
@@ -348,7 +352,12 @@ def plan_round(data: xr.Dataset, spec: AdaptiveSpec, round_index: int) -> RoundP
     at = counted.where(counted > 0) if int(counted.sum()) else vals["replicates"]
     se = np.sqrt(w / at).rename("se")
     if round_index > spec.rounds_allowed:
-        why = "the budget is spent" if spec.budget is not None else f"--max-rounds {spec.max_rounds} reached"
+        if spec.budget is not None:
+            return RoundPlan(xr.zeros_like(counted), counted, se, "the budget is spent")
+        short = sum(int((se.sel(metric=m) > x).sum()) for m, x in spec.target_se.items())
+        why = f"--max-rounds {spec.max_rounds} reached" + (
+            f" with {short} (pair, metric) SEs above the target; rerun with --max-rounds {spec.max_rounds + 1} to "
+            "add a round (later rounds leave a small bias: docs/design.md)" if short else "")
         return RoundPlan(xr.zeros_like(counted), counted, se, why)
     cost = CostModel.from_traces(data) if spec.budget is not None and spec.budget_unit == "cost" else None
     further = allocate(everything, list(spec.metrics), target_se=spec.target_se, budget=spec.budget, cost=cost,
@@ -385,11 +394,12 @@ class AdaptiveResult:
 
 
 def _check_spec(journal: Journal, spec: AdaptiveSpec) -> None:
+    """A resume must aim for what the run aimed for; only ``max_rounds`` may change (more rounds)."""
     manifest = journal.read_manifest()
     old = (manifest or {}).get("adaptive", {}).get("spec")
-    if old is not None and old != spec.record():
-        diffs = [f"{k}: manifest has {old.get(k)!r}, this run asks for {v!r}" for k, v in spec.record().items()
-                 if old.get(k) != v]
+    diffs = [f"{k}: manifest has {old.get(k)!r}, this run asks for {v!r}" for k, v in spec.record().items()
+             if old is not None and k != "max_rounds" and old.get(k) != v]
+    if diffs:
         raise ManifestMismatch(f"{journal.dir} is an adaptive collection with other settings:\n  "
                                + "\n  ".join(diffs) + "\nResume with the original settings, or collect into a "
                                "new --out directory.")

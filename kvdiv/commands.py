@@ -123,8 +123,9 @@ ADAPTIVE_OPTIONS = [
     click.Option(["--plan", "plan_source"], default=None, metavar="NAME|PATH",
                  help="Adaptive: target the metrics of this plan's hypotheses.  [default: paper]"),
     click.Option(["--metrics"], default=None, help="Adaptive: target these metrics (comma-separated) instead."),
-    click.Option(["--max-rounds"], type=click.IntRange(min=1), default=3, show_default=True,
-                 help="Adaptive: rounds after the pilot, at most (--target-se)."),
+    click.Option(["--max-rounds"], type=click.IntRange(min=1), default=1, show_default=True,
+                 help="Adaptive: rounds after the pilot, at most (--target-se). One keeps the estimate exactly "
+                      "unbiased; more leave a small bias (docs/design.md). May be raised on a rerun."),
     click.Option(["--allocate-by"], type=click.Choice(["cell", "policy"]), default="cell", show_default=True,
                  help="Adaptive: allocate from each pair's own variance, or its policy's mean over documents."),
 ]

@@ -46,7 +46,7 @@ def _cfg(server: FakeServer, docs_file: Path, out: Path, **kw) -> CollectConfig:
 
 
 def _spec(**kw) -> AdaptiveSpec:
-    return AdaptiveSpec(("occurrence", "loss"), **({"target_se": TARGET} | kw))
+    return AdaptiveSpec(("occurrence", "loss"), **({"target_se": TARGET, "max_rounds": 3} | kw))
 
 
 def _journal(run: Path) -> dict[str, bytes]:
@@ -58,7 +58,8 @@ def test_cli_target_se_collects_rounds_that_pack_stacks_and_the_estimate_uses_th
     run = tmp_path / "run"
     args = ["collect", "--server", fake_server.url, "--docs", str(docs_file), "--policies", ",".join(POLICIES),
             "--kind", "residual", "-R", "3", "-T", "6", "-W", "5", "--seed", "7", "--out", str(run),
-            "--no-progress", "--target-se", "occurrence=0.08,loss=0.4", "--metrics", "occurrence,loss"]
+            "--no-progress", "--target-se", "occurrence=0.08,loss=0.4", "--metrics", "occurrence,loss",
+            "--max-rounds", "3"]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     assert "round 1:" in res.output and "stopped: the target SE is met on every pair" in res.output
@@ -109,6 +110,7 @@ def test_an_interrupted_adaptive_run_resumes_in_the_right_round(docs_file: Path,
     assert _journal(tmp_path / "cut") == _journal(tmp_path / "whole")
     for run in ("cut", "whole"):
         assert json.loads((tmp_path / run / "manifest.json").read_text())["adaptive"]["stopped"]
+    assert len(Journal(tmp_path / "whole").rounds()) == 2
     assert pack_run(tmp_path / "cut", progress=False).drop_vars("round_elapsed_s").identical(
         pack_run(tmp_path / "whole", progress=False).drop_vars("round_elapsed_s"))
 
@@ -156,3 +158,13 @@ def test_plan_round_counts_only_the_later_rounds(docs_file: Path, tmp_path: Path
     first = plan_round(pilot, AdaptiveSpec(("occurrence",), target_se={"occurrence": 0.1}), 1)
     assert first.pilot_only and int(first.counted.sum()) == 0 and int(first.further.min()) >= 2
     assert plan_round(pilot, AdaptiveSpec(("occurrence",), budget=10), 2).reason == "the budget is spent"
+
+
+def test_one_round_by_default_and_more_on_a_rerun(fake_server: FakeServer, docs_file: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    once = collect_adaptive(_cfg(fake_server, docs_file, run), _spec(max_rounds=1))
+    assert once.ok and Journal(run).rounds() == [1]
+    assert once.stopped.startswith("--max-rounds 1 reached with") and "--max-rounds 2" in once.stopped
+    again = collect_adaptive(_cfg(fake_server, docs_file, run), _spec(max_rounds=3))
+    assert again.ok and Journal(run).rounds() == [1, 2] and again.results[1].completed == 0
+    assert again.stopped == "the target SE is met on every pair"
