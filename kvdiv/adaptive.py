@@ -519,10 +519,8 @@ class _Pool:
     def take(self, counts: np.ndarray, width: int) -> np.ndarray:
         """Indices (doc, policy, width) of ``counts`` fresh replicates per pair, -1 in the slots left absent."""
         if int((self.cursor + counts).max()) > self.data.sizes["replicate"]:
-            import xarray as xr_
-
-            more = self.draw(self.size)
-            self.data = xr_.concat([self.data, more], dim="replicate", data_vars="minimal", coords="minimal",
+            more = self.draw(max(self.size, int(counts.max())))
+            self.data = xr.concat([self.data, more], dim="replicate", data_vars="minimal", coords="minimal",
                                    compat="override", join="override")
         slot = np.arange(width)
         index = np.where(slot < counts[..., None], self.cursor[..., None] + slot, -1)

@@ -158,6 +158,12 @@ def test_plan_round_counts_only_the_later_rounds(docs_file: Path, tmp_path: Path
     first = plan_round(pilot, AdaptiveSpec(("occurrence",), target_se={"occurrence": 0.1}), 1)
     assert first.pilot_only and int(first.counted.sum()) == 0 and int(first.further.min()) >= 2
     assert plan_round(pilot, AdaptiveSpec(("occurrence",), budget=10), 2).reason == "the budget is spent"
+    # a budget in cost units: no recorded times, so decoding steps (T + K per residual replicate)
+    from divstats.design import CostModel
+
+    steps = CostModel.from_traces(pilot).steps_per_replicate
+    spent = plan_round(pilot, AdaptiveSpec(("occurrence",), budget=300, budget_unit="cost"), 1).replicates
+    assert steps > 1 and spent == int(300 / steps)
 
 
 def test_one_round_by_default_and_more_on_a_rerun(fake_server: FakeServer, docs_file: Path, tmp_path: Path) -> None:
