@@ -28,7 +28,7 @@ differences (docs/design.md); each policy's estimates stay unbiased.
 
 Rounds: a config with ``round_index`` k >= 1 and an ``allocation`` (doc -> policy ->
 replicates) collects one later round of an adaptive collection (``kvdiv collect
---target-se``, driven by ``kvdiv.rounds``): only the allocated (document, policy)
+--target-se``, driven by ``kvdiv.adaptive``): only the allocated (document, policy)
 pairs, each with its own R, seeds derived with the round, into the round's own
 journal folder (``collector.journal``).
 """
