@@ -21,11 +21,11 @@ from typing import Any
 from collector.journal import Journal
 from protocols.stream import Stream, StreamError, read_stream
 
-__all__ = ["RunLedger", "audit_document", "derive_seed", "header_problems", "read_request"]
+__all__ = ["RunLedger", "asked_replicates", "audit_document", "derive_seed", "header_problems", "read_request"]
 
 
-def derive_seed(seed: int, doc_id: str, policy: str | None) -> int:
-    """A per-request seed from (seed, doc, policy): order-independent, so resume == rerun.
+def derive_seed(seed: int, doc_id: str, policy: str | None, round_index: int = 0) -> int:
+    """A per-request seed from (seed, doc, policy, round): order-independent, so resume == rerun.
 
     Parameters
     ----------
@@ -37,6 +37,10 @@ def derive_seed(seed: int, doc_id: str, policy: str | None) -> int:
         The candidate policy id; None derives the seed from (seed, doc) alone, so
         every policy of a document shares its random numbers (common random numbers,
         docs/design.md).
+    round_index : int
+        The collection round (0: the first or only one; later rounds of an adaptive
+        collection, docs/design.md). Each round draws fresh random numbers; round 0's
+        key is the one runs used before rounds existed, so they resume unchanged.
 
     Returns
     -------
@@ -47,10 +51,39 @@ def derive_seed(seed: int, doc_id: str, policy: str | None) -> int:
     --------
     >>> derive_seed(0, "doc1", "snapkv@0.5") == derive_seed(0, "doc1", "snapkv@0.5")
     True
+    >>> derive_seed(0, "doc1", "snapkv@0.5", round_index=1) == derive_seed(0, "doc1", "snapkv@0.5")
+    False
     """
     key = f"kvdiv:{seed}\0{doc_id}" + ("" if policy is None else f"\0{policy}")
+    if round_index:
+        key += f"\0round={round_index}"
     digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def asked_replicates(params: Mapping[str, Any], doc_id: str, policy: str) -> int:
+    """Replicates asked of (doc_id, policy): the round's allocation when there is one, else the run's R.
+
+    Parameters
+    ----------
+    params : mapping
+        The run's (or the round's) parameters, see :func:`header_problems`.
+    doc_id, policy : str
+        The slot.
+
+    Returns
+    -------
+    int
+        0 when the round allocates the slot nothing (no request).
+
+    Examples
+    --------
+    >>> asked_replicates({"replicates": 8}, "d", "p"), asked_replicates({"allocation": {"d": {"p": 3}}}, "d", "p")
+    (8, 3)
+    """
+    if "allocation" in params:
+        return int(params["allocation"].get(doc_id, {}).get(policy, 0))
+    return int(params["replicates"])
 
 
 def _off(value: Any, neutral: Any) -> Any:
@@ -82,7 +115,9 @@ def header_problems(header: Mapping[str, Any], params: Mapping[str, Any], doc_id
         The stream's header record (already well formed: see ``protocols.stream``).
     params : mapping
         The run's parameters (the manifest's ``params``: kind, replicates,
-        max_new_tokens, window, temperature, top_k, top_p, seed, reference).
+        max_new_tokens, window, temperature, top_k, top_p, seed, reference); for a
+        later round of an adaptive collection also ``round`` and ``allocation``
+        (doc -> policy -> replicates), which then decide the seed and R asked.
     doc_id, policy : str
         The request's document and candidate policy.
     require_prompt_sha256 : bool
@@ -107,8 +142,9 @@ def header_problems(header: Mapping[str, Any], params: Mapping[str, Any], doc_id
     """
     asked = {
         "doc": doc_id, "kind": params["kind"], "horizon": params["max_new_tokens"],
-        "replicates": params["replicates"], "window": params["window"],
-        "seed": derive_seed(params["seed"], doc_id, None if params.get("common_random_numbers") else policy),
+        "replicates": asked_replicates(params, doc_id, policy), "window": params["window"],
+        "seed": derive_seed(params["seed"], doc_id, None if params.get("common_random_numbers") else policy,
+                            params.get("round", 0)),
     }
     problems = [f"{k} is {header.get(k)!r}, asked {v!r}" for k, v in asked.items() if header.get(k) != v]
     candidate = (header.get("candidate") or {}).get("policy")

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from collector.documents import TEMPLATES
+
+if TYPE_CHECKING:
+    from collector.collect import CollectConfig
 
 
 def _split_policies(value: str) -> list[str]:
@@ -69,18 +73,12 @@ def collect(servers: tuple[str, ...], servers_file: Path | None, wait_for_server
             top_p: float | None, seed: int, crn: bool, out: Path, api_key: str | None, concurrency: int,
             template: str, max_attempts: int, request_timeout: float, progress: bool) -> None:
     """Collect traces for every (document, policy) into a resumable journal."""
-    from collector.collect import CollectConfig
+    options = dict(locals())  # the command's options, before anything else is bound
     from collector.collect import collect as run_collect
     from collector.errors import CollectorError
 
     try:
-        cfg = CollectConfig(servers=list(servers), servers_file=servers_file, wait_for_servers_s=wait_for_servers,
-                            docs_file=docs_file, policies=_split_policies(policies),
-                            out=out, kind=kind, replicates=replicates, max_new_tokens=max_new_tokens,
-                            window=window, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            common_random_numbers=crn,
-                            template=template, api_key=api_key, concurrency=concurrency,
-                            max_attempts=max_attempts, request_timeout_s=request_timeout, progress=progress)
+        cfg = collect_config(**options)
         result = run_collect(cfg)
     except CollectorError as exc:
         raise click.ClickException(str(exc)) from None
@@ -91,6 +89,23 @@ def collect(servers: tuple[str, ...], servers_file: Path | None, wait_for_server
         click.echo(f"Rerun the same command to retry the failed requests; {out} keeps the rest.", err=True)
         sys.exit(1)
     click.echo(f"complete: `kvdiv pack {out} -o {out / 'traces.nc'}`", err=True)
+
+
+def collect_config(*, servers: tuple[str, ...], servers_file: Path | None, wait_for_servers: float, docs_file: Path,
+                   policies: str, kind: str, replicates: int, max_new_tokens: int, window: int | None,
+                   temperature: float, top_k: int | None, top_p: float | None, seed: int, crn: bool, out: Path,
+                   api_key: str | None, concurrency: int, template: str, max_attempts: int, request_timeout: float,
+                   progress: bool, **_: object) -> CollectConfig:
+    """The :class:`collector.collect.CollectConfig` of ``kvdiv collect``'s options (also for ``kvdiv.adaptive``)."""
+    from collector.collect import CollectConfig
+
+    return CollectConfig(servers=list(servers), servers_file=servers_file, wait_for_servers_s=wait_for_servers,
+                         docs_file=docs_file, policies=_split_policies(policies),
+                         out=out, kind=kind, replicates=replicates, max_new_tokens=max_new_tokens,
+                         window=window, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                         common_random_numbers=crn,
+                         template=template, api_key=api_key, concurrency=concurrency,
+                         max_attempts=max_attempts, request_timeout_s=request_timeout, progress=progress)
 
 
 @click.command("pack")
@@ -119,4 +134,4 @@ def pack(run_dir: Path, out: Path, drop_incomplete: bool, overwrite: bool, appen
     click.echo(result.summary(), err=True)
 
 
-__all__ = ["collect", "pack"]
+__all__ = ["collect", "collect_config", "pack"]

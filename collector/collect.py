@@ -25,6 +25,12 @@ uninterrupted one on the same server hardware. With ``common_random_numbers`` it
 derived from (seed, document): every policy of a document draws the same random
 numbers, which correlates their traces and shrinks the variance of paired
 differences (docs/design.md); each policy's estimates stay unbiased.
+
+Rounds: a config with ``round_index`` k >= 1 and an ``allocation`` (doc -> policy ->
+replicates) collects one later round of an adaptive collection (``kvdiv collect
+--target-se``, driven by ``kvdiv.adaptive``): only the allocated (document, policy)
+pairs, each with its own R, seeds derived with the round, into the round's own
+journal folder (``collector.journal``).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collector.checks import RunLedger, audit_document, derive_seed, header_problems
+from collector.checks import RunLedger, asked_replicates, audit_document, derive_seed, header_problems
 from collector.documents import TEMPLATES, Document, file_sha256, read_jsonl, render_messages
 from collector.errors import ConfigError, DocumentsError, PermanentError, RetryableError
 from collector.journal import DOCUMENTS, Journal, RequestWriter
@@ -87,6 +93,12 @@ class CollectConfig:
         First and longest time a server that stops answering is out of rotation.
     progress : bool
         Show a progress bar on stderr.
+    round_index : int
+        0 for the run's first (or only) round; k >= 1 for a later round of an
+        adaptive collection, which needs ``allocation``.
+    allocation : mapping, optional
+        doc id -> policy -> replicates for round ``round_index`` (0 or absent: no
+        request for that pair); recorded in the journal before the round starts.
 
     Raises
     ------
@@ -128,6 +140,8 @@ class CollectConfig:
     wait_for_servers_s: float = 300.0
     server_backoff_s: float = 1.0
     server_backoff_max_s: float = 60.0
+    round_index: int = 0
+    allocation: Mapping[str, Mapping[str, int]] | None = None
 
     def __post_init__(self) -> None:
         self.servers = [s.rstrip("/") for s in self.servers]
@@ -159,10 +173,35 @@ class CollectConfig:
             problems.append("--temperature must be >= 0")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             problems.append("--request-timeout must be > 0 seconds")
+        problems += self._round_problems()
         if not self.wait_for_servers_s >= 0 or not self.servers_poll_s > 0 or not self.server_backoff_s > 0:
             problems.append("--wait-for-servers must be >= 0 seconds, the servers file's poll interval and the "
                             "server backoff > 0")
         return problems
+
+    def _round_problems(self) -> list[str]:
+        if self.round_index < 0:
+            return [f"round_index must be >= 0, not {self.round_index}"]
+        if (self.round_index > 0) != (self.allocation is not None):
+            return ["a later round (round_index >= 1) needs an allocation, and only a later round takes one"]
+        if self.allocation is None:
+            return []
+        unknown = sorted({p for row in self.allocation.values() for p in row} - set(self.policies))
+        bad = [f"{d} × {p}: {r!r}" for d, row in self.allocation.items() for p, r in row.items()
+               if not isinstance(r, int) or isinstance(r, bool) or r < 0]
+        return ([f"the allocation names policies not in the run: {unknown}"] if unknown else []) + (
+            [f"allocated replicates must be integers >= 0: {', '.join(bad[:5])}"] if bad else [])
+
+    def round_params(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The run's parameters as this round's requests must answer them (round and allocation added)."""
+        if not self.round_index:
+            return dict(params)
+        return {**params, "round": self.round_index,
+                "allocation": {d: dict(row) for d, row in (self.allocation or {}).items()}}
+
+    def replicates_for(self, doc_id: str, policy: str) -> int:
+        """R asked of (doc_id, policy) in this round (0: not requested)."""
+        return asked_replicates(self.round_params({"replicates": self.replicates}), doc_id, policy)
 
     def params(self, docs_sha256: str) -> dict[str, Any]:
         """The parameters that decide the traces' values (compared on resume and by ``pack``)."""
@@ -281,7 +320,7 @@ def request_body(cfg: CollectConfig, doc: Document, policy: str) -> dict[str, An
     parameters: dict[str, Any] = {
         "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "do_sample": cfg.temperature > 0,
-        "seed": derive_seed(cfg.seed, doc.id, None if cfg.common_random_numbers else policy),
+        "seed": derive_seed(cfg.seed, doc.id, None if cfg.common_random_numbers else policy, cfg.round_index),
     }
     if cfg.top_k is not None:
         parameters["top_k"] = cfg.top_k
@@ -290,7 +329,7 @@ def request_body(cfg: CollectConfig, doc: Document, policy: str) -> dict[str, An
     return {
         "messages": render_messages(doc, cfg.template), "parameters": parameters,
         "candidate": policy, "reference": "full", "kind": cfg.kind,
-        "replicates": cfg.replicates, "window": cfg.effective_window, "doc_id": doc.id,
+        "replicates": cfg.replicates_for(doc.id, policy), "window": cfg.effective_window, "doc_id": doc.id,
     }
 
 
@@ -396,7 +435,7 @@ class Collector:
         # demo's server process has exited) instead of retrying into a dead socket.
         self.stop_reason = stop_reason
         manifest = journal.read_manifest() or {}
-        params = manifest.get("params") or cfg.params(file_sha256(cfg.docs_file))
+        params = cfg.round_params(manifest.get("params") or cfg.params(file_sha256(cfg.docs_file)))
         ledger = RunLedger(model=manifest.get("model"))
         self.check = _RequestCheck(cfg, journal, params, ledger)
         self.ready: deque[_Job] = deque()       # requests waiting for a free server slot
@@ -404,8 +443,8 @@ class Collector:
         self.timers: set[asyncio.Task[None]] = set()
         self.running: set[asyncio.Task[None]] = set()
         todo, set_aside = self._resume(params, ledger)
-        self.result = CollectResult(total=len(self.docs) * len(cfg.policies),
-                                    skipped=len(self.docs) * len(cfg.policies) - len(todo), set_aside=set_aside)
+        total = sum(cfg.replicates_for(doc.id, p) > 0 for doc in self.docs for p in cfg.policies)
+        self.result = CollectResult(total=total, skipped=total - len(todo), set_aside=set_aside)
         self.ready.extend(todo)
         self.pending = len(todo)
         self.unfinished = {job.key: job for job in todo}
@@ -416,11 +455,12 @@ class Collector:
         todo: list[_Job] = []
         set_aside: dict[str, str] = {}
         for doc in self.docs:
-            complete, rejected = audit_document(self.journal, doc.id, self.cfg.policies, params, ledger)
+            asked = [p for p in self.cfg.policies if self.cfg.replicates_for(doc.id, p) > 0]
+            complete, rejected = audit_document(self.journal, doc.id, asked, params, ledger)
             for policy, problem in rejected.items():
                 where = self.journal.set_aside(doc.id, policy)
                 set_aside[f"{doc.id} × {policy}"] = f"{problem} (kept as {where.name if where else '?'})"
-            todo += [_Job(doc, p) for p in self.cfg.policies if p not in complete]
+            todo += [_Job(doc, p) for p in asked if p not in complete]
         for key, reason in set_aside.items():
             print(f"set aside {key}: {reason}", file=sys.stderr)
         return todo, set_aside
@@ -686,14 +726,15 @@ def prepare_run(cfg: CollectConfig) -> tuple[Journal, list[Document]]:
     Returns
     -------
     (Journal, list of Document)
-        The run's journal and its documents.
+        The journal of the config's round and the run's documents.
 
     Raises
     ------
     DocumentsError
         An unreadable or empty documents file.
     ManifestMismatch
-        A resume with other trace-deciding parameters (each difference named).
+        A resume with other trace-deciding parameters (each difference named), or a
+        later round whose recorded allocation differs from the config's.
     JournalError
         An unreadable manifest, or an ``--out`` folder that is not a run.
     ConfigError
@@ -717,6 +758,13 @@ def prepare_run(cfg: CollectConfig) -> tuple[Journal, list[Document]]:
     copy = journal.dir / DOCUMENTS
     if not copy.exists() or file_sha256(copy) != digest:
         copy.write_bytes(Path(cfg.docs_file).read_bytes())  # pack reads the run dir alone
+    if cfg.round_index:  # a later round: its allocation is recorded (or checked) before any request
+        unknown = sorted(set(cfg.allocation or {}) - {doc.id for doc in docs})
+        if unknown:
+            raise ConfigError(f"round {cfg.round_index}'s allocation names documents not in "
+                              f"{cfg.docs_file}: {', '.join(unknown[:5])}")
+        journal = journal.for_round(cfg.round_index)
+        journal.write_allocation(cfg.allocation or {})
     return journal, docs
 
 

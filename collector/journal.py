@@ -6,6 +6,8 @@ Layout of a run directory::
     documents.jsonl                  the documents used (copied, hashed in the manifest)
     requests/<doc>--<policy>--<h>.ndjson        complete requests (raw wire lines)
     requests/<doc>--<policy>--<h>.ndjson.part   a request being written
+    rounds/<k>/allocation.json       round k >= 1 of an adaptive collection: replicates per (doc, policy)
+    rounds/<k>/requests/...          its requests, named as above
 
 Guarantees, and why they hold:
 
@@ -19,6 +21,10 @@ Guarantees, and why they hold:
   so an interrupted collection resumed equals an uninterrupted one. A complete file
   that no longer reads or checks out is set aside (``.ndjson.rejected-<time>``, never
   deleted) and recollected.
+- Rounds never mix: round k's requests live in their own folder, and its allocation
+  is written (atomically) before its first request and compared on every resume, so
+  a resumed round asks for the same replicates with the same seeds
+  (``collector.checks.derive_seed`` takes the round).
 """
 
 from __future__ import annotations
@@ -35,13 +41,16 @@ from typing import Any, BinaryIO
 from collector.errors import JournalError, ManifestMismatch
 
 __all__ = [
-    "DOCUMENTS", "MANIFEST", "MANIFEST_FORMAT", "REQUESTS", "Journal", "JournalError", "ManifestMismatch",
-    "RequestWriter", "request_name",
+    "ALLOCATION", "ALLOCATION_FORMAT", "DOCUMENTS", "MANIFEST", "MANIFEST_FORMAT", "REQUESTS", "ROUNDS", "Journal",
+    "JournalError", "ManifestMismatch", "RequestWriter", "request_name",
 ]
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "kvdiv.collection/1"
 REQUESTS = "requests"
+ROUNDS = "rounds"
+ALLOCATION = "allocation.json"
+ALLOCATION_FORMAT = "kvdiv.round/1"
 DOCUMENTS = "documents.jsonl"
 #: Manifest ``params`` keys and the types a readable manifest holds.
 PARAM_TYPES: dict[str, tuple[type, ...]] = {
@@ -140,11 +149,97 @@ class Journal:
     ----------
     run_dir : path
         The run directory (``kvdiv collect --out``).
+    round_index : int
+        The round whose requests this journal reads and writes: 0 (the first or only
+        round, ``requests/``) or k >= 1 (``rounds/<k>/requests/``). The manifest and
+        documents are the run's, shared by every round.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], round_index: int = 0) -> None:
         self.dir = Path(run_dir)
-        self.requests = self.dir / REQUESTS
+        self.round_index = int(round_index)
+        self.round_dir = self.dir / ROUNDS / str(self.round_index) if self.round_index else self.dir
+        self.requests = self.round_dir / REQUESTS
+
+    def for_round(self, round_index: int) -> Journal:
+        """The same run's journal for another round."""
+        return Journal(self.dir, round_index)
+
+    # -- rounds
+    def rounds(self) -> list[int]:
+        """The later rounds (k >= 1) that have an allocation, in order."""
+        root = self.dir / ROUNDS
+        if not root.is_dir():
+            return []
+        return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / ALLOCATION).exists())
+
+    @property
+    def allocation_path(self) -> Path:
+        return self.round_dir / ALLOCATION
+
+    def read_allocation(self) -> dict[str, Any] | None:
+        """This round's allocation record, None when none is written (or for round 0).
+
+        Returns
+        -------
+        dict or None
+            ``{"format", "round", "replicates": {doc: {policy: R}}, "basis": {...}}``.
+
+        Raises
+        ------
+        JournalError
+            The file exists but is not a readable allocation of this round.
+        """
+        path = self.allocation_path
+        if not self.round_index or not path.exists():
+            return None
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as exc:
+            raise JournalError(f"{path}: cannot read the round's allocation ({exc})") from None
+        problems = _allocation_problems(record, self.round_index)
+        if problems:
+            raise JournalError(f"{path}: not an allocation of round {self.round_index}: " + "; ".join(problems))
+        return record
+
+    def write_allocation(self, replicates: Mapping[str, Mapping[str, int]],
+                         basis: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Write this round's allocation (atomic), or check it against the one already written.
+
+        Parameters
+        ----------
+        replicates : mapping
+            doc -> policy -> replicates this round asks for (0: no request).
+        basis : mapping, optional
+            Why: the target or budget, the metrics, the estimates it came from
+            (recorded, not compared).
+
+        Returns
+        -------
+        dict
+            The allocation record.
+
+        Raises
+        ------
+        ManifestMismatch
+            The round was already allocated differently (a resume must not mix rounds).
+        """
+        if not self.round_index:
+            raise JournalError("round 0 has no allocation: its replicates are the manifest's")
+        wanted = {str(d): {str(p): int(r) for p, r in row.items()} for d, row in replicates.items()}
+        old = self.read_allocation()
+        if old is not None:
+            if old["replicates"] != wanted:
+                diffs = _allocation_diffs(old["replicates"], wanted)
+                raise ManifestMismatch(f"{self.allocation_path}: round {self.round_index} was allocated "
+                                       f"differently ({'; '.join(diffs[:5])}); resume with the run's own "
+                                       "allocation, or collect into a new --out directory")
+            return old
+        record = {"format": ALLOCATION_FORMAT, "round": self.round_index, "replicates": wanted,
+                  "basis": dict(basis or {}),
+                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        _atomic_write(self.allocation_path, json.dumps(record, indent=1, sort_keys=True) + "\n")
+        return record
 
     # -- requests
     def path(self, doc_id: str, policy: str) -> Path:
@@ -203,10 +298,7 @@ class Journal:
 
     def write_manifest(self, manifest: Mapping[str, Any]) -> None:
         """Atomic write (temp + rename): a crash never leaves half a manifest."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.manifest_path.with_name(MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, self.manifest_path)
+        _atomic_write(self.manifest_path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
     def start(self, params: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
         """Create the manifest, or check a resume against it.
@@ -233,6 +325,31 @@ class Journal:
         manifest.update({k: v for k, v in extra.items()}, updated=now)
         self.write_manifest(manifest)
         return manifest
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _allocation_problems(record: Any, round_index: int) -> list[str]:
+    if not isinstance(record, dict) or record.get("format") != ALLOCATION_FORMAT:
+        return [f"format is not {ALLOCATION_FORMAT!r}"]
+    problems = [] if record.get("round") == round_index else [f"round is {record.get('round')!r}"]
+    rows = record.get("replicates")
+    if not isinstance(rows, dict) or not all(
+            isinstance(row, dict) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                                          for r in row.values()) for row in rows.values()):
+        problems.append("'replicates' is not an object of doc -> policy -> non-negative integer")
+    return problems
+
+
+def _allocation_diffs(old: Mapping[str, Mapping[str, int]], new: Mapping[str, Mapping[str, int]]) -> list[str]:
+    keys = sorted({(d, p) for rows in (old, new) for d, row in rows.items() for p in row})
+    return [f"{d} × {p}: {old.get(d, {}).get(p, 0)} written, {new.get(d, {}).get(p, 0)} asked"
+            for d, p in keys if old.get(d, {}).get(p, 0) != new.get(d, {}).get(p, 0)]
 
 
 def _manifest_problems(manifest: Any) -> list[str]:

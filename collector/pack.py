@@ -12,6 +12,9 @@ read again (``protocols.StreamReader``: digest, order, shapes) and its header ch
 against its (document, policy) slot and the run's parameters (``collector.checks``).
 A file that fails is named, with its problem, and nothing is written; rerunning
 ``kvdiv collect`` sets such files aside and recollects them.
+
+An adaptive collection's later rounds (``rounds/<k>/``) are packed with round 0 along
+``replicate``, with a ``round`` coordinate (``collector.rounds``).
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from collector.checks import RunLedger, audit_document
 from collector.documents import Document, file_sha256, read_jsonl
 from collector.errors import CollectorError, PackError
 from collector.journal import DOCUMENTS, Journal
+from collector.rounds import RoundLayout, stack_rounds
 
 __all__ = ["PackError", "PackResult", "missing_requests", "pack_run", "pack_to", "save_dataset"]
 
 
-def missing_requests(journal: Journal, docs: Sequence[Document], policies: Sequence[str]) -> dict[str, list[str]]:
+def missing_requests(journal: Journal, docs: Sequence[Document], policies: Sequence[str],
+                     layout: RoundLayout | None = None) -> dict[str, list[str]]:
     """Document id -> policies without a complete request file, for every incomplete document.
 
     Parameters
@@ -43,6 +48,9 @@ def missing_requests(journal: Journal, docs: Sequence[Document], policies: Seque
         The run's documents.
     policies : sequence of str
         The run's policies.
+    layout : RoundLayout, optional
+        The run's rounds: the requests each later round asked are looked for too
+        (named ``policy (round k)``).
 
     Returns
     -------
@@ -51,8 +59,11 @@ def missing_requests(journal: Journal, docs: Sequence[Document], policies: Seque
         also checks each file that exists).
     """
     missing: dict[str, list[str]] = {}
+    rounds = layout.rounds if layout is not None else (0,)
     for doc in docs:
-        lacking = [p for p in policies if not journal.path(doc.id, p).exists()]
+        lacking = [p if k == 0 else f"{p} (round {k})" for k in rounds for p in policies
+                   if (k == 0 or layout.asked(k, doc.id, p) > 0)
+                   and not journal.for_round(k).path(doc.id, p).exists()]
         if lacking:
             missing[doc.id] = lacking
     return missing
@@ -136,7 +147,11 @@ class _Run:
         self.params = self.manifest["params"]
         self.policies: list[str] = self.params["policies"]
         self.docs = _documents(self.journal, self.manifest)
-        self.attrs = _collection_attrs(self.manifest)
+        try:
+            self.layout = RoundLayout.from_journal(self.journal, self.params)
+        except CollectorError as exc:
+            raise PackError(str(exc)) from None
+        self.attrs = _collection_attrs(self.manifest, self.layout)
 
     def pieces(self, *, drop_incomplete: bool, progress: bool, skip: Collection[str] = ()) -> Iterator[Any]:
         """One checked, assembled dataset per complete document (in file order), each with the run's attrs.
@@ -148,7 +163,7 @@ class _Run:
         from tqdm.auto import tqdm
 
         docs = [doc for doc in self.docs if doc.id not in skip]
-        missing = missing_requests(self.journal, docs, self.policies)
+        missing = missing_requests(self.journal, docs, self.policies, self.layout)
         if missing and not drop_incomplete:
             raise PackError(_missing_message(missing, len(docs)))
         self.dropped = list(missing)
@@ -156,11 +171,11 @@ class _Run:
         refused: list[str] = []
         yielded = 0
         for doc in tqdm(docs, desc="pack", unit="doc", file=sys.stderr, disable=not progress):
-            streams, rejected = audit_document(self.journal, doc.id, self.policies, self.params, ledger)
-            refused += rejected.values()
-            if refused or len(streams) < len(self.policies):
+            streams, rejected = self._audit(doc.id, ledger)
+            refused += rejected
+            if refused or sum(map(len, streams.values())) < self._asked(doc.id):
                 continue  # once anything is refused nothing will be written: only check the rest
-            piece = _assemble_doc(self.journal, doc.id, self.policies, streams)
+            piece = _assemble_doc(self.journal, doc.id, self.policies, streams, self.layout)
             piece.attrs.update(self.attrs)
             yielded += 1
             yield piece
@@ -169,6 +184,22 @@ class _Run:
         if not yielded and not skip:
             raise PackError(f"{self.dir}: no document has every policy complete\n"
                             + _missing_message(missing, len(docs)))
+
+
+    def _asked(self, doc_id: str) -> int:
+        """Requests the run asked of one document, over every round."""
+        return sum(k == 0 or self.layout.asked(k, doc_id, p) > 0 for k in self.layout.rounds for p in self.policies)
+
+    def _audit(self, doc_id: str, ledger: RunLedger) -> tuple[dict[int, dict[str, Any]], list[str]]:
+        """Every round's checked streams of one document (round -> policy -> stream) and the refusals."""
+        streams: dict[int, dict[str, Any]] = {}
+        refused: list[str] = []
+        for k in self.layout.rounds:
+            asked = [p for p in self.policies if k == 0 or self.layout.asked(k, doc_id, p) > 0]
+            streams[k], rejected = audit_document(self.journal.for_round(k), doc_id, asked,
+                                                  self.layout.round_params(k), ledger)
+            refused += [problem if k == 0 else f"round {k}: {problem}" for problem in rejected.values()]
+        return streams, refused
 
 
 @dataclass(frozen=True)
@@ -345,7 +376,7 @@ def _existing_documents(out: Path, run: _Run) -> set[str]:
         raise PackError(f"{out}: has no 'collection' attribute (not written by `kvdiv pack`); pack into a new file")
     ours = run.attrs["collection"]
     if theirs != ours:
-        diffs = _param_diffs(json.loads(theirs), run.params)
+        diffs = _param_diffs(json.loads(theirs), json.loads(ours))
         raise PackError(f"{out} holds another collection's traces ({'; '.join(diffs) or 'different parameters'}); "
                         "--append adds documents of the run it was packed from only")
     return ids
@@ -362,15 +393,21 @@ def _refused_message(refused: Sequence[str], journal: Journal) -> str:
             + more + "\nRerun the same `kvdiv collect` command: it sets them aside and recollects them.")
 
 
-def _assemble_doc(journal: Journal, doc_id: str, policies: Sequence[str], streams: Mapping[str, Any]) -> Any:
+def _assemble_doc(journal: Journal, doc_id: str, policies: Sequence[str], streams: Mapping[int, Mapping[str, Any]],
+                  layout: RoundLayout) -> Any:
     import protocols
 
     parts = []
     for policy in policies:
-        try:
-            parts.append(protocols.assemble_stream(streams[policy], doc=doc_id))
-        except (protocols.StreamError, protocols.TraceValidationError) as exc:
-            raise PackError(f"{journal.path(doc_id, policy).name}: {exc}") from None
+        rounds = {}
+        for k, by_policy in streams.items():
+            if policy not in by_policy:
+                continue  # a later round that did not ask this pair
+            try:
+                rounds[k] = protocols.assemble_stream(by_policy[policy], doc=doc_id)
+            except (protocols.StreamError, protocols.TraceValidationError) as exc:
+                raise PackError(f"{journal.for_round(k).path(doc_id, policy).name}: {exc}") from None
+        parts.append(stack_rounds(rounds, layout, doc_id, policy) if layout.adaptive else rounds[0])
     try:
         return protocols.combine(parts, dim="policy")
     except protocols.CombineError as exc:
@@ -387,15 +424,24 @@ def _missing_message(missing: Mapping[str, list[str]], n_docs: int) -> str:
     return "\n".join(lines)
 
 
-def _collection_attrs(manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """Dataset attrs recording how the traces were collected (netCDF-safe scalars)."""
-    params = manifest["params"]
-    return {
+def _collection_attrs(manifest: Mapping[str, Any], layout: RoundLayout) -> dict[str, Any]:
+    """Dataset attrs recording how the traces were collected (netCDF-safe scalars).
+
+    For an adaptive collection ``collection`` also holds each round's slots (so that
+    ``--append`` refuses a file packed before a round was added) and ``adaptive`` the
+    manifest's record of the target, metrics and rounds (``kvdiv.adaptive``).
+    """
+    params = dict(manifest["params"])
+    attrs = {
         "prompt_template": str(params["template"]),  # the name protocols.assemble uses
         "documents_sha256": str(params["docs_sha256"]),
         "collection_seed": int(params["seed"]),
-        "collection": json.dumps(params, sort_keys=True),
     }
+    if layout.adaptive:
+        params["round_replicates"] = list(layout.widths)
+        attrs["adaptive"] = json.dumps(manifest.get("adaptive") or {}, sort_keys=True)
+    attrs["collection"] = json.dumps(params, sort_keys=True)
+    return attrs
 
 
 def save_dataset(ds: Any, path: str | Path, *, overwrite: bool = False) -> Path:

@@ -298,10 +298,16 @@ def cov_of_means(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def present_replicates(ds: xr.Dataset, lay: Layout) -> np.ndarray:
-    """(rows, n) mask of replicates that exist (False for padding after a combine).
+    """(rows, n) mask of replicates that exist and count (False for padding, and for a pilot).
 
     A real replicate always has its first step: a token for coupled/reference traces
-    and a TV on the survival path for residual traces.
+    and a TV on the survival path for residual traces. In an adaptive collection
+    (a ``round`` coordinate on ``replicate``, written by ``kvdiv pack``) round 0 is
+    the pilot that chose how many replicates the later rounds got; pooled with them
+    it biases every estimate (docs/design.md, "Spending further replicates where
+    they pay"), so its replicates do not count here: every estimate is the later
+    rounds' alone, which is unbiased. Drop the coordinate
+    (``ds.drop_vars("round")``) to count them.
 
     Parameters
     ----------
@@ -325,6 +331,11 @@ def present_replicates(ds: xr.Dataset, lay: Layout) -> np.ndarray:
     kind = kind_of(ds)
     if kind == "residual":
         first = ds.variables["shared_tv"].isel(step=0).transpose(*lay.dims, "replicate").values
-        return ~np.isnan(first).reshape(lay.rows, -1)
-    first = ds.variables["x_token"].isel(step=0).transpose(*lay.dims, "replicate").values
-    return (first >= 0).reshape(lay.rows, -1)
+        present = ~np.isnan(first).reshape(lay.rows, -1)
+    else:
+        first = ds.variables["x_token"].isel(step=0).transpose(*lay.dims, "replicate").values
+        present = (first >= 0).reshape(lay.rows, -1)
+    rounds = ds.coords.get("round")
+    if rounds is not None and rounds.dims == ("replicate",):
+        present &= np.asarray(rounds.values) >= 1
+    return present

@@ -236,47 +236,63 @@ def design(plan: Any, pilot: xr.Dataset, power: float = 0.8, cost: CostModel | N
 # ---------------------------------------------------------------------------
 
 def _per_replicate(pilot: xr.Dataset, metrics: Sequence[str]) -> tuple[xr.DataArray, xr.DataArray]:
-    """(w, R0) over (doc, policy[, model]): per-replicate variance summed over standardised metrics."""
+    """(w, R0): per-replicate variance over (metric, doc, policy[, model]) in each metric's units, and R0."""
     from divstats.components import document_values
 
     vals = document_values(pilot).sel(metric=list(metrics))
-    w = vals["mc_var"] * vals["replicates"]
-    # each metric in units of its mean per-replicate variance, so that metrics on different scales count alike
-    w = (w / w.mean([d for d in w.dims if d != "metric"])).sum("metric", skipna=True)
-    return w, vals["replicates"].isel(metric=0, drop=True)
+    return (vals["mc_var"] * vals["replicates"]).fillna(0.0), vals["replicates"].isel(metric=0, drop=True)
 
 
-def allocate(pilot: xr.Dataset, metrics: str | Sequence[str] = "loss", *, target_se: float | None = None,
-             budget: float | None = None, cost: CostModel | None = None, by: str = "cell",
-             min_replicates: int = 2, floor: float = 0.1) -> xr.DataArray:
+def _targets(target_se: float | Mapping[str, float], metrics: Sequence[str]) -> xr.DataArray:
+    """Target SE per metric; a mapping must name exactly the metrics."""
+    if not isinstance(target_se, Mapping):
+        target_se = dict.fromkeys(metrics, target_se)
+    if set(target_se) != set(metrics):
+        raise ValueError(f"target_se names {sorted(target_se)}, the metrics are {sorted(metrics)}")
+    bad = {m: x for m, x in target_se.items() if not float(x) > 0}
+    if bad:
+        raise ValueError(f"target_se must be > 0, got {bad}")
+    return xr.DataArray([float(target_se[m]) for m in metrics], dims="metric", coords={"metric": list(metrics)})
+
+
+def allocate(pilot: xr.Dataset, metrics: str | Sequence[str] = "loss", *,
+             target_se: float | Mapping[str, float] | None = None, budget: float | None = None,
+             cost: CostModel | None = None, by: str = "cell", min_replicates: int = 2, floor: float = 0.1,
+             counted: xr.DataArray | None = None) -> xr.DataArray:
     """Further replicates per (document, policy) after a pilot round.
 
     Parameters
     ----------
     pilot : xarray.Dataset
-        The pilot round's traces.
+        The traces collected so far (the source of each cell's per-replicate variance).
     metrics : str or sequence of str
-        Metrics whose Monte Carlo variance the allocation targets (several are
-        standardised by their mean per-replicate variance and summed).
-    target_se : float, optional
-        Reach this Monte Carlo SE of every per-document estimate (one metric only):
-        R = w / target_se^2 in total.
+        Metrics whose Monte Carlo variance the allocation targets.
+    target_se : float or mapping of str to float, optional
+        Reach this Monte Carlo SE of every per-document estimate of every metric (a
+        mapping gives each metric its own target, in its own units): R = max over
+        metrics of w / target_se^2 in total.
     budget : float, optional
         Spend this many further replicates (or cost units, with ``cost``) so as to
-        minimise the summed Monte Carlo variance: R proportional to sqrt(w / c)
-        (Neyman allocation), water-filled above what the pilot already has.
+        minimise the summed Monte Carlo variance of the metrics, each standardised by
+        its mean per-replicate variance: R proportional to sqrt(w / c) (Neyman
+        allocation), water-filled above what is already counted.
     cost : CostModel, optional
         Cost per replicate (``steps_per_replicate * per_step``); default 1 per replicate.
     by : {"cell", "policy"}
-        ``cell`` uses each (document, policy)'s own pilot variance; ``policy`` the
-        policy's mean over documents, so a cell's allocation hardly depends on its
-        own pilot values (see the bias note in docs/design.md).
+        ``cell`` uses each (document, policy)'s own variance; ``policy`` the policy's
+        mean over documents, so a cell's allocation hardly depends on its own values
+        (see the bias note in docs/design.md).
     min_replicates : int
         Every cell gets at least this many further replicates, so that the rounds
         after the pilot estimate every cell on their own.
     floor : float
         A cell's variance is at least ``floor`` times the median (a pilot of few
         replicates can show zero variance by chance).
+    counted : xarray.DataArray, optional
+        Replicates per cell that already count toward the estimate, and are
+        subtracted from the total it needs. Default: the pilot's own, i.e. the pilot
+        pooled with what is allocated. An adaptive collection estimates from the
+        rounds after the pilot only, and passes their count (0 after the pilot).
 
     Returns
     -------
@@ -286,7 +302,8 @@ def allocate(pilot: xr.Dataset, metrics: str | Sequence[str] = "loss", *, target
     Raises
     ------
     ValueError
-        Neither or both of ``target_se`` and ``budget``; an unknown ``by``.
+        Neither or both of ``target_se`` and ``budget``; a target that is not > 0 or
+        names other metrics; an unknown ``by``.
 
     Examples
     --------
@@ -295,28 +312,24 @@ def allocate(pilot: xr.Dataset, metrics: str | Sequence[str] = "loss", *, target
     >>> more = allocate(pilot, "loss", budget=30)
     >>> more.dims, int(more.min()) >= 2
     (('doc', 'policy'), True)
+    >>> int(allocate(pilot, ["loss", "occurrence"], target_se={"loss": 0.5, "occurrence": 0.1}).min()) >= 2
+    True
     """
     if (target_se is None) == (budget is None):
         raise ValueError("give exactly one of target_se and budget")
     if by not in ("cell", "policy"):
         raise ValueError(f"by must be 'cell' or 'policy', got {by!r}")
     metrics = [metrics] if isinstance(metrics, str) else list(metrics)
-    if target_se is not None and len(metrics) != 1:
-        raise ValueError("target_se applies to one metric")
     w, r0 = _per_replicate(pilot, metrics)
-    if target_se is not None:  # in the metric's own units, not standardised
-        from divstats.components import document_values
-
-        vals = document_values(pilot).sel(metric=metrics[0], drop=True)
-        w = vals["mc_var"] * vals["replicates"]
-    w = w.fillna(0.0)
+    r0 = r0 if counted is None else counted.broadcast_like(r0).fillna(0).astype(float)
     if by == "policy":
         w = w.mean("doc").broadcast_like(w)
-    w = np.maximum(w, floor * float(w.median()))
-    c = cost.steps_per_replicate * cost.per_step if cost is not None else 1.0
-    if target_se is not None:
-        total = np.ceil(w / target_se ** 2)
-    else:
+    w = np.maximum(w, floor * w.median([d for d in w.dims if d != "metric"]))
+    if target_se is not None:  # in each metric's own units
+        total = np.ceil((w / _targets(target_se, metrics) ** 2).max("metric"))
+    else:  # metrics on different scales count alike: each in units of its mean per-replicate variance
+        w = (w / w.mean([d for d in w.dims if d != "metric"])).fillna(0.0).sum("metric")
+        c = cost.steps_per_replicate * cost.per_step if cost is not None else 1.0
         total = _neyman(w, r0, float(budget) / c + float(r0.sum()))
     return np.maximum(total - r0, min_replicates).astype(int).rename("replicates")
 
@@ -331,6 +344,18 @@ def _neyman(w: xr.DataArray, r0: xr.DataArray, total: float) -> xr.DataArray:
         alloc = (share / float(share.sum()) * left).where(free, r0)
         under = free & (alloc < r0)
         if not bool(under.any()):
-            return np.floor(alloc)
+            return _largest_remainder(alloc, total)
         fixed = fixed | under
     return r0.astype(float)
+
+
+def _largest_remainder(alloc: xr.DataArray, total: float) -> xr.DataArray:
+    """Whole replicates summing to floor(total): floors, then one more for the largest remainders."""
+    whole = np.floor(alloc)
+    short = int(math.floor(total) - float(whole.sum()))
+    if short > 0:
+        frac = (alloc - whole).values.ravel()
+        bump = np.zeros(frac.size)
+        bump[np.argsort(-frac, kind="stable")[:short]] = 1.0
+        whole = whole + bump.reshape(whole.shape)
+    return whole

@@ -22,7 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "split": ("divstats.cli:split", "Show the plan's exploratory/confirmatory split."),
     "power": ("divstats.power_cli:power_command", "Power of a plan's hypotheses at a study size, from a pilot."),
     "serve": ("gen_service.server_cli:serve", "Run the TGI-compatible trace service."),
-    "collect": ("collector.cli:collect", "Collect traces from one or more servers."),
+    "collect": ("kvdiv.commands:collect", "Collect traces from one or more servers (adaptive: --target-se)."),
     "pack": ("collector.cli:pack", "Assemble a collection journal into a dataset."),
     "docs": ("kvdiv.commands:docs", "Build a JSONL document set."),
     "demo": ("kvdiv.commands:demo", "Run the paper's study end to end on the embedded model."),

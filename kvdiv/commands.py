@@ -1,7 +1,9 @@
-"""``kvdiv demo`` and ``kvdiv docs``: the application layer's commands.
+"""``kvdiv demo``, ``kvdiv docs`` and ``kvdiv collect``: the application layer's commands.
 
 ``demo`` runs the study end to end (the one command that joins every package);
-``docs`` builds a document set counted with a model's tokenizer.
+``docs`` builds a document set counted with a model's tokenizer; ``collect`` is the
+collector's command plus the adaptive options (``--target-se``, ``--budget``), whose
+rounds need ``divstats`` (``kvdiv.adaptive``).
 
 The heavy imports (the server, divstats) happen inside the command, so that
 ``kvdiv demo --help`` stays instant.
@@ -11,10 +13,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
+from collector.cli import collect as collector_collect
 from kvdiv.demo import DemoConfig
+
+if TYPE_CHECKING:
+    from kvdiv.adaptive import AdaptiveSpec
 
 _DEMO = DemoConfig()  # the demo's defaults, shown in its --help
 
@@ -107,4 +114,86 @@ def demo(out: Path, docs_count: int | None, replicates: int | None, max_new_toke
         sys.exit(130)
 
 
-__all__ = ["demo", "docs"]
+ADAPTIVE_OPTIONS = [
+    click.Option(["--target-se"], default=None, metavar="X|METRIC=X,...",
+                 help="Adaptive: after the pilot (-R replicates per pair), add rounds of replicates until every "
+                      "(document, policy)'s Monte Carlo SE reaches X on the target metrics (one X per metric when "
+                      "there are several). The estimate uses the rounds after the pilot (docs/design.md)."),
+    click.Option(["--budget"], type=float, default=None,
+                 help="Adaptive: spend this many further replicates (or --budget-unit cost) after the pilot, "
+                      "where they cut the metrics' variance most (Neyman allocation), in one round."),
+    click.Option(["--budget-unit"], type=click.Choice(["replicates", "cost"]), default="replicates",
+                 show_default=True, help="cost: the pilot's cost model (seconds when the traces record them, "
+                                         "else decoding steps) per replicate."),
+    click.Option(["--plan", "plan_source"], default=None, metavar="NAME|PATH",
+                 help="Adaptive: target the metrics of this plan's hypotheses.  [default: paper]"),
+    click.Option(["--metrics"], default=None, help="Adaptive: target these metrics (comma-separated) instead."),
+    click.Option(["--max-rounds"], type=click.IntRange(min=1), default=1, show_default=True,
+                 help="Adaptive: rounds after the pilot, at most (--target-se). One keeps the estimate exactly "
+                      "unbiased; more leave a small bias (docs/design.md). May be raised on a rerun."),
+    click.Option(["--allocate-by"], type=click.Choice(["cell", "policy"]), default="cell", show_default=True,
+                 help="Adaptive: allocate from each pair's own variance, or its policy's mean over documents."),
+]
+_ADAPTIVE_NAMES = {o.name for o in ADAPTIVE_OPTIONS}
+
+
+def _collect(**options: object) -> None:
+    adaptive = {k: options.pop(k) for k in _ADAPTIVE_NAMES}
+    if adaptive["target_se"] is None and adaptive["budget"] is None:
+        given = [f"--{k.replace('_', '-')}" for k in ("plan_source", "metrics") if adaptive[k] is not None]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} apply to an adaptive collection: add --target-se or --budget")
+        return collector_collect.callback(**options)  # a plain collection, exactly as `collector.cli`
+    _collect_adaptive(options, adaptive)
+
+
+def _collect_adaptive(options: dict[str, object], adaptive: dict[str, object]) -> None:
+    from collector.cli import collect_config
+    from collector.errors import CollectorError
+    from kvdiv.adaptive import collect_adaptive
+
+    out = options["out"]
+    try:
+        spec = _spec(adaptive)
+        result = collect_adaptive(collect_config(**options), spec)
+    except CollectorError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"{exc.filename or out}: {exc.strerror or exc}") from None
+    for k, res in sorted(result.results.items()):
+        click.echo(f"round {k}: {res.summary()}", err=True)
+    click.echo(f"stopped: {result.stopped}", err=True)
+    if not result.ok:
+        click.echo(f"Rerun the same command to resume; {out} keeps every complete request.", err=True)
+        sys.exit(1)
+    click.echo(f"complete: `kvdiv pack {out} -o {Path(str(out)) / 'traces.nc'}` (estimates use the rounds after "
+               "the pilot)", err=True)
+
+
+def _spec(adaptive: dict[str, object]) -> AdaptiveSpec:
+    """The AdaptiveSpec of the command's options: metrics from --metrics or the plan."""
+    from collector.errors import ConfigError
+    from kvdiv.adaptive import AdaptiveSpec, parse_target, plan_metrics
+
+    if adaptive["target_se"] is not None and adaptive["budget"] is not None:
+        raise ConfigError("--target-se and --budget both given: choose one (a target SE, or a budget to spend)")
+    plan = None
+    if adaptive["metrics"]:
+        metrics = tuple(m.strip() for m in str(adaptive["metrics"]).split(",") if m.strip())
+    else:
+        metrics, skipped, plan = plan_metrics(adaptive["plan_source"] or "paper")
+        if skipped:
+            click.echo(f"not targeted (no per-document Monte Carlo variance): {', '.join(skipped)}", err=True)
+    target = parse_target(str(adaptive["target_se"]), metrics) if adaptive["target_se"] is not None else None
+    return AdaptiveSpec(metrics, target_se=target, budget=adaptive["budget"], budget_unit=str(adaptive["budget_unit"]),
+                    by=str(adaptive["allocate_by"]), max_rounds=int(adaptive["max_rounds"]), plan=plan)
+
+
+collect = click.Command(
+    "collect", callback=_collect, params=[*collector_collect.params, *ADAPTIVE_OPTIONS],
+    help=(collector_collect.help or "") + "\n\nWith --target-se or --budget the run is adaptive: -R replicates "
+         "per pair are a pilot, then rounds of further replicates go where they pay (docs/design.md); "
+         "`kvdiv pack` stacks the rounds along replicate and the analysis uses the rounds after the pilot.",
+    short_help=collector_collect.short_help)
+
+__all__ = ["collect", "demo", "docs"]

@@ -1,0 +1,674 @@
+"""Adaptive collection: a pilot, then rounds of further replicates where they pay.
+
+``kvdiv collect --target-se X`` (or ``--budget B``) collects the run as usual, R
+replicates per (document, policy): that is round 0, the *pilot*. Then, round after
+round, it packs what it has, estimates each pair's per-replicate Monte Carlo variance
+w of the target metrics (``divstats.components.document_values``) and asks each pair
+the further replicates it needs (``divstats.design.allocate``):
+
+- ``target_se``: enough that w / R reaches the target SE on every metric, counting
+  only the replicates of rounds >= 1; after each round the variance is re-estimated
+  from everything collected and the run stops once no pair needs more, or after
+  ``max_rounds`` rounds;
+- ``budget``: B further replicates (or cost units, ``divstats.design.CostModel``)
+  spread by Neyman allocation (R proportional to sqrt(w / c)) to minimise the summed
+  variance of the metrics, in one round after the pilot.
+
+Every round gives every pair it asks at least ``min_replicates`` (round 1: every
+pair), so that the rounds after the pilot estimate every pair on their own. The
+estimate is theirs alone: round 0 chose the allocation, and pooled with it the
+estimate is biased (docs/design.md); ``kvdiv pack`` marks round 0 with the ``round``
+coordinate and ``divstats`` leaves it out of every estimate. With one allocated
+round (``budget``, or a target met after round 1) the estimate is exactly
+unbiased; further rounds, allocated from the data of round 1, leave a small bias,
+measured by simulation in docs/design.md and ``tests/test_adaptive.py``.
+
+The collector does the collecting (``collector.collect`` with ``round_index`` and
+``allocation``); this module, the application layer, decides the rounds, because
+the decision needs ``divstats``, which the collector may not import. The journal
+records each round's allocation (``rounds/<k>/allocation.json``) and the manifest the
+settings (``adaptive``: target or budget, metrics, plan, rounds so far), so a rerun of
+the same command resumes the right round and never mixes rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from collector.collect import CollectConfig, CollectResult, collect
+from collector.errors import ConfigError, ManifestMismatch
+from collector.journal import Journal
+
+__all__ = [
+    "AdaptiveResult", "AdaptiveSpec", "RoundPlan", "bias_table", "collect_adaptive", "parse_target", "plan_metrics",
+    "plan_round", "simulate_adaptive",
+]
+
+BUDGET_UNITS = ("replicates", "cost")
+
+
+@dataclass(frozen=True)
+class AdaptiveSpec:
+    """What an adaptive collection aims for; recorded in the manifest and compared on resume.
+
+    Attributes
+    ----------
+    metrics : tuple of str
+        Metrics of ``divstats.components.METRICS`` the allocation targets.
+    target_se : dict, optional
+        metric -> the Monte Carlo SE to reach on every per-document estimate.
+    budget : float, optional
+        Further replicates (``budget_unit="replicates"``) or cost units (``"cost"``:
+        ``divstats.design.CostModel.from_traces`` on the pilot) to spend.
+    budget_unit : {"replicates", "cost"}
+    by : {"cell", "policy"}
+        Allocate from each (document, policy)'s own variance, or the policy's mean.
+    max_rounds : int
+        Rounds after the pilot, at most (``target_se``; a budget is spent in one).
+        One round keeps the estimate exactly unbiased; each further round is
+        allocated from data the estimate uses, which leaves a small bias
+        (docs/design.md). May be raised when a run is resumed.
+    min_replicates : int
+        Each pair a round asks gets at least this many (round 1 asks every pair).
+    plan : str, optional
+        The plan the metrics came from (name and sha256), for the record.
+
+    Raises
+    ------
+    ConfigError
+        Neither or both of ``target_se`` and ``budget``, a target or budget that is not
+        > 0, an unknown metric, unit or ``by``, or ``max_rounds`` < 1.
+
+    Examples
+    --------
+    >>> AdaptiveSpec(("occurrence",), target_se={"occurrence": 0.05}).describe()
+    'target SE occurrence=0.05, by cell, at most 1 round after the pilot'
+    """
+
+    metrics: tuple[str, ...]
+    target_se: dict[str, float] | None = None
+    budget: float | None = None
+    budget_unit: str = "replicates"
+    by: str = "cell"
+    max_rounds: int = 1
+    min_replicates: int = 2
+    plan: str | None = None
+
+    def __post_init__(self) -> None:
+        problems = self._problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        from divstats.components import METRICS
+
+        problems = []
+        if (self.target_se is None) == (self.budget is None):
+            problems.append("give one of --target-se and --budget, not both" if self.target_se is not None
+                            else "an adaptive collection needs --target-se or --budget")
+        unknown = [m for m in self.metrics if m not in METRICS]
+        if unknown or not self.metrics:
+            problems.append(f"metrics {unknown or '(none)'} cannot be targeted; known: {', '.join(METRICS)}")
+        if self.target_se is not None:
+            bad = {m: x for m, x in self.target_se.items() if not (math.isfinite(x) and x > 0)}
+            if bad:
+                problems.append(f"--target-se must be > 0, got {bad}")
+            if set(self.target_se) != set(self.metrics):
+                problems.append(f"--target-se names {sorted(self.target_se)}, the metrics are {list(self.metrics)}")
+        if self.budget is not None and not (math.isfinite(self.budget) and self.budget > 0):
+            problems.append(f"--budget must be > 0, got {self.budget}")
+        if self.budget_unit not in BUDGET_UNITS:
+            problems.append(f"--budget-unit must be one of {BUDGET_UNITS}, not {self.budget_unit!r}")
+        if self.by not in ("cell", "policy"):
+            problems.append(f"--allocate-by must be 'cell' or 'policy', not {self.by!r}")
+        if self.max_rounds < 1 or self.min_replicates < 1:
+            problems.append("--max-rounds and the minimum replicates per pair must be >= 1")
+        return problems
+
+    @property
+    def rounds_allowed(self) -> int:
+        return 1 if self.budget is not None else self.max_rounds
+
+    def record(self) -> dict[str, Any]:
+        """The JSON the manifest keeps (``adaptive.spec``)."""
+        return json_safe(dataclasses.asdict(self))
+
+    def describe(self) -> str:
+        if self.target_se is not None:
+            goal = "target SE " + ", ".join(f"{m}={x:g}" for m, x in self.target_se.items())
+        else:
+            goal = f"budget {self.budget:g} {self.budget_unit}"
+        rounds = "1 round" if self.rounds_allowed == 1 else f"{self.rounds_allowed} rounds"
+        return f"{goal}, by {self.by}, at most {rounds} after the pilot"
+
+
+def json_safe(obj: Any) -> Any:
+    """Tuples as lists, numpy scalars as Python numbers: as the manifest stores them."""
+    import json
+
+    return json.loads(json.dumps(obj, default=lambda x: x.item() if hasattr(x, "item") else str(x)))
+
+
+def parse_target(text: str, metrics: Sequence[str]) -> dict[str, float]:
+    """``--target-se``: one number for a single metric, or ``metric=X,...`` for each metric.
+
+    Parameters
+    ----------
+    text : str
+        ``"0.05"`` or ``"occurrence=0.05,rmtd=0.5"``.
+    metrics : sequence of str
+        The metrics targeted (from ``--metrics`` or the plan).
+
+    Returns
+    -------
+    dict
+        metric -> target SE.
+
+    Raises
+    ------
+    ConfigError
+        A value that is not a number, a bare number with several metrics (their units
+        differ), or metrics other than ``metrics``.
+
+    Examples
+    --------
+    >>> parse_target("0.05", ["occurrence"]), parse_target("rmtd=0.5,occurrence=0.05", ["occurrence", "rmtd"])
+    ({'occurrence': 0.05}, {'rmtd': 0.5, 'occurrence': 0.05})
+    """
+    metrics = list(metrics)
+    try:
+        if "=" not in text:
+            if len(metrics) != 1:
+                raise ConfigError(f"--target-se {text} is ambiguous for the metrics {', '.join(metrics)} (their "
+                                  "units differ): give one per metric, e.g. --target-se "
+                                  + ",".join(f"{m}=X" for m in metrics) + ", or choose one with --metrics")
+            return {metrics[0]: float(text)}
+        pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
+        target = {k.strip(): float(v) for k, v in pairs}
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"--target-se {text!r}: not a number or metric=number list ({exc})") from None
+    if set(target) != set(metrics):
+        raise ConfigError(f"--target-se names {sorted(target)}, the metrics targeted are {metrics}")
+    return target
+
+
+def plan_metrics(plan_source: Any) -> tuple[tuple[str, ...], list[str], str]:
+    """The metrics of a plan's hypotheses that an allocation can target.
+
+    Parameters
+    ----------
+    plan_source : Plan, path, shipped plan name, TOML text or dict
+        As ``divstats.load_plan`` takes it.
+
+    Returns
+    -------
+    (tuple of str, list of str, str)
+        The targetable metrics (in the plan's order), notes on the hypotheses left
+        out (windowed branch-TV metrics are not per-document estimates the
+        allocation knows), and "name sha256=..." for the record.
+
+    Raises
+    ------
+    ConfigError
+        The plan cannot be read, or none of its metrics can be targeted.
+
+    Examples
+    --------
+    >>> plan_metrics("paper")[0]
+    ('occurrence', 'rmtd')
+    """
+    from divstats import load_plan
+    from divstats.components import METRICS
+    from divstats.errors import DivstatsError
+
+    try:
+        plan = load_plan(plan_source)
+    except (DivstatsError, ValueError, OSError) as exc:
+        raise ConfigError(f"--plan {plan_source}: {exc}") from None
+    metrics: list[str] = []
+    skipped: list[str] = []
+    for h in plan.hypotheses:
+        if h.metric in METRICS:
+            metrics += [h.metric] if h.metric not in metrics else []
+        else:
+            skipped.append(f"{h.id} ({h.metric})")
+    if not metrics:
+        raise ConfigError(f"plan {plan.name}: none of its metrics can be targeted ({', '.join(skipped)}); "
+                          f"give --metrics from {', '.join(METRICS)}")
+    return tuple(metrics), skipped, f"{plan.name} sha256={plan.sha256}"
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What :func:`plan_round` decided after the data so far.
+
+    Attributes
+    ----------
+    further : xarray.DataArray
+        Replicates to ask of each (doc, policy) in the next round (0: none).
+    counted : xarray.DataArray
+        Replicates per pair that count toward the estimate so far (rounds >= 1).
+    se : xarray.DataArray
+        The Monte Carlo SE per (metric, doc, policy) from the variance of all the data
+        so far, at ``counted`` replicates (before round 1: at the pilot's R).
+    reason : str
+        Why no further round, when ``further`` is all 0.
+    """
+
+    further: xr.DataArray
+    counted: xr.DataArray
+    se: xr.DataArray
+    reason: str = ""
+
+    @property
+    def pilot_only(self) -> bool:
+        return not int(self.counted.sum())
+
+    @property
+    def replicates(self) -> int:
+        return int(self.further.sum())
+
+    @property
+    def pairs(self) -> int:
+        return int((self.further > 0).sum())
+
+    def allocation(self) -> dict[str, dict[str, int]]:
+        """doc -> policy -> replicates, as ``CollectConfig.allocation`` takes it."""
+        f = self.further.transpose("doc", "policy")
+        return {str(d): {str(p): int(r) for p, r in zip(f["policy"].values, row, strict=True)}
+                for d, row in zip(f["doc"].values, f.values, strict=True)}
+
+    def summary(self, spec: AdaptiveSpec) -> str:
+        """SE per metric (median and max over pairs) against the target."""
+        parts = ["pilot (not counted in the estimate)"] if self.pilot_only else []
+        for m in spec.metrics:
+            se = self.se.sel(metric=m)
+            if not bool(se.notnull().any()):
+                continue
+            text = f"{m} SE median {float(se.median()):.3g}, max {float(se.max()):.3g}"
+            if spec.target_se is not None:
+                text += f" (target {spec.target_se[m]:g}, {int((se > spec.target_se[m]).sum())} pairs above)"
+            parts.append(text)
+        return ", ".join(parts)
+
+
+def _counted(data: xr.Dataset) -> xr.DataArray:
+    """Replicates per (doc, policy) that count toward the estimate: rounds >= 1 (0 before round 1)."""
+    from divstats.arrays import layout, present_replicates
+
+    lay = layout(data)
+    if "round" not in data.coords:
+        return lay.wrap(np.zeros(lay.rows, dtype=int)).rename("counted")
+    return lay.wrap(present_replicates(data, lay).sum(-1)).rename("counted")
+
+
+def plan_round(data: xr.Dataset, spec: AdaptiveSpec, round_index: int) -> RoundPlan:
+    """The next round's replicates per (document, policy), from everything collected so far.
+
+    Parameters
+    ----------
+    data : xarray.Dataset
+        The packed traces of rounds 0..round_index-1 (with the ``round`` coordinate
+        once a later round exists).
+    spec : AdaptiveSpec
+        The target or budget.
+    round_index : int
+        The round to plan (>= 1).
+
+    Returns
+    -------
+    RoundPlan
+        ``further`` all 0 (with a ``reason``) when the collection should stop.
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> pilot = simulate_study(3, {"a": PolicyEffect(0.1)}, horizon=5, replicates=4, kind="residual")
+    >>> nxt = plan_round(pilot, AdaptiveSpec(("loss",), budget=40), 1)
+    >>> nxt.pairs, nxt.replicates >= 40
+    (3, True)
+    """
+    from divstats.components import document_values
+    from divstats.design import CostModel, allocate
+
+    everything = data.drop_vars("round", errors="ignore")   # the variance: from every replicate collected
+    counted = _counted(data)
+    vals = document_values(everything).sel(metric=list(spec.metrics))
+    w = vals["mc_var"] * vals["replicates"]
+    unknown = [m for m in spec.metrics if not bool(w.sel(metric=m).notnull().any())]
+    if unknown:
+        raise ConfigError(f"the traces give no Monte Carlo variance of {', '.join(unknown)} (post-divergence "
+                          "metrics need W >= T - 1); target other --metrics (the pilot is kept)")
+    at = counted.where(counted > 0) if int(counted.sum()) else vals["replicates"]
+    se = np.sqrt(w / at).rename("se")
+    if round_index > spec.rounds_allowed:
+        if spec.budget is not None:
+            return RoundPlan(xr.zeros_like(counted), counted, se, "the budget is spent")
+        short = sum(int((se.sel(metric=m) > x).sum()) for m, x in spec.target_se.items())
+        why = f"--max-rounds {spec.max_rounds} reached" + (
+            f" with {short} (pair, metric) SEs above the target; rerun with --max-rounds {spec.max_rounds + 1} to "
+            "add a round (later rounds leave a small bias: docs/design.md)" if short else "")
+        return RoundPlan(xr.zeros_like(counted), counted, se, why)
+    cost = CostModel.from_traces(data) if spec.budget is not None and spec.budget_unit == "cost" else None
+    further = allocate(everything, list(spec.metrics), target_se=spec.target_se, budget=spec.budget, cost=cost,
+                       by=spec.by, counted=counted, min_replicates=spec.min_replicates if round_index == 1 else 0)
+    further = further.transpose(*counted.dims)
+    if round_index > 1:  # a pair asked again gets at least the minimum, so its round estimates it on its own
+        further = xr.where(further > 0, np.maximum(further, spec.min_replicates), 0)
+    reason = "" if int(further.sum()) else "the target SE is met on every pair"
+    return RoundPlan(further.astype(int), counted, se, reason)
+
+
+@dataclass
+class AdaptiveResult:
+    """What :func:`collect_adaptive` did.
+
+    Attributes
+    ----------
+    results : dict
+        round -> the collector's :class:`collector.collect.CollectResult`.
+    plans : dict
+        round -> the :class:`RoundPlan` that allocated it (and the final one, with
+        the reason to stop, under the next round's index).
+    stopped : str
+        Why the collection stopped.
+    """
+
+    results: dict[int, CollectResult] = field(default_factory=dict)
+    plans: dict[int, RoundPlan] = field(default_factory=dict)
+    stopped: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results.values())
+
+
+def _check_spec(journal: Journal, spec: AdaptiveSpec) -> None:
+    """A resume must aim for what the run aimed for; only ``max_rounds`` may change (more rounds)."""
+    manifest = journal.read_manifest()
+    old = (manifest or {}).get("adaptive", {}).get("spec")
+    diffs = [f"{k}: manifest has {old.get(k)!r}, this run asks for {v!r}" for k, v in spec.record().items()
+             if old is not None and k != "max_rounds" and old.get(k) != v]
+    if diffs:
+        raise ManifestMismatch(f"{journal.dir} is an adaptive collection with other settings:\n  "
+                               + "\n  ".join(diffs) + "\nResume with the original settings, or collect into a "
+                               "new --out directory.")
+
+
+def _record(journal: Journal, spec: AdaptiveSpec, plans: Mapping[int, RoundPlan], stopped: str) -> None:
+    """The manifest's ``adaptive`` entry: the settings, each round's allocation in brief, why it stopped."""
+    manifest = journal.read_manifest() or {}
+    rounds = {r["round"]: r for r in (manifest.get("adaptive") or {}).get("rounds", [])}  # earlier invocations
+    rounds.update({k: {"round": k, "pairs": p.pairs, "replicates": p.replicates,
+                       "se_before": {m: _quantiles(p.se.sel(metric=m)) for m in spec.metrics}}
+                   for k, p in plans.items() if p.replicates})
+    manifest["adaptive"] = json_safe({"spec": spec.record(), "rounds": [rounds[k] for k in sorted(rounds)],
+                                      "stopped": stopped})
+    journal.write_manifest(manifest)
+
+
+def _quantiles(se: xr.DataArray) -> dict[str, float | None]:
+    if not bool(se.notnull().any()):
+        return {"median": None, "max": None}
+    return {"median": float(se.median()), "max": float(se.max())}
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def collect_adaptive(cfg: CollectConfig, spec: AdaptiveSpec, *, say: Callable[[str], None] = _say,
+                     stop_reason: Callable[[], str | None] | None = None) -> AdaptiveResult:
+    """Collect a pilot (``cfg`` as given: round 0), then rounds of further replicates (module docstring).
+
+    Parameters
+    ----------
+    cfg : CollectConfig
+        The run; its ``replicates`` are the pilot's R. Rerunning with the same
+        ``cfg`` and ``spec`` resumes it, in the right round.
+    spec : AdaptiveSpec
+        Target or budget, metrics, rounds.
+    say : callable
+        Progress lines (one per round).
+    stop_reason : callable, optional
+        As in :func:`collector.collect.collect`.
+
+    Returns
+    -------
+    AdaptiveResult
+        Per-round collector results and allocations; ``ok`` when every round
+        collected completely. An incomplete round stops the run (a rerun resumes it).
+
+    Raises
+    ------
+    ConfigError
+        Coupled traces (an adaptive collection pads the rounds' replicate blocks,
+        which only residual traces allow), or a round index in ``cfg``.
+    ManifestMismatch
+        A resume with other settings (each difference named).
+
+    Examples
+    --------
+    >>> spec = AdaptiveSpec(("occurrence",), target_se={"occurrence": 0.05})
+    >>> collect_adaptive(CollectConfig(servers=["http://127.0.0.1:8080"], docs_file="docs.jsonl",
+    ...                                policies=["snapkv@0.5"], out="runs/x", seed=1), spec)  # doctest: +SKIP
+    """
+    from collector.pack import pack_run
+
+    if cfg.kind != "residual":
+        raise ConfigError("an adaptive collection (--target-se/--budget) needs --kind residual: its rounds give "
+                          "pairs different replicate counts, and only residual traces may hold absent replicates")
+    if cfg.round_index:
+        raise ConfigError("collect_adaptive takes the pilot's config (round_index 0); it runs the later rounds")
+    journal = Journal(cfg.out)
+    if journal.manifest_path.exists():
+        _check_spec(journal, spec)
+    out = AdaptiveResult()
+    say(f"round 0 (pilot): R={cfg.replicates} per pair; then {spec.describe()}")
+    out.results[0] = collect(cfg, stop_reason)
+    k = 1
+    while out.results[k - 1].ok:
+        existing = journal.for_round(k).read_allocation()
+        if existing is not None:  # a resumed round keeps the allocation it was started with
+            allocation = existing["replicates"]
+            say(f"round {k}: resuming ({sum(map(sum, (row.values() for row in allocation.values())))} "
+                "replicates allocated)")
+        else:
+            plan = plan_round(pack_run(cfg.out, progress=False), spec, k)   # rounds 0..k-1, all complete
+            out.plans[k] = plan
+            if not plan.replicates:
+                out.stopped = plan.reason
+                say(f"after round {k - 1}: {plan.summary(spec)}; stop: {plan.reason}")
+                break
+            allocation = plan.allocation()
+            journal.for_round(k).write_allocation(allocation, {**spec.record(), "round": k,
+                                                               "counted_before": int(plan.counted.sum())})
+            _record(journal, spec, out.plans, "")
+            say(f"after round {k - 1}: {plan.summary(spec)}; round {k}: {plan.replicates} replicates for "
+                f"{plan.pairs} pairs")
+        out.results[k] = collect(dataclasses.replace(cfg, round_index=k, allocation=allocation), stop_reason)
+        k += 1
+    if not out.ok:
+        out.stopped = f"round {max(out.results)} is incomplete; rerun the same command to resume it"
+    _record(journal, spec, out.plans, out.stopped)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The procedure on simulated documents whose every estimand is known exactly
+# ---------------------------------------------------------------------------
+
+class _Pool:
+    """Replicates drawn ahead for every simulated (doc, policy), handed out in order: each is used once."""
+
+    def __init__(self, draw: Callable[[int], xr.Dataset], size: int) -> None:
+        self.draw, self.size = draw, size
+        self.data = draw(size)
+        self.cursor = np.zeros((self.data.sizes["doc"], self.data.sizes["policy"]), dtype=int)
+
+    def take(self, counts: np.ndarray, width: int) -> np.ndarray:
+        """Indices (doc, policy, width) of ``counts`` fresh replicates per pair, -1 in the slots left absent."""
+        if int((self.cursor + counts).max()) > self.data.sizes["replicate"]:
+            more = self.draw(max(self.size, int(counts.max())))
+            self.data = xr.concat([self.data, more], dim="replicate", data_vars="minimal", coords="minimal",
+                                   compat="override", join="override")
+        slot = np.arange(width)
+        index = np.where(slot < counts[..., None], self.cursor[..., None] + slot, -1)
+        self.cursor += counts
+        return index
+
+    def dataset(self, index: np.ndarray, layout: Any) -> xr.Dataset:
+        """The traces ``kvdiv pack`` would write: these replicates in the layout's round blocks."""
+        from collector.rounds import absent_value
+
+        n = index.shape[-1]
+        out = self.data.isel(replicate=slice(0, n)).assign_coords(replicate=np.arange(n, dtype=np.int32))
+        safe = np.maximum(index, 0)
+        for name, var in self.data.data_vars.items():
+            if "replicate" not in var.dims:
+                continue
+            rest = [d for d in var.dims if d not in ("doc", "policy", "replicate")]
+            values = var.transpose("doc", "policy", "replicate", *rest).values
+            idx = np.broadcast_to(safe.reshape(safe.shape + (1,) * len(rest)), safe.shape + values.shape[3:])
+            taken = np.take_along_axis(values, idx, axis=2)
+            taken[index < 0] = absent_value(str(name), values.dtype)
+            out[name] = (("doc", "policy", "replicate", *rest), taken)
+        if layout.adaptive:
+            out = out.assign_coords(round=("replicate", layout.round_of_slot()))
+        return out
+
+
+def simulate_adaptive(spec: AdaptiveSpec, *, docs: int = 6, effects: Sequence[float] = (0.06, 0.15),
+                      horizon: int = 5, window: int | None = None, vocab_size: int = 4, pilot_replicates: int = 3,
+                      repetitions: int = 100, doc_sd: float = 0.3, seed: int = 0) -> xr.Dataset:
+    """Run the adaptive procedure on simulated documents and compare its estimates with the exact values.
+
+    Each (document, policy) is a small Markov pair of kernels
+    (``divstats.calibration.markov_kernels``) whose estimands ``divstats.exact``
+    enumerates. A repetition simulates the pilot (residual traces), then, round by
+    round, asks :func:`plan_round` (the function ``kvdiv collect`` uses) for the next
+    allocation and gives each pair that many fresh replicates, laid out in round
+    blocks with absent slots as ``kvdiv pack`` lays them out
+    (``collector.rounds.RoundLayout``), and finally estimates with
+    ``divstats.estimate`` (which leaves out round 0). Replicates are drawn ahead in
+    one batch per pair (``divstats.simulate``) and each is used once, which is the
+    same as drawing them round by round.
+
+    Parameters
+    ----------
+    spec : AdaptiveSpec
+        The target or budget and its metrics.
+    docs : int
+        Documents; each has its own kernels and a strength multiplier exp(N(0, doc_sd)).
+    effects : sequence of float
+        One simulated policy per strength (``PolicyEffect``).
+    horizon, window, vocab_size : int
+        T, W (None: T) and V.
+    pilot_replicates : int
+        R of round 0.
+    repetitions : int
+        Independent runs of the whole procedure.
+    doc_sd : float
+        SD of the documents' log strength multiplier.
+    seed : int
+        Seed of the documents and of every draw.
+
+    Returns
+    -------
+    xarray.Dataset
+        Over (repetition, doc, policy): for each metric m, ``m`` (the estimate
+        ``kvdiv analyze`` reports: rounds >= 1), ``m_pooled`` (round 0 pooled in) and,
+        over (doc, policy), ``m_exact``; ``counted`` (replicates of rounds >= 1) and,
+        per repetition, ``rounds`` (rounds after the pilot).
+
+    Examples
+    --------
+    >>> sim = simulate_adaptive(AdaptiveSpec(("occurrence",), budget=30), docs=2, repetitions=2)
+    >>> sorted(sim.data_vars)
+    ['counted', 'occurrence', 'occurrence_exact', 'occurrence_pooled', 'rounds']
+    """
+    import divstats
+    import protocols
+    from collector.rounds import RoundLayout
+    from divstats.calibration import PolicyEffect, markov_kernels
+
+    rng = np.random.default_rng(seed)
+    policies = [f"p{j}" for j in range(len(effects))]
+    kernels, exact = {}, {}
+    for d in range(docs):
+        scale = float(np.exp(rng.normal(0.0, doc_sd)))
+        for j, effect in enumerate(effects):
+            p, q = markov_kernels(seed * 100_003 + d, j, PolicyEffect(effect), vocab_size, scale)
+            kernels[(f"doc{d}", policies[j])] = (p, q)
+            exact[(f"doc{d}", policies[j])] = divstats.exact(p, q, vocab_size, horizon, window)
+
+    def draw(n: int) -> xr.Dataset:
+        per_doc = [protocols.combine([divstats.simulate(*kernels[(f"doc{d}", pol)], vocab_size, horizon, n,
+                                                        kind="residual", window=window,
+                                                        seed=int(rng.integers(2 ** 31)), doc=f"doc{d}", policy=pol)
+                                      for pol in policies], dim="policy", validate=False) for d in range(docs)]
+        return protocols.combine(per_doc, dim="doc", validate=False)
+
+    pool = _Pool(draw, repetitions * (pilot_replicates + 16))
+    rows = []
+    for _ in range(repetitions):
+        layout = RoundLayout({"replicates": pilot_replicates}, {})
+        blocks = [pool.take(np.full(pool.cursor.shape, pilot_replicates), pilot_replicates)]
+        k = 1
+        while (plan := plan_round(pool.dataset(np.concatenate(blocks, -1), layout), spec, k)).replicates:
+            layout = RoundLayout(layout.params, {**layout.allocations, k: plan.allocation()})
+            counts = plan.further.transpose("doc", "policy").values
+            blocks.append(pool.take(counts, layout.widths[-1]))
+            k += 1
+        data = pool.dataset(np.concatenate(blocks, -1), layout)
+        est, pooled = divstats.estimate(data), divstats.estimate(data.drop_vars("round", errors="ignore"))
+        rows.append(xr.Dataset({**{m: est[m] for m in spec.metrics},
+                                **{f"{m}_pooled": pooled[m] for m in spec.metrics},
+                                "counted": _counted(data), "rounds": k - 1}))
+    out = xr.concat(rows, dim="repetition", coords="minimal", compat="override")
+    out = out.drop_vars([c for c in out.coords if c not in ("doc", "policy")])
+    for m in spec.metrics:
+        values = [[exact[(str(d), str(p))][m] for p in out["policy"].values] for d in out["doc"].values]
+        out[f"{m}_exact"] = (("doc", "policy"), np.array(values, dtype=float))
+    return out.assign_attrs(spec=spec.describe(), pilot_replicates=pilot_replicates, horizon=horizon)
+
+
+def bias_table(sim: xr.Dataset, metrics: Sequence[str]) -> list[dict[str, float | str]]:
+    """Bias of the adaptive and the pooled estimates in a :func:`simulate_adaptive` result.
+
+    Parameters
+    ----------
+    sim : xarray.Dataset
+        :func:`simulate_adaptive`'s output.
+    metrics : sequence of str
+        Metrics to report.
+
+    Returns
+    -------
+    list of dict
+        Per metric and estimate (``rounds >= 1`` or ``pooled``): the mean over cells
+        of the bias relative to the exact value, its SE over repetitions, the largest
+        |z| of a cell's bias, and the mean bias in the metric's units.
+    """
+    rows = []
+    for m in metrics:
+        truth = sim[f"{m}_exact"]
+        for name, var in (("rounds >= 1", m), ("pooled with the pilot", f"{m}_pooled")):
+            err = sim[var] - truth
+            n = sim.sizes["repetition"]
+            z = err.mean("repetition") / (err.std("repetition", ddof=1) / np.sqrt(n))
+            rel = (err / truth).mean(["doc", "policy"])   # one number per repetition: its SE is honest
+            rows.append({"metric": m, "estimate": name, "relative_bias": float(rel.mean()),
+                         "se": float(rel.std(ddof=1) / np.sqrt(n)), "max_abs_z": float(np.abs(z).max()),
+                         "bias": float(err.mean())})
+    return rows
