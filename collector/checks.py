@@ -14,6 +14,7 @@ that fails them is set aside and recollected) and when ``pack`` reads the journa
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,6 +204,25 @@ class RunLedger:
     def forget(self, doc_id: str) -> None:
         """Drop a document's prompt (its requests were set aside)."""
         self.prompts.pop(doc_id, None)
+
+    def learn_prompts(self, journal: Journal, doc_ids: Sequence[str], policies: Sequence[str]) -> None:
+        """Record each document's prompt from the header of one of its complete requests in ``journal``.
+
+        A later round of an adaptive collection starts from round 0's prompts, so that
+        a round-k stream of another prompt is refused (and a resumed round sets such a
+        file aside) as within one round. Only the first line (the header) is read; the
+        files were checked when they completed.
+        """
+        for doc_id in doc_ids:
+            for policy in policies:
+                try:
+                    with open(journal.path(doc_id, policy), "rb") as fh:
+                        header = json.loads(fh.readline())
+                except (OSError, ValueError):
+                    continue
+                if isinstance(header, dict) and header.get("type") == "header":
+                    self.record(header, doc_id)
+                    break
 
 
 def _same_prompt(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:

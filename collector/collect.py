@@ -437,6 +437,8 @@ class Collector:
         manifest = journal.read_manifest() or {}
         params = cfg.round_params(manifest.get("params") or cfg.params(file_sha256(cfg.docs_file)))
         ledger = RunLedger(model=manifest.get("model"))
+        if cfg.round_index:  # a later round asks for the prompts round 0 saw
+            ledger.learn_prompts(journal.for_round(0), [doc.id for doc in self.docs], cfg.policies)
         self.check = _RequestCheck(cfg, journal, params, ledger)
         self.ready: deque[_Job] = deque()       # requests waiting for a free server slot
         self.wake = asyncio.Event()             # something changed: a slot freed, a request is ready

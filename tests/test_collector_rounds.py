@@ -139,3 +139,13 @@ def test_pack_stacks_the_rounds_along_replicate_with_a_round_coordinate(fake_ser
     next(Journal(run, 1).requests.glob("doc2--recent*.ndjson")).unlink()
     with pytest.raises(PackError, match=r"doc2: recent@0.5 \(round 1\)"):
         pack_run(run, progress=False)
+
+
+def test_a_later_round_must_see_round_0s_prompt(fake_server: FakeServer, docs_file: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    collect(_cfg([fake_server.url], docs_file, run))
+    fake_server.faults_for = {("doc0", "snapkv@0.5"): ["rewrite_prompt"]}  # doc0's only request of round 1
+    cfg = _cfg([fake_server.url], docs_file, run, round_index=1, allocation=ALLOCATION)
+    result = collect(cfg)
+    assert list(result.failed) == ["doc0 × snapkv@0.5"] and "prompt" in result.failed["doc0 × snapkv@0.5"]
+    assert collect(cfg).ok and pack_run(run, progress=False).sizes["replicate"] == 6
