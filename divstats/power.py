@@ -43,13 +43,14 @@ import pandas as pd
 import xarray as xr
 from scipy import stats
 
+from divstats.arrays import layout, present_replicates
 from divstats.components import document_values, paired_document_values
 from divstats.errors import PlanError
 from divstats.paired import signed_rank_null_cdf
 from divstats.plans import WINDOW_METRICS, Hypothesis, Plan, load_plan
 
 __all__ = ["POWER_COLUMNS", "SIMULATE_MAX_N", "HypothesisPilot", "PowerDesign", "PowerResult", "effect_range",
-           "hypothesis_pilots", "power", "power_at", "power_calibration", "power_range"]
+           "counted_replicates", "hypothesis_pilots", "power", "power_at", "power_calibration", "power_range"]
 
 #: Up to this many documents power is simulated; beyond it the normal approximation is used.
 SIMULATE_MAX_N = 100
@@ -127,9 +128,45 @@ def _window_values(pilot: xr.Dataset, window: tuple[int, int], W: int | None) ->
     if first >= stop:
         raise PlanError(f"window [{first}, {last}] lies beyond the observed ages (<= {observed})")
     res = branch_tv_window(pilot, first, stop, window=W)
-    n = pilot.sizes["replicate"]
     return xr.Dataset({"value": res["branch_tv_window"], "mc_var": res["branch_tv_window_se"] ** 2,
-                       "replicates": xr.full_like(res["branch_tv_window"], n)})
+                       "replicates": counted_replicates(pilot).broadcast_like(res["branch_tv_window"])})
+
+
+def counted_replicates(pilot: xr.Dataset) -> xr.DataArray:
+    """Replicates that count in each cell's estimates (over the pilot's lead dims).
+
+    Not the ``replicate`` dimension's size: padding (absent replicates) and an adaptive
+    collection's pilot round do not count (:func:`divstats.arrays.present_replicates`),
+    and R converts a squared standard error into the per-replicate variance.
+
+    Parameters
+    ----------
+    pilot : xarray.Dataset
+        A trace dataset.
+
+    Returns
+    -------
+    xarray.DataArray
+        Integer counts over the lead dims (``doc``, ``policy``, ...).
+
+    Examples
+    --------
+    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> ds = simulate_study(2, {"a": PolicyEffect(0.1)}, horizon=4, replicates=3)
+    >>> counted_replicates(ds).values.tolist()
+    [[3], [3]]
+    """
+    lay = layout(pilot)
+    return lay.wrap(present_replicates(pilot, lay).sum(axis=-1))
+
+
+def _typical_replicates(pilot: xr.Dataset) -> int:
+    """The median counted R over cells that have any (the default R of a power table)."""
+    if "replicate" not in pilot.dims:  # per-document estimates, not traces
+        return int(pilot.attrs.get("n_replicates", 1))
+    counts = counted_replicates(pilot).values.ravel()
+    counts = counts[counts > 0]
+    return int(np.median(counts)) if counts.size else int(pilot.attrs.get("n_replicates", 1))
 
 
 def _family_sizes(plan: Plan, n_models: int) -> dict[str, int]:
@@ -579,7 +616,7 @@ def power(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, docs: int | S
     """
     pilots = hypothesis_pilots(plan, pilot, aliases=aliases, window=window)
     n_pilot = int(pilot.sizes["doc"])
-    r_pilot = int(pilot.sizes.get("replicate", 0)) or int(pilot.attrs.get("n_replicates", 1))
+    r_pilot = _typical_replicates(pilot)
     rows = [_row(hp, n, R, level, n_sims, seed) for hp in pilots
             for n in _as_list(docs, n_pilot) for R in _as_list(replicates, r_pilot)]
     notes = sorted({hp.note for hp in pilots if hp.note})

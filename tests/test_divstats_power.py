@@ -101,3 +101,20 @@ def test_predicted_power_matches_simulated_studies():
     # the designs span the interesting range, so agreement is not trivial (all 0 or all 1)
     assert table["observed"].between(0.15, 0.95).sum() >= 10
     assert table["difference"].abs().max() <= 0.05, table
+
+
+def test_pilot_replicates_are_the_counted_ones() -> None:
+    # An adaptive collection's pilot round (round 0) and padding do not count: the
+    # power table's default R and the per-replicate variance use the counted R.
+    import numpy as np
+
+    from divstats.calibration import PolicyEffect, simulate_study
+    from divstats.power import counted_replicates, power
+
+    ds = simulate_study(6, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.15)}, horizon=6, replicates=6,
+                        kind="residual", seed=3)
+    adaptive = ds.assign_coords(round=("replicate", np.array([0, 0, 1, 1, 1, 1])))
+    assert (counted_replicates(ds) == 6).all() and (counted_replicates(adaptive) == 4).all()
+    plan = {"plan": {"name": "p", "salt": "s"}, "hypothesis": [
+        {"id": "h", "family": "f", "metric": "occurrence", "compare": ["a", "b"], "split": "all"}]}
+    assert power(plan, adaptive, docs=[10], n_sims=50).pilot_replicates == 4
