@@ -7,9 +7,11 @@ Two kinds of experiment, shared by the tests (small, seconds) and
   coverage of their effect-size intervals, on per-document differences drawn
   from a symmetric heavy-tailed or a skewed law with a known mean;
 * :func:`decomposition_coverage` — coverage of the intervals over documents
-  (bootstrap-t, jackknife-t, BCa, percentile) for the gap decomposition and its shares,
-  documents drawn from a symmetric or a skewed population whose aggregate gap and
-  parts are known (computed from a very large draw).
+  (hybrid-t, bootstrap-t, jackknife-t, BCa, percentile) for the gap decomposition and
+  its shares, documents drawn from a symmetric or a skewed population whose aggregate
+  gap and parts are known (computed from a very large draw);
+* :func:`aggregate_coverage` — the same for one policy's aggregate estimates
+  (document means, and the rate, a ratio of means).
 
 :func:`simulate_study` builds a multi-document, multi-policy trace dataset from
 tabular Markov kernels with planted policy effects, for end-to-end checks of
@@ -28,8 +30,9 @@ from divstats.decompose import split_gap
 from divstats.paired import paired_test, rejects
 
 __all__ = [
-    "POPULATIONS", "DecompositionCoverage", "PairedCalibration", "PolicyEffect", "decomposition_coverage",
-    "document_population", "draw_differences", "markov_kernels", "pseudo_median",
+    "POPULATIONS", "AggregateCoverage", "DecompositionCoverage", "PairedCalibration", "PolicyEffect",
+    "aggregate_coverage", "decomposition_coverage",
+    "document_population", "draw_differences", "markov_kernels", "policy_documents", "pseudo_median",
     "paired_calibration", "simulate_study"
 ]
 
@@ -389,7 +392,7 @@ _QUANTITIES = ("gap", "first", "exposure", "rate", "share_first", "share_exposur
 
 
 def decomposition_coverage(*, n_docs: int = 30, n_sims: int = 100, level: float = 0.95,
-                           method: str = "bootstrap-t", n_resamples: int = 999, horizon: int = 32,
+                           method: str = "auto", n_resamples: int = 999, horizon: int = 32,
                            seed: int = 0, population: str = "skewed", min_docs: int | None = None,
                            ) -> DecompositionCoverage:
     """Coverage of the document intervals for gap, Δfirst, Δexposure, Δrate and the shares.
@@ -457,3 +460,115 @@ def decomposition_coverage(*, n_docs: int = 30, n_sims: int = 100, level: float 
                                  {k: float(c) for k, c in zip(_QUANTITIES, cov, strict=True)},
                                  {k: float(v) for k, v in zip(_QUANTITIES, truth, strict=True)},
                                  population, refused / n_sims, (shares_refused + refused) / n_sims)
+
+
+@dataclass(frozen=True)
+class AggregateCoverage:
+    """Outcome of :func:`aggregate_coverage`: coverage per aggregate quantity and the true values."""
+
+    n_docs: int
+    n_sims: int
+    level: float
+    method: str
+    coverage: dict[str, float]
+    truth: dict[str, float]
+    population: str = "skewed"
+    refused: float = 0.0          # fraction of studies with no interval (too few documents)
+
+
+def policy_documents(n: int, rng: np.random.Generator, horizon: int,
+                     population: str = "skewed") -> tuple[np.ndarray, ...]:
+    """One policy's per-document arrays in ``divstats.estimators.MEAN_OVER_DOCS`` order.
+
+    Occurrence, exposure and post_mismatch are policy A of :func:`document_population`;
+    rmtd = T − exposure, agreeing_tokens = rmtd − occurrence, window_mismatch =
+    post_mismatch and tail_capacity = 0 (an observation window W = T).
+
+    Parameters
+    ----------
+    n : int
+        Documents.
+    rng : numpy.random.Generator
+        Randomness.
+    horizon : int
+        T.
+    population : {"symmetric", "skewed"}
+        The population.
+
+    Returns
+    -------
+    tuple of numpy.ndarray
+        (occurrence, rmtd, agreeing_tokens, exposure, post_mismatch, window_mismatch, tail_capacity).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> len(policy_documents(5, np.random.default_rng(0), 10))
+    7
+    """
+    o, _, e, _, post, _ = document_population(n, rng, horizon, population)
+    rmtd = horizon - e
+    return o, rmtd, rmtd - o, e, post, post, np.zeros(n)
+
+
+def aggregate_coverage(*, n_docs: int = 30, n_sims: int = 100, level: float = 0.95, method: str = "auto",
+                       n_resamples: int = 999, horizon: int = 32, seed: int = 0, population: str = "skewed",
+                       min_docs: int | None = None) -> AggregateCoverage:
+    """Coverage of the report's aggregate intervals (``divstats.aggregate_intervals``) by quantity.
+
+    The truth is the aggregate statistic on two million documents of the
+    population (:func:`policy_documents`).
+
+    Parameters
+    ----------
+    n_docs, n_sims : int
+        Documents per simulated study and studies.
+    level : float
+        Confidence level.
+    method : str
+        ``divstats.resample.METHODS``.
+    n_resamples : int
+        Resamples per interval (bootstrap methods).
+    horizon : int
+        T of the simulated population.
+    seed : int
+        Seed of the simulation.
+    population : {"symmetric", "skewed"}
+        :func:`document_population`.
+    min_docs : int, optional
+        Refusal threshold (default ``divstats.resample.MIN_DOCS_AGGREGATE``), so
+        that coverage below it can be measured.
+
+    Returns
+    -------
+    AggregateCoverage
+        Coverage and truth per quantity of ``divstats.estimators.INTERVAL_QUANTITIES``.
+
+    Examples
+    --------
+    >>> c = aggregate_coverage(n_docs=12, n_sims=5, n_resamples=99)
+    >>> 0.0 <= c.coverage["rate"] <= 1.0
+    True
+    """
+    from divstats.estimators import INTERVAL_QUANTITIES, aggregate_statistic
+    from divstats.resample import MIN_DOCS_AGGREGATE, document_interval
+
+    statistic = aggregate_statistic(horizon)
+    truth = statistic(*policy_documents(2_000_000, np.random.default_rng(seed + 1), horizon, population))
+    rng = np.random.default_rng(seed)
+    hits = np.zeros(len(INTERVAL_QUANTITIES))
+    refused = 0
+    for i in range(n_sims):
+        ci = document_interval(policy_documents(n_docs, rng, horizon, population), statistic, level=level,
+                               method=method, n_resamples=n_resamples, seed=seed + i,
+                               min_docs=MIN_DOCS_AGGREGATE if min_docs is None else min_docs)
+        if ci.reason:
+            refused += 1
+            continue
+        # a quantity constant over documents (tail_capacity = 0) is covered by its point interval
+        hits += (ci.low <= truth + 1e-12) & (truth - 1e-12 <= ci.high)
+    seen = max(n_sims - refused, 1)
+    return AggregateCoverage(n_docs, n_sims, level, method,
+                             {k: float(h / seen) for k, h in zip(INTERVAL_QUANTITIES, hits, strict=True)},
+                             {k: float(v) for k, v in zip(INTERVAL_QUANTITIES, truth, strict=True)},
+                             population, refused / n_sims)

@@ -155,6 +155,8 @@ def _notes(an: Analysis) -> list[str]:
         for why in dict.fromkeys((ci.reason, ci.share_reason)):   # a refused interval also refuses the shares
             if why:
                 extra.append(f"Decomposition {res.a} vs {res.b}: {why}.")
+    if an.aggregate_ci.attrs.get("reason"):
+        extra.append(f"Aggregate intervals: {an.aggregate_ci.attrs['reason']}.")
     dropped = an.aggregate_ci.get("n_dropped")
     if dropped is not None and int(dropped.max()) > 0:
         extra.append("Aggregate intervals: documents without data for a policy were dropped from that "
