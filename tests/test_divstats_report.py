@@ -87,9 +87,7 @@ def test_numbers_are_reproducible_from_the_public_api(traces, analysis):
     ci = dec.confidence_interval(0.95, n_resamples=499, seed=0)
     row = res.sel(comparison="snapkv@0.5 vs snapkv#128")
     assert float(row["decomposition_gap"]) == pytest.approx(dec.gap)
-    # 10 documents: the parts' intervals are refused (resample.MIN_DOCS_PARTS), the shares' are not
-    assert np.isnan(float(row["decomposition_first_low"])) and np.isnan(ci.low.first)
-    np.testing.assert_allclose(float(row["decomposition_share_first_low"]), ci.share_low.first, equal_nan=True)
+    assert float(row["decomposition_first_low"]) == pytest.approx(ci.low.first)
     assert res.attrs["plan_sha256"] == hashlib.sha256(PAPER.read_bytes()).hexdigest()
     assert "plan_split" in res and set(res["plan_split"].values) <= {"confirmatory", "exploratory"}
 
