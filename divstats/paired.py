@@ -60,7 +60,8 @@ from divstats.resample import MIN_DOCS_MEAN_DIFFERENCE, too_few_documents
 __all__ = [
     "ALTERNATIVES", "EXACT_PERMUTATION_MAX_N", "EXACT_SIGNED_RANK_MAX_N", "TESTS", "Alternative",
     "ESTIMANDS", "MEAN_CIS", "MIN_DOCS", "PairedTestResult", "TestName", "hodges_lehmann", "holm",
-    "mean_difference_bootstrap", "mean_difference_t", "not_estimable_reason", "paired_test", "rejects",
+    "mean_difference_bootstrap", "mean_difference_interval", "mean_difference_t", "not_estimable_reason",
+    "paired_test", "rejects",
     "signed_rank_null_cdf", "signed_rank_test"
 ]
 
@@ -413,12 +414,11 @@ def _bootstrap_t(d: np.ndarray, alternative: str, n_resamples: int, seed: int,
 
 def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
                               alternative: Alternative = "two-sided", *, n_resamples: int = 9999,
-                              seed: int = 0) -> tuple[float, float, float]:
+                              seed: int = 0, min_docs: int = MIN_DOCS_MEAN_DIFFERENCE) -> tuple[float, float, float]:
     """Mean of paired differences with a BCa bootstrap interval over documents.
 
-    Refused (NaN bounds) below ``divstats.resample.MIN_DOCS_MEAN_DIFFERENCE``
-    documents: BCa over few documents covered 0.64–0.83 at n = 3–5 (docs/plans.md,
-    Calibration).
+    Refused (NaN bounds) below ``min_docs`` documents: BCa over few documents
+    covered 0.64–0.83 at n = 3–5 (docs/plans.md, Calibration).
 
     Parameters
     ----------
@@ -432,6 +432,9 @@ def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
         Bootstrap resamples.
     seed : int
         Seed of the resampling.
+    min_docs : int
+        Refusal threshold (``divstats.resample.MIN_DOCS_MEAN_DIFFERENCE``; lower it
+        only to measure coverage).
 
     Returns
     -------
@@ -450,7 +453,7 @@ def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
     if d.size == 0:
         return math.nan, math.nan, math.nan
     mean = float(d.mean())
-    if too_few_documents(d.size, MIN_DOCS_MEAN_DIFFERENCE):
+    if too_few_documents(d.size, min_docs):
         return mean, math.nan, math.nan
     if np.ptp(d) == 0:
         return mean, *mean_difference_t(d, confidence_level, alternative)[1:]
@@ -677,7 +680,8 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
         mean_ci = "bootstrap-t"
         mean, m_lo, m_hi = float(d.mean()), bt_lo, bt_hi
     else:
-        mean, m_lo, m_hi = _mean_interval(d, mean_ci, confidence_level, alternative, n_resamples, seed)
+        mean, m_lo, m_hi = mean_difference_interval(d, mean_ci, confidence_level, alternative,
+                                                    n_resamples=n_resamples, seed=seed)
     ci_reason = too_few_documents(d.size, MIN_DOCS_MEAN_DIFFERENCE, "intervals for a mean difference")
     if ci_reason:
         m_lo, m_hi = math.nan, math.nan
@@ -693,14 +697,58 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
     )
 
 
-def _mean_interval(d: np.ndarray, mean_ci: str, confidence_level: float, alternative: str,
-                   n_resamples: int, seed: int) -> tuple[float, float, float]:
-    """(mean, low, high) by the ``mean_ci`` method; NaN bounds where the spread is 0."""
+def mean_difference_interval(d: np.ndarray, mean_ci: str = "bootstrap-t", confidence_level: float = 0.95,
+                             alternative: Alternative = "two-sided", *, n_resamples: int = 9999,
+                             seed: int = 0) -> tuple[float, float, float]:
+    """Mean of paired differences with its interval by one of :data:`MEAN_CIS`, without a threshold.
+
+    :func:`paired_test` reports this interval only from
+    ``divstats.resample.MIN_DOCS_MEAN_DIFFERENCE`` documents; the calibration
+    measures it below that too.  ``bootstrap-t`` is the dual interval of the
+    ``bootstrap-t`` test (NaN bounds when the spread is 0 or n < 2).
+
+    Parameters
+    ----------
+    d : numpy.ndarray
+        Paired differences (NaN-free).
+    mean_ci : {"bootstrap-t", "t", "bootstrap"}
+        Studentized bootstrap, t, or BCa bootstrap.
+    confidence_level : float
+        Level of the interval.
+    alternative : {"two-sided", "less", "greater"}
+        Side of the bound.
+    n_resamples : int
+        Bootstrap resamples.
+    seed : int
+        Seed of the resampling.
+
+    Returns
+    -------
+    (float, float, float)
+        Mean, lower and upper bound.
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``mean_ci``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> m, lo, hi = mean_difference_interval(np.arange(10.0), n_resamples=999)
+    >>> bool(lo < m < hi)
+    True
+    """
+    if mean_ci not in MEAN_CIS:
+        raise ValueError(f"mean_ci must be one of {MEAN_CIS}, got {mean_ci!r}")
+    d = np.asarray(d, dtype=float)
+    d = d[np.isfinite(d)]
     if mean_ci == "t":
         return mean_difference_t(d, confidence_level, alternative)
     if mean_ci == "bootstrap":
-        return mean_difference_bootstrap(d, confidence_level, alternative, n_resamples=n_resamples, seed=seed)
-    mean = float(d.mean())
+        return mean_difference_bootstrap(d, confidence_level, alternative, n_resamples=n_resamples, seed=seed,
+                                         min_docs=2)
+    mean = float(d.mean()) if d.size else math.nan
     if d.size < 2 or _zero_spread(d):
         return mean, math.nan, math.nan      # t* undefined; a zero-width interval would claim certainty
     return mean, *_bootstrap_t(d, alternative, n_resamples, seed, confidence_level)[3:]
