@@ -27,10 +27,11 @@ the reason in ``reason``; nothing raises and nothing claims certainty.
 
 The mean difference's interval is the studentized bootstrap (bootstrap-t) interval
 by default — the dual of the ``bootstrap-t`` test — because it is the one that covers
-on skewed differences (one-sided 0.93, two-sided 0.94 at n = 10, where the t interval
-covers 0.88 and 0.91; docs/plans.md, Calibration); ``mean_ci="t"`` gives the t
-interval and ``mean_ci="bootstrap"`` a BCa bootstrap (0.81 at n = 10).  Below
-``divstats.resample.MIN_DOCS_MEAN_DIFFERENCE`` documents no mean-difference interval
+on skewed differences (two-sided 0.92-0.94 at n = 10 and one-sided 0.94 at n = 20,
+where the t interval covers 0.87 and 0.90; docs/plans.md, Calibration);
+``mean_ci="t"`` gives the t interval and ``mean_ci="bootstrap"`` a BCa bootstrap
+(0.85 at n = 10).  Below ``divstats.resample.MIN_DOCS_MEAN_DIFFERENCE`` documents
+(two-sided) or ``MIN_DOCS_MEAN_BOUND`` (one-sided bounds) no mean-difference interval
 is reported (NaN, with the reason in ``ci_reason``); the p-value still is.  The
 Hodges–Lehmann interval needs no threshold: it covered the pseudo-median at ≥ 0.92
 at every n measured, and is infinite where too few documents can reject.
@@ -55,7 +56,7 @@ from typing import Literal
 import numpy as np
 from scipy import stats
 
-from divstats.resample import MIN_DOCS_MEAN_DIFFERENCE, too_few_documents
+from divstats.resample import MIN_DOCS_MEAN_BOUND, MIN_DOCS_MEAN_DIFFERENCE, too_few_documents
 
 __all__ = [
     "ALTERNATIVES", "EXACT_PERMUTATION_MAX_N", "EXACT_SIGNED_RANK_MAX_N", "TESTS", "Alternative",
@@ -639,8 +640,9 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
     mean_ci : {"bootstrap-t", "t", "bootstrap"}
         Interval for the mean difference (and the effect interval of ``ttest`` and
         ``permutation``): studentized bootstrap (default), t, or BCa bootstrap.
-        Refused below ``divstats.resample.MIN_DOCS_MEAN_DIFFERENCE`` documents
-        (``ci_reason``); ``bootstrap-t`` tests always use their own (dual) interval.
+        Refused below ``divstats.resample.MIN_DOCS_MEAN_DIFFERENCE`` documents, or
+        ``MIN_DOCS_MEAN_BOUND`` for a one-sided bound (``ci_reason``);
+        ``bootstrap-t`` tests always use their own (dual) interval.
 
     Returns
     -------
@@ -682,7 +684,9 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
     else:
         mean, m_lo, m_hi = mean_difference_interval(d, mean_ci, confidence_level, alternative,
                                                     n_resamples=n_resamples, seed=seed)
-    ci_reason = too_few_documents(d.size, MIN_DOCS_MEAN_DIFFERENCE, "intervals for a mean difference")
+    ci_reason = (too_few_documents(d.size, MIN_DOCS_MEAN_DIFFERENCE, "intervals for a mean difference")
+                 if alternative == "two-sided" else
+                 too_few_documents(d.size, MIN_DOCS_MEAN_BOUND, "one-sided bounds for a mean difference"))
     if ci_reason:
         m_lo, m_hi = math.nan, math.nan
     effect, lo, hi = (hl, hl_lo, hl_hi) if test == "wilcoxon" else (mean, m_lo, m_hi)
