@@ -357,7 +357,21 @@ def _column_interval(arrays: list[np.ndarray], T: int, level: float, method: str
     ci = document_interval(kept, aggregate_statistic(T), level=level, method=method,
                            n_resamples=n_resamples, seed=seed, min_docs=MIN_DOCS_AGGREGATE,
                            what="intervals for aggregate estimates")
-    return ci.low, ci.high, int(present.sum()), int((~present).sum()), ci.reason or ci.method
+    # hybrid-t ends are additive and can leave the quantity's range (an occurrence above 1);
+    # the truth lies in the range, so clipping to it changes no coverage
+    lo_b, hi_b = _interval_ranges(T)
+    with np.errstate(invalid="ignore"):
+        low, high = np.clip(ci.low, lo_b, hi_b), np.clip(ci.high, lo_b, hi_b)
+    return low, high, int(present.sum()), int((~present).sum()), ci.reason or ci.method
+
+
+def _interval_ranges(T: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lower, upper) range of each of INTERVAL_QUANTITIES: probabilities and fractions in [0, 1],
+    counts of steps in [0, T]; agreeing_tokens is left unbounded."""
+    upper = {"occurrence": 1.0, "rate": 1.0, "mismatch_fraction": 1.0, "first_mismatch_contribution": 1.0,
+             "exposure_contribution": 1.0, "rmtd": T, "exposure": T, "loss_lower": T, "loss_upper": T}
+    lower = np.array([-np.inf if q not in upper else 0.0 for q in INTERVAL_QUANTITIES])
+    return lower, np.array([float(upper.get(q, np.inf)) for q in INTERVAL_QUANTITIES])
 
 
 def aggregate_intervals(estimates: xr.Dataset, *, level: float = 0.95, n_resamples: int = 2000,

@@ -178,3 +178,14 @@ def test_plan_and_report_render_with_refused_intervals() -> None:
                  "intervals for the gap and its parts need ≥ 10", "intervals for shares need ≥ 10"):
         assert text in page, text
     assert "one-sided bounds for a mean difference need ≥ 20" in md
+
+
+def test_aggregate_intervals_stay_in_the_quantities_range() -> None:
+    # most documents diverge in every replicate: resamples without spread give the
+    # studentized bootstrap an unbounded end, which used to be reported as -4e148
+    ds = simulate_study(12, {"a": PolicyEffect(0.9), "b": PolicyEffect(0.01)}, horizon=6, replicates=4, seed=1)
+    ci = dv.aggregate_intervals(dv.estimate(ds), n_resamples=499)
+    for q in ("occurrence", "rate", "mismatch_fraction", "exposure_contribution"):
+        lo, hi = ci[f"{q}_low"].values, ci[f"{q}_high"].values
+        assert (0.0 <= lo).all() and (lo <= hi).all() and (hi <= 1.0).all(), (q, lo, hi)
+    assert (ci["rmtd_high"].values <= 6).all() and (ci["exposure_low"].values >= 0).all()
