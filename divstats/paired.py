@@ -27,14 +27,16 @@ the reason in ``reason``; nothing raises and nothing claims certainty.
 
 The mean difference's interval is the studentized bootstrap (bootstrap-t) interval
 by default — the dual of the ``bootstrap-t`` test — because it is the one that covers
-on skewed differences (two-sided 0.92-0.94 at n = 10 and one-sided 0.94 at n = 20,
-where the t interval covers 0.87 and 0.90; docs/plans.md, Calibration);
-``mean_ci="t"`` gives the t interval and ``mean_ci="bootstrap"`` a BCa bootstrap
-(0.85 at n = 10).  Below ``divstats.resample.MIN_DOCS_MEAN_DIFFERENCE`` documents
-(two-sided) or ``MIN_DOCS_MEAN_BOUND`` (one-sided bounds) no mean-difference interval
-is reported (NaN, with the reason in ``ci_reason``); the p-value still is.  The
-Hodges–Lehmann interval needs no threshold: it covered the pseudo-median at ≥ 0.92
-at every n measured, and is infinite where too few documents can reject.
+on skewed differences (two-sided 0.93-0.95 at n = 5 and 0.92-0.94 at n = 10,
+one-sided 0.94 at n = 20, where the t interval covers 0.87-0.89, 0.87 and 0.90;
+docs/plans.md, Calibration); ``mean_ci="t"`` gives the t interval and
+``mean_ci="bootstrap"`` a BCa bootstrap (0.85 at n = 10), on request and with
+their own coverage (no threshold beyond BCa's 10 documents).  Below
+``divstats.resample.MIN_DOCS_MEAN_DIFFERENCE`` documents (two-sided) or
+``MIN_DOCS_MEAN_BOUND`` (one-sided bounds) no mean-difference interval is reported
+(NaN, with the reason in ``ci_reason``); the p-value still is. The Hodges–Lehmann
+interval needs no threshold: it covered the pseudo-median at ≥ 0.92 at every n
+measured, and is infinite where too few documents can reject.
 
 Every result carries both effect sizes (mean difference and Hodges–Lehmann) with
 intervals, so a table can show either. Intervals are the duals of the test: a
@@ -56,6 +58,7 @@ from typing import Literal
 import numpy as np
 from scipy import stats
 
+from divstats.resample import MIN_DOCS as MIN_DOCS_BCA
 from divstats.resample import MIN_DOCS_MEAN_BOUND, MIN_DOCS_MEAN_DIFFERENCE, too_few_documents
 
 __all__ = [
@@ -415,7 +418,7 @@ def _bootstrap_t(d: np.ndarray, alternative: str, n_resamples: int, seed: int,
 
 def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
                               alternative: Alternative = "two-sided", *, n_resamples: int = 9999,
-                              seed: int = 0, min_docs: int = MIN_DOCS_MEAN_DIFFERENCE) -> tuple[float, float, float]:
+                              seed: int = 0, min_docs: int = MIN_DOCS_BCA) -> tuple[float, float, float]:
     """Mean of paired differences with a BCa bootstrap interval over documents.
 
     Refused (NaN bounds) below ``min_docs`` documents: BCa over few documents
@@ -434,8 +437,8 @@ def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
     seed : int
         Seed of the resampling.
     min_docs : int
-        Refusal threshold (``divstats.resample.MIN_DOCS_MEAN_DIFFERENCE``; lower it
-        only to measure coverage).
+        Refusal threshold (``divstats.resample.MIN_DOCS``, 10; lower it only to
+        measure coverage).
 
     Returns
     -------

@@ -14,8 +14,8 @@ jackknife-t from there on:
 * ``bootstrap-t``: the studentized bootstrap, t* = (θ* − θ̂) / SE*_jack
   with the jackknife SE recomputed in every resample; interval
   θ̂ − q_{1−α/2}(t*) SE_jack … θ̂ − q_{α/2}(t*) SE_jack.  Second-order accurate, but
-  with 10–20 skewed documents its tails are still short for ratios (parts 0.90,
-  shares 0.86 at n = 10 on the skewed population).
+  with 10–20 skewed documents its tails are still short for ratios (worst part
+  0.87, worst share 0.83 at n = 10 on the skewed population).
 * ``jackknife-t``: θ̂ ± t_{n−1, 1−α/2} · SE_jack with the jackknife SE
   sqrt((n−1)/n · Σ_i (θ_(i) − θ̄)²); for a document mean this is the t interval.
 * ``hybrid-t``: each end the furthest of the bootstrap-t's, the jackknife-t's and
@@ -28,7 +28,7 @@ jackknife-t from there on:
   documents.
 * ``BCa`` and ``percentile``: ``scipy.stats.bootstrap`` over documents (paired:
   one resampled set of documents for every array).  Both undercover with few
-  documents (0.81–0.90 at n = 10 on the skewed population).
+  documents (0.78–0.88 at n = 10 on the skewed population).
 
 Each kind of interval is refused (NaN ends, the reason stated) below its own
 number of documents, read off the coverage table: :data:`MIN_DOCS_AGGREGATE`,
@@ -55,8 +55,8 @@ __all__ = [
 
 METHODS: tuple[str, ...] = ("auto", "hybrid-t", "bootstrap-t", "jackknife-t", "BCa", "percentile")
 #: ``auto`` uses hybrid-t below this many documents and jackknife-t from here on
-#: (hybrid-t costs resamples x documents^2; jackknife-t covered 0.94-0.96 at n = 100
-#: on the skewed population, but only 0.91 for the gap at n = 50).
+#: (hybrid-t costs resamples x documents^2; jackknife-t covered 0.93-0.96 at n = 100
+#: and 200 on the skewed population, but aggregates only 0.92 at n = 50).
 AUTO_JACKKNIFE_DOCS = 100
 
 # Refusal thresholds: the fewest documents from which the default method covered at
@@ -66,19 +66,22 @@ AUTO_JACKKNIFE_DOCS = 100
 #: Coverage a reported interval must reach on the skewed population.
 COVERAGE_TARGET = 0.92
 #: Aggregate estimates (document means and the rate, a ratio of means), hybrid-t:
-#: worst quantity 0.918 at n = 5, 0.930 at n = 10 on the skewed population.
+#: worst quantity 0.916 at n = 5, 0.927 at n = 10 on the skewed population
+#: (4000 studies at n = 10: 0.930).
 MIN_DOCS_AGGREGATE = 10
-#: The decomposition's gap and parts, hybrid-t: worst of them 0.910 at n = 5,
-#: 0.922 at n = 10 on the skewed population (bootstrap-t alone: 0.88 at n = 10).
+#: The decomposition's gap and parts, hybrid-t: gap 0.913 at n = 5; at n = 10 gap
+#: 0.922 and worst part 0.918 (1000 studies), each >= 0.921 in 4000 studies, on the
+#: skewed population (bootstrap-t alone: worst part 0.872 at n = 10).
 MIN_DOCS_PARTS = 10
 #: The shares part / gap, hybrid-t (reported where the gap's interval excludes 0):
-#: worst share 0.950 at n = 10; at n = 5 the gap's interval covered 0 in 82% of the
-#: studies, so the shares were rarely reported and the 0.966 rests on few of them.
+#: worst share 0.945 at n = 10 (4000 studies: 0.951); at n = 5 the gap's interval
+#: covered 0 in 82% of the studies, so shares were rarely reported (not trusted there).
 MIN_DOCS_SHARES = 10
 #: Paired mean differences, two-sided (the bootstrap-t interval of docs/plans.md,
-#: "Tests and effect sizes"): 0.946 at n = 5 (n = 3: nearly always infinite), 0.920
-#: at n = 10 on skewed differences (six runs, 4300 studies: 0.913-0.938, pooled 0.930).
-MIN_DOCS_MEAN_DIFFERENCE = 10
+#: "Tests and effect sizes"): 0.946 at n = 5 (another run: 0.925), 0.920 at n = 10
+#: (six runs, 4300 studies: 0.913-0.938, pooled 0.930) on skewed differences; at
+#: n = 3 the interval is infinite in 96% of the studies, so nothing is lost by refusing it.
+MIN_DOCS_MEAN_DIFFERENCE = 5
 #: Paired mean differences, one-sided bounds (the side right skew shortens): 0.906 at
 #: n = 10 (four runs, 4000 studies: pooled 0.919), 0.940 at n = 20 on skewed differences.
 MIN_DOCS_MEAN_BOUND = 20

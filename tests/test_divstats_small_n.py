@@ -105,7 +105,7 @@ def _sample(n: int, seed: int = 0):
     ("two-sided", MIN_DOCS_MEAN_DIFFERENCE, "intervals for a mean difference"),
     ("greater", MIN_DOCS_MEAN_BOUND, "one-sided bounds for a mean difference")])
 def test_paired_mean_interval_refused_below_threshold_with_reason(test, alternative, min_docs, what) -> None:
-    n = min_docs - 3
+    n = min_docs - 1
     res = dv.paired_test(*_sample(n), test, alternative, n_resamples=999)
     assert np.isfinite(res.pvalue) and not res.reason                # the test stands
     assert np.isnan(res.mean_ci_low) and np.isnan(res.mean_ci_high)
