@@ -6,10 +6,14 @@ Two kinds of experiment, shared by the tests (small, seconds) and
 * :func:`paired_calibration` — type-I error and power of the paired tests, and
   coverage of their effect-size intervals, on per-document differences drawn
   from a symmetric heavy-tailed or a skewed law with a known mean;
+  :func:`mean_interval_coverage` — the mean difference's intervals alone, below
+  their refusal threshold too;
 * :func:`decomposition_coverage` — coverage of the intervals over documents
-  (bootstrap-t, jackknife-t, BCa, percentile) for the gap decomposition and its shares,
-  documents drawn from a symmetric or a skewed population whose aggregate gap and
-  parts are known (computed from a very large draw).
+  (hybrid-t, bootstrap-t, jackknife-t, BCa, percentile) for the gap decomposition and
+  its shares, documents drawn from a symmetric or a skewed population whose aggregate
+  gap and parts are known (computed from a very large draw);
+* :func:`aggregate_coverage` — the same for one policy's aggregate estimates
+  (document means, and the rate, a ratio of means).
 
 :func:`simulate_study` builds a multi-document, multi-policy trace dataset from
 tabular Markov kernels with planted policy effects, for end-to-end checks of
@@ -28,8 +32,9 @@ from divstats.decompose import split_gap
 from divstats.paired import paired_test, rejects
 
 __all__ = [
-    "POPULATIONS", "DecompositionCoverage", "PairedCalibration", "PolicyEffect", "decomposition_coverage",
-    "document_population", "draw_differences", "markov_kernels", "pseudo_median",
+    "POPULATIONS", "AggregateCoverage", "DecompositionCoverage", "MeanIntervalCoverage", "PairedCalibration",
+    "PolicyEffect", "aggregate_coverage", "decomposition_coverage", "mean_interval_coverage",
+    "document_population", "draw_differences", "markov_kernels", "policy_documents", "pseudo_median",
     "paired_calibration", "simulate_study"
 ]
 
@@ -252,18 +257,21 @@ class PairedCalibration:
     hl_ci_coverage: float
     population: str = "symmetric"
     not_estimable: float = 0.0
+    ci_refused: float = 0.0      # fraction of studies whose test interval was refused (too few documents)
 
 
 def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int = 400, shift: float = 0.0,
                        alpha: float = 0.05, alternative: str = "two-sided", seed: int = 0,
-                       n_resamples: int = 999, mean_ci: str = "t",
+                       n_resamples: int = 999, mean_ci: str = "bootstrap-t",
                        population: str = "symmetric") -> PairedCalibration:
     """Rejection rate and interval coverage for per-document differences from ``population``.
 
     The mean difference is ``shift`` in both populations, so ``rejection_rate`` at
     shift 0 is the size *for the mean*; the mean intervals are checked against the
     shift and the Hodges–Lehmann interval against the population's pseudo-median.
-    The test's own interval is checked against its own estimand.
+    The test's own interval is checked against its own estimand.  Coverages are over
+    the studies where the interval was reported (``ci_refused``: the fraction where
+    the test's interval was refused for too few documents).
 
     Parameters
     ----------
@@ -281,7 +289,7 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
         Seed of the simulation.
     n_resamples : int
         Resamples of each test.
-    mean_ci : {"t", "bootstrap"}
+    mean_ci : {"bootstrap-t", "t", "bootstrap"}
         Interval for the mean difference.
     population : {"symmetric", "skewed"}
         Law of the differences (:func:`draw_differences`).
@@ -298,7 +306,7 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
     True
     """
     rng = np.random.default_rng(seed)
-    rej = cov = cov_m = cov_hl = bad = 0
+    rej = cov = cov_m = cov_hl = bad = shown = shown_m = 0
     hl_truth = pseudo_median(population, shift)
     own = hl_truth if test == "wilcoxon" else shift
     for i in range(n_sims):
@@ -308,12 +316,80 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
                           n_resamples=n_resamples, seed=i, mean_ci=mean_ci)
         bad += bool(res.reason)
         rej += rejects(res.pvalue, alpha)
-        cov += res.ci_low <= own <= res.ci_high
-        cov_m += res.mean_ci_low <= shift <= res.mean_ci_high
+        reported = not (np.isnan(res.ci_low) or np.isnan(res.ci_high))
+        shown += reported
+        cov += reported and res.ci_low <= own <= res.ci_high
+        reported_m = not (np.isnan(res.mean_ci_low) or np.isnan(res.mean_ci_high))
+        shown_m += reported_m
+        cov_m += reported_m and res.mean_ci_low <= shift <= res.mean_ci_high
         cov_hl += res.hl_ci_low <= hl_truth <= res.hl_ci_high
+    rate = lambda k, m: float(k / m) if m else float("nan")  # noqa: E731
     return PairedCalibration(test, alternative, n_docs, n_sims, shift, float(rej / n_sims),
-                             float(cov / n_sims), float(cov_m / n_sims), float(cov_hl / n_sims),
-                             population, float(bad / n_sims))
+                             rate(cov, shown), rate(cov_m, shown_m), float(cov_hl / n_sims),
+                             population, float(bad / n_sims), float(1 - shown / n_sims))
+
+
+@dataclass(frozen=True)
+class MeanIntervalCoverage:
+    """Outcome of :func:`mean_interval_coverage`."""
+
+    method: str
+    alternative: str
+    n_docs: int
+    n_sims: int
+    population: str
+    coverage: float
+    infinite: float        # fraction of studies whose bound(s) were infinite
+    undefined: float       # fraction with NaN bounds (no spread in the differences)
+
+
+def mean_interval_coverage(method: str = "bootstrap-t", *, n_docs: int = 10, n_sims: int = 400,
+                           alternative: str = "two-sided", level: float = 0.95, population: str = "skewed",
+                           seed: int = 0, n_resamples: int = 999) -> MeanIntervalCoverage:
+    """Coverage of a mean-difference interval (``divstats.paired.mean_difference_interval``) of the true mean.
+
+    Measured without the refusal threshold of ``paired_test``, so that the
+    threshold can be read off; the truth is the population's mean (0).
+
+    Parameters
+    ----------
+    method : {"bootstrap-t", "t", "bootstrap"}
+        ``divstats.paired.MEAN_CIS``.
+    n_docs, n_sims : int
+        Documents per simulated study and studies.
+    alternative : {"two-sided", "less", "greater"}
+        Two-sided interval or one-sided bound ("less": an upper bound).
+    level : float
+        Confidence level.
+    population : {"symmetric", "skewed"}
+        Law of the differences (:func:`draw_differences`).
+    seed, n_resamples : int
+        Seed of the simulation and bootstrap resamples.
+
+    Returns
+    -------
+    MeanIntervalCoverage
+        Coverage, and the fractions of infinite and undefined intervals.
+
+    Examples
+    --------
+    >>> c = mean_interval_coverage("t", n_docs=5, n_sims=50)
+    >>> 0.0 <= c.coverage <= 1.0
+    True
+    """
+    from divstats.paired import mean_difference_interval
+
+    rng = np.random.default_rng(seed)
+    hit = inf = nan = 0
+    for i in range(n_sims):
+        d = draw_differences(population, n_docs, 0.0, rng)
+        _, lo, hi = mean_difference_interval(d, method, level, alternative, n_resamples=n_resamples, seed=i)
+        nan += bool(np.isnan(lo) or np.isnan(hi))
+        inf += bool(np.isinf(lo) and np.isinf(hi)) if alternative == "two-sided" else \
+            bool(np.isinf(lo if alternative == "greater" else hi))
+        hit += bool(lo <= 0.0 <= hi)
+    return MeanIntervalCoverage(method, alternative, n_docs, n_sims, population, hit / n_sims, inf / n_sims,
+                                nan / n_sims)
 
 
 # ---------------------------------------------------------------------------
@@ -389,7 +465,7 @@ _QUANTITIES = ("gap", "first", "exposure", "rate", "share_first", "share_exposur
 
 
 def decomposition_coverage(*, n_docs: int = 30, n_sims: int = 100, level: float = 0.95,
-                           method: str = "bootstrap-t", n_resamples: int = 999, horizon: int = 32,
+                           method: str = "auto", n_resamples: int = 999, horizon: int = 32,
                            seed: int = 0, population: str = "skewed", min_docs: int | None = None,
                            ) -> DecompositionCoverage:
     """Coverage of the document intervals for gap, Δfirst, Δexposure, Δrate and the shares.
@@ -457,3 +533,115 @@ def decomposition_coverage(*, n_docs: int = 30, n_sims: int = 100, level: float 
                                  {k: float(c) for k, c in zip(_QUANTITIES, cov, strict=True)},
                                  {k: float(v) for k, v in zip(_QUANTITIES, truth, strict=True)},
                                  population, refused / n_sims, (shares_refused + refused) / n_sims)
+
+
+@dataclass(frozen=True)
+class AggregateCoverage:
+    """Outcome of :func:`aggregate_coverage`: coverage per aggregate quantity and the true values."""
+
+    n_docs: int
+    n_sims: int
+    level: float
+    method: str
+    coverage: dict[str, float]
+    truth: dict[str, float]
+    population: str = "skewed"
+    refused: float = 0.0          # fraction of studies with no interval (too few documents)
+
+
+def policy_documents(n: int, rng: np.random.Generator, horizon: int,
+                     population: str = "skewed") -> tuple[np.ndarray, ...]:
+    """One policy's per-document arrays in ``divstats.estimators.MEAN_OVER_DOCS`` order.
+
+    Occurrence, exposure and post_mismatch are policy A of :func:`document_population`;
+    rmtd = T − exposure, agreeing_tokens = rmtd − occurrence, window_mismatch =
+    post_mismatch and tail_capacity = 0 (an observation window W = T).
+
+    Parameters
+    ----------
+    n : int
+        Documents.
+    rng : numpy.random.Generator
+        Randomness.
+    horizon : int
+        T.
+    population : {"symmetric", "skewed"}
+        The population.
+
+    Returns
+    -------
+    tuple of numpy.ndarray
+        (occurrence, rmtd, agreeing_tokens, exposure, post_mismatch, window_mismatch, tail_capacity).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> len(policy_documents(5, np.random.default_rng(0), 10))
+    7
+    """
+    o, _, e, _, post, _ = document_population(n, rng, horizon, population)
+    rmtd = horizon - e
+    return o, rmtd, rmtd - o, e, post, post, np.zeros(n)
+
+
+def aggregate_coverage(*, n_docs: int = 30, n_sims: int = 100, level: float = 0.95, method: str = "auto",
+                       n_resamples: int = 999, horizon: int = 32, seed: int = 0, population: str = "skewed",
+                       min_docs: int | None = None) -> AggregateCoverage:
+    """Coverage of the report's aggregate intervals (``divstats.aggregate_intervals``) by quantity.
+
+    The truth is the aggregate statistic on two million documents of the
+    population (:func:`policy_documents`).
+
+    Parameters
+    ----------
+    n_docs, n_sims : int
+        Documents per simulated study and studies.
+    level : float
+        Confidence level.
+    method : str
+        ``divstats.resample.METHODS``.
+    n_resamples : int
+        Resamples per interval (bootstrap methods).
+    horizon : int
+        T of the simulated population.
+    seed : int
+        Seed of the simulation.
+    population : {"symmetric", "skewed"}
+        :func:`document_population`.
+    min_docs : int, optional
+        Refusal threshold (default ``divstats.resample.MIN_DOCS_AGGREGATE``), so
+        that coverage below it can be measured.
+
+    Returns
+    -------
+    AggregateCoverage
+        Coverage and truth per quantity of ``divstats.estimators.INTERVAL_QUANTITIES``.
+
+    Examples
+    --------
+    >>> c = aggregate_coverage(n_docs=12, n_sims=5, n_resamples=99)
+    >>> 0.0 <= c.coverage["rate"] <= 1.0
+    True
+    """
+    from divstats.estimators import INTERVAL_QUANTITIES, aggregate_statistic
+    from divstats.resample import MIN_DOCS_AGGREGATE, document_interval
+
+    statistic = aggregate_statistic(horizon)
+    truth = statistic(*policy_documents(2_000_000, np.random.default_rng(seed + 1), horizon, population))
+    rng = np.random.default_rng(seed)
+    hits = np.zeros(len(INTERVAL_QUANTITIES))
+    refused = 0
+    for i in range(n_sims):
+        ci = document_interval(policy_documents(n_docs, rng, horizon, population), statistic, level=level,
+                               method=method, n_resamples=n_resamples, seed=seed + i,
+                               min_docs=MIN_DOCS_AGGREGATE if min_docs is None else min_docs)
+        if ci.reason:
+            refused += 1
+            continue
+        # a quantity constant over documents (tail_capacity = 0) is covered by its point interval
+        hits += (ci.low <= truth + 1e-12) & (truth - 1e-12 <= ci.high)
+    seen = max(n_sims - refused, 1)
+    return AggregateCoverage(n_docs, n_sims, level, method,
+                             {k: float(h / seen) for k, h in zip(INTERVAL_QUANTITIES, hits, strict=True)},
+                             {k: float(v) for k, v in zip(INTERVAL_QUANTITIES, truth, strict=True)},
+                             population, refused / n_sims)

@@ -19,12 +19,14 @@ rate (0 when both are undefined): no rate difference is invented, and the parts
 still sum to the gap exactly. The result records when this happened.
 
 Uncertainty: intervals over documents (A and B always on the same documents) from
-:func:`divstats.resample.document_interval` — studentized bootstrap (bootstrap-t)
-below 50 documents and jackknife-t from there on by default; BCa or percentile on
-request — for the gap, its parts and the shares
-part / gap. Below ``resample.MIN_DOCS`` documents no interval is reported, and the
-shares are refused (NaN, with the reason) whenever the gap's interval covers 0: a
-share of a gap that may be 0 or of either sign means nothing.
+:func:`divstats.resample.document_interval` — hybrid-t below 100 documents and
+jackknife-t from there on by default; bootstrap-t, BCa or percentile on request —
+for the gap, its parts and the shares part / gap. The gap's and the parts'
+intervals are refused below ``resample.MIN_DOCS_PARTS`` documents and the shares'
+below ``resample.MIN_DOCS_SHARES`` (NaN, with the reason; the thresholds come from
+the coverage table in docs/plans.md), and the shares are refused whenever the
+gap's interval covers 0: a share of a gap that may be 0 or of either sign means
+nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import xarray as xr
 
-from divstats.resample import document_interval
+from divstats.resample import MIN_DOCS_PARTS, MIN_DOCS_SHARES, document_interval, too_few_documents
 
 __all__ = [
     "ATTRIBUTIONS", "PARTS", "DecompositionInterval", "DecompositionResult", "Parts", "as_estimates",
@@ -63,8 +65,9 @@ class DecompositionInterval:
 
     ``share_low``/``share_high`` hold the intervals of part / gap (``gap`` is 1);
     they are NaN, with ``share_reason`` saying why, where the gap's interval covers
-    0 or no interval is reported. ``reason`` is set when no interval is reported at
-    all (too few documents).
+    0 or there are too few documents for shares. ``reason`` is set when the
+    intervals of the gap and its parts are not reported (too few documents; the
+    thresholds are ``resample.MIN_DOCS_PARTS`` and ``MIN_DOCS_SHARES``).
     """
 
     low: Parts
@@ -319,8 +322,8 @@ class DecompositionResult:
                             n_resamples: int = 1999, seed: int = 0) -> DecompositionInterval:
         """Intervals over documents (the same documents for A and B) for the gap, parts and shares.
 
-        ``method`` is ``"auto"`` (bootstrap-t below 50 documents, jackknife-t from 50),
-        ``"bootstrap-t"``, ``"jackknife-t"``, ``"BCa"`` or ``"percentile"``
+        ``method`` is ``"auto"`` (hybrid-t below 100 documents, jackknife-t from 100),
+        ``"hybrid-t"``, ``"bootstrap-t"``, ``"jackknife-t"``, ``"BCa"`` or ``"percentile"``
         (:func:`divstats.resample.document_interval`); see docs/plans.md for the
         coverage each reaches by number of documents.
         """
@@ -418,7 +421,9 @@ def decomposition_interval(arrays: tuple[np.ndarray, ...], horizon: int, attribu
     """Intervals for the gap, its parts and the shares from per-document arrays (one model).
 
     ``arrays`` is ``(o_A, o_B, e_A, e_B, post_A, post_B)`` over the same documents.
-    Shares are refused (NaN) when the gap's interval covers 0.
+    The gap's and the parts' intervals are refused (NaN, ``reason``) below
+    ``resample.MIN_DOCS_PARTS`` documents; the shares (NaN, ``share_reason``) below
+    ``resample.MIN_DOCS_SHARES`` documents and when the gap's interval covers 0.
 
     Parameters
     ----------
@@ -444,22 +449,27 @@ def decomposition_interval(arrays: tuple[np.ndarray, ...], horizon: int, attribu
     --------
     >>> import numpy as np
     >>> rng = np.random.default_rng(0)
-    >>> o = rng.uniform(0.2, 0.8, (2, 12)); e = o * 5; p = e * 0.3
+    >>> o = rng.uniform(0.2, 0.8, (2, 24)); e = o * 5; p = e * 0.3
     >>> ci = decomposition_interval((o[0], o[1] * 1.5, e[0], e[1], p[0], p[1]), 10, n_resamples=199)
     >>> bool(ci.low[0] <= ci.high[0]), ci.reason
     (True, '')
     """
+    n = arrays[0].shape[-1]
     ci = document_interval(arrays, parts_and_shares(horizon, attribution), level=level, method=method,
-                           n_resamples=n_resamples, seed=seed)
+                           n_resamples=n_resamples, seed=seed, min_docs=min(MIN_DOCS_PARTS, MIN_DOCS_SHARES))
     low, high = ci.low[:4].copy(), ci.high[:4].copy()
     s_low, s_high = np.concatenate([[1.0], ci.low[4:]]), np.concatenate([[1.0], ci.high[4:]])
-    share_reason = ci.reason
+    reason = too_few_documents(n, MIN_DOCS_PARTS, "intervals for the gap and its parts")
+    share_reason = too_few_documents(n, MIN_DOCS_SHARES, "intervals for shares")
+    # the gap's interval gates the shares even with too few documents to report it
     if not share_reason and low[0] <= 0.0 <= high[0]:
         share_reason = (f"shares not reported: the gap's {level:.0%} interval [{low[0]:.4g}, {high[0]:.4g}] "
                         "covers 0")
     if share_reason:
         s_low[1:], s_high[1:] = np.nan, np.nan
-    return PartIntervals(low, high, s_low, s_high, ci.reason, share_reason)
+    if reason:
+        low[:], high[:] = np.nan, np.nan
+    return PartIntervals(low, high, s_low, s_high, reason, share_reason)
 
 
 def _models(est: xr.Dataset) -> list[Any]:

@@ -21,12 +21,13 @@ import xarray as xr
 from divstats.arrays import cov_of_means, mean_se, ratio_se
 from divstats.chunked import load, map_docs
 from divstats.replicates import Replicates, replicate_values
-from divstats.resample import MIN_DOCS, document_interval
+from divstats.resample import MIN_DOCS_AGGREGATE, document_interval
 from protocols.chunks import is_lazy
 
 __all__ = [
     "DESCRIPTIONS", "ESTIMATORS", "INTERVAL_QUANTITIES", "MEAN_OVER_DOCS", "NOT_IDENTIFIED_POST",
-    "NOT_IDENTIFIED_REF", "SCALARS", "aggregate", "aggregate_intervals", "derived_quantities", "estimate"
+    "NOT_IDENTIFIED_REF", "SCALARS", "aggregate", "aggregate_intervals", "aggregate_statistic", "derived_quantities",
+    "estimate"
 ]
 
 #: What each reported quantity is (stored in the variable's ``attrs``).
@@ -314,8 +315,30 @@ INTERVAL_QUANTITIES: tuple[str, ...] = (
     "occurrence", "rmtd", "agreeing_tokens", "exposure", "rate", "mismatch_fraction", "first_mismatch_contribution",
     "exposure_contribution", "loss_lower", "loss_upper",
 )
-def _aggregate_statistic(T: int):
-    """Statistic for document_interval: INTERVAL_QUANTITIES from per-document MEAN_OVER_DOCS arrays."""
+
+
+def aggregate_statistic(T: int):
+    """Statistic for document_interval: INTERVAL_QUANTITIES from per-document MEAN_OVER_DOCS arrays.
+
+    Parameters
+    ----------
+    T : int
+        The horizon.
+
+    Returns
+    -------
+    callable
+        ``statistic(*arrays)`` over the :data:`MEAN_OVER_DOCS` arrays (documents on
+        the last axis) → the :data:`INTERVAL_QUANTITIES`, stacked on axis 0.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> f = aggregate_statistic(10)
+    >>> v = f(*(np.array([x]) for x in (0.5, 6.0, 5.5, 4.0, 1.0, 1.0, 0.0)))
+    >>> float(v[INTERVAL_QUANTITIES.index("rate")])
+    0.25
+    """
     def statistic(*xs):
         m = dict(zip(MEAN_OVER_DOCS, (x.mean(axis=-1) for x in xs), strict=True))
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -331,9 +354,24 @@ def _column_interval(arrays: list[np.ndarray], T: int, level: float, method: str
     """One (policy[, model]) column: drop documents without data, then the document interval."""
     present = np.isfinite(arrays[0]) & np.isfinite(arrays[MEAN_OVER_DOCS.index("exposure")])
     kept = tuple(np.where(np.isnan(a[present]), np.nan, a[present]) for a in arrays)
-    ci = document_interval(kept, _aggregate_statistic(T), level=level, method=method,
-                           n_resamples=n_resamples, seed=seed)
-    return ci.low, ci.high, int(present.sum()), int((~present).sum()), ci.reason or ci.method
+    ci = document_interval(kept, aggregate_statistic(T), level=level, method=method,
+                           n_resamples=n_resamples, seed=seed, min_docs=MIN_DOCS_AGGREGATE,
+                           what="intervals for aggregate estimates")
+    # hybrid-t ends are additive and can leave the quantity's range (an occurrence above 1);
+    # the truth lies in the range, so clipping to it changes no coverage
+    lo_b, hi_b = _interval_ranges(T)
+    with np.errstate(invalid="ignore"):
+        low, high = np.clip(ci.low, lo_b, hi_b), np.clip(ci.high, lo_b, hi_b)
+    return low, high, int(present.sum()), int((~present).sum()), ci.reason or ci.method
+
+
+def _interval_ranges(T: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lower, upper) range of each of INTERVAL_QUANTITIES: probabilities and fractions in [0, 1],
+    counts of steps in [0, T]; agreeing_tokens is left unbounded."""
+    upper = {"occurrence": 1.0, "rate": 1.0, "mismatch_fraction": 1.0, "first_mismatch_contribution": 1.0,
+             "exposure_contribution": 1.0, "rmtd": T, "exposure": T, "loss_lower": T, "loss_upper": T}
+    lower = np.array([-np.inf if q not in upper else 0.0 for q in INTERVAL_QUANTITIES])
+    return lower, np.array([float(upper.get(q, np.inf)) for q in INTERVAL_QUANTITIES])
 
 
 def aggregate_intervals(estimates: xr.Dataset, *, level: float = 0.95, n_resamples: int = 2000,
@@ -345,7 +383,8 @@ def aggregate_intervals(estimates: xr.Dataset, *, level: float = 0.95, n_resampl
     Documents without data for a policy (NaN occurrence or exposure, e.g. missing
     after a combine) are dropped from that policy's interval explicitly and
     counted in ``n_dropped`` — never resampled as NaN and silently skipped.
-    Below ``resample.MIN_DOCS`` documents the interval is refused (NaN).
+    Below ``resample.MIN_DOCS_AGGREGATE`` documents the interval is refused (NaN; the
+    reason is in the attrs' ``reason``).
 
     Parameters
     ----------
@@ -358,8 +397,8 @@ def aggregate_intervals(estimates: xr.Dataset, *, level: float = 0.95, n_resampl
     seed : int
         Seed of the resampling.
     method : str
-        ``divstats.resample.METHODS``; ``auto`` is bootstrap-t below 50 documents,
-        jackknife-t from 50.
+        ``divstats.resample.METHODS``; ``auto`` is hybrid-t below 100 documents,
+        jackknife-t from 100.
 
     Returns
     -------
@@ -400,7 +439,8 @@ def aggregate_intervals(estimates: xr.Dataset, *, level: float = 0.95, n_resampl
         description="documents with data for this policy (used by the interval)")
     out["n_dropped"] = template.copy(data=dropped.reshape(shape)).assign_attrs(
         description="documents without data for this policy (dropped from its interval, not resampled as NaN)")
+    refused = {w for w in how if w.startswith("not estimable")}
     return xr.Dataset(out, attrs={"level": level, "n_resamples": n_resamples, "seed": seed,
                                   "method": f"{method} over documents (divstats.resample)",
-                                  "methods_used": ", ".join(sorted(set(how))),
-                                  "min_docs": MIN_DOCS})
+                                  "methods_used": ", ".join(sorted(set(how) - refused)),
+                                  "min_docs": MIN_DOCS_AGGREGATE, "reason": "; ".join(sorted(refused))})

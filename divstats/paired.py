@@ -13,10 +13,10 @@ one estimand (:data:`ESTIMANDS`), stated in every result:
   Hodges–Lehmann estimate (median of Walsh averages) with the interval obtained by
   inverting this very test (same zero and tie handling), so "the interval excludes
   0" holds exactly when the test rejects.
-- ``ttest``: paired t; effect = mean difference with its t interval.
+- ``ttest``: paired t; effect = mean difference with its interval (below).
 - ``permutation``: sign-flip permutation of the mean difference, exact
   (all 2^n flips) when n is small and seeded Monte Carlo otherwise; effect =
-  mean difference.
+  mean difference with its interval (below).
 - ``bootstrap-t``: studentized (percentile-t) bootstrap test of the mean
   difference, with its dual interval; second-order accurate, so its size for the
   mean holds better than t's on skewed differences (docs/plans.md, calibration).
@@ -25,10 +25,18 @@ Degenerate data (one document for a permutation or bootstrap test, zero spread
 for the t and bootstrap-t tests) are *not estimable*: NaN p-value and interval with
 the reason in ``reason``; nothing raises and nothing claims certainty.
 
-The mean difference's interval is the t interval by default, or a BCa bootstrap
-over documents with ``mean_ci="bootstrap"`` (at n ≈ 20 with heavy tails the
-bootstrap undercovers — about 0.88 for a nominal 0.95 in our calibration — so it
-is not the default).
+The mean difference's interval is the studentized bootstrap (bootstrap-t) interval
+by default — the dual of the ``bootstrap-t`` test — because it is the one that covers
+on skewed differences (two-sided 0.93-0.95 at n = 5 and 0.92-0.94 at n = 10,
+one-sided 0.94 at n = 20, where the t interval covers 0.87-0.89, 0.87 and 0.90;
+docs/plans.md, Calibration); ``mean_ci="t"`` gives the t interval and
+``mean_ci="bootstrap"`` a BCa bootstrap (0.85 at n = 10), on request and with
+their own coverage (no threshold beyond BCa's 10 documents).  Below
+``divstats.resample.MIN_DOCS_MEAN_DIFFERENCE`` documents (two-sided) or
+``MIN_DOCS_MEAN_BOUND`` (one-sided bounds) no mean-difference interval is reported
+(NaN, with the reason in ``ci_reason``); the p-value still is. The Hodges–Lehmann
+interval needs no threshold: it covered the pseudo-median at ≥ 0.92 at every n
+measured, and is infinite where too few documents can reject.
 
 Every result carries both effect sizes (mean difference and Hodges–Lehmann) with
 intervals, so a table can show either. Intervals are the duals of the test: a
@@ -50,12 +58,14 @@ from typing import Literal
 import numpy as np
 from scipy import stats
 
-from divstats.resample import too_few_documents
+from divstats.resample import MIN_DOCS as MIN_DOCS_BCA
+from divstats.resample import MIN_DOCS_MEAN_BOUND, MIN_DOCS_MEAN_DIFFERENCE, too_few_documents
 
 __all__ = [
     "ALTERNATIVES", "EXACT_PERMUTATION_MAX_N", "EXACT_SIGNED_RANK_MAX_N", "TESTS", "Alternative",
-    "ESTIMANDS", "MIN_DOCS", "PairedTestResult", "TestName", "hodges_lehmann", "holm",
-    "mean_difference_bootstrap", "mean_difference_t", "not_estimable_reason", "paired_test", "rejects",
+    "ESTIMANDS", "MEAN_CIS", "MIN_DOCS", "PairedTestResult", "TestName", "hodges_lehmann", "holm",
+    "mean_difference_bootstrap", "mean_difference_interval", "mean_difference_t", "not_estimable_reason",
+    "paired_test", "rejects",
     "signed_rank_null_cdf", "signed_rank_test"
 ]
 
@@ -74,6 +84,8 @@ ESTIMANDS: dict[str, str] = {
 #: Relative spread below which the differences count as constant (t undefined).
 ZERO_SPREAD = 1e-12
 ALTERNATIVES: tuple[str, ...] = ("two-sided", "less", "greater")
+#: Intervals for the mean difference (``paired_test(..., mean_ci=...)``); the first is the default.
+MEAN_CIS: tuple[str, ...] = ("bootstrap-t", "t", "bootstrap")
 
 #: Largest n for which the sign-flip test enumerates all 2^n flips.
 EXACT_PERMUTATION_MAX_N = 16
@@ -87,6 +99,9 @@ class PairedTestResult:
 
     ``effect``/``ci_low``/``ci_high`` are the test's own effect size: Hodges–Lehmann
     for ``wilcoxon``, mean difference otherwise. Both effect sizes are also given.
+    ``reason`` is set when the test is not estimable (NaN p-value); ``ci_reason``
+    when the mean difference's interval is refused (too few documents) while the
+    p-value stands.
     """
 
     test: str
@@ -108,6 +123,7 @@ class PairedTestResult:
     details: dict[str, object] = field(default_factory=dict)
     reason: str = ""       # non-empty: not estimable (NaN p-value), and why
     estimand: str = ""
+    ci_reason: str = ""    # non-empty: the mean difference's interval is refused, and why
 
 
 def _clean_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -402,11 +418,11 @@ def _bootstrap_t(d: np.ndarray, alternative: str, n_resamples: int, seed: int,
 
 def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
                               alternative: Alternative = "two-sided", *, n_resamples: int = 9999,
-                              seed: int = 0) -> tuple[float, float, float]:
+                              seed: int = 0, min_docs: int = MIN_DOCS_BCA) -> tuple[float, float, float]:
     """Mean of paired differences with a BCa bootstrap interval over documents.
 
-    Refused (NaN bounds) below ``divstats.resample.MIN_DOCS`` documents: BCa over
-    few documents covered 0.64–0.83 at n = 3–5 (docs/plans.md, Calibration).
+    Refused (NaN bounds) below ``min_docs`` documents: BCa over few documents
+    covered 0.64–0.83 at n = 3–5 (docs/plans.md, Calibration).
 
     Parameters
     ----------
@@ -420,6 +436,9 @@ def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
         Bootstrap resamples.
     seed : int
         Seed of the resampling.
+    min_docs : int
+        Refusal threshold (``divstats.resample.MIN_DOCS``, 10; lower it only to
+        measure coverage).
 
     Returns
     -------
@@ -438,7 +457,7 @@ def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
     if d.size == 0:
         return math.nan, math.nan, math.nan
     mean = float(d.mean())
-    if too_few_documents(d.size):
+    if too_few_documents(d.size, min_docs):
         return mean, math.nan, math.nan
     if np.ptp(d) == 0:
         return mean, *mean_difference_t(d, confidence_level, alternative)[1:]
@@ -592,13 +611,13 @@ def _check_args(test: str, alternative: str, mean_ci: str) -> None:
         raise ValueError(f"unknown test {test!r}; expected one of {TESTS}")
     if alternative not in ALTERNATIVES:
         raise ValueError(f"unknown alternative {alternative!r}; expected one of {ALTERNATIVES}")
-    if mean_ci not in ("t", "bootstrap"):
-        raise ValueError(f"mean_ci must be 't' or 'bootstrap', got {mean_ci!r}")
+    if mean_ci not in MEAN_CIS:
+        raise ValueError(f"mean_ci must be one of {MEAN_CIS}, got {mean_ci!r}")
 
 
 def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
                 alternative: Alternative = "two-sided", *, confidence_level: float = 0.95,
-                n_resamples: int = 9999, seed: int = 0, mean_ci: str = "t") -> PairedTestResult:
+                n_resamples: int = 9999, seed: int = 0, mean_ci: str = "bootstrap-t") -> PairedTestResult:
     """Test the paired difference ``a - b`` across documents.
 
     ``alternative`` is about A − B: ``less`` means H1: A < B. Pairs with a missing
@@ -606,7 +625,6 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
     test cannot handle give a result with NaN p-value and interval and the reason
     in ``reason`` (see :func:`not_estimable_reason`); ``estimand`` says what the
     test is about.
-    value (NaN) on either side are dropped; ``n`` is the number used.
 
     Parameters
     ----------
@@ -622,8 +640,12 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
         Monte Carlo permutations (beyond exact enumeration) and bootstrap resamples.
     seed : int
         Seed of every resampling.
-    mean_ci : {"t", "bootstrap"}
-        Interval for the mean difference.
+    mean_ci : {"bootstrap-t", "t", "bootstrap"}
+        Interval for the mean difference (and the effect interval of ``ttest`` and
+        ``permutation``): studentized bootstrap (default), t, or BCa bootstrap.
+        Refused below ``divstats.resample.MIN_DOCS_MEAN_DIFFERENCE`` documents, or
+        ``MIN_DOCS_MEAN_BOUND`` for a one-sided bound (``ci_reason``);
+        ``bootstrap-t`` tests always use their own (dual) interval.
 
     Returns
     -------
@@ -660,12 +682,16 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
                                                               confidence_level)
     hl, hl_lo, hl_hi = hodges_lehmann(d, confidence_level, alternative)
     if test == "bootstrap-t":
+        mean_ci = "bootstrap-t"
         mean, m_lo, m_hi = float(d.mean()), bt_lo, bt_hi
-    elif mean_ci == "bootstrap":
-        mean, m_lo, m_hi = mean_difference_bootstrap(d, confidence_level, alternative,
-                                                     n_resamples=n_resamples, seed=seed)
     else:
-        mean, m_lo, m_hi = mean_difference_t(d, confidence_level, alternative)
+        mean, m_lo, m_hi = mean_difference_interval(d, mean_ci, confidence_level, alternative,
+                                                    n_resamples=n_resamples, seed=seed)
+    ci_reason = (too_few_documents(d.size, MIN_DOCS_MEAN_DIFFERENCE, "intervals for a mean difference")
+                 if alternative == "two-sided" else
+                 too_few_documents(d.size, MIN_DOCS_MEAN_BOUND, "one-sided bounds for a mean difference"))
+    if ci_reason:
+        m_lo, m_hi = math.nan, math.nan
     effect, lo, hi = (hl, hl_lo, hl_hi) if test == "wilcoxon" else (mean, m_lo, m_hi)
     return PairedTestResult(
         test=test, alternative=alternative, n=int(d.size), statistic=statistic, pvalue=pvalue,
@@ -673,11 +699,66 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
         mean_ci_low=float(m_lo), mean_ci_high=float(m_hi), hodges_lehmann=float(hl),
         hl_ci_low=float(hl_lo), hl_ci_high=float(hl_hi),
         confidence_level=confidence_level, exact=exact,
-        details={"effect_kind": _effect_kind(test),
-                 "mean_ci": "bootstrap-t" if test == "bootstrap-t" else mean_ci,
-                 "n_zero": int(np.sum(d == 0))},
-        estimand=ESTIMANDS[test],
+        details={"effect_kind": _effect_kind(test), "mean_ci": mean_ci, "n_zero": int(np.sum(d == 0))},
+        estimand=ESTIMANDS[test], ci_reason=ci_reason,
     )
+
+
+def mean_difference_interval(d: np.ndarray, mean_ci: str = "bootstrap-t", confidence_level: float = 0.95,
+                             alternative: Alternative = "two-sided", *, n_resamples: int = 9999,
+                             seed: int = 0) -> tuple[float, float, float]:
+    """Mean of paired differences with its interval by one of :data:`MEAN_CIS`, without a threshold.
+
+    :func:`paired_test` reports this interval only from
+    ``divstats.resample.MIN_DOCS_MEAN_DIFFERENCE`` documents; the calibration
+    measures it below that too.  ``bootstrap-t`` is the dual interval of the
+    ``bootstrap-t`` test (NaN bounds when the spread is 0 or n < 2).
+
+    Parameters
+    ----------
+    d : numpy.ndarray
+        Paired differences (NaN-free).
+    mean_ci : {"bootstrap-t", "t", "bootstrap"}
+        Studentized bootstrap, t, or BCa bootstrap.
+    confidence_level : float
+        Level of the interval.
+    alternative : {"two-sided", "less", "greater"}
+        Side of the bound.
+    n_resamples : int
+        Bootstrap resamples.
+    seed : int
+        Seed of the resampling.
+
+    Returns
+    -------
+    (float, float, float)
+        Mean, lower and upper bound.
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``mean_ci``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> m, lo, hi = mean_difference_interval(np.arange(10.0), n_resamples=999)
+    >>> bool(lo < m < hi)
+    True
+    """
+    if mean_ci not in MEAN_CIS:
+        raise ValueError(f"mean_ci must be one of {MEAN_CIS}, got {mean_ci!r}")
+    d = np.asarray(d, dtype=float)
+    d = d[np.isfinite(d)]
+    if mean_ci == "t":
+        return mean_difference_t(d, confidence_level, alternative)
+    if mean_ci == "bootstrap":
+        return mean_difference_bootstrap(d, confidence_level, alternative, n_resamples=n_resamples, seed=seed,
+                                         min_docs=2)
+    mean = float(d.mean()) if d.size else math.nan
+    if d.size < 2 or _zero_spread(d):
+        return mean, math.nan, math.nan      # t* undefined; a zero-width interval would claim certainty
+    return mean, *_bootstrap_t(d, alternative, n_resamples, seed, confidence_level)[3:]
 
 
 def rejects(pvalue, alpha: float):

@@ -325,9 +325,11 @@ def _run_hypothesis(h: Hypothesis, plan: Plan, data: _Data, split: pd.DataFrame,
             continue
         res = paired_test(xa, xb, h.test, h.direction, confidence_level=1 - h.alpha,
                           n_resamples=n_resamples, seed=seed)
-        note = "; ".join(x for x in (dropped, f"{h.id}: {res.reason}" if res.reason else "") if x)
-        if res.reason:
-            data.notes.append(f"hypothesis {h.id!r}{'' if m is None else f' (model {m})'}: {res.reason}")
+        # a refused mean-difference interval (too few documents) is said where the test is not
+        why = res.reason or res.ci_reason
+        note = "; ".join(x for x in (dropped, f"{h.id}: {why}" if why else "") if x)
+        if why:
+            data.notes.append(f"hypothesis {h.id!r}{'' if m is None else f' (model {m})'}: {why}")
         rows.append(_row(h, m, data, labels, devs, res, xa, xb, note))
     return rows
 

@@ -150,16 +150,23 @@ def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
 
 def _notes(an: Analysis) -> list[str]:
     devs = an.plan_result.deviations if an.plan_result is not None else []
+    return an.notes + _interval_notes(an) + [f"Deviation from the plan: {d}" for d in devs]
+
+
+def _interval_notes(an: Analysis) -> list[str]:
+    """Why intervals of the descriptive tables are missing (refused) or cover fewer documents."""
     extra = []
     for res, ci in an.decompositions:
         for why in dict.fromkeys((ci.reason, ci.share_reason)):   # a refused interval also refuses the shares
             if why:
                 extra.append(f"Decomposition {res.a} vs {res.b}: {why}.")
+    if an.aggregate_ci.attrs.get("reason"):
+        extra.append(f"Aggregate intervals: {an.aggregate_ci.attrs['reason']}.")
     dropped = an.aggregate_ci.get("n_dropped")
     if dropped is not None and int(dropped.max()) > 0:
         extra.append("Aggregate intervals: documents without data for a policy were dropped from that "
-                      f"policy's interval (up to {int(dropped.max())} per policy; results.nc aggregate_ci_n_dropped).")
-    return an.notes + extra + [f"Deviation from the plan: {d}" for d in devs]
+                     f"policy's interval (up to {int(dropped.max())} per policy; results.nc aggregate_ci_n_dropped).")
+    return extra
 
 
 def reproduce_snippet(an: Analysis) -> str:
@@ -227,7 +234,7 @@ def render_markdown(an: Analysis) -> str:
                  "- plan: none; every comparison is exploratory"]
     lines += [f"- {k}: {v}" for k, v in data_summary(an.traces).items()]
     devs = an.plan_result.deviations if an.plan_result is not None else []
-    lines += [f"- note: {n}" for n in an.notes] + [f"- deviation: {d}" for d in devs]
+    lines += [f"- note: {n}" for n in an.notes + _interval_notes(an)] + [f"- deviation: {d}" for d in devs]
     if an.plan is not None:
         lines += ["", "## Plan results", "", _md_table(plan_rows(an.plan_result))]
     lines += ["", f"## Aggregate estimates — {EXPLORATORY}", "", _md_table(estimate_rows(an)), ""]

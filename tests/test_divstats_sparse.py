@@ -230,24 +230,24 @@ def test_decomposition_shares_have_intervals_and_refuse_when_gap_covers_zero() -
 
 def test_decomposition_interval_refused_with_few_documents() -> None:
     from divstats.calibration import document_population
-    from divstats.resample import MIN_DOCS
+    from divstats.resample import MIN_DOCS_PARTS
 
     pop = document_population(2, np.random.default_rng(0), 32, "skewed")
     ci = dv.decompose(_estimates(*pop), "A", "B").confidence_interval(method="BCa", n_resamples=199)
     assert np.isnan(ci.low.gap) and np.isnan(ci.high.gap)      # no finite interval from 2 documents
-    assert f"fewer than {MIN_DOCS}" in ci.reason
+    assert f"need ≥ {MIN_DOCS_PARTS}" in ci.reason
 
 
 @pytest.mark.parametrize("population", ["symmetric", "skewed"])
 def test_default_document_interval_covers_from_min_docs(population) -> None:
     from divstats.calibration import decomposition_coverage
-    from divstats.resample import MIN_DOCS
+    from divstats.resample import MIN_DOCS_PARTS
 
-    cov = decomposition_coverage(n_docs=MIN_DOCS, n_sims=300, seed=5, population=population)
+    cov = decomposition_coverage(n_docs=MIN_DOCS_PARTS, n_sims=300, seed=5, population=population)
     assert cov.refused == 0.0
     for name in ("gap", "first", "exposure", "rate"):
-        # nominal 0.95 (measured 0.90-0.96 at n = 10); binomial SD with 300 studies is 0.013
-        assert cov.coverage[name] >= 0.87, (name, cov.coverage)
+        # nominal 0.95 (measured >= 0.93 at n = 20, hybrid-t); binomial SD with 300 studies is 0.013
+        assert cov.coverage[name] >= 0.90, (name, cov.coverage)
 
 
 # --------------------------------------------------------------------------- plans: items 1, 6, 7
