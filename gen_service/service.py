@@ -377,10 +377,11 @@ class Service:
             raise invalid(field, f"prompt of {len(ids)} tokens + {new_tokens} new tokens exceeds the "
                                  f"model context of {ctx}")
 
-    def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str) -> None:
-        """422 when the request's estimated memory can never fit the budget (gen_service/memory.py)."""
+    def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str, candidates: int = 1) -> None:
+        """422 when the request's estimated memory can never fit the budget (gen_service/memory.py);
+        a multi-candidate request counts every candidate's caches and rows."""
         try:
-            self.memory.admit(rows, prompt_tokens, horizon, kind)
+            self.memory.admit(rows, prompt_tokens, horizon, kind, candidates)
         except RequestTooLarge as exc:
             raise invalid("replicates", str(exc)) from exc
 
