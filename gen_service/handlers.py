@@ -33,7 +33,6 @@ from gen_service.engine import Cancelled, CandidateDone, CandidateError, Candida
 from gen_service.errors import ApiError, RequestTimeout
 from gen_service.press_catalog import catalog
 from gen_service.requests import (
-    MAX_CANDIDATES,
     ChatRequest,
     Decoding,
     parse_chat,
@@ -276,7 +275,7 @@ async def info(request: Request) -> Response:
                   "max_request_seconds": cfg.max_request_seconds, "vocab_size": lm.vocab_size,
                   "eos_token_id": lm.eos_token_id, "policies": svc.engine.registry.names(),
                   # /v1/traces takes `candidates` (several policies, one request; docs/service.md)
-                  "trace_candidates": True, "max_candidates": MAX_CANDIDATES,
+                  "trace_candidates": cfg.max_candidates > 1, "max_candidates": cfg.max_candidates,
                   "batch_candidates": svc.engine.batch_candidates,
                   **svc.memory.info()},
     })

@@ -41,6 +41,7 @@ class Limits:
     max_stop: int = 4
     max_top_n: int = 32
     default_eviction: str = "full"
+    max_candidates: int = 64
 
 
 class Reader:
@@ -492,7 +493,7 @@ def parse_trace(data: dict[str, Any], limits: Limits) -> TraceRequest:
         raise invalid("window", f"window {window} > horizon (max_new_tokens) {horizon}")
     if window is not None and kind == "coupled" and window != horizon:
         raise invalid("window", "coupled traces run to the horizon; window applies to residual traces")
-    candidates, seeds = _candidates(r)
+    candidates, seeds = _candidates(r, limits.max_candidates)
     doc = r.get("doc_id")
     if doc is not None and (isinstance(doc, bool) or not isinstance(doc, (str, int))):
         raise invalid("doc_id", "expected a string")
@@ -512,7 +513,7 @@ def parse_trace(data: dict[str, Any], limits: Limits) -> TraceRequest:
                         question=question)
 
 
-def _candidates(r: Reader) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
+def _candidates(r: Reader, most: int) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
     """``candidate`` (one policy id) or ``candidates`` (a list of distinct ids) with
     optional ``seeds`` parallel to it; ((), ()) for a one-candidate request."""
     one, many = r.data.get("candidate"), r.data.get("candidates")
@@ -526,8 +527,8 @@ def _candidates(r: Reader) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
         return (), ()
     if not isinstance(many, list) or not many:
         raise invalid("candidates", "expected a non-empty list of policy ids")
-    if len(many) > MAX_CANDIDATES:
-        raise invalid("candidates", f"at most {MAX_CANDIDATES} candidates in one request")
+    if len(many) > most:
+        raise invalid("candidates", f"at most {most} candidates in one request (server limit --max-candidates)")
     for i, policy in enumerate(many):
         if not isinstance(policy, str) or not policy.strip():
             raise invalid(f"candidates[{i}]", "expected a non-empty policy id")
