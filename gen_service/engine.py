@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -231,9 +232,13 @@ class Engine:
         # replay residual branches even when they could be prefixes of the survival
         # caches (benchmarks measure the replay's price with it)
         self.force_replay = False
-        # stack the forwards of a multi-candidate request's candidates (False: each alone,
-        # bit-identical to one request per candidate)
+        # stack the forwards of a multi-candidate request's candidates, and P's with Q's
+        # where ``fuse`` says so (False: every forward alone, bit-identical to one request
+        # per candidate)
         self.batch_candidates = True
+        # P's and Q's stacked forwards as one: "auto" (measured per shape), "on" or "off"
+        self.fuse = "auto"
+        self.fusion: dict[tuple[int, int, int], dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ basics
 
@@ -452,7 +457,7 @@ class Engine:
             except StopIteration:
                 return
             if isinstance(item, list):
-                answer = [self._run_forward(f) for f in item]
+                answer = self._run_forwards({0: item})[0]
             else:
                 answer = None
                 yield item
@@ -556,14 +561,70 @@ class Engine:
                     stack.setdefault(j, []).append((i, j, f))   # j: 0 = P's forward, 1 = Q's
                 else:
                     out[i][j] = self._run_forward(f)
-        for group in stack.values():
-            if len(group) == 1:
-                i, j, f = group[0]
-                out[i][j] = self._run_forward(f)
-                continue
-            for (i, j, _), logits in zip(group, self._forward_stacked([f for _, _, f in group]), strict=True):
+        groups = list(stack.values())
+        if len(groups) == 2 and self._fused(groups):
+            groups = [groups[0] + groups[1]]
+        for group in groups:
+            for (i, j, _), logits in zip(group, self._run_group([f for _, _, f in group]), strict=True):
                 out[i][j] = logits
         return out
+
+    def _run_group(self, forwards: list[Forward]) -> list[torch.Tensor]:
+        """Stacked forwards in one batch; a group of one runs as its own forward."""
+        if len(forwards) == 1:
+            return [self._run_forward(forwards[0])]
+        return self._forward_stacked(forwards)
+
+    # ------------------------------------------------------------------ fused P + Q
+
+    def _fused(self, groups: list[list[tuple[int, int, Forward]]]) -> bool:
+        """Whether P's and Q's stacked forwards run as one forward: ``fuse`` "on"/"off", or
+        "auto": measured on the first step of each shape (:meth:`_measure_fusion`), then kept."""
+        if self.fuse != "auto":
+            return self.fuse == "on"
+        forwards = [f for group in groups for _, _, f in group]
+        rows = sum(f.tokens.shape[0] for f in forwards)
+        prompt = max(f.side.cache.layers[0].prompt_keys.shape[-2] for f in forwards)
+        key = (_bucket(rows), len(forwards), _bucket(prompt))
+        if key not in self.fusion:
+            self.fusion[key] = self._measure_fusion(groups, key)
+        return self.fusion[key]["fused"]
+
+    def _measure_fusion(self, groups: list[list[tuple[int, int, Forward]]], key: tuple[int, int, int]
+                        ) -> dict[str, Any]:
+        """Time this decoding step both ways — P's and Q's forwards apart, and one forward
+        over both — three times alternately, on the live caches: a forward only writes
+        the rows' new slot and advances ``filled``, so putting ``filled`` back undoes it
+        (the real step then writes the same slot). Keeps the faster (best of three)."""
+        parts = [[f for _, _, f in group] for group in groups]
+        layers = [layer for part in parts for f in part for layer in f.side.cache.layers]
+        filled = [layer.filled for layer in layers]
+        times: dict[str, list[float]] = {"separate": [], "fused": []}
+        for _ in range(3):
+            for mode in times:
+                t0 = self._clock()
+                if mode == "separate":
+                    for part in parts:
+                        self._run_group(part)
+                else:
+                    self._forward_stacked(parts[0] + parts[1])
+                times[mode].append(self._clock() - t0)
+                for layer, n in zip(layers, filled, strict=True):
+                    layer.filled = n
+        sep, fused = min(times["separate"]), min(times["fused"])
+        log.info("fused P+Q forward for rows<=%d, %d forwards, prompt<=%d: %.1f ms vs %.1f ms apart", *key,
+                 fused * 1e3, sep * 1e3)
+        return {"rows": key[0], "forwards": key[1], "prompt_tokens": key[2], "separate_ms": round(sep * 1e3, 2),
+                "fused_ms": round(fused * 1e3, 2), "fused": fused < sep}
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def fusion_info(self) -> dict[str, Any]:
+        """The fused-forward setting and every shape's measurement so far (``/info``)."""
+        return {"mode": self.fuse, "measured": list(self.fusion.values())}
 
     @torch.inference_mode()
     def _forward_stacked(self, forwards: list[Forward]) -> list[torch.Tensor]:
@@ -857,6 +918,11 @@ class Engine:
         lps: list[float | None] = [None]
         lps += logits[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
         return lps
+
+
+def _bucket(n: int) -> int:
+    """The next power of two (shapes measured once per bucket)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _draw_seed() -> int:

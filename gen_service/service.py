@@ -61,6 +61,7 @@ class ServiceConfig:
     retry_after_s: int = 1              # Retry-After on 429
     max_candidates: int = 64            # candidates in one /v1/traces request (1: `candidates` off)
     batch_candidates: bool = True       # stack the candidates' forwards (False: bit-identical to separate requests)
+    fuse: str = "auto"                  # P's and Q's forwards as one: auto (measured per shape), on, off
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -68,6 +69,8 @@ class ServiceConfig:
                               "omit --api-key to run without authentication")
         if self.max_request_seconds is not None and not self.max_request_seconds > 0:
             raise ConfigError("--max-request-seconds must be > 0")
+        if self.fuse not in ("auto", "on", "off"):
+            raise ConfigError(f"--fuse must be auto, on or off, not {self.fuse!r}")
         if not 1 <= self.max_candidates <= MAX_CANDIDATES:
             raise ConfigError(f"--max-candidates must be in 1..{MAX_CANDIDATES}")
 

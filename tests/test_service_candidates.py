@@ -82,14 +82,17 @@ def test_one_request_equals_one_request_per_candidate(lm, kind, batched):
     split, markers = _split(items)
     assert all(isinstance(m, CandidateDone) for m in markers)
     assert sorted(m.policy for m in markers) == sorted(CANDIDATES)
+    separate = Engine(lm)
+    separate.fuse = "off"   # each forward alone, as the unbatched multi-candidate request runs them
     for policy, seed in zip(CANDIDATES, SEEDS, strict=True):
-        alone = list(Engine(lm).trace(TraceJob(candidate=policy, seed=seed, **_job(kind))))
+        alone = list(separate.trace(TraceJob(candidate=policy, seed=seed, **_job(kind))))
         _assert_same(split[policy], alone, tol=1e-5 if batched else 0.0)
 
 
 def test_stacking_runs_fewer_forwards(lm, monkeypatch):
     """P rows of every candidate run in one forward, and Q rows of the stackable ones."""
     engine = Engine(lm)
+    engine.fuse = "off"   # P's and Q's stacks apart (fused: one forward, tests/test_service_fusion.py)
     calls = {"stacked": 0, "alone": 0}
     stacked, alone = engine._forward_stacked, engine._run_forward
 
