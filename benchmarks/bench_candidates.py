@@ -17,7 +17,8 @@ table gives each repeat's total over the documents, the median ratio, and whethe
 grouped traces agree with the separate ones (same tokens; largest |ΔTV|).
 
 Usage: ``python benchmarks/bench_candidates.py [--docs 4] [--repeats 3] [--model embedded]
-[--kind residual] [--rows 8] [--steps 10] [--window 9] [--alone] [--fuse off|auto|on]``.
+[--kind residual] [--rows 8] [--steps 10] [--window 9] [--alone] [--fuse off|auto|on]
+[--baseline-fuse off|auto|on]``.
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ def main() -> None:
     ap.add_argument("--alone", action="store_true", help="also time the grouped request with every forward alone")
     ap.add_argument("--fuse", default="off", choices=["auto", "on", "off"],
                     help="P's and Q's forwards as one (Engine.fuse), for both modes; off isolates the candidates")
+    ap.add_argument("--baseline-fuse", default=None, choices=["auto", "on", "off"],
+                    help="Engine.fuse for the separate requests only (default: --fuse); "
+                         "--fuse auto --baseline-fuse off compares with the engine before fusion")
     args = ap.parse_args()
 
     from transformers.utils import logging as hf_logging
@@ -113,13 +117,14 @@ def main() -> None:
     hf_logging.set_verbosity_error()
     t_start = time.perf_counter()
     engine = Engine(load_model(args.model))
-    engine.fuse = args.fuse
+    baseline_fuse = args.baseline_fuse or args.fuse
     prompts = demo_prompts(engine, args.docs)
     budget = max(1, round(statistics.median(len(ids) for _, ids in prompts) / 2))
     policies = ["snapkv@0.5", f"snapkv#{budget}", "recent@0.5", "snapkv@0.9"]
     print(f"{args.model}: {len(prompts)} documents ({min(len(i) for _, i in prompts)}-"
           f"{max(len(i) for _, i in prompts)} prompt tokens), policies {', '.join(policies)}; "
-          f"{args.kind}, R={args.rows}, T={args.steps}, W={args.window}, {args.repeats} repeats, fuse {args.fuse}")
+          f"{args.kind}, R={args.rows}, T={args.steps}, W={args.window}, {args.repeats} repeats, fuse {args.fuse} "
+          f"(separate requests: {baseline_fuse})")
     modes = ["separate", "grouped"] + (["grouped, alone"] if args.alone else [])
     totals: dict[str, list[float]] = {m: [] for m in modes}
     same, worst = True, 0.0
@@ -131,6 +136,7 @@ def main() -> None:
             records = {}
             for mode in order:
                 engine.batch_candidates = mode != "grouped, alone"
+                engine.fuse = baseline_fuse if mode == "separate" else args.fuse
                 run = separate if mode == "separate" else grouped
                 sec, records[mode] = run(engine, ids, policies, seeds, args)
                 spent[mode] += sec

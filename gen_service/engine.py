@@ -30,6 +30,14 @@ Residual mode (docs/statistics.md §5) in three phases, all batched over rows:
    it did on the survival path and each branch continues from Q's true state at t*.
    The price is up to T − 1 more forwards per side (docs/service.md measures it).
 
+The decoding loops never run a forward themselves: they yield the :class:`Forward`
+list a step needs (P's and Q's) and receive the logits back. A driver decides how
+those run: alone (one candidate, ``fuse`` off), P's and Q's as one forward where the
+measurement says it is faster (``fuse``), or, in a request with several candidates
+(:meth:`Engine.trace_candidates`), stacked with the other candidates' forwards in
+one batch (:class:`gen_service.shared_cache.StackedPromptCache`), each candidate's
+loop keeping its own generator and random numbers.
+
 Each side (P, Q) is a :class:`Side`: its cache plus what its policy applies to its
 own forwards only — per-head masks of head-wise presses (AdaKV & co.) and the hooks of
 a decoding-time press — installed around that side's forward and removed after, so

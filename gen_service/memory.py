@@ -10,9 +10,10 @@ weights (both sides, P and Q, whatever the candidate keeps):
 - ``row_kv``: each row's own tokens, T slots per side (2T for residual traces, whose
   branches continue past the survival slots);
 - ``activations``: the larger of prefill (batch 1 over the prompt: hidden states, MLP,
-  a tiled attention block) and one decoding step over R rows (hidden states and MLP,
-  one layer's attention scores over the prompt, the (R, vocab) float32 tensors of the
-  logits and the coupling);
+  a tiled attention block) and one decoding step over R rows (hidden states and MLP
+  for 2R rows, P's and Q's in one forward when fused, one layer's attention scores over
+  the prompt, the (R, vocab) float32 tensors of the logits and the coupling); a
+  multi-candidate request counts every candidate's rows;
 
 :class:`MemoryGate` admits a request whose estimate fits the budget (default 80 % of
 the device's free memory, or of available RAM on CPU, measured at start) and refuses
@@ -162,7 +163,7 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
     prefill = (prompt_tokens * mlp * b
                + shape.q_heads * prompt_tokens * min(prompt_tokens, PREFILL_TILE) * 4)
     keys = prompt_tokens + slots
-    decode = (rows * mlp * b
+    decode = (2 * rows * mlp * b                       # P's and Q's rows in one forward when fused
               + 2 * shape.q_heads * rows * keys * 4         # one layer's scores and weights, float32
               + COUPLING_TENSORS * rows * shape.vocab * 4)
     return MemoryEstimate(prompt_kv=prompt_kv, row_kv=row_kv, activations=max(prefill, decode), rows=rows)
