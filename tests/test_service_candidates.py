@@ -26,6 +26,7 @@ from gen_service.coupling import Sampling
 from gen_service.engine import CandidateDone, CandidateFailed, Engine, TraceJob
 from gen_service.models import load_model
 from protocols import assemble, read_stream
+from protocols.stream import StreamError
 
 DECODING = "kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=64"
 ADAKV = "kvpress:AdaKVPress(SnapKVPress)@0.5"
@@ -191,6 +192,16 @@ def test_http_streams_split_into_valid_per_candidate_streams(client, kind):
                 assert (ds[var].values == alone[var].values).all(), (policy, var)
             elif var.endswith("tv"):
                 assert float(abs(ds[var].fillna(0) - alone[var].fillna(0)).max()) < 1e-5, (policy, var)
+
+
+@pytest.mark.service
+def test_a_line_of_another_candidate_is_refused(client):
+    body = {"inputs": PROMPT, "replicates": 2, "candidates": ["snapkv@0.5", "recent@0.5"],
+            "parameters": {"max_new_tokens": 3}}
+    split = _by_candidate(_lines(client, body))
+    mixed = [split["snapkv@0.5"][0], split["recent@0.5"][1], *split["snapkv@0.5"][1:]]
+    with pytest.raises(StreamError, match="record of candidate 'recent@0.5' in the stream of 'snapkv@0.5'"):
+        read_stream(mixed)
 
 
 @pytest.mark.service
