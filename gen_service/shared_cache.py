@@ -7,7 +7,9 @@ token by concatenation, copying every layer's whole cache at every step. A
 it, compressed or not) and each row's generated tokens in a buffer allocated for the
 horizon, written in place. Its forwards attend through :mod:`gen_service.cascade`
 (prompt part broadcast over rows, row part batched, merged by log-sum-exp), routed by
-:func:`attention_route` for that forward only.
+:func:`attention_route` for that forward only. A :class:`StackedPromptCache` puts
+several such caches (P's and Q's, or several candidates') in one forward's batch, each
+group attending to its own prompt and rows.
 
 Which path each mechanism takes (per side: P and Q decide independently):
 
