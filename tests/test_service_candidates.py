@@ -229,3 +229,22 @@ def test_http_bad_candidates_422(client, extra, field):
     r = client.post("/v1/traces", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}, **extra})
     assert r.status_code == 422 and r.json()["error_type"] == "validation", r.text
     assert r.json()["error"].startswith(field), r.json()["error"]
+
+
+@pytest.mark.service
+def test_http_memory_counts_every_candidate(client, server):
+    gate = server.service.memory
+    ids = server.service.encode(PROMPT)
+    one, four = (gate.estimate(8, len(ids), 6, "coupled", c).total for c in (1, 4))
+    assert four > one
+    before = gate.budget
+    gate.budget = (one + four) // 2      # one candidate fits, four do not
+    try:
+        body = {"inputs": PROMPT, "replicates": 8, "parameters": {"max_new_tokens": 6}}
+        assert client.post("/v1/traces", json={**body, "candidate": "snapkv@0.5"}).status_code == 200
+        pols = ["snapkv@0.5", "recent@0.5", "streaming@0.5", "knorm@0.5"]
+        r = client.post("/v1/traces", json={**body, "candidates": pols})
+        assert r.status_code == 422 and r.json()["error"].startswith("replicates: ")
+        assert "for each of 4 candidates" in r.json()["error"]
+    finally:
+        gate.budget = before
