@@ -16,9 +16,14 @@ Whole requests are timed (prefills, decoding, branches, records), without HTTP. 
 table gives each repeat's total over the documents, the median ratio, and whether the
 grouped traces agree with the separate ones (same tokens; largest |ΔTV|).
 
+With ``--collect`` the same shape runs end to end instead: ``kvdiv serve``'s app on a
+loopback port (``--fuse`` is the server's setting) and ``collector.collect`` over the
+documents into a fresh journal, with ``group_candidates`` on and off alternately; the
+packed traces of both are compared.
+
 Usage: ``python benchmarks/bench_candidates.py [--docs 4] [--repeats 3] [--model embedded]
 [--kind residual] [--rows 8] [--steps 10] [--window 9] [--alone] [--fuse off|auto|on]
-[--baseline-fuse off|auto|on]``.
+[--baseline-fuse off|auto|on] [--collect]``.
 """
 
 from __future__ import annotations
@@ -109,7 +114,12 @@ def main() -> None:
     ap.add_argument("--baseline-fuse", default=None, choices=["auto", "on", "off"],
                     help="Engine.fuse for the separate requests only (default: --fuse); "
                          "--fuse auto --baseline-fuse off compares with the engine before fusion")
+    ap.add_argument("--collect", action="store_true",
+                    help="end to end: a loopback server and `collect` with --group-candidates on and off")
     args = ap.parse_args()
+    if args.collect:
+        bench_collect(args)
+        return
 
     from transformers.utils import logging as hf_logging
 
@@ -156,6 +166,84 @@ def main() -> None:
           f"median {statistics.median(ratios):.2f}")
     print(f"grouped vs separate: same tokens {same}, max |ΔTV| {worst:.1e}")
     print(f"benchmark took {time.perf_counter() - t_start:.0f} s")
+
+
+def _serve(model: str, fuse: str) -> tuple[str, Any, Any]:
+    """(url, uvicorn server, service): ``kvdiv serve``'s app on a free loopback port, in a thread."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from gen_service.server_cli import build_service
+
+    app, service = build_service(model, fuse=fuse, max_new_tokens=64)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, service
+
+
+SHORT = {"one request per policy": "separate", "one request per document": "grouped"}
+
+
+def bench_collect(args: argparse.Namespace) -> None:
+    """``--collect``: the demo's collection through HTTP, grouped and not, alternately."""
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from collector.collect import CollectConfig, collect
+    from collector.pack import pack_run
+
+    t_start = time.perf_counter()
+    url, server, service = _serve(args.model, args.fuse)
+    tok = service.engine.lm.tokenizer
+    docs = D.select(D.pydoc_documents(tok, target_tokens=128), args.docs)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_candidates-"))
+    docs_file = D.write_jsonl(docs, tmp / "docs.jsonl")
+    lengths = [len(service.encode_chat(tuple(service_message(m) for m in D.render_messages(d, "summarise"))))
+               for d in docs]
+    policies = ["snapkv@0.5", f"snapkv#{max(1, round(statistics.median(lengths) / 2))}", "recent@0.5", "snapkv@0.9"]
+    print(f"{args.model} through HTTP: {len(docs)} documents ({min(lengths)}-{max(lengths)} prompt tokens), "
+          f"policies {', '.join(policies)}; {args.kind}, R={args.rows}, T={args.steps}, W={args.window}, "
+          f"{args.repeats} repeats, server --fuse {args.fuse}")
+    modes = ["one request per policy", "one request per document"]
+    totals: dict[str, list[float]] = {m: [] for m in modes}
+    for rep in range(args.repeats):
+        for mode in modes if rep % 2 == 0 else modes[::-1]:
+            cfg = CollectConfig(servers=[url], docs_file=docs_file, policies=policies, out=tmp / f"{rep}-{SHORT[mode]}",
+                                kind=args.kind, replicates=args.rows, max_new_tokens=args.steps,
+                                window=args.window if args.kind == "residual" else None, seed=args.seed,
+                                progress=False, group_candidates=mode.endswith("document"))
+            t0 = time.perf_counter()
+            result = collect(cfg)
+            totals[mode].append(time.perf_counter() - t0)
+            assert result.ok, result.summary()
+        print(f"  repeat {rep + 1}: " + ", ".join(f"{m} {totals[m][-1]:.1f} s" for m in modes), flush=True)
+    a, b = (pack_run(tmp / f"0-{SHORT[m]}", progress=False) for m in modes)
+    same = all((a[v].values == b[v].values).all() for v in a.data_vars if v.endswith("token"))
+    worst = max(float(np.nanmax(np.abs(a[v].values - b[v].values))) for v in a.data_vars if v.endswith("tv"))
+    ratios = [s / g for s, g in zip(totals[modes[0]], totals[modes[1]], strict=True)]
+    print("\n| collection | median s | speed-up |\n|---|---|---|")
+    for mode in modes:
+        med = statistics.median(totals[mode])
+        print(f"| {mode} | {med:.1f} | {statistics.median(totals[modes[0]]) / med:.2f} |")
+    print(f"\nper-repeat speed-up: {', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}")
+    print(f"packed traces: same tokens {same}, max |ΔTV| {worst:.1e}; fused-forward choices "
+          f"{service.engine.fusion_info()['measured']}")
+    print(f"benchmark took {time.perf_counter() - t_start:.0f} s")
+    server.should_exit = True
+
+
+def service_message(message: dict[str, str]) -> Any:
+    from gen_service.requests import Message
+
+    return Message(role=message["role"], content=message["content"])
 
 
 if __name__ == "__main__":
