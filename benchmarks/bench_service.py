@@ -104,7 +104,7 @@ def time_coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int, 
     p0, q0 = prefilled(engine, ids, policy, steps)
     gen = engine.generator(0)
     t0 = _clock(engine)
-    for _ in engine._coupled(job, p0, q0, gen, lambda: False):
+    for _ in engine._drive(engine._coupled(job, p0, q0, gen, lambda: False)):
         pass
     return (_clock(engine) - t0) / (steps - 1)  # T steps, T−1 forward pairs
 

@@ -56,7 +56,7 @@ def coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int,
         share_prompt(q0.side, steps)
     gen = engine.generator(0)
     records, stamps = [], []
-    for rec in engine._coupled(job, p0, q0, gen, lambda: False):
+    for rec in engine._drive(engine._coupled(job, p0, q0, gen, lambda: False)):
         stamps.append(time.perf_counter())
         records.append(rec)
     sec = statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False))

@@ -67,11 +67,15 @@ def _split_policies(value: str) -> list[str]:
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True,
               help="Seconds one request may take in all (covers servers that drip bytes); then it is retried.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
+@click.option("--group-candidates/--no-group-candidates", default=True, show_default=True,
+              help="Send a document's policies as one multi-candidate request to servers that support it "
+                   "(same journal files).")
 def collect(servers: tuple[str, ...], servers_file: Path | None, wait_for_servers: float, docs_file: Path,
             policies: str, kind: str, replicates: int,
             max_new_tokens: int, window: int | None, temperature: float, top_k: int | None,
             top_p: float | None, seed: int, crn: bool, out: Path, api_key: str | None, concurrency: int,
-            template: str, max_attempts: int, request_timeout: float, progress: bool) -> None:
+            template: str, max_attempts: int, request_timeout: float, progress: bool,
+            group_candidates: bool) -> None:
     """Collect traces for every (document, policy) into a resumable journal."""
     options = dict(locals())  # the command's options, before anything else is bound
     from collector.collect import collect as run_collect
@@ -95,7 +99,7 @@ def collect_config(*, servers: tuple[str, ...], servers_file: Path | None, wait_
                    policies: str, kind: str, replicates: int, max_new_tokens: int, window: int | None,
                    temperature: float, top_k: int | None, top_p: float | None, seed: int, crn: bool, out: Path,
                    api_key: str | None, concurrency: int, template: str, max_attempts: int, request_timeout: float,
-                   progress: bool, **_: object) -> CollectConfig:
+                   progress: bool, group_candidates: bool = True, **_: object) -> CollectConfig:
     """The :class:`collector.collect.CollectConfig` of ``kvdiv collect``'s options (also for ``kvdiv.adaptive``)."""
     from collector.collect import CollectConfig
 
@@ -105,7 +109,8 @@ def collect_config(*, servers: tuple[str, ...], servers_file: Path | None, wait_
                          window=window, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                          common_random_numbers=crn,
                          template=template, api_key=api_key, concurrency=concurrency,
-                         max_attempts=max_attempts, request_timeout_s=request_timeout, progress=progress)
+                         max_attempts=max_attempts, request_timeout_s=request_timeout, progress=progress,
+                         group_candidates=group_candidates)
 
 
 @click.command("pack")

@@ -36,6 +36,7 @@ journal folder (``collector.journal``).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import sys
@@ -49,6 +50,7 @@ from typing import Any
 from collector.checks import RunLedger, asked_replicates, audit_document, derive_seed, header_problems
 from collector.documents import TEMPLATES, Document, file_sha256, read_jsonl, render_messages
 from collector.errors import ConfigError, DocumentsError, PermanentError, RetryableError
+from collector.grouped import CandidateSplitter, group_body, groupable, max_candidates
 from collector.journal import DOCUMENTS, Journal, RequestWriter
 from collector.servers import Server, ServerPool, ServerStats, read_servers_file
 from protocols.stream import LIMITS, StreamError, StreamReader
@@ -99,6 +101,10 @@ class CollectConfig:
     allocation : mapping, optional
         doc id -> policy -> replicates for round ``round_index`` (0 or absent: no
         request for that pair); recorded in the journal before the round starts.
+    group_candidates : bool
+        Send a document's policies as the candidates of one request to a server that
+        advertises ``trace_candidates`` (collector/grouped.py); the journal gets the
+        same per-(document, policy) files. Off: one request per (document, policy).
 
     Raises
     ------
@@ -142,6 +148,7 @@ class CollectConfig:
     server_backoff_max_s: float = 60.0
     round_index: int = 0
     allocation: Mapping[str, Mapping[str, int]] | None = None
+    group_candidates: bool = True
 
     def __post_init__(self) -> None:
         self.servers = [s.rstrip("/") for s in self.servers]
@@ -285,6 +292,7 @@ class _Job:
     policy: str
     attempts: int = 0
     tokens: int = 0   # received in the current attempt
+    solo: bool = False   # never grouped again: its group's request was refused as a whole
 
     @property
     def key(self) -> str:
@@ -444,6 +452,7 @@ class Collector:
         self.wake = asyncio.Event()             # something changed: a slot freed, a request is ready
         self.timers: set[asyncio.Task[None]] = set()
         self.running: set[asyncio.Task[None]] = set()
+        self.group_sizes: dict[str, int] = {}   # server -> candidates it takes per request (its /info)
         todo, set_aside = self._resume(params, ledger)
         total = sum(cfg.replicates_for(doc.id, p) > 0 for doc in self.docs for p in cfg.policies)
         self.result = CollectResult(total=total, skipped=total - len(todo), set_aside=set_aside)
@@ -510,7 +519,7 @@ class Collector:
                 await self._sleep_until_change()
                 continue
             self.pool.started(server)  # before the task runs: the next pick must see the slot taken
-            task = asyncio.create_task(self._run_job(client, server, self.ready.popleft()))
+            task = asyncio.create_task(self._run_jobs(client, server, self._take_ready()))
             self.running.add(task)
             task.add_done_callback(self.running.discard)
 
@@ -705,6 +714,187 @@ class Collector:
             raise PermanentError(f"the stream does not assemble: {exc}") from None
         writer.commit()
         self.check.record(job, stream.header)
+
+
+    # ----------------------------------------------------------------------- grouped requests
+
+    def _take_ready(self) -> list[_Job]:
+        """The next ready request and, when grouping, the ready requests of the same document
+        whose bodies differ only in policy and seed (looked for near the queue's front)."""
+        first = self.ready.popleft()
+        if not self.cfg.group_candidates or first.solo:
+            return [first]
+        body = request_body(self.cfg, first.doc, first.policy)
+        near = list(itertools.islice(self.ready, 4 * len(self.cfg.policies)))
+        mates = [j for j in near if j.doc.id == first.doc.id and not j.solo
+                 and groupable(body, request_body(self.cfg, j.doc, j.policy))]
+        for job in mates:
+            self.ready.remove(job)
+        return [first, *mates]
+
+    def _put_back(self, jobs: Sequence[_Job]) -> None:
+        self.ready.extendleft(reversed(jobs))
+        self.wake.set()
+
+    async def _group_size(self, client: Any, server: str) -> int:
+        """Candidates ``server`` takes per request (its ``/info``; remembered once answered)."""
+        if server not in self.group_sizes:
+            try:
+                r = await client.get(f"{server}/info")
+                if r.status_code != 200:
+                    return 0
+                self.group_sizes[server] = max_candidates(r.json())
+            except Exception:  # an unreachable or odd server: ask again next time
+                return 0
+        return self.group_sizes[server]
+
+    async def _run_jobs(self, client: Any, server: Server, jobs: list[_Job]) -> None:
+        """Run ``jobs`` (one document's requests) as one grouped request where the server takes it."""
+        size = await self._group_size(client, server.url) if len(jobs) > 1 else 0
+        if size < 2:
+            self._put_back(jobs[1:])
+            await self._run_job(client, server, jobs[0])
+            return
+        self._put_back(jobs[size:])
+        await self._run_group(client, server, jobs[:size])
+
+    async def _run_group(self, client: Any, server: Server, jobs: list[_Job]) -> None:
+        """One attempt of a document's requests as one multi-candidate request; each request then
+        completes, retries or fails on its own, as if it had been sent alone."""
+        self.progress.servers(self.pool)
+        for job in jobs:
+            job.attempts += 1
+            job.tokens = 0
+        outcome: dict[str, Any] = {}
+        ends: dict[str, Exception | None] = {}
+        try:
+            ends = await self._attempt_group(client, server.url, jobs)
+        except asyncio.CancelledError:
+            outcome["counted"] = False
+            raise
+        except _GroupRefused as exc:   # e.g. a 422 naming one candidate: each policy alone names its own
+            self._say(f"{jobs[0].doc.id}: grouped request refused ({exc}); sending its policies one by one")
+            for job in jobs:
+                job.attempts -= 1
+                job.solo = True
+            self._put_back(jobs)
+        except (RetryableError, PermanentError) as exc:
+            outcome["unreachable"] = getattr(exc, "unreachable", False)
+            ends = {job.policy: exc for job in jobs}
+        except Exception as exc:
+            ends = {job.policy: PermanentError(f"unexpected {type(exc).__name__}: {exc}") for job in jobs}
+        finally:
+            done = [job for job in jobs if job.policy in ends and ends[job.policy] is None]
+            if done:
+                outcome["tokens"] = sum(job.tokens for job in done)
+            self.pool.finished(server, **outcome)
+            server.requests += max(len(done) - 1, 0)   # each completed policy counts as a request
+            self.progress.servers(self.pool)
+            self.wake.set()
+        for job in jobs:
+            if job.policy in ends:
+                self._settle(job, ends[job.policy])
+
+    def _settle(self, job: _Job, error: Exception | None) -> None:
+        """What one request of a group comes to: complete, retried or failed."""
+        if error is None:
+            self.result.completed += 1
+            self.progress.done()
+            self._finish(job, None)
+        elif isinstance(error, RetryableError):
+            self._retry(job, error)
+        elif isinstance(error, PermanentError) and error.fatal:
+            self._abort(str(error))
+        else:
+            self._finish(job, str(error))
+
+    async def _attempt_group(self, client: Any, server: str, jobs: list[_Job]) -> dict[str, Exception | None]:
+        """One grouped try, within the requests' deadlines together: policy -> None (complete) or its error."""
+        import httpx
+
+        body = group_body([request_body(self.cfg, job.doc, job.policy) for job in jobs])
+        limit = None if self.cfg.request_timeout_s is None else self.cfg.request_timeout_s * len(jobs)
+        try:
+            async with asyncio.timeout(limit):
+                async with client.stream("POST", f"{server}/v1/traces", json=body,
+                                         headers={"Accept": "application/x-ndjson"}) as response:
+                    if response.status_code != 200:
+                        self._refused(response.status_code, await response.aread(), response.headers)
+                    return await self._receive_group(response, jobs)
+        except TimeoutError:
+            raise RetryableError(f"no complete answer within {limit:g} s (--request-timeout per policy) "
+                                 f"from {server}") from None
+        except httpx.HTTPError as exc:
+            unreachable = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadTimeout))
+            raise RetryableError(f"{type(exc).__name__} from {server}: {exc or 'connection lost'}",
+                                 unreachable=unreachable, sent=not isinstance(exc, httpx.ConnectError)) from None
+        except OSError as exc:
+            raise RetryableError(f"{type(exc).__name__}: {exc}") from None
+
+    def _refused(self, status: int, body: bytes, headers: Mapping[str, str]) -> None:
+        message = _error_message(status, body)
+        if status in RETRY_STATUS:
+            raise RetryableError(message, _retry_after(headers))
+        if status in (401, 403):
+            raise PermanentError(f"{message} (check --api-key)", fatal=True)
+        raise _GroupRefused(message)
+
+    async def _receive_group(self, response: Any, jobs: list[_Job]) -> dict[str, Exception | None]:
+        """Split the response into the jobs' journal files; complete each one at its ``end``."""
+        group = _Group(jobs, {job.policy: self.journal.open_request(job.doc.id, job.policy) for job in jobs})
+        try:
+            buffer = b""
+            async for chunk in response.aiter_bytes():
+                buffer += chunk
+                *complete, buffer = buffer.split(b"\n")
+                for raw in complete:
+                    self._take_grouped(group, raw + b"\n")
+                if len(buffer) > LIMITS.line_bytes:
+                    raise RetryableError(f"a line longer than {LIMITS.line_bytes} bytes")
+            if buffer.strip():
+                self._take_grouped(group, buffer)
+        finally:
+            for writer in group.writers.values():
+                writer.abort()   # nothing for the committed ones
+        for job in jobs:
+            group.ends.setdefault(job.policy, RetryableError(f"the response ended before {job.policy}'s end record"))
+        return group.ends
+
+    def _take_grouped(self, group: _Group, raw: bytes) -> None:
+        try:
+            policy = group.splitter.route(raw)
+        except StreamError as exc:   # a line for no candidate asked: nothing in this response is trusted
+            raise RetryableError(str(exc)) from None
+        if policy is None or policy in group.ends:
+            return
+        job, writer, reader = group.jobs[policy], group.writers[policy], group.readers[policy]
+        try:
+            self._take(writer, reader, raw, job)
+            if reader.end is not None:
+                self._complete(writer, reader, job)
+                group.ends[policy] = None
+        except (RetryableError, PermanentError) as exc:
+            group.ends[policy] = exc
+
+
+class _GroupRefused(Exception):
+    """A grouped request refused as a whole (a 4xx): its policies are sent one by one."""
+
+
+@dataclass
+class _Group:
+    """One grouped request's per-policy state: journal writers, stream readers and outcomes."""
+
+    jobs_list: list[_Job]
+    writers: dict[str, RequestWriter]
+    jobs: dict[str, _Job] = field(default_factory=dict)
+    readers: dict[str, StreamReader] = field(default_factory=dict)
+    ends: dict[str, Exception | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.jobs = {job.policy: job for job in self.jobs_list}
+        self.readers = {policy: StreamReader() for policy in self.jobs}
+        self.splitter = CandidateSplitter(list(self.jobs))
 
 
 def _stream_failure(exc: StreamError) -> RetryableError | PermanentError:

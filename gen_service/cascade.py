@@ -187,7 +187,9 @@ def cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
 
     ``key``/``value`` are the rows' own slots, as the shared cache's ``update``
     returned them; the prompt and the per-row mask come from the cache passed to the
-    forward as ``kvdiv_shared_cache``. ``attention_mask`` is unused (the shared cache
+    forward as ``kvdiv_shared_cache``. A stacked cache (several groups in one batch,
+    its ``groups`` and ``bounds``) is attended group by group, each group's rows over
+    its own prompt and slots. ``attention_mask`` is unused (the shared cache
     carries the mask over its rows' own slots; head-wise presses' masks come from the
     module, as gen_service.head_masks leaves them for one forward). The argument order is
     transformers' SDPA function's: kvpress's attention patch passes ``dropout``
@@ -201,9 +203,20 @@ def cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     cache = kwargs.get(CACHE_KWARG)
     if cache is None:
         raise RuntimeError(f"{CASCADE} attention needs the shared prompt cache as `{CACHE_KWARG}`")
-    layer = cache.layers[module.layer_idx]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = cascade_attention(query, layer.prompt_keys, layer.prompt_values, key, value, scaling, cache.row_mask,
-                            hidden=getattr(module, HIDDEN_ATTR, None))
-    return out, None
+    hidden = getattr(module, HIDDEN_ATTR, None)
+    groups = getattr(cache, "groups", None)
+    if groups is None:
+        layer = cache.layers[module.layer_idx]
+        return cascade_attention(query, layer.prompt_keys, layer.prompt_values, key, value, scaling, cache.row_mask,
+                                 hidden=hidden), None
+    # several groups stacked in one batch (gen_service.shared_cache.StackedPromptCache):
+    # each group's queries attend to its own prompt and rows, as its own forward would
+    outs = []
+    for group, (a, b) in zip(groups, cache.bounds, strict=True):
+        layer = group.layers[module.layer_idx]
+        outs.append(cascade_attention(query[a:b], layer.prompt_keys, layer.prompt_values,
+                                      layer.row_keys[:, :, :layer.filled], layer.row_values[:, :, :layer.filled],
+                                      scaling, group.row_mask, hidden=None))
+    return torch.cat(outs), None

@@ -30,6 +30,14 @@ Residual mode (docs/statistics.md §5) in three phases, all batched over rows:
    it did on the survival path and each branch continues from Q's true state at t*.
    The price is up to T − 1 more forwards per side (docs/service.md measures it).
 
+The decoding loops never run a forward themselves: they yield the :class:`Forward`
+list a step needs (P's and Q's) and receive the logits back. A driver decides how
+those run: alone (one candidate, ``fuse`` off), P's and Q's as one forward where the
+measurement says it is faster (``fuse``), or, in a request with several candidates
+(:meth:`Engine.trace_candidates`), stacked with the other candidates' forwards in
+one batch (:class:`gen_service.shared_cache.StackedPromptCache`), each candidate's
+loop keeping its own generator and random numbers.
+
 Each side (P, Q) is a :class:`Side`: its cache plus what its policy applies to its
 own forwards only — per-head masks of head-wise presses (AdaKV & co.) and the hooks of
 a decoding-time press — installed around that side's forward and removed after, so
@@ -39,10 +47,12 @@ nothing leaks into the other model's forwards through the shared modules.
 from __future__ import annotations
 
 import copy
+import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -54,13 +64,51 @@ from gen_service.head_masks import HIDDEN_ATTR, indices_to_mask, install, pad
 from gen_service.models import LoadedModel
 from gen_service.presses import ModelInfo, Plan, Policy, PolicyRegistry, iter_presses
 from gen_service.quantized import is_quantized
-from gen_service.shared_cache import attention_route, share_prompt
+from gen_service.shared_cache import StackedPromptCache, attention_route, share_prompt, stackable
+
+__all__ = ["CandidateDone", "CandidateError", "CandidateFailed", "Cancelled", "Engine", "Forward", "Prefilled",
+           "Side", "TraceJob", "PRODUCER"]
 
 PRODUCER = "kvdiv.gen_service"
+log = logging.getLogger("kvdiv.service")
 
 
 class Cancelled(ServiceError):
     """The client went away; work stops between steps."""
+
+
+class CandidateError(ServiceError):
+    """A candidate of a multi-candidate request failed before anything was streamed.
+
+    Attributes
+    ----------
+    index : int
+        Its position in ``candidates``.
+    policy : str
+        Its policy id.
+    cause : BaseException
+        What its prefill raised.
+    """
+
+    def __init__(self, index: int, policy: str, cause: BaseException):
+        super().__init__(f"candidates[{index}] ({policy}): {type(cause).__name__}: {cause}")
+        self.index, self.policy, self.cause = index, policy, cause
+
+
+@dataclass(frozen=True)
+class CandidateDone:
+    """Yielded by :meth:`Engine.trace` (multi-candidate) when a candidate's records are all out."""
+
+    policy: str
+
+
+@dataclass(frozen=True)
+class CandidateFailed:
+    """Yielded by :meth:`Engine.trace` (multi-candidate) when one candidate fails while decoding;
+    the other candidates go on."""
+
+    policy: str
+    error: BaseException
 
 
 @dataclass
@@ -79,6 +127,10 @@ class TraceJob:
     doc: str | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     question_ids: list[int] = field(default_factory=list)   # prefilled after compression, never compressed
+    # several candidates in one request (records tagged with ``candidate``); ``seeds`` parallel,
+    # None where the server draws one; ``candidate`` is then unused
+    candidates: list[str] = field(default_factory=list)
+    seeds: list[int | None] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
@@ -140,6 +192,22 @@ class Side:
 
 
 @dataclass
+class Forward:
+    """One decoding forward a decoding loop asks for: ``side`` over (rows,) ``tokens`` at
+    (rows,) ``positions``, with an optional (rows, slots) ``mask``; ``eager`` asks for
+    eager attention with the mask on CPU (the residual prefix branches). The loops yield
+    a list of these (P's and Q's) and receive each one's (rows, V) logits back, so that
+    the driver decides how the forwards run: one by one, or stacked with other
+    candidates' (:meth:`Engine.trace`)."""
+
+    side: Side
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor | None = None
+    eager: bool = False
+
+
+@dataclass
 class Prefilled:
     """One policy's prompt state (batch 1) and the step-1 logits."""
 
@@ -173,6 +241,13 @@ class Engine:
         # replay residual branches even when they could be prefixes of the survival
         # caches (benchmarks measure the replay's price with it)
         self.force_replay = False
+        # stack the forwards of a multi-candidate request's candidates, and P's with Q's
+        # where ``fuse`` says so (False: every forward alone, bit-identical to one request
+        # per candidate)
+        self.batch_candidates = True
+        # P's and Q's stacked forwards as one: "auto" (measured per shape), "on" or "off"
+        self.fuse = "auto"
+        self.fusion: dict[tuple[int, int, int], dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ basics
 
@@ -355,23 +430,224 @@ class Engine:
             coupling="stepwise-maximal", producer=PRODUCER, reference_retained_tokens=p0.kept + nq, **extra,
         )
 
-    def trace(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[dict[str, Any]]:
+    def trace(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Any]:
         """Yield the stream's records (header, steps / shared steps + branches); the
-        caller adds the ``end`` record (it owns the digest)."""
-        seed = job.seed if job.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        caller adds the ``end`` record (it owns the digest).
+
+        With ``job.candidates`` the request holds several candidates
+        (:meth:`trace_candidates`): every header first, then the candidates' records
+        interleaved, each tagged with ``candidate``, and a :class:`CandidateDone` or
+        :class:`CandidateFailed` per candidate where its ``end`` or ``error`` goes."""
+        if job.candidates:
+            yield from self.trace_candidates(job, cancelled)
+            return
+        seed = job.seed if job.seed is not None else _draw_seed()
         info = ModelInfo.of(self.lm)
         cand = self.registry.build(job.candidate, info)
         ref = self.registry.build(job.reference, info)
         p0, q0 = self.prefill_pair(ref, cand, job.prompt_ids, job.question_ids)
         yield self.header(job, seed, cand, ref, p0, q0)
+        yield from self._drive(self._decode(job, p0, q0, seed, cancelled))
+
+    def _decode(self, job: TraceJob, p0: Prefilled, q0: Prefilled, seed: int,
+                cancelled: Callable[[], bool]) -> Iterator[Any]:
+        """One candidate's decoding loop: records, and the :class:`Forward` lists it needs run."""
         if self.shared_prompt:
             for side in (p0.side, q0.side):
                 share_prompt(side, job.horizon)
         gen = self.generator(seed)
         if job.kind == "coupled":
-            yield from self._coupled(job, p0, q0, gen, cancelled)
-        else:
-            yield from self._residual(job, p0, q0, gen, cancelled)
+            return self._coupled(job, p0, q0, gen, cancelled)
+        return self._residual(job, p0, q0, gen, cancelled)
+
+    def _drive(self, loop: Iterator[Any]) -> Iterator[dict[str, Any]]:
+        """Run one decoding loop on its own: each forward it asks for, one after the other."""
+        answer = None
+        while True:
+            try:
+                item = loop.send(answer)
+            except StopIteration:
+                return
+            if isinstance(item, list):
+                answer = self._run_forwards({0: item})[0]
+            else:
+                answer = None
+                yield item
+
+    def _run_forward(self, f: Forward) -> torch.Tensor:
+        with self._masked_attention() if f.eager else nullcontext():
+            return self.step(f.side, f.tokens, f.positions, f.mask)
+
+    # ------------------------------------------------------------------ several candidates
+
+    def trace_candidates(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Any]:
+        """Several candidates against one reference, on one prompt, in one request.
+
+        Each candidate is prefilled exactly as its own request would be
+        (:meth:`prefill_pair`: kvpress compresses inside the prefill forward, so every
+        candidate needs its forward over the prompt; P's full cache comes out of the
+        same forward) and decodes with its own generator seeded with its own seed,
+        drawing the same random numbers in the same order as its own request. Only the
+        forwards are shared: at every step the candidates' loops each ask for their P
+        and Q forwards, and those whose sides take the shared prompt path
+        (:func:`gen_service.shared_cache.stackable`) run stacked in one batch, P rows
+        with P rows (one forward over the shared uncompressed prompt) and Q rows with
+        Q rows, each group attending to its own prompt. Sides that cannot stack (per-head
+        masks, decoding-time presses, per-row copies) run their own forwards, exactly as
+        alone. Stacking changes only the batch of the row-wise matmuls, whose last bits
+        depend on the batch size on CPU, so traces equal one request per candidate to
+        floating-point rounding (the tests find the same tokens); ``batch_candidates =
+        False`` runs every forward alone and gives bit-identical traces.
+
+        Yields
+        ------
+        dict or CandidateDone or CandidateFailed
+            Every header (candidate order), then the records, each with
+            ``"candidate": policy``, and one marker per candidate when it ends.
+
+        Raises
+        ------
+        CandidateError
+            A candidate's policy failed in prefill (nothing was yielded yet).
+        Cancelled
+            The client went away (or the request ran out of time).
+        """
+        info = ModelInfo.of(self.lm)
+        ref = self.registry.build(job.reference, info)
+        runs, headers = [], []
+        for i, (policy, seed) in enumerate(zip(job.candidates, job.seeds or [None] * len(job.candidates),
+                                               strict=True)):
+            self._check(cancelled)
+            try:
+                cand = self.registry.build(policy, info)
+                p0, q0 = self.prefill_pair(ref, cand, job.prompt_ids, job.question_ids)
+            except Cancelled:
+                raise
+            except Exception as exc:
+                raise CandidateError(i, policy, exc) from exc
+            seed = seed if seed is not None else _draw_seed()
+            one = replace(job, candidate=policy, seed=seed, candidates=[], seeds=[])
+            runs.append((one, seed, p0, q0))
+            headers.append(self.header(one, seed, cand, ref, p0, q0))
+        yield from headers   # only once every prefill ran: a policy failing there is a 422
+        loops = [self._decode(one, p0, q0, seed, cancelled) for one, seed, p0, q0 in runs]
+        yield from self._drive_many(job.candidates, loops)
+
+    def _drive_many(self, policies: list[str], loops: list[Iterator[Any]]) -> Iterator[Any]:
+        """Advance every candidate's loop to its next forwards, run them together, repeat."""
+        answers: list[Any] = [None] * len(loops)
+        live = list(range(len(loops)))
+        while live:
+            asks: dict[int, list[Forward]] = {}
+            for i in list(live):
+                try:
+                    while True:
+                        item = loops[i].send(answers[i])
+                        answers[i] = None
+                        if isinstance(item, list):
+                            asks[i] = item
+                            break
+                        item["candidate"] = policies[i]
+                        yield item
+                except StopIteration:
+                    live.remove(i)
+                    yield CandidateDone(policies[i])
+                except Cancelled:
+                    raise
+                except Exception as exc:  # this candidate's own work failed: the others go on
+                    log.error("candidate %s failed while decoding", policies[i], exc_info=exc)
+                    live.remove(i)
+                    yield CandidateFailed(policies[i], exc)
+            if asks:
+                answers_now = self._run_forwards(asks)
+                for i, logits in answers_now.items():
+                    answers[i] = logits
+
+    def _run_forwards(self, asks: dict[int, list[Forward]]) -> dict[int, list[torch.Tensor]]:
+        """The forwards every candidate asked for this round, stacked where their sides allow."""
+        out = {i: [None] * len(fs) for i, fs in asks.items()}
+        stack: dict[int, list[tuple[int, int, Forward]]] = {}
+        for i, fs in asks.items():
+            for j, f in enumerate(fs):
+                if self.batch_candidates and stackable(f.side):
+                    stack.setdefault(j, []).append((i, j, f))   # j: 0 = P's forward, 1 = Q's
+                else:
+                    out[i][j] = self._run_forward(f)
+        groups = list(stack.values())
+        if len(groups) == 2 and self._fused(groups):
+            groups = [groups[0] + groups[1]]
+        for group in groups:
+            for (i, j, _), logits in zip(group, self._run_group([f for _, _, f in group]), strict=True):
+                out[i][j] = logits
+        return out
+
+    def _run_group(self, forwards: list[Forward]) -> list[torch.Tensor]:
+        """Stacked forwards in one batch; a group of one runs as its own forward."""
+        if len(forwards) == 1:
+            return [self._run_forward(forwards[0])]
+        return self._forward_stacked(forwards)
+
+    # ------------------------------------------------------------------ fused P + Q
+
+    def _fused(self, groups: list[list[tuple[int, int, Forward]]]) -> bool:
+        """Whether P's and Q's stacked forwards run as one forward: ``fuse`` "on"/"off", or
+        "auto": measured on the first step of each shape (:meth:`_measure_fusion`), then kept."""
+        if self.fuse != "auto":
+            return self.fuse == "on"
+        forwards = [f for group in groups for _, _, f in group]
+        rows = sum(f.tokens.shape[0] for f in forwards)
+        prompt = max(f.side.cache.layers[0].prompt_keys.shape[-2] for f in forwards)
+        key = (_bucket(rows), len(forwards), _bucket(prompt))
+        if key not in self.fusion:
+            self.fusion[key] = self._measure_fusion(groups, key)
+        return self.fusion[key]["fused"]
+
+    def _measure_fusion(self, groups: list[list[tuple[int, int, Forward]]], key: tuple[int, int, int]
+                        ) -> dict[str, Any]:
+        """Time this decoding step both ways — P's and Q's forwards apart, and one forward
+        over both — three times alternately, on the live caches: a forward only writes
+        the rows' new slot and advances ``filled``, so putting ``filled`` back undoes it
+        (the real step then writes the same slot). Keeps the faster (best of three)."""
+        parts = [[f for _, _, f in group] for group in groups]
+        layers = [layer for part in parts for f in part for layer in f.side.cache.layers]
+        filled = [layer.filled for layer in layers]
+        times: dict[str, list[float]] = {"separate": [], "fused": []}
+        for _ in range(3):
+            for mode in times:
+                t0 = self._clock()
+                if mode == "separate":
+                    for part in parts:
+                        self._run_group(part)
+                else:
+                    self._forward_stacked(parts[0] + parts[1])
+                times[mode].append(self._clock() - t0)
+                for layer, n in zip(layers, filled, strict=True):
+                    layer.filled = n
+        sep, fused = min(times["separate"]), min(times["fused"])
+        log.info("fused P+Q forward for rows<=%d, %d forwards, prompt<=%d: %.1f ms vs %.1f ms apart", *key,
+                 fused * 1e3, sep * 1e3)
+        return {"rows": key[0], "forwards": key[1], "prompt_tokens": key[2], "separate_ms": round(sep * 1e3, 2),
+                "fused_ms": round(fused * 1e3, 2), "fused": fused < sep}
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def fusion_info(self) -> dict[str, Any]:
+        """The fused-forward setting and every shape's measurement so far (``/info``)."""
+        return {"mode": self.fuse, "measured": list(self.fusion.values())}
+
+    @torch.inference_mode()
+    def _forward_stacked(self, forwards: list[Forward]) -> list[torch.Tensor]:
+        """One forward over several shared-prompt sides' rows (:class:`StackedPromptCache`)."""
+        stack = StackedPromptCache([f.side.cache for f in forwards], [f.mask for f in forwards])
+        tokens = torch.cat([f.tokens for f in forwards])[:, None]
+        positions = torch.cat([f.positions for f in forwards])[:, None]
+        with attention_route(self.model, stack, None) as (_, kw):
+            out = self.model(input_ids=tokens, past_key_values=stack, position_ids=positions, use_cache=True,
+                             logits_to_keep=0, **kw)
+        return list(out.logits[:, -1].float().split([f.tokens.shape[0] for f in forwards]))
 
     def _history(self, sampling: Sampling, prompt_ids: list[int], rows: int, vocab: int) -> History | None:
         """Each side's token counts for the history penalties; None (free) when none is set."""
@@ -413,8 +689,7 @@ class Engine:
                 x_done |= d.x == eos
                 y_done |= d.y == eos
             if t < T:
-                lp = self.step(ps, d.x, self._pos(ps, R, t))
-                lq = self.step(qs, d.y, self._pos(qs, R, t))
+                lp, lq = yield [Forward(ps, d.x, self._pos(ps, R, t)), Forward(qs, d.y, self._pos(qs, R, t))]
 
     def _residual(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
                   cancelled: Callable[[], bool]) -> Iterator[dict[str, Any]]:
@@ -473,18 +748,18 @@ class Engine:
                 z_done |= d.overlap == eos
             shared.append(d.overlap)
             if t < T:
-                lp = self.step(ps, d.overlap, self._pos(ps, R, t))
-                lq = self.step(qs, d.overlap, self._pos(qs, R, t))
+                lp, lq = yield [Forward(ps, d.overlap, self._pos(ps, R, t)),
+                                Forward(qs, d.overlap, self._pos(qs, R, t))]
         branch = _Branches(t_star, x0, y0, tv_star, W, T)
         if branch.rows and start is not None:
-            self._replay_branches(job, start, torch.stack(shared, 1), branch, gen, cancelled, h0)
+            yield from self._replay_branches(job, start, torch.stack(shared, 1), branch, gen, cancelled, h0)
         elif branch.rows:
-            self._run_branches(job, ps, qs, p0.kept_slots, q0.kept_slots, branch, gen, cancelled, h_star)
+            yield from self._run_branches(job, ps, qs, p0.kept_slots, q0.kept_slots, branch, gen, cancelled, h_star)
         yield from branch.records()
 
     def _run_branches(self, job: TraceJob, ps: Side, qs: Side, p_kept: list[int], q_kept: list[int],
                       br: _Branches, gen: torch.Generator, cancelled: Callable[[], bool],
-                      h_star: torch.Tensor | None = None) -> None:
+                      h_star: torch.Tensor | None = None) -> Iterator[list[Forward]]:
         """Branches as prefixes of the survival caches (uniform, prefill-only presses).
         ``h_star`` holds each row's history counts at its branch point (prompt + z_<t*)."""
         dev = self.device
@@ -506,10 +781,9 @@ class Engine:
         if h_star is not None:
             hp, hq = History(h_star[idx]).add(br.x0[idx]), History(h_star[idx]).add(br.y0[idx])
         # head masks ride on kvpress's patched SDPA; eager attention would drop them
-        fast = nullcontext() if (ps.masks or qs.masks) else self._masked_attention()
-        with fast:
-            self._branch_loop(job, ps, qs, rows, br, tstar, pmask, qmask, br.x0[idx], br.y0[idx], gen, cancelled,
-                              hp, hq)
+        eager = not (ps.masks or qs.masks)
+        yield from self._branch_loop(job, ps, qs, rows, br, tstar, pmask, qmask, br.x0[idx], br.y0[idx], gen,
+                                     cancelled, hp, hq, eager)
 
     @contextmanager
     def _masked_attention(self) -> Iterator[None]:
@@ -530,7 +804,8 @@ class Engine:
     def _branch_loop(self, job: TraceJob, ps: Side, qs: Side, rows: list[int], br: _Branches,
                      tstar: torch.Tensor, pmask: torch.Tensor, qmask: torch.Tensor, x: torch.Tensor,
                      y: torch.Tensor, gen: torch.Generator, cancelled: Callable[[], bool],
-                     hp: History | None = None, hq: History | None = None) -> None:
+                     hp: History | None = None, hq: History | None = None,
+                     eager: bool = False) -> Iterator[list[Forward]]:
         dev, eos = self.device, self.lm.eos_token_id
         x_done = (x == eos) if eos is not None else torch.zeros_like(x, dtype=torch.bool)
         y_done = (y == eos) if eos is not None else torch.zeros_like(x_done)
@@ -540,8 +815,8 @@ class Engine:
             self._check(cancelled)
             ones = torch.ones(len(rows), 1, dtype=torch.long, device=dev)
             pmask, qmask = torch.cat([pmask, ones], 1), torch.cat([qmask, ones], 1)
-            lp = self.step(ps, x, ps.next_pos + tstar + k - 2, pmask)
-            lq = self.step(qs, y, qs.next_pos + tstar + k - 2, qmask)
+            lp, lq = yield [Forward(ps, x, ps.next_pos + tstar + k - 2, pmask, eager),
+                            Forward(qs, y, qs.next_pos + tstar + k - 2, qmask, eager)]
             d = maximal_coupling(absorb_eos(probs(lp, job.sampling, hp), x_done, eos),
                                  absorb_eos(probs(lq, job.sampling, hq), y_done, eos), gen)
             if hp is not None:
@@ -566,7 +841,8 @@ class Engine:
                         hp, hq = hp.select(sel), hq.select(sel)
 
     def _replay_branches(self, job: TraceJob, start: tuple[Side, Side], shared: torch.Tensor, br: _Branches,
-                         gen: torch.Generator, cancelled: Callable[[], bool], h0: History | None = None) -> None:
+                         gen: torch.Generator, cancelled: Callable[[], bool],
+                         h0: History | None = None) -> Iterator[list[Forward]]:
         """Branches replayed from the post-prefill state: row r feeds z_1..z_{t*-1}, then its
         residual pair (X, Y) at step t*, then its own branch draws, all rows in lockstep.
         A decoding-time press thus compresses each row at the steps it did on the survival
@@ -592,8 +868,8 @@ class Engine:
             before, at = s < ts, s == ts
             xin = torch.where(before, z[:, s - 1], torch.where(at, br.x0[idx], x))
             yin = torch.where(before, z[:, s - 1], torch.where(at, br.y0[idx], y))
-            lp = self.step(ps, xin, self._pos(ps, len(rows), s))
-            lq = self.step(qs, yin, self._pos(qs, len(rows), s))
+            n = len(rows)
+            lp, lq = yield [Forward(ps, xin, self._pos(ps, n, s)), Forward(qs, yin, self._pos(qs, n, s))]
             if hp is not None:
                 hp, hq = hp.add(xin), hq.add(yin)
             d = maximal_coupling(absorb_eos(probs(lp, job.sampling, hp), x_done, eos),
@@ -654,6 +930,15 @@ class Engine:
         lps: list[float | None] = [None]
         lps += logits[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
         return lps
+
+
+def _bucket(n: int) -> int:
+    """The next power of two (shapes measured once per bucket)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _draw_seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, ()).item())
 
 
 def _wants_eager(press: Any) -> bool:

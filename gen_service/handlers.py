@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from gen_service import wire_openai as oai
 from gen_service import wire_tgi as tgi
 from gen_service.body import parse_json, read_body
-from gen_service.engine import Cancelled, TraceJob
+from gen_service.engine import Cancelled, CandidateDone, CandidateError, CandidateFailed, TraceJob
 from gen_service.errors import ApiError, RequestTimeout
 from gen_service.press_catalog import catalog
 from gen_service.requests import (
@@ -274,6 +274,11 @@ async def info(request: Request) -> Response:
                   "max_replicates": cfg.max_replicates, "max_input_bytes": cfg.max_input_bytes,
                   "max_request_seconds": cfg.max_request_seconds, "vocab_size": lm.vocab_size,
                   "eos_token_id": lm.eos_token_id, "policies": svc.engine.registry.names(),
+                  # /v1/traces takes `candidates` (several policies, one request; docs/service.md)
+                  "trace_candidates": cfg.max_candidates > 1, "max_candidates": cfg.max_candidates,
+                  "batch_candidates": svc.engine.batch_candidates,
+                  # P's and Q's forwards as one: the setting and each shape's timings
+                  "fused_forward": svc.engine.fusion_info(),
                   **svc.memory.info()},
     })
 
@@ -304,9 +309,10 @@ async def policies(request: Request) -> Response:
 
 
 async def traces(request: Request) -> Response:
-    """``POST /v1/traces``: the kvdiv.trace/1 stream (NDJSON, or SSE on request)."""
-    from protocols import StreamWriter, error_record
+    """``POST /v1/traces``: the kvdiv.trace/1 stream (NDJSON, or SSE on request).
 
+    With ``candidates`` the response multiplexes one stream per candidate, each record
+    tagged with its ``candidate`` (docs/contract.md §3, "Several candidates")."""
     svc, data = await read_json(request)
     req = parse_trace(data, svc.limits)
     async with svc.admitted() as ticket:
@@ -318,16 +324,23 @@ async def traces(request: Request) -> Response:
         else:
             ids = await svc.off_loop(svc.encode, req.inputs, req.add_special_tokens)
         svc.check_context(ids + question, req.horizon, req.prompt_field)
-        svc.check_memory(req.replicates, len(ids) + len(question), req.horizon, req.kind)
+        svc.check_memory(req.replicates, len(ids) + len(question), req.horizon, req.kind,
+                         max(1, len(req.candidates)))
         # the press compresses the context only: policies are fitted to its length
-        await svc.off_loop(svc.check_policy, "candidate", req.candidate, len(ids))
+        fields = [f"candidates[{i}]" for i in range(len(req.candidates))] if req.candidates else ["candidate"]
+        for field, policy in zip(fields, req.candidates or (req.candidate,), strict=True):
+            await svc.off_loop(svc.check_policy, field, policy, len(ids))
         await svc.off_loop(svc.check_policy, "reference", req.reference, len(ids))
         job = TraceJob(prompt_ids=ids, candidate=req.candidate, reference=req.reference, kind=req.kind,
                        horizon=req.horizon, replicates=req.replicates, window=req.window, sampling=req.sampling,
-                       seed=req.seed, doc=req.doc, request_id=uuid.uuid4().hex, question_ids=question)
+                       seed=req.seed, doc=req.doc, request_id=uuid.uuid4().hex, question_ids=question,
+                       candidates=list(req.candidates), seeds=list(req.seeds))
         work = svc.start(lambda cancelled: svc.engine.trace(job, cancelled), ticket)
         try:
-            await work.first()  # the header: both prefills ran, so the policies work on this prompt
+            await work.first()  # the header: the prefills ran, so the policies work on this prompt
+        except CandidateError as exc:
+            log.exception("trace %s failed before its header", job.request_id)
+            raise failure_error(exc.cause, f"candidates[{exc.index}]", (exc.policy, req.reference)) from None
         except BaseException as exc:
             log.exception("trace %s failed before its header", job.request_id)
             raise failure_error(exc, "candidate", (req.candidate, req.reference)) from None
@@ -336,26 +349,72 @@ async def traces(request: Request) -> Response:
     def frame(line: bytes) -> bytes:
         return b"data: " + line.rstrip(b"\n") + b"\n\n" if sse else line
 
-    async def body() -> AsyncIterator[bytes]:
-        writer = StreamWriter()
-        t0 = time.perf_counter()
-        try:
-            async for rec in work:
-                if rec["type"] in ("step", "shared_step"):
-                    svc.metrics.row_steps.inc(job.replicates)
-                elif rec["type"] == "branch":
-                    svc.metrics.row_steps.inc(len(rec["tv"]) - 1)
-                yield frame(writer.line(rec))
-            yield frame(writer.end(job.horizon, job.replicates, time.perf_counter() - t0))
-        except Cancelled:
-            pass
-        except Exception as exc:  # mid-stream failure: an error record ends the stream
-            err = stream_error(exc)
-            yield frame(writer.line(error_record(err["error"], err["error_type"])))
-        finally:
-            work.cancel.set()
+    body = _candidates_body(svc, job, work, frame) if job.candidates else _trace_body(svc, job, work, frame)
+    return StreamingResponse(body, media_type=SSE if sse else NDJSON, headers={"x-request-id": job.request_id})
 
-    return StreamingResponse(body(), media_type=SSE if sse else NDJSON, headers={"x-request-id": job.request_id})
+
+def _count_row_steps(svc: Service, job: TraceJob, rec: dict[str, Any]) -> None:
+    if rec["type"] in ("step", "shared_step"):
+        svc.metrics.row_steps.inc(job.replicates)
+    elif rec["type"] == "branch":
+        svc.metrics.row_steps.inc(len(rec["tv"]) - 1)
+
+
+async def _trace_body(svc: Service, job: TraceJob, work: WorkStream,
+                      frame: Callable[[bytes], bytes]) -> AsyncIterator[bytes]:
+    """One candidate: its records, then ``end`` (or an ``error`` record if the work fails)."""
+    from protocols import StreamWriter, error_record
+
+    writer = StreamWriter()
+    t0 = time.perf_counter()
+    try:
+        async for rec in work:
+            _count_row_steps(svc, job, rec)
+            yield frame(writer.line(rec))
+        yield frame(writer.end(job.horizon, job.replicates, time.perf_counter() - t0))
+    except Cancelled:
+        pass
+    except Exception as exc:  # mid-stream failure: an error record ends the stream
+        err = stream_error(exc)
+        yield frame(writer.line(error_record(err["error"], err["error_type"])))
+    finally:
+        work.cancel.set()
+
+
+async def _candidates_body(svc: Service, job: TraceJob, work: WorkStream,
+                           frame: Callable[[bytes], bytes]) -> AsyncIterator[bytes]:
+    """Several candidates: each one's lines carry ``candidate`` and its own digest; each ends
+    with its ``end`` or ``error`` record. A candidate failing on its own ends with an error
+    record while the others go on; a failure of the whole work (a stacked forward, the
+    deadline) ends every candidate still open with one. Candidates already ended keep
+    their complete streams."""
+    from protocols import StreamWriter, error_record
+
+    writers = {policy: StreamWriter() for policy in job.candidates}
+    open_ = list(job.candidates)
+    t0 = time.perf_counter()
+    try:
+        async for item in work:
+            if isinstance(item, CandidateDone):
+                open_.remove(item.policy)
+                yield frame(writers[item.policy].end(job.horizon, job.replicates, time.perf_counter() - t0,
+                                                     candidate=item.policy))
+            elif isinstance(item, CandidateFailed):
+                open_.remove(item.policy)
+                err = stream_error(item.error)
+                yield frame(writers[item.policy].line(error_record(err["error"], err["error_type"], item.policy)))
+            else:
+                policy = item["candidate"]["policy"] if item["type"] == "header" else item["candidate"]
+                _count_row_steps(svc, job, item)
+                yield frame(writers[policy].line(item))
+    except Cancelled:
+        pass
+    except Exception as exc:
+        err = stream_error(exc)
+        for policy in open_:
+            yield frame(writers[policy].line(error_record(err["error"], err["error_type"], policy)))
+    finally:
+        work.cancel.set()
 
 
 # ---------------------------------------------------------------------- OpenAI-compatible routes

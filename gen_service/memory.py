@@ -10,9 +10,10 @@ weights (both sides, P and Q, whatever the candidate keeps):
 - ``row_kv``: each row's own tokens, T slots per side (2T for residual traces, whose
   branches continue past the survival slots);
 - ``activations``: the larger of prefill (batch 1 over the prompt: hidden states, MLP,
-  a tiled attention block) and one decoding step over R rows (hidden states and MLP,
-  one layer's attention scores over the prompt, the (R, vocab) float32 tensors of the
-  logits and the coupling);
+  a tiled attention block) and one decoding step over R rows (hidden states and MLP
+  for 2R rows, P's and Q's in one forward when fused, one layer's attention scores over
+  the prompt, the (R, vocab) float32 tensors of the logits and the coupling); a
+  multi-candidate request counts every candidate's rows;
 
 :class:`MemoryGate` admits a request whose estimate fits the budget (default 80 % of
 the device's free memory, or of available RAM on CPU, measured at start) and refuses
@@ -110,7 +111,7 @@ class MemoryEstimate:
 
 
 def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
-             shared_prompt: bool = True) -> MemoryEstimate:
+             shared_prompt: bool = True, candidates: int = 1) -> MemoryEstimate:
     """Peak memory of one trace request beyond the weights.
 
     Parameters
@@ -123,6 +124,11 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
         ``"coupled"`` or ``"residual"``.
     shared_prompt : bool
         Whether the engine stores the prompt once (default) or once per row.
+    candidates : int
+        Candidates in the request (``candidates``): each holds its own P and Q prompt
+        caches (and snapshots) and its own R rows, and the stacked forwards run over
+        every candidate's rows at once, so the rows' KV and the decoding activations
+        count ``candidates × rows`` rows.
 
     Returns
     -------
@@ -136,15 +142,20 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
     >>> copies = estimate(s, 64, 783, 32, shared_prompt=False)
     >>> copies.prompt_kv // shared.prompt_kv, shared.per_row // 1024
     (64, 2880)
+    >>> four = estimate(s, 64, 783, 32, candidates=4)
+    >>> four.prompt_kv // shared.prompt_kv, four.row_kv // shared.row_kv
+    (4, 4)
     """
     if kind not in ("coupled", "residual"):
         raise ValueError(f"kind: {kind!r} is neither 'coupled' nor 'residual'")
-    if min(rows, prompt_tokens, horizon) < 1:
-        raise ValueError(f"rows, prompt_tokens and horizon must be >= 1, got {rows}, {prompt_tokens}, {horizon}")
+    if min(rows, prompt_tokens, horizon, candidates) < 1:
+        raise ValueError(f"rows, prompt_tokens, horizon and candidates must be >= 1, got {rows}, {prompt_tokens}, "
+                         f"{horizon}, {candidates}")
     token = shape.kv_bytes_per_token
     copies = 1 if shared_prompt else rows
     snapshots = 1 if kind == "residual" else 0
-    prompt_kv = 2 * (copies + snapshots) * prompt_tokens * token
+    prompt_kv = 2 * (copies + snapshots) * prompt_tokens * token * candidates
+    rows *= candidates   # every candidate's rows, decoded together
     slots = horizon * (2 if kind == "residual" else 1)
     row_kv = 2 * rows * slots * token
     b = shape.dtype_bytes
@@ -152,7 +163,7 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
     prefill = (prompt_tokens * mlp * b
                + shape.q_heads * prompt_tokens * min(prompt_tokens, PREFILL_TILE) * 4)
     keys = prompt_tokens + slots
-    decode = (rows * mlp * b
+    decode = (2 * rows * mlp * b                       # P's and Q's rows in one forward when fused
               + 2 * shape.q_heads * rows * keys * 4         # one layer's scores and weights, float32
               + COUPLING_TENSORS * rows * shape.vocab * 4)
     return MemoryEstimate(prompt_kv=prompt_kv, row_kv=row_kv, activations=max(prefill, decode), rows=rows)
@@ -211,32 +222,36 @@ class MemoryGate:
             budget = (budget or DEFAULT_FRACTION) * available_memory(lm.device)
         return cls(shape, int(budget), getattr(engine, "shared_prompt", True))
 
-    def estimate(self, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled") -> MemoryEstimate:
-        return estimate(self.shape, rows, prompt_tokens, horizon, kind, self.shared_prompt)
+    def estimate(self, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
+                 candidates: int = 1) -> MemoryEstimate:
+        return estimate(self.shape, rows, prompt_tokens, horizon, kind, self.shared_prompt, candidates)
 
-    def admit(self, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled") -> MemoryEstimate:
-        """The request's estimate if it fits the budget.
+    def admit(self, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
+              candidates: int = 1) -> MemoryEstimate:
+        """The request's estimate if it fits the budget (``candidates``: see :func:`estimate`).
 
         Raises
         ------
         RequestTooLarge
             When it never can, with the estimate, the budget and the largest R that fits.
         """
-        est = self.estimate(rows, prompt_tokens, horizon, kind)
+        est = self.estimate(rows, prompt_tokens, horizon, kind, candidates)
         if est.total > self.budget:
-            fit = self.max_rows(prompt_tokens, horizon, kind)
+            fit = self.max_rows(prompt_tokens, horizon, kind, candidates=candidates)
+            many = f" for each of {candidates} candidates" if candidates > 1 else ""
             raise RequestTooLarge(
-                f"needs an estimated {est.describe()} for R={rows}, a {prompt_tokens}-token prompt and T={horizon} "
-                f"({kind}); the memory budget is {self.budget / (1 << 20):.0f} MiB: "
+                f"needs an estimated {est.describe()} for R={rows}{many}, a {prompt_tokens}-token prompt and "
+                f"T={horizon} ({kind}); the memory budget is {self.budget / (1 << 20):.0f} MiB: "
                 + (f"at most R={fit} fits" if fit else "no R fits; shorten the prompt or T"))
         return est
 
-    def max_rows(self, prompt_tokens: int, horizon: int, kind: str = "coupled", limit: int = 1 << 20) -> int:
-        """The largest R whose estimate fits the budget (0 if none), by bisection."""
+    def max_rows(self, prompt_tokens: int, horizon: int, kind: str = "coupled", limit: int = 1 << 20,
+                 candidates: int = 1) -> int:
+        """The largest R (per candidate) whose estimate fits the budget (0 if none), by bisection."""
         lo, hi = 0, limit
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.estimate(mid, prompt_tokens, horizon, kind).total <= self.budget:
+            if self.estimate(mid, prompt_tokens, horizon, kind, candidates).total <= self.budget:
                 lo = mid
             else:
                 hi = mid - 1

@@ -23,10 +23,11 @@ from gen_service.errors import invalid
 __all__ = [
     "Limits", "Reader", "Decoding", "Message", "GenerateRequest", "ChatRequest", "CompletionRequest",
     "TraceRequest", "TokenizeRequest", "parse_generate", "parse_chat", "parse_chat_messages", "parse_completion",
-    "parse_trace", "parse_tokenize", "SEED_MAX",
+    "parse_trace", "parse_tokenize", "SEED_MAX", "MAX_CANDIDATES",
 ]
 
 SEED_MAX = 2**63 - 1  # seeds are int64 in the trace contract and in torch
+MAX_CANDIDATES = 64  # candidates in one /v1/traces request
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for frequency and presence penalties
 
 
@@ -40,6 +41,7 @@ class Limits:
     max_stop: int = 4
     max_top_n: int = 32
     default_eviction: str = "full"
+    max_candidates: int = 64
 
 
 class Reader:
@@ -216,6 +218,8 @@ class TraceRequest:
 
     The prompt is ``inputs``, ``messages`` (all of it compressed) or ``context`` +
     ``question`` (only the context is compressed; the question is prefilled after).
+    ``candidates`` (several policies in one request, each with its seed in ``seeds``,
+    None where the server draws one) is empty for a one-candidate request.
     """
 
     inputs: str | None
@@ -232,6 +236,8 @@ class TraceRequest:
     add_special_tokens: bool = True
     context: str | None = None
     question: str = ""
+    candidates: tuple[str, ...] = ()
+    seeds: tuple[int | None, ...] = ()
 
     @property
     def prompt_field(self) -> str:
@@ -468,7 +474,7 @@ def parse_trace(data: dict[str, Any], limits: Limits) -> TraceRequest:
     ------
     ApiError
         422 naming the field (``inputs``, ``context``, ``question``, ``kind``, ``window``, ``replicates``,
-        ``parameters.max_new_tokens``, ``seed``, ...).
+        ``parameters.max_new_tokens``, ``seed``, ``candidates[i]``, ``seeds``, ...).
 
     Examples
     --------
@@ -487,19 +493,54 @@ def parse_trace(data: dict[str, Any], limits: Limits) -> TraceRequest:
         raise invalid("window", f"window {window} > horizon (max_new_tokens) {horizon}")
     if window is not None and kind == "coupled" and window != horizon:
         raise invalid("window", "coupled traces run to the horizon; window applies to residual traces")
-    if "candidate" not in data:
-        raise invalid("candidate", "required policy id")
+    candidates, seeds = _candidates(r, limits.max_candidates)
     doc = r.get("doc_id")
     if doc is not None and (isinstance(doc, bool) or not isinstance(doc, (str, int))):
         raise invalid("doc_id", "expected a string")
     sampling = _sampling(p, sample_by_default=True)
     seed = _seed(p) if p.get("seed") is not None else _seed(r)
-    return TraceRequest(inputs=inputs, messages=messages, candidate=_policy(r, "candidate", ""),
+    if seeds and seed is not None:
+        raise invalid("seeds", "give either `seeds` (one per candidate) or `seed`, not both")
+    if candidates and not seeds:
+        seeds = (seed,) * len(candidates)   # every candidate as its own request with that seed
+    return TraceRequest(inputs=inputs, messages=messages,
+                        candidate=candidates[0] if candidates else _policy(r, "candidate", ""),
+                        candidates=candidates, seeds=seeds,
                         reference=_policy(r, "reference", "full"), kind=kind, horizon=horizon,
                         replicates=r.int("replicates", 1, lo=1, hi=limits.max_replicates), window=window,
                         sampling=sampling, seed=seed, doc=None if doc is None else str(doc),
                         add_special_tokens=bool(r.bool("add_special_tokens", True)), context=context,
                         question=question)
+
+
+def _candidates(r: Reader, most: int) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
+    """``candidate`` (one policy id) or ``candidates`` (a list of distinct ids) with
+    optional ``seeds`` parallel to it; ((), ()) for a one-candidate request."""
+    one, many = r.data.get("candidate"), r.data.get("candidates")
+    if one is not None and many is not None:
+        raise invalid("candidates", "give either `candidate` or `candidates`, not both")
+    if many is None:
+        if one is None:
+            raise invalid("candidate", "required policy id (or `candidates`, a list of them)")
+        if r.data.get("seeds") is not None:
+            raise invalid("seeds", "only with `candidates`")
+        return (), ()
+    if not isinstance(many, list) or not many:
+        raise invalid("candidates", "expected a non-empty list of policy ids")
+    if len(many) > most:
+        raise invalid("candidates", f"at most {most} candidates in one request (server limit --max-candidates)")
+    for i, policy in enumerate(many):
+        if not isinstance(policy, str) or not policy.strip():
+            raise invalid(f"candidates[{i}]", "expected a non-empty policy id")
+        if policy in many[:i]:
+            raise invalid(f"candidates[{i}]", f"duplicate policy {policy!r} (also candidates[{many.index(policy)}])")
+    seeds = r.data.get("seeds")
+    if seeds is None:
+        return tuple(many), ()
+    if not isinstance(seeds, list) or len(seeds) != len(many):
+        raise invalid("seeds", f"expected a list of {len(many)} seeds, one per candidate")
+    seeds_reader = Reader({f"seeds[{i}]": v for i, v in enumerate(seeds)})
+    return tuple(many), tuple(_seed(seeds_reader, f"seeds[{i}]") for i in range(len(seeds)))
 
 
 def _trace_prompt(r: Reader, limits: Limits) -> tuple[str | None, tuple[Message, ...] | None, str | None, str]:

@@ -74,6 +74,8 @@ def build_service(model: str | None = None, *, gguf: str | None = None, eviction
         options.setdefault(cls_name, {})[key] = value
     lm = load_model(model, gguf=gguf, device=device, dtype=dtype)
     engine = Engine(lm, PolicyRegistry(extra, press_options=options))
+    engine.batch_candidates = config.batch_candidates
+    engine.fuse = config.fuse
     service = Service(engine, config)
     return create_app(service), service
 
@@ -126,10 +128,18 @@ def _quiet_libraries() -> None:
               help="Seconds a client has to send its request body (408 after).")
 @click.option("--max-request-seconds", default=None, type=click.FloatRange(0, min_open=True),
               help="Wall time of one request's model work; a stream past it ends with an error record.")
+@click.option("--max-candidates", default=64, show_default=True, type=click.IntRange(1, 64),
+              help="Candidates one /v1/traces request may hold (`candidates`); 1 turns multi-candidate requests off.")
+@click.option("--batch-candidates/--no-batch-candidates", default=True, show_default=True,
+              help="Stack the candidates' forwards of a multi-candidate request (traces equal separate requests' "
+                   "to rounding); off: every forward alone, bit-identical to separate requests.")
+@click.option("--fuse", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="P's and Q's decoding forwards as one batch: auto times both ways on the first step of each "
+                   "shape and keeps the faster (/info reports it).")
 @click.option("--log-level", default="info", show_default=True)
 def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replicates, memory_budget, max_queue,
           device, dtype, press, press_option, max_input_bytes, max_body_bytes, body_timeout, max_request_seconds,
-          log_level):
+          max_candidates, batch_candidates, fuse, log_level):
     """Run the TGI-compatible trace service (POST /generate, /v1/traces, ...)."""
     # Before torch loads OpenMP: its default busy-waiting threads collapse when the
     # cores are shared (a 576x1536 matmul went from 0.25 ms to 16 ms on 2 busy cores).
@@ -149,7 +159,8 @@ def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replic
                                      press_option=press_option,
                                      max_input_bytes=max_input_bytes, max_body_bytes=max_body_bytes,
                                      body_timeout_s=body_timeout, max_request_seconds=max_request_seconds,
-                                     memory_budget=parse_budget(memory_budget))
+                                     memory_budget=parse_budget(memory_budget), max_candidates=max_candidates,
+                                     batch_candidates=batch_candidates, fuse=fuse)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     except ModuleNotFoundError as exc:  # a base install: the model stack is the [service] extra

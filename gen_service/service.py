@@ -31,7 +31,7 @@ from gen_service.errors import ApiError, ConfigError, RequestTimeout, invalid
 from gen_service.memory import MemoryGate, RequestTooLarge
 from gen_service.models import context_question_ids
 from gen_service.presses import ModelInfo, PolicyError
-from gen_service.requests import Limits, Message
+from gen_service.requests import MAX_CANDIDATES, Limits, Message
 
 __all__ = ["ServiceConfig", "Admission", "Ticket", "Metrics", "WorkStream", "Service", "failure_error"]
 
@@ -59,6 +59,9 @@ class ServiceConfig:
     max_request_seconds: float | None = None  # wall time of one request's model work
     api_key: str | None = None
     retry_after_s: int = 1              # Retry-After on 429
+    max_candidates: int = 64            # candidates in one /v1/traces request (1: `candidates` off)
+    batch_candidates: bool = True       # stack the candidates' forwards (False: bit-identical to separate requests)
+    fuse: str = "auto"                  # P's and Q's forwards as one: auto (measured per shape), on, off
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -66,10 +69,15 @@ class ServiceConfig:
                               "omit --api-key to run without authentication")
         if self.max_request_seconds is not None and not self.max_request_seconds > 0:
             raise ConfigError("--max-request-seconds must be > 0")
+        if self.fuse not in ("auto", "on", "off"):
+            raise ConfigError(f"--fuse must be auto, on or off, not {self.fuse!r}")
+        if not 1 <= self.max_candidates <= MAX_CANDIDATES:
+            raise ConfigError(f"--max-candidates must be in 1..{MAX_CANDIDATES}")
 
     def limits(self) -> Limits:
         return Limits(max_new_tokens=self.max_new_tokens, max_replicates=self.max_replicates,
-                      max_input_bytes=self.max_input_bytes, default_eviction=self.eviction)
+                      max_input_bytes=self.max_input_bytes, default_eviction=self.eviction,
+                      max_candidates=self.max_candidates)
 
     def body_limits(self) -> BodyLimits:
         return BodyLimits(max_bytes=self.max_body_bytes, timeout_s=self.body_timeout_s)
@@ -377,10 +385,11 @@ class Service:
             raise invalid(field, f"prompt of {len(ids)} tokens + {new_tokens} new tokens exceeds the "
                                  f"model context of {ctx}")
 
-    def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str) -> None:
-        """422 when the request's estimated memory can never fit the budget (gen_service/memory.py)."""
+    def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str, candidates: int = 1) -> None:
+        """422 when the request's estimated memory can never fit the budget (gen_service/memory.py);
+        a multi-candidate request counts every candidate's caches and rows."""
         try:
-            self.memory.admit(rows, prompt_tokens, horizon, kind)
+            self.memory.admit(rows, prompt_tokens, horizon, kind, candidates)
         except RequestTooLarge as exc:
             raise invalid("replicates", str(exc)) from exc
 

@@ -7,7 +7,9 @@ token by concatenation, copying every layer's whole cache at every step. A
 it, compressed or not) and each row's generated tokens in a buffer allocated for the
 horizon, written in place. Its forwards attend through :mod:`gen_service.cascade`
 (prompt part broadcast over rows, row part batched, merged by log-sum-exp), routed by
-:func:`attention_route` for that forward only.
+:func:`attention_route` for that forward only. A :class:`StackedPromptCache` puts
+several such caches (P's and Q's, or several candidates') in one forward's batch, each
+group attending to its own prompt and rows.
 
 Which path each mechanism takes (per side: P and Q decide independently):
 
@@ -41,7 +43,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from gen_service.cascade import CACHE_KWARG, CASCADE, cascade_attention_forward
 
-__all__ = ["SharedPromptCache", "SharedPromptLayer", "attention_route", "can_share", "share_prompt"]
+__all__ = ["SharedPromptCache", "SharedPromptLayer", "StackedPromptCache", "attention_route", "can_share",
+           "share_prompt", "stackable"]
 
 AttentionInterface.register(CASCADE, cascade_attention_forward)
 
@@ -173,6 +176,85 @@ class SharedPromptCache(Cache):
         return sum(layer.prompt_bytes() for layer in self.layers)
 
 
+class _StackedLayer(CacheLayerMixin):
+    """One layer of a :class:`StackedPromptCache`: splits the new tokens by group."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, parts: list[SharedPromptLayer], bounds: list[tuple[int, int]]):
+        super().__init__()
+        self.parts, self.bounds = parts, bounds
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: every group's layer exists."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each group's rows into its own layer; the attention reads the groups back."""
+        for part, (a, b) in zip(self.parts, self.bounds, strict=True):
+            part.update(key_states[a:b], value_states[a:b], cache_kwargs)
+        return key_states, value_states
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        return self.get_seq_length() + cache_position.shape[0], 0
+
+    def get_seq_length(self) -> int:
+        return max(part.get_seq_length() for part in self.parts)
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+
+class StackedPromptCache(Cache):
+    """Several shared-prompt caches decoded by ONE forward, their rows stacked.
+
+    Each group (one :class:`SharedPromptCache`: its own prompt, compressed or not, and
+    its own rows) keeps its state; the forward's batch is the groups' rows in order.
+    The row-wise parts of the model (projections, MLP, norms, rotary embeddings) run
+    once over all rows, while attention runs group by group on exactly the tensors a
+    forward of that group alone would use (:func:`gen_service.cascade.cascade_attention_forward`
+    reads :attr:`groups`), so only the row-wise matmuls see a larger batch.
+
+    Parameters
+    ----------
+    caches : list of SharedPromptCache
+        The groups, in batch order.
+    masks : list of (torch.Tensor or None)
+        Each group's (rows, slots) mask of its own slots for this forward (None: all).
+
+    Examples
+    --------
+    >>> from transformers import DynamicCache
+    >>> def one(slots, rows):
+    ...     dc = DynamicCache()
+    ...     _ = dc.update(torch.zeros(1, 2, slots, 4), torch.zeros(1, 2, slots, 4), 0)
+    ...     cache = SharedPromptCache.from_dynamic(dc, capacity=4)
+    ...     cache.batch_repeat_interleave(rows)
+    ...     return cache
+    >>> stack = StackedPromptCache([one(5, 2), one(3, 1)], [None, None])
+    >>> _ = stack.update(torch.ones(3, 2, 1, 4), torch.ones(3, 2, 1, 4), 0)
+    >>> [g.get_seq_length() for g in stack.groups], stack.rows
+    ([6, 4], 3)
+    """
+
+    def __init__(self, caches: list[SharedPromptCache], masks: list[torch.Tensor | None]):
+        rows = [c.layers[0].rows for c in caches]
+        starts = [sum(rows[:i]) for i in range(len(rows))]
+        bounds = [(a, a + n) for a, n in zip(starts, rows, strict=True)]
+        layers = [_StackedLayer([c.layers[i] for c in caches], bounds) for i in range(len(caches[0].layers))]
+        super().__init__(layers=layers)
+        self.groups, self.bounds, self.masks = caches, bounds, masks
+        self.rows = sum(rows)
+
+
+def stackable(side: Any) -> bool:
+    """Whether a side's forward may share a batch with others' (:class:`StackedPromptCache`):
+    a shared prompt cache, no per-head masks and no press acting while decoding."""
+    return isinstance(side.cache, SharedPromptCache) and side.masks is None and side.press is None
+
+
 def can_share(side: Any) -> bool:
     """Whether a side (an engine ``Side`` at batch 1, before decoding) can take the shared
     prompt path: a plain DynamicCache of full-attention layers and no press acting while
@@ -202,15 +284,19 @@ def attention_route(model: torch.nn.Module, cache: Any,
     cache, attention goes through the cascade function (the model's attention setting
     is switched for this forward only) and the mask travels on the cache; otherwise
     the forward is left as it was."""
-    if not isinstance(cache, SharedPromptCache):
+    if not isinstance(cache, (SharedPromptCache, StackedPromptCache)):
         yield mask, {}
         return
     config = model.config
     before = config._attn_implementation_internal
     config._attn_implementation_internal = CASCADE
-    cache.row_mask = mask
+    groups = cache.groups if isinstance(cache, StackedPromptCache) else [cache]
+    masks = cache.masks if isinstance(cache, StackedPromptCache) else [mask]
+    for group, m in zip(groups, masks, strict=True):
+        group.row_mask = m
     try:
         yield None, {CACHE_KWARG: cache}
     finally:
         config._attn_implementation_internal = before
-        cache.row_mask = None
+        for group in groups:
+            group.row_mask = None

@@ -10,7 +10,9 @@ or from a journal file, and checks everything that does not need the whole strea
   then ``branch`` (residual) records follow in order, each array of the length the
   header implies; nothing follows ``end``;
 - the running sha256 of every line before ``end`` equals ``end.sha256``, and
-  ``end`` repeats the header's T and R.
+  ``end`` repeats the header's T and R;
+- a record that names its ``candidate`` (a multi-candidate response, docs/contract.md
+  §3) names the header's.
 
 :meth:`StreamReader.finish` returns the checked :class:`Stream`, from which
 :func:`protocols.assemble_stream` builds the dataset without reading anything twice.
@@ -262,6 +264,11 @@ class StreamReader:
         if self.header is None:
             check_header(rec)
             self.header = rec
+        elif rec.get("candidate", self.header["candidate"]["policy"]) != self.header["candidate"]["policy"]:
+            # a multi-candidate response's records name their candidate: one of another
+            # candidate's lines has been routed into this stream
+            raise StreamError(f"line {n}: {rtype!r} record of candidate {rec['candidate']!r} in the stream of "
+                              f"{self.header['candidate']['policy']!r}")
         elif rtype == "end":
             self._end(rec, n)
             return rec

@@ -254,7 +254,8 @@ def branch_record(
             "y_token": _clean(y_token, floats=False)}
 
 
-def end_record(steps: int, replicates: int, elapsed_s: float, sha256: str) -> dict[str, Any]:
+def end_record(steps: int, replicates: int, elapsed_s: float, sha256: str,
+               candidate: str | None = None) -> dict[str, Any]:
     """The stream's last record: its size, its duration and the digest of every line before it.
 
     Parameters
@@ -265,6 +266,8 @@ def end_record(steps: int, replicates: int, elapsed_s: float, sha256: str) -> di
         Seconds the request took.
     sha256 : str
         Hex sha256 of the exact bytes of every preceding line, newlines included.
+    candidate : str, optional
+        The candidate's policy id, in a multi-candidate response (docs/contract.md §3).
 
     Returns
     -------
@@ -281,11 +284,14 @@ def end_record(steps: int, replicates: int, elapsed_s: float, sha256: str) -> di
     >>> end_record(4, 2, 0.5, "ab")
     {'type': 'end', 'steps': 4, 'replicates': 2, 'elapsed_s': 0.5, 'sha256': 'ab'}
     """
-    return {"type": "end", "steps": int(steps), "replicates": int(replicates),
-            "elapsed_s": float(elapsed_s), "sha256": sha256}
+    rec: dict[str, Any] = {"type": "end", "steps": int(steps), "replicates": int(replicates),
+                           "elapsed_s": float(elapsed_s), "sha256": sha256}
+    if candidate is not None:
+        rec["candidate"] = str(candidate)
+    return rec
 
 
-def error_record(error: str, error_type: str) -> dict[str, Any]:
+def error_record(error: str, error_type: str, candidate: str | None = None) -> dict[str, Any]:
     """Sent instead of ``end`` when a stream fails; the request is never complete.
 
     Parameters
@@ -294,6 +300,8 @@ def error_record(error: str, error_type: str) -> dict[str, Any]:
         What went wrong.
     error_type : str
         A short class name for it (e.g. the exception's type).
+    candidate : str, optional
+        The candidate whose stream fails, in a multi-candidate response.
 
     Returns
     -------
@@ -309,7 +317,10 @@ def error_record(error: str, error_type: str) -> dict[str, Any]:
     >>> error_record("out of memory", "RuntimeError")
     {'type': 'error', 'error': 'out of memory', 'error_type': 'RuntimeError'}
     """
-    return {"type": "error", "error": str(error), "error_type": str(error_type)}
+    rec = {"type": "error", "error": str(error), "error_type": str(error_type)}
+    if candidate is not None:
+        rec["candidate"] = str(candidate)
+    return rec
 
 
 def encode_line(record: Mapping[str, Any]) -> bytes:
@@ -362,9 +373,10 @@ class StreamWriter:
         self.lines += 1
         return data
 
-    def end(self, steps: int, replicates: int, elapsed_s: float) -> bytes:
-        """The ``end`` line, carrying the digest of every line written before it."""
-        return encode_line(end_record(steps, replicates, elapsed_s, self._digest.hexdigest()))
+    def end(self, steps: int, replicates: int, elapsed_s: float, candidate: str | None = None) -> bytes:
+        """The ``end`` line, carrying the digest of every line written before it (and the
+        candidate's policy id in a multi-candidate response)."""
+        return encode_line(end_record(steps, replicates, elapsed_s, self._digest.hexdigest(), candidate))
 
     @property
     def hexdigest(self) -> str:

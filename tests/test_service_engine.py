@@ -245,6 +245,8 @@ def _reference_logits(engine: Engine, prompt: list[int], candidate: str, monkeyp
 
     monkeypatch.setattr(engine, "prefill_pair", spy_pair)
     monkeypatch.setattr(engine, "step", spy_step)
+    # P's own forwards: fused with Q's (tests/test_service_fusion.py) they equal these to rounding only
+    monkeypatch.setattr(engine, "fuse", "off")
     run(engine, prompt, candidate=candidate, horizon=6, replicates=2, sampling=Sampling(do_sample=False), seed=1)
     monkeypatch.undo()
     return seen["logits"]
