@@ -4,7 +4,8 @@ One multi-candidate request must give each candidate the traces of its own reque
 the same seed: bit for bit when every forward runs alone (``batch_candidates = False``),
 to floating-point rounding (same tokens) when the shared-prompt sides' forwards are
 stacked. Candidates cover every path: prefill-only (stacked), a decoding-time press
-(per-row copies: alone), head-wise masks (alone on Q, stacked on P) and per-layer budgets.
+(per-row copies: alone), head-wise masks (alone on Q, stacked on P), per-layer budgets
+and quantized caches (alone, with and without a press).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from protocols.stream import StreamError
 
 DECODING = "kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=64"
 ADAKV = "kvpress:AdaKVPress(SnapKVPress)@0.5"
-CANDIDATES = ["snapkv@0.5", DECODING, ADAKV, "recent@0.5", "kvpress:PyramidKVPress@0.5"]
-SEEDS = [11, 12, 13, 14, 15]
+QUANT = "snapkv@0.5+quant:kivi@4"
+CANDIDATES = ["snapkv@0.5", DECODING, ADAKV, "recent@0.5", "kvpress:PyramidKVPress@0.5", QUANT, "quant:kivi@2"]
+SEEDS = [11, 12, 13, 14, 15, 16, 17]
 
 
 @pytest.fixture(scope="module")
