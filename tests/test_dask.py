@@ -114,6 +114,32 @@ def test_one_pass_for_several_estimators(traces):
     same(D.sharp_interval(mem, window=2), out["si"])
 
 
+@pytest.mark.parametrize("fn", [D.estimate, D.branch_tv, D.survival, D.sharp_interval])
+def test_concat_docs_is_xarray_concat(traces, fn):
+    from divstats.chunked import concat_docs
+
+    mem, _ = traces
+    parts = [fn(mem.isel(doc=sl)) for sl in (slice(0, 4), slice(4, 5), slice(5, 11))]
+    ref = xr.concat(parts, dim="doc", data_vars="minimal", coords="minimal", compat="override", join="exact",
+                    combine_attrs="override")
+    out = concat_docs(parts)
+    xr.testing.assert_identical(out.drop_attrs(), ref.drop_attrs())
+    assert list(out.variables) == list(ref.variables)
+    for name, var in out.variables.items():
+        assert var.dtype == ref[name].dtype, name
+
+
+def test_concat_docs_refuses_parts_that_differ():
+    from divstats.chunked import concat_docs
+
+    a = xr.Dataset({"x": (("doc", "age"), [[1.0, 2.0]])}, coords={"doc": ["a"], "age": [0, 1]})
+    b = xr.Dataset({"x": (("doc", "age"), [[3.0, 4.0]])}, coords={"doc": ["b"], "age": [0, 2]})
+    with pytest.raises(ValueError, match="differ along 'age'"):
+        concat_docs([a, b])
+    with pytest.raises(ValueError, match="differ in their variables"):
+        concat_docs([a, a.assign(y=a["x"])])
+
+
 def test_a_task_reads_its_own_chunk(traces):
     import dask
 
