@@ -107,6 +107,31 @@ def test_report_results_equal_in_memory(traces):
     xr.testing.assert_allclose(a, b, **TOL)
 
 
+def test_report_reads_each_chunk_once(traces, monkeypatch):
+    from divstats.analysis import compute
+    from protocols.chunks import DocChunk
+
+    _, lazy = traces
+    reads = []
+    load = DocChunk.load
+    monkeypatch.setattr(DocChunk, "load", lambda self: reads.append(self.start) or load(self))
+    compute(lazy, PAPER, n_resamples=99, progress=False)
+    assert sorted(reads) == [0, 3, 6, 9]
+
+
+def test_report_notes_a_skipped_variance_check_as_in_memory(tmp_path):
+    from divstats.analysis import compute
+
+    ds = simulate_study(5, POLICIES, horizon=12, replicates=4, kind="residual", window=3, seed=1)
+    save_traces(ds, tmp_path / "t.zarr")
+    mem, lazy = open_traces(tmp_path / "t.zarr"), open_traces(tmp_path / "t.zarr", chunks=2)
+    a = compute(mem, n_resamples=99, progress=False)
+    b = compute(lazy, n_resamples=99, progress=False)
+    assert a.variance is None and b.variance is None
+    assert any(n.startswith("Variance check skipped") for n in a.notes) and a.notes == b.notes
+    xr.testing.assert_allclose(a.results, b.results, **TOL)
+
+
 def test_one_pass_for_several_estimators(traces):
     mem, lazy = traces
     out = map_docs_many({"est": (D.estimate, {}), "si": (D.sharp_interval, {"window": 2})}, lazy)
