@@ -218,3 +218,24 @@ def test_cli_analyze_on_a_local_cluster_writes_the_same_results(tmp_path):
     xr.testing.assert_allclose(a, b, **TOL)
     with pytest.raises(ValueError, match="not both"), dask_client(workers=1, scheduler="tcp://x:1"):
         pass
+
+
+def _worker_settings() -> tuple[dict[str, str | None], object]:
+    import os
+
+    import dask
+
+    from protocols.chunks import WORKER_MALLOC
+
+    return {k: os.environ.get(k) for k in WORKER_MALLOC}, dask.config.get("distributed.worker.profile.enabled")
+
+
+@pytest.mark.slow
+def test_local_workers_get_the_malloc_settings_and_no_profiler():
+    pytest.importorskip("distributed")
+    from protocols.chunks import WORKER_MALLOC
+
+    with dask_client(workers=1) as client:
+        (env, profile), = client.run(_worker_settings).values()
+    assert env == {k: str(v) for k, v in WORKER_MALLOC.items()}
+    assert profile is False
