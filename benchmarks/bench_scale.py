@@ -13,12 +13,17 @@
 3. ``--scale`` x on dask: the same analysis on the big store with the same cluster,
    in one pass over the data (``divstats.chunked.map_docs_many``), and, with
    ``--separate``, as the plain separate calls.  Reported: time per document against
-   the in-memory time per document at paper scale (target: within 2x), the time to
+   the in-memory time per document at paper scale (target: within 2x; median of
+   ``--big-repeat`` runs), the CPU time per document of all processes (client,
+   scheduler and workers) against the in-memory CPU time per document, the time to
    validate the big store chunk by chunk on the cluster, and each worker's peak RSS
    over all of it (target <= 1.5 GB).
 
 Every number is measured in this run on this machine; ratios compare runs of the same
-invocation.  The machine's load (other users) is printed with them.
+invocation.  The machine's load (other users) is printed with them: on a shared
+machine the wall-time ratio depends on how many cores the others leave free, the CPU
+time ratio much less.  ``--keep`` leaves the stores in ``--dir`` and ``--reuse``
+analyses them again without packing, to repeat the measurement.
 """
 
 from __future__ import annotations
@@ -133,12 +138,29 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(worst, float(np.nanmax(np.abs(x - y), initial=0.0)))
 
 
-def timed(fn, *args, repeat: int = 1) -> tuple[object, float, list[float]]:
-    times, out = [], None
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process so far, all its threads."""
+    t = os.times()
+    return t.user + t.system
+
+
+def timed(fn, *args, repeat: int = 1, client=None) -> tuple[object, float, list[float]]:
+    """Result, median wall time and the wall times; ``timed.cpu`` is the median CPU time of a run.
+
+    The CPU time is this process's (which hosts a local cluster's scheduler) plus, with
+    ``client``, every worker's: unlike the wall time it does not depend on how many
+    cores other users left free.
+    """
+    times, cpus, out = [], [], None
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        w0 = client.run(cpu_seconds) if client is not None else {}
+        c0, t0 = cpu_seconds(), time.perf_counter()
         out = fn(*args)
         times.append(time.perf_counter() - t0)
+        workers = client.run(cpu_seconds) if client is not None else {}
+        cpus.append((cpu_seconds() - c0, sum(v - w0[k] for k, v in workers.items())))
+    timed.cpu = statistics.median(c + w for c, w in cpus)
+    timed.cpu_workers = statistics.median(w for _, w in cpus)
     return out, statistics.median(times), times
 
 
@@ -180,6 +202,9 @@ def main() -> None:
     ap.add_argument("--no-validate", action="store_true", help="skip validating the big store on the cluster")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/kvdiv-bench-scale"), help="where the stores go")
     ap.add_argument("--keep", action="store_true", help="keep the stores")
+    ap.add_argument("--reuse", action="store_true",
+                    help="analyse the stores a previous run left in --dir (with --keep) instead of packing anew")
+    ap.add_argument("--big-repeat", type=int, default=1, help="runs of the big one-pass analysis (median)")
     ap.add_argument("--pack-child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--docs", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -188,6 +213,20 @@ def main() -> None:
         print(json.dumps(pack(args.pack_child, args.docs, args.per_append, args.seed)))
         return
     run(args)
+
+
+def pack_rows(args, paper_path: Path, big_path: Path, big_docs: int, shape: str) -> list[tuple[str, str]]:
+    """Pack both stores (each in a child process) and describe it."""
+    p_small = run_pack(paper_path, args.paper_docs, args.per_append, seed=1)
+    p_big = run_pack(big_path, big_docs, args.per_append, seed=2)
+    return [
+        (f"pack {args.paper_docs} docs {shape}", f"{p_small['seconds']:.1f} s, peak RSS {p_small['peak_rss_mb']:.0f} "
+                                                 f"MiB, {p_small['disk_mb']:.0f} MiB on disk"),
+        (f"pack {big_docs} docs (x{args.scale:g}) by TraceStoreWriter",
+         f"{p_big['seconds']:.1f} s (generate {p_big['generate_s']:.0f} s, validate+write "
+         f"{p_big['validate_write_s']:.0f} s), {p_big['disk_mb']:.0f} MiB on disk"),
+        ("  peak RSS of the packing process", f"{p_big['peak_rss_mb']:.0f} MiB  (target <= 1024 MiB)"),
+    ]
 
 
 def run(args) -> None:
@@ -206,21 +245,15 @@ def run(args) -> None:
     shape = f"x {POLICIES} policies x {REPLICATES} replicates x T={HORIZON}"
 
     t0 = time.perf_counter()
-    p_small = run_pack(paper_path, args.paper_docs, args.per_append, seed=1)
-    p_big = run_pack(big_path, big_docs, args.per_append, seed=2)
-    rows += [
-        (f"pack {args.paper_docs} docs {shape}", f"{p_small['seconds']:.1f} s, peak RSS {p_small['peak_rss_mb']:.0f} "
-                                                 f"MiB, {p_small['disk_mb']:.0f} MiB on disk"),
-        (f"pack {big_docs} docs (x{args.scale:g}) by TraceStoreWriter",
-         f"{p_big['seconds']:.1f} s (generate {p_big['generate_s']:.0f} s, validate+write "
-         f"{p_big['validate_write_s']:.0f} s), {p_big['disk_mb']:.0f} MiB on disk"),
-        ("  peak RSS of the packing process", f"{p_big['peak_rss_mb']:.0f} MiB  (target <= 1024 MiB)"),
-    ]
+    if args.reuse and paper_path.exists() and big_path.exists():
+        rows.append(("stores", f"reused from {args.dir} (packed by an earlier run)"))
+    else:
+        rows += pack_rows(args, paper_path, big_path, big_docs, shape)
     plan = D.load_plan(PLAN)
 
     mem = open_traces(paper_path, validate=False)          # validated piece by piece when packed
     base, t_mem, times = timed(analysis, mem, plan, repeat=args.repeat)
-    per_doc_mem = t_mem / args.paper_docs
+    per_doc_mem, cpu_mem = t_mem / args.paper_docs, timed.cpu / args.paper_docs
     rows += [(f"in memory, {args.paper_docs} docs: estimate+aggregate+sharp_interval+run_plan",
               f"{t_mem:.2f} s median of {[round(t, 2) for t in times]} = {per_doc_mem * 1e3:.2f} ms/doc "
               f"(data {mem.nbytes / 2**20:.0f} MiB)")]
@@ -248,14 +281,21 @@ def run(args) -> None:
         ]
         big = open_traces(big_path, validate=False, chunks="auto")
         n_chunks = len(big.chunksizes["doc"])
-        _, t_big, _ = timed(analysis_one_pass, big, plan)
+        _, t_big, times = timed(analysis_one_pass, big, plan, repeat=args.big_repeat, client=client)
+        cpu_big, cpu_workers = timed.cpu / big_docs, timed.cpu_workers / big_docs
         per_doc_big = t_big / big_docs
+        spread = f" (median of {[round(t, 1) for t in times]})" if len(times) > 1 else ""
         rows += [(f"dask, {args.workers} workers, {big_docs} docs ({n_chunks} chunks of ~"
                   f"{big_docs // n_chunks} docs), one pass",
-                  f"{t_big:.1f} s = {per_doc_big * 1e3:.2f} ms/doc = {per_doc_big / per_doc_mem:.2f}x the in-memory "
-                  f"time per doc  (target <= 2x)"),
+                  f"{t_big:.1f} s{spread} = {per_doc_big * 1e3:.2f} ms/doc = {per_doc_big / per_doc_mem:.2f}x the "
+                  f"in-memory time per doc  (target <= 2x)"),
                  ("  the same against in-memory time per doc including its load",
-                  f"{per_doc_big / (per_doc_mem + t_open / args.paper_docs):.2f}x")]
+                  f"{per_doc_big / (per_doc_mem + t_open / args.paper_docs):.2f}x"),
+                 (f"  CPU time per doc, all processes: dask x{args.scale:g} / in memory",
+                  f"{cpu_big * 1e3:.2f} / {cpu_mem * 1e3:.2f} ms = {cpu_big / cpu_mem:.2f}x  ({args.workers} free "
+                  f"cores: wall ~ {cpu_big / cpu_mem / args.workers:.2f}x)"),
+                 ("    of it in the workers / in this process (client, scheduler)",
+                  f"{cpu_workers * 1e3:.2f} / {(cpu_big - cpu_workers) * 1e3:.2f} ms")]
         if not args.no_validate:
             t1 = time.perf_counter()
             validate(big)

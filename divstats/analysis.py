@@ -4,7 +4,9 @@ This is the computation behind ``kvdiv analyze`` (no files written): it calls th
 public API (``divstats.estimate``, ``aggregate``, ``aggregate_intervals``,
 ``survival``, ``branch_tv``, ``interval_by_window``, ``variance_check``,
 ``run_plan``, ``decompose``) with the same options and keeps every result in one
-:class:`Analysis`. Without a plan the analysis is descriptive: there are no plan
+:class:`Analysis`. On dask-backed traces the per-document estimators share one
+pass over the data (``divstats.chunked.map_docs_many``): each document chunk is
+read once, not once per estimator. Without a plan the analysis is descriptive: there are no plan
 rows and every comparison is exploratory.
 """
 
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from divstats.chunked import map_docs_many
 from divstats.curves import branch_tv, survival
 from divstats.decompose import DecompositionInterval, DecompositionResult, decompose
 from divstats.estimators import aggregate, aggregate_intervals, estimate
@@ -28,6 +31,7 @@ from divstats.planrun import PlanResult, run_plan
 from divstats.plans import Plan, PlanSource, load_plan
 from divstats.results import results_dataset
 from divstats.variance import variance_check
+from protocols.chunks import is_lazy
 
 __all__ = ["Analysis", "compute", "decomposition_pairs", "default_interval_windows"]
 
@@ -143,6 +147,51 @@ def _optional_curves(traces: xr.Dataset, window: int | None, notes: list[str]) -
     return bt, vc
 
 
+def _one_pass(traces: xr.Dataset, window: int | None, windows: list[int], notes: list[str],
+              ) -> tuple[Any, ...]:
+    """(estimates, survival, branch TV, interval by W, variance check) of dask-backed traces, one read.
+
+    Each document chunk is read once for all five (``map_docs_many``) instead of once
+    per estimator. A variance check the data do not allow fails its chunk task, so
+    the pass is run again without it and the reason noted, as in memory.
+    """
+    kind = traces.attrs.get("kind")
+    fns: dict[str, tuple[Any, dict[str, Any]]] = {
+        "est": (estimate, {"window": window}), "surv": (survival, {}),
+        "ivw": (interval_by_window, {"windows": windows})}
+    if kind == "reference":
+        notes.append("Reference traces observe nothing after divergence: no branch-aligned TV.")
+    else:
+        fns["bt"] = (branch_tv, {"window": window})
+    if kind == "residual":
+        try:
+            out = map_docs_many({**fns, "vc": (variance_check, {})}, traces)
+        except ValueError as exc:
+            out = map_docs_many(fns, traces)
+            notes.append(f"Variance check skipped: {exc}")
+    else:
+        out = map_docs_many(fns, traces)
+    return out["est"], out["surv"], out.get("bt"), out["ivw"], out.get("vc")
+
+
+def _per_document(traces: xr.Dataset, window: int | None, windows: list[int], notes: list[str], bar,
+                  ) -> tuple[Any, ...]:
+    """(estimates, survival, branch TV, interval by W, variance check): the per-document estimators."""
+    if is_lazy(traces):
+        out = _one_pass(traces, window, windows, notes)
+        bar.update(4)
+        return out
+    est = estimate(traces, window=window)
+    bar.update()
+    surv = survival(traces)
+    bar.update()
+    bt, vc = _optional_curves(traces, window, notes)
+    bar.update()
+    ivw = interval_by_window(traces, windows)
+    bar.update()
+    return est, surv, bt, ivw, vc
+
+
 def _decompositions(est: xr.Dataset, pairs: Sequence[tuple[str, str]], level: float, n_resamples: int,
                     seed: int, notes: list[str]) -> list[tuple[DecompositionResult, DecompositionInterval]]:
     decs = []
@@ -205,17 +254,11 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
         raise ValueError("policy aliases substitute planned policies; without a plan there is nothing to alias")
     notes: list[str] = []
     bar = _progress(len(STEPS), progress)
-    est = estimate(traces, window=window)
+    windows = list(interval_windows) if interval_windows is not None else default_interval_windows(traces)
+    est, surv, bt, ivw, vc = _per_document(traces, window, windows, notes, bar)
     agg = aggregate(est)
     agg_ci = aggregate_intervals(est, level=level, n_resamples=n_resamples, seed=seed)
     bar.update()
-    surv = survival(traces)
-    bar.update()
-    bt, vc = _optional_curves(traces, window, notes)
-    bar.update()
-    windows = list(interval_windows) if interval_windows is not None else default_interval_windows(traces)
-    ivw = interval_by_window(traces, windows)
-    bar.update(2)
     pres = None
     if plan is not None:
         pres = run_plan(traces, plan, aliases=policy_aliases, window=window, estimates=est, branch=bt,

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import xarray as xr
 
 from protocols.chunks import DocChunk, doc_chunks, is_lazy
@@ -78,19 +79,52 @@ def _merge_attrs(parts: list[xr.Dataset]) -> dict[str, Any]:
     return attrs
 
 
+def _joined(name: str, parts: list[xr.Dataset]) -> xr.Variable:
+    """Variable ``name`` of the first part, with its ``doc`` axis joined over all parts."""
+    var = parts[0].variables[name]
+    if "doc" not in var.dims:
+        return var
+    axis = var.dims.index("doc")
+    data = np.concatenate([p.variables[name].values for p in parts], axis=axis)
+    return xr.Variable(var.dims, data, attrs=var.attrs, encoding=var.encoding)
+
+
+def _check_aligned(parts: list[xr.Dataset]) -> None:
+    """Every part has the first part's variables and its indexes other than ``doc`` (e.g. ``age``)."""
+    first = parts[0]
+    for i, part in enumerate(parts[1:], start=1):
+        if list(part.variables) != list(first.variables):
+            raise ValueError(f"per-chunk results differ in their variables: chunk 0 has {list(first.variables)}, "
+                             f"chunk {i} has {list(part.variables)}")
+        for dim, index in first.xindexes.items():
+            if dim != "doc" and not index.equals(part.xindexes[dim]):
+                raise ValueError(f"per-chunk results differ along {dim!r} (chunk 0 vs chunk {i}); "
+                                 "a per-document function must give every chunk the same coordinates")
+
+
 def concat_docs(parts: list[xr.Dataset]) -> xr.Dataset:
     """Per-chunk results -> one result along ``doc`` (variables without ``doc`` from the first chunk).
+
+    The values are joined with ``numpy.concatenate`` variable by variable, which is
+    what ``xarray.concat(parts, "doc", data_vars="minimal", coords="minimal",
+    compat="override", join="exact")`` gives, without its per-part bookkeeping (it
+    dominated the calling process's time at a hundred chunks).
 
     Parameters
     ----------
     parts : list of xarray.Dataset
-        Results of one function on consecutive document chunks, in order.
+        Results of one function on consecutive document chunks, in order, in memory.
 
     Returns
     -------
     xarray.Dataset
         Concatenated along ``doc``; attributes from the first part, except those in
         :data:`MERGED_ATTRS` (e.g. ``n_replicates``, the largest over the parts).
+
+    Raises
+    ------
+    ValueError
+        When the parts differ in their variables or in a coordinate other than ``doc``.
 
     Examples
     --------
@@ -103,10 +137,10 @@ def concat_docs(parts: list[xr.Dataset]) -> xr.Dataset:
     """
     if len(parts) == 1:
         return parts[0]
-    out = xr.concat(parts, dim="doc", data_vars="minimal", coords="minimal", compat="override",
-                    join="exact", combine_attrs="override")
-    out.attrs = _merge_attrs(parts)
-    return out
+    _check_aligned(parts)
+    first = parts[0]
+    return xr.Dataset({name: _joined(name, parts) for name in first.data_vars},
+                      coords={name: _joined(name, parts) for name in first.coords}, attrs=_merge_attrs(parts))
 
 
 def map_docs_many(fns: Mapping[str, tuple[Callable[..., xr.Dataset], Mapping[str, Any]]], ds: xr.Dataset,

@@ -107,11 +107,62 @@ def test_report_results_equal_in_memory(traces):
     xr.testing.assert_allclose(a, b, **TOL)
 
 
+def test_report_reads_each_chunk_once(traces, monkeypatch):
+    from divstats.analysis import compute
+    from protocols.chunks import DocChunk
+
+    _, lazy = traces
+    reads = []
+    load = DocChunk.load
+    monkeypatch.setattr(DocChunk, "load", lambda self: reads.append(self.start) or load(self))
+    compute(lazy, PAPER, n_resamples=99, progress=False)
+    assert sorted(reads) == [0, 3, 6, 9]
+
+
+def test_report_notes_a_skipped_variance_check_as_in_memory(tmp_path):
+    from divstats.analysis import compute
+
+    ds = simulate_study(5, POLICIES, horizon=12, replicates=4, kind="residual", window=3, seed=1)
+    save_traces(ds, tmp_path / "t.zarr")
+    mem, lazy = open_traces(tmp_path / "t.zarr"), open_traces(tmp_path / "t.zarr", chunks=2)
+    a = compute(mem, n_resamples=99, progress=False)
+    b = compute(lazy, n_resamples=99, progress=False)
+    assert a.variance is None and b.variance is None
+    assert any(n.startswith("Variance check skipped") for n in a.notes) and a.notes == b.notes
+    xr.testing.assert_allclose(a.results, b.results, **TOL)
+
+
 def test_one_pass_for_several_estimators(traces):
     mem, lazy = traces
     out = map_docs_many({"est": (D.estimate, {}), "si": (D.sharp_interval, {"window": 2})}, lazy)
     same(D.estimate(mem), out["est"])
     same(D.sharp_interval(mem, window=2), out["si"])
+
+
+@pytest.mark.parametrize("fn", [D.estimate, D.branch_tv, D.survival, D.sharp_interval])
+def test_concat_docs_is_xarray_concat(traces, fn):
+    from divstats.chunked import concat_docs
+
+    mem, _ = traces
+    parts = [fn(mem.isel(doc=sl)) for sl in (slice(0, 4), slice(4, 5), slice(5, 11))]
+    ref = xr.concat(parts, dim="doc", data_vars="minimal", coords="minimal", compat="override", join="exact",
+                    combine_attrs="override")
+    out = concat_docs(parts)
+    xr.testing.assert_identical(out.drop_attrs(), ref.drop_attrs())
+    assert list(out.variables) == list(ref.variables)
+    for name, var in out.variables.items():
+        assert var.dtype == ref[name].dtype, name
+
+
+def test_concat_docs_refuses_parts_that_differ():
+    from divstats.chunked import concat_docs
+
+    a = xr.Dataset({"x": (("doc", "age"), [[1.0, 2.0]])}, coords={"doc": ["a"], "age": [0, 1]})
+    b = xr.Dataset({"x": (("doc", "age"), [[3.0, 4.0]])}, coords={"doc": ["b"], "age": [0, 2]})
+    with pytest.raises(ValueError, match="differ along 'age'"):
+        concat_docs([a, b])
+    with pytest.raises(ValueError, match="differ in their variables"):
+        concat_docs([a, a.assign(y=a["x"])])
 
 
 def test_a_task_reads_its_own_chunk(traces):
@@ -167,3 +218,24 @@ def test_cli_analyze_on_a_local_cluster_writes_the_same_results(tmp_path):
     xr.testing.assert_allclose(a, b, **TOL)
     with pytest.raises(ValueError, match="not both"), dask_client(workers=1, scheduler="tcp://x:1"):
         pass
+
+
+def _worker_settings() -> tuple[dict[str, str | None], object]:
+    import os
+
+    import dask
+
+    from protocols.chunks import WORKER_MALLOC
+
+    return {k: os.environ.get(k) for k in WORKER_MALLOC}, dask.config.get("distributed.worker.profile.enabled")
+
+
+@pytest.mark.slow
+def test_local_workers_get_the_malloc_settings_and_no_profiler():
+    pytest.importorskip("distributed")
+    from protocols.chunks import WORKER_MALLOC
+
+    with dask_client(workers=1) as client:
+        (env, profile), = client.run(_worker_settings).values()
+    assert env == {k: str(v) for k, v in WORKER_MALLOC.items()}
+    assert profile is False

@@ -52,6 +52,31 @@ def test_zarr_chunks_are_one_document(ds, tmp_path):
     assert arr.chunks[0] == 1 and arr.shape[0] == 4
 
 
+@pytest.mark.parametrize("how", ["writer", "save_traces"])
+def test_zarr_arrays_use_shuffle_and_lz4(ds, tmp_path, how):
+    import zarr
+
+    path = tmp_path / "t.zarr"
+    write_in_pieces(path, ds, [[0, 1]]) if how == "writer" else save_traces(ds, path)
+    group = zarr.open_group(str(path), mode="r")
+    for name in ds.data_vars:
+        (codec,) = group[name].compressors
+        assert (codec.cname.value, codec.shuffle.value, codec.typesize) == ("lz4", "shuffle", ds[name].dtype.itemsize)
+
+
+def test_a_store_with_another_codec_takes_appends(ds, tmp_path, monkeypatch):
+    from zarr.codecs import ZstdCodec
+
+    import protocols.io
+
+    path = tmp_path / "t.zarr"
+    monkeypatch.setattr(protocols.io, "zarr_compressors", lambda: (ZstdCodec(),))
+    write_in_pieces(path, ds, [[0, 1]])                  # a store as zarr's default codec wrote it
+    monkeypatch.undo()
+    write_in_pieces(path, ds, [[2], [3, 4, 5, 6]], append=True)
+    xr.testing.assert_identical(open_traces(path), ds)
+
+
 def test_an_error_leaves_no_new_file(ds, tmp_path):
     path = tmp_path / "t.zarr"
     with pytest.raises(RuntimeError), TraceStoreWriter(path) as w:
