@@ -24,14 +24,15 @@ def format_power_table(table) -> list[str]:
     """The power table as aligned text lines (one per hypothesis and design)."""
     cw = max([10, *(len(f"{a} - {b}") for a, b in zip(table["a"], table["b"], strict=True))])
     iw = max([10, *(len(str(i)) for i in table["id"])])
-    head = (f"{'hypothesis':<{iw}} {'metric':<11} {'comparison':<{cw}} {'test':<16} {'alpha':>7} {'docs':>6} "
+    tw = max([16, *(len(f"{t} {d}") for t, d in zip(table["test"], table["direction"], strict=True))])
+    head = (f"{'hypothesis':<{iw}} {'metric':<11} {'comparison':<{cw}} {'test':<{tw}} {'alpha':>7} {'docs':>6} "
             f"{'R':>4} {'n':>5} {'effect':>9} {'sd_doc':>8} {'sd_rep':>8}  power [range]")
     lines = [head, "-" * len(head)]
     for r in table.itertuples(index=False):
         comparison = f"{r.a} - {r.b}"
         power = (f"{_fmt(r.power, 2):>5} [{_fmt(r.power_low, 2)}, {_fmt(r.power_high, 2)}]"
                  if math.isfinite(r.power) else "  n/a")
-        lines.append(f"{r.id:<{iw}} {r.metric:<11} {comparison:<{cw}} {r.test + ' ' + r.direction:<16} "
+        lines.append(f"{r.id:<{iw}} {r.metric:<11} {comparison:<{cw}} {r.test + ' ' + r.direction:<{tw}} "
                      f"{r.alpha_used:>7.4f} {r.docs:>6d} {r.replicates:>4d} {r.n_docs:>5d} {_fmt(r.effect):>9} "
                      f"{_fmt(r.sd_between):>8} {_fmt(r.sd_replicate):>8}  {power}")
     return lines

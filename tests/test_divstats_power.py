@@ -118,3 +118,18 @@ def test_pilot_replicates_are_the_counted_ones() -> None:
     plan = {"plan": {"name": "p", "salt": "s"}, "hypothesis": [
         {"id": "h", "family": "f", "metric": "occurrence", "compare": ["a", "b"], "split": "all"}]}
     assert power(plan, adaptive, docs=[10], n_sims=50).pilot_replicates == 4
+
+
+def test_power_table_columns_stay_aligned() -> None:
+    # a long "test direction" cell ("bootstrap-t greater") must not shift the columns after it
+    import pandas as pd
+
+    from divstats.power_cli import format_power_table
+
+    row = dict(id="h", metric="rmtd", a="x", b="y", alpha_used=0.05, docs=10, replicates=8, n_docs=10,
+               effect=0.1, sd_between=0.2, sd_replicate=0.3, power=0.5, power_low=0.4, power_high=0.6)
+    table = pd.DataFrame([{**row, "test": "bootstrap-t", "direction": "greater"},
+                          {**row, "test": "ttest", "direction": "less"}])
+    head, _, *lines = format_power_table(table)
+    assert len({line.index("0.0500") for line in lines}) == 1
+    assert head.index("alpha") + len("alpha") == lines[0].index("0.0500") + len("0.0500")
