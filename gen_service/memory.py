@@ -123,19 +123,50 @@ class SideMemory:
     prompt_tokens : int or None
         Prompt slots the side keeps (an upper bound); None for the request's whole
         prompt, the safe bound.
+    quantized : bool
+        A quantized cache (gen_service/quantized.py), whose flushes re-quantize a whole
+        layer at once (:data:`FLUSH_TRANSIENT`).
+    decoding : bool
+        A press acting while decoding (DecodingPress, DMS with ``decoding=true`` ...).
 
     Examples
     --------
     >>> SideMemory(shared=False).kept(783), SideMemory(prompt_tokens=400).kept(783)
     (783, 400)
+    >>> s = ModelShape(layers=2, q_heads=4, kv_heads=2, head_dim=16, hidden=64, intermediate=128, vocab=320)
+    >>> SideMemory().transient(s), SideMemory(False, decoding=True).transient(s)
+    (0, 3)
     """
 
     shared: bool = True
     prompt_tokens: int | None = None
+    quantized: bool = False
+    decoding: bool = False
 
     def kept(self, prompt_tokens: int) -> int:
         """The slots it keeps of a ``prompt_tokens``-token prompt."""
         return prompt_tokens if self.prompt_tokens is None else min(self.prompt_tokens, prompt_tokens)
+
+    def transient(self, shape: ModelShape) -> int:
+        """Copies of one layer's per-row cache (keys and values) alive at once while this
+        side decodes; 0 on the shared path, whose rows' buffers are preallocated and
+        written in place."""
+        if self.shared:
+            return 0
+        gqa = -(-shape.q_heads // shape.kv_heads)
+        return APPEND_TRANSIENT + (FLUSH_TRANSIENT if self.quantized else 0) + (gqa if self.decoding else 0)
+
+
+# Transient copies of one layer's per-row cache while a per-row side decodes, checked
+# against the allocations measured on tiny:llama (tests/test_memory.py, docs/service.md):
+# appending concatenates the layer's cache with the new token into a new tensor
+# (DynamicCache, the keys a QuantizedLayer returns): one copy. A quantized cache's flush
+# re-quantizes the whole layer: its padded, shifted, scaled and rounded intermediates
+# and the new quantized part make up to three more. A press acting while decoding
+# scores the layer and hides keys per head, and attention under a per-head mask takes
+# the path that repeats the keys and values for every query head: q_heads / kv_heads more.
+APPEND_TRANSIENT = 1
+FLUSH_TRANSIENT = 3
 
 
 @dataclass(frozen=True)
@@ -155,25 +186,15 @@ class CandidateMemory:
 
     Examples
     --------
-    >>> c = CandidateMemory.of("quant:kivi@2", p_shared=True, q_shared=False, kind="residual")
-    >>> c.per_row_sides, c.replayed
-    ('Q', True)
+    >>> c = CandidateMemory("quant:kivi@2", q=SideMemory(shared=False, quantized=True), replayed=True)
+    >>> c.per_row_sides, c.prompt_copies(c.q, 16, "residual"), c.prompt_copies(c.p, 16, "residual")
+    ('Q', 33, 2)
     """
 
     policy: str = "full"
     p: SideMemory = SideMemory()
     q: SideMemory = SideMemory()
     replayed: bool = False
-
-    @classmethod
-    def of(cls, policy: str, p_shared: bool, q_shared: bool, kind: str = "coupled",
-           replayed: bool | None = None) -> CandidateMemory:
-        """From what the engine will do: a per-row side replays its residual branches
-        (it stores per-row copies because a press acts while decoding or its cache is
-        quantized, which is what makes the engine replay) unless ``replayed`` says."""
-        if replayed is None:
-            replayed = not (p_shared and q_shared)
-        return cls(policy, SideMemory(p_shared), SideMemory(q_shared), replayed and kind == "residual")
 
     @property
     def per_row_sides(self) -> str:
@@ -182,19 +203,12 @@ class CandidateMemory:
 
     def prompt_copies(self, side: SideMemory, rows: int, kind: str) -> int:
         """Prompt copies one side holds at its peak: once (shared) or R times (per row),
-        one batch-1 snapshot for residual requests, and R more for replayed branch rows
-        of a per-row side."""
+        one batch-1 snapshot for residual requests, and R more for the replayed branch
+        rows of a per-row side."""
         residual = kind == "residual"
         if side.shared:
             return 1 + residual
         return rows + residual + (rows if residual and self.replayed else 0)
-
-
-# Transient copies of one layer's per-row cache while a per-row side decodes: the
-# concatenation DynamicCache / QuantizedLayer appends by, and the quantized cache's
-# flush (the whole layer concatenated, then fake_quantize's padded, scaled and rounded
-# intermediates); measured on tiny:llama in tests/test_memory.py.
-PER_ROW_TRANSIENT = 4
 
 
 def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
@@ -222,7 +236,7 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
         Each candidate's sides as the engine will hold them (:meth:`MemoryGate.describe`):
         a per-row side counts R copies of the prompt slots it keeps (2R + 1 for
         replayed residual branches) and the transient copies of one layer's per-row
-        cache its appends make. None: ``candidates`` candidates whose sides all follow
+        cache its appends (and a quantized cache's flushes) make. None: ``candidates`` candidates whose sides all follow
         ``shared_prompt``.
 
     Returns
@@ -245,7 +259,7 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
     >>> four = estimate(s, 64, 783, 32, candidates=4)
     >>> four.prompt_kv // shared.prompt_kv, four.row_kv // shared.row_kv
     (4, 4)
-    >>> q_rows = CandidateMemory("quant:kivi@2", q=SideMemory(shared=False))
+    >>> q_rows = CandidateMemory("dms", q=SideMemory(shared=False))
     >>> (estimate(s, 64, 783, 32, sides=[q_rows]).prompt_kv - shared.prompt_kv) // (783 * s.kv_bytes_per_token)
     63
     """
@@ -264,8 +278,7 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
         for side in (cand.p, cand.q):
             kept = side.kept(prompt_tokens)
             prompt_kv += cand.prompt_copies(side, rows, kind) * kept * token
-            if not side.shared:
-                transient += PER_ROW_TRANSIENT * rows * (kept + slots) * token // shape.layers
+            transient += side.transient(shape) * rows * (kept + slots) * token // shape.layers
     rows *= len(sides)   # every candidate's rows, decoded together
     row_kv = 2 * rows * slots * token
     b = shape.dtype_bytes
@@ -355,10 +368,17 @@ class MemoryGate:
             residual branches. The prompt slots kept are bounded by the whole prompt
             (head-wise and decoding-time presses keep every slot until they evict).
         """
-        def shared(plan: Any) -> bool:
-            return self.shared_prompt and not plan.decoding and plan.quant is None
+        def side(plan: Any) -> SideMemory:
+            quantized = plan.quant is not None
+            return SideMemory(self.shared_prompt and not plan.decoding and not quantized, quantized=quantized,
+                              decoding=plan.decoding)
 
-        return CandidateMemory.of(policy, shared(reference), shared(candidate), kind)
+        p, q = side(reference), side(candidate)
+        # the engine replays when a press acts while decoding or a cache is quantized (and for
+        # per-layer budgets, known only after prefill: on the shared path that costs no prompt
+        # copy; on the copy path count it)
+        replay = not self.shared_prompt or not (p.shared and q.shared)
+        return CandidateMemory(policy, p, q, replayed=replay and kind == "residual")
 
     def estimate(self, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
                  candidates: int = 1, sides: Sequence[CandidateMemory] | None = None) -> MemoryEstimate:
