@@ -4,20 +4,26 @@
 upper bound of the memory one ``/v1/traces`` request adds on top of the loaded
 weights (both sides, P and Q, whatever the candidate keeps):
 
-- ``prompt_kv``: the prompt's keys/values, once per side on the shared prompt path
-  (gen_service/shared_cache.py), R times per side on the per-row copy path; the
-  residual kind keeps one more batch-1 copy (snapshots for replayed branches);
+- ``prompt_kv``: the prompt's keys/values, per candidate and per side as the engine
+  will hold them (:class:`CandidateMemory`, :class:`SideMemory`, described from the
+  built policies by :meth:`MemoryGate.describe`): once on the shared prompt path
+  (gen_service/shared_cache.py), R times for a side that keeps per-row copies (a
+  press acting while decoding, a quantized cache, the copy path); the residual kind
+  keeps one more batch-1 copy (the snapshot), and a per-row side whose branches are
+  replayed up to R more for the branch rows;
 - ``row_kv``: each row's own tokens, T slots per side (2T for residual traces, whose
   branches continue past the survival slots);
 - ``activations``: the larger of prefill (batch 1 over the prompt: hidden states, MLP,
   a tiled attention block) and one decoding step over R rows (hidden states and MLP
   for 2R rows, P's and Q's in one forward when fused, one layer's attention scores over
-  the prompt, the (R, vocab) float32 tensors of the logits and the coupling); a
-  multi-candidate request counts every candidate's rows;
+  the prompt, the (R, vocab) float32 tensors of the logits and the coupling, and the
+  transient copies of one layer's cache a per-row side makes); a multi-candidate
+  request counts every candidate's rows;
 
 :class:`MemoryGate` admits a request whose estimate fits the budget (default 80 % of
 the device's free memory, or of available RAM on CPU, measured at start) and refuses
-one that never can with :class:`RequestTooLarge`, whose message carries the numbers.
+one that never can with :class:`RequestTooLarge`, whose message carries the numbers
+and names the candidates that keep per-row copies of the prompt.
 The engine runs one request at a time, so a request that fits waits in the ordinary
 queue until the one before it is done: it always fits then.
 """
