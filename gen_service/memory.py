@@ -242,8 +242,8 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
         Each candidate's sides as the engine will hold them (:meth:`MemoryGate.describe`):
         a per-row side counts R copies of the prompt slots it keeps (2R + 1 for
         replayed residual branches) and the transient copies of one layer's per-row
-        cache its appends (and a quantized cache's flushes) make. None: ``candidates`` candidates whose sides all follow
-        ``shared_prompt``.
+        cache its appends (and a quantized cache's flushes) make. None: ``candidates``
+        candidates whose sides all follow ``shared_prompt``.
 
     Returns
     -------

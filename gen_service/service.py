@@ -386,8 +386,8 @@ class Service:
                                  f"model context of {ctx}")
 
     def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str, candidates: int = 1,
-                     policies: tuple[str, ...] = (), reference: str = "full", context_tokens: int | None = None,
-                     field: str = "replicates") -> None:
+                     policies: tuple[str, ...] = (), reference: str = "full",
+                     context_tokens: int | None = None) -> None:
         """422 when the request's estimated memory can never fit the budget (gen_service/memory.py);
         a multi-candidate request counts every candidate's caches and rows.
 
@@ -406,7 +406,7 @@ class Service:
         try:
             self.memory.admit(rows, prompt_tokens, horizon, kind, candidates, sides)
         except RequestTooLarge as exc:
-            raise invalid(field, str(exc)) from exc
+            raise invalid("replicates", str(exc)) from exc
 
     def check_policy(self, field: str, policy_id: str, prompt_len: int) -> None:
         """Build the policy for this prompt through the registry so a bad id is a 422
