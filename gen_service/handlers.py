@@ -324,13 +324,15 @@ async def traces(request: Request) -> Response:
         else:
             ids = await svc.off_loop(svc.encode, req.inputs, req.add_special_tokens)
         svc.check_context(ids + question, req.horizon, req.prompt_field)
-        svc.check_memory(req.replicates, len(ids) + len(question), req.horizon, req.kind,
-                         max(1, len(req.candidates)))
         # the press compresses the context only: policies are fitted to its length
         fields = [f"candidates[{i}]" for i in range(len(req.candidates))] if req.candidates else ["candidate"]
         for field, policy in zip(fields, req.candidates or (req.candidate,), strict=True):
             await svc.off_loop(svc.check_policy, field, policy, len(ids))
         await svc.off_loop(svc.check_policy, "reference", req.reference, len(ids))
+        # each candidate's sides as the engine will hold them (shared prompt or per-row copies)
+        await svc.off_loop(svc.check_memory, req.replicates, len(ids) + len(question), req.horizon, req.kind,
+                           max(1, len(req.candidates)), tuple(req.candidates or (req.candidate,)), req.reference,
+                           len(ids))
         job = TraceJob(prompt_ids=ids, candidate=req.candidate, reference=req.reference, kind=req.kind,
                        horizon=req.horizon, replicates=req.replicates, window=req.window, sampling=req.sampling,
                        seed=req.seed, doc=req.doc, request_id=uuid.uuid4().hex, question_ids=question,

@@ -4,20 +4,26 @@
 upper bound of the memory one ``/v1/traces`` request adds on top of the loaded
 weights (both sides, P and Q, whatever the candidate keeps):
 
-- ``prompt_kv``: the prompt's keys/values, once per side on the shared prompt path
-  (gen_service/shared_cache.py), R times per side on the per-row copy path; the
-  residual kind keeps one more batch-1 copy (snapshots for replayed branches);
+- ``prompt_kv``: the prompt's keys/values, per candidate and per side as the engine
+  will hold them (:class:`CandidateMemory`, :class:`SideMemory`, described from the
+  built policies by :meth:`MemoryGate.describe`): once on the shared prompt path
+  (gen_service/shared_cache.py), R times for a side that keeps per-row copies (a
+  press acting while decoding, a quantized cache, the copy path); the residual kind
+  keeps one more batch-1 copy (the snapshot), and a per-row side whose branches are
+  replayed up to R more for the branch rows;
 - ``row_kv``: each row's own tokens, T slots per side (2T for residual traces, whose
   branches continue past the survival slots);
 - ``activations``: the larger of prefill (batch 1 over the prompt: hidden states, MLP,
   a tiled attention block) and one decoding step over R rows (hidden states and MLP
   for 2R rows, P's and Q's in one forward when fused, one layer's attention scores over
-  the prompt, the (R, vocab) float32 tensors of the logits and the coupling); a
-  multi-candidate request counts every candidate's rows;
+  the prompt, the (R, vocab) float32 tensors of the logits and the coupling, and the
+  transient copies of one layer's cache a per-row side makes); a multi-candidate
+  request counts every candidate's rows;
 
 :class:`MemoryGate` admits a request whose estimate fits the budget (default 80 % of
 the device's free memory, or of available RAM on CPU, measured at start) and refuses
-one that never can with :class:`RequestTooLarge`, whose message carries the numbers.
+one that never can with :class:`RequestTooLarge`, whose message carries the numbers
+and names the candidates that keep per-row copies of the prompt.
 The engine runs one request at a time, so a request that fits waits in the ordinary
 queue until the one before it is done: it always fits then.
 """
@@ -25,13 +31,14 @@ queue until the one before it is done: it always fits then.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from gen_service.errors import ServiceError
 
-__all__ = ["MemoryEstimate", "MemoryGate", "ModelShape", "RequestTooLarge", "available_memory", "estimate",
-           "parse_budget"]
+__all__ = ["CandidateMemory", "MemoryEstimate", "MemoryGate", "ModelShape", "RequestTooLarge", "SideMemory",
+           "available_memory", "estimate", "parse_budget"]
 
 DEFAULT_FRACTION = 0.8
 # (R, vocab) float32 tensors alive at once in a coupled step: P's and Q's logits and
@@ -110,8 +117,109 @@ class MemoryEstimate:
                 f"{self.activations / mib:.0f})")
 
 
+@dataclass(frozen=True)
+class SideMemory:
+    """How one side (P or Q) of one candidate holds the prompt while decoding.
+
+    Parameters
+    ----------
+    shared : bool
+        The prompt stored once for all rows (gen_service/shared_cache.py), or once per
+        row (a press acting while decoding, a quantized cache, the copy path).
+    prompt_tokens : int or None
+        Prompt slots the side keeps (an upper bound); None for the request's whole
+        prompt, the safe bound.
+    quantized : bool
+        A quantized cache (gen_service/quantized.py), whose flushes re-quantize a whole
+        layer at once (:data:`FLUSH_TRANSIENT`).
+    decoding : bool
+        A press acting while decoding (DecodingPress, DMS with ``decoding=true`` ...).
+
+    Examples
+    --------
+    >>> SideMemory(shared=False).kept(783), SideMemory(prompt_tokens=400).kept(783)
+    (783, 400)
+    >>> s = ModelShape(layers=2, q_heads=4, kv_heads=2, head_dim=16, hidden=64, intermediate=128, vocab=320)
+    >>> SideMemory().transient(s), SideMemory(False, decoding=True).transient(s)
+    (0, 3)
+    """
+
+    shared: bool = True
+    prompt_tokens: int | None = None
+    quantized: bool = False
+    decoding: bool = False
+
+    def kept(self, prompt_tokens: int) -> int:
+        """The slots it keeps of a ``prompt_tokens``-token prompt."""
+        return prompt_tokens if self.prompt_tokens is None else min(self.prompt_tokens, prompt_tokens)
+
+    def transient(self, shape: ModelShape) -> int:
+        """Copies of one layer's per-row cache (keys and values) alive at once while this
+        side decodes; 0 on the shared path, whose rows' buffers are preallocated and
+        written in place."""
+        if self.shared:
+            return 0
+        gqa = -(-shape.q_heads // shape.kv_heads)
+        return APPEND_TRANSIENT + (FLUSH_TRANSIENT if self.quantized else 0) + (gqa if self.decoding else 0)
+
+
+# Transient copies of one layer's per-row cache while a per-row side decodes, checked
+# against the allocations measured on tiny:llama (tests/test_memory.py, docs/service.md):
+# appending concatenates the layer's cache with the new token into a new tensor
+# (DynamicCache, the keys a QuantizedLayer returns): one copy. A quantized cache's flush
+# re-quantizes the whole layer: its padded, shifted, scaled and rounded intermediates
+# and the new quantized part make up to three more. A press acting while decoding
+# scores the layer and hides keys per head, and attention under a per-head mask takes
+# the path that repeats the keys and values for every query head: q_heads / kv_heads more.
+APPEND_TRANSIENT = 1
+FLUSH_TRANSIENT = 3
+
+
+@dataclass(frozen=True)
+class CandidateMemory:
+    """One candidate's two sides and whether its residual branches are replayed.
+
+    Parameters
+    ----------
+    policy : str
+        The candidate's policy id (named by :class:`RequestTooLarge`).
+    p, q : SideMemory
+        The reference's side and the candidate's.
+    replayed : bool
+        Residual branches replayed from the post-prefill snapshot (a press acting while
+        decoding, a quantized cache): a per-row side then rebuilds up to R more per-row
+        copies of its prompt for the branch rows while the survival rows are alive.
+
+    Examples
+    --------
+    >>> c = CandidateMemory("quant:kivi@2", q=SideMemory(shared=False, quantized=True), replayed=True)
+    >>> c.per_row_sides, c.prompt_copies(c.q, 16, "residual"), c.prompt_copies(c.p, 16, "residual")
+    ('Q', 33, 2)
+    """
+
+    policy: str = "full"
+    p: SideMemory = SideMemory()
+    q: SideMemory = SideMemory()
+    replayed: bool = False
+
+    @property
+    def per_row_sides(self) -> str:
+        """The sides that store per-row copies: ``""``, ``"P"``, ``"Q"`` or ``"P and Q"``."""
+        return " and ".join(name for name, side in (("P", self.p), ("Q", self.q)) if not side.shared)
+
+    def prompt_copies(self, side: SideMemory, rows: int, kind: str) -> int:
+        """Prompt copies one side holds at its peak: once (shared) or R times (per row),
+        one batch-1 snapshot for residual requests, and R more for the replayed branch
+        rows of a per-row side."""
+        residual = kind == "residual"
+        if side.shared:
+            return 1 + residual
+        return rows + residual + (rows if residual and self.replayed else 0)
+
+
 def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
-             shared_prompt: bool = True, candidates: int = 1) -> MemoryEstimate:
+             shared_prompt: bool = True, candidates: int = 1,
+             sides: Sequence[CandidateMemory] | None = None) -> MemoryEstimate:
     """Peak memory of one trace request beyond the weights.
 
     Parameters
@@ -123,16 +231,28 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
     kind : str
         ``"coupled"`` or ``"residual"``.
     shared_prompt : bool
-        Whether the engine stores the prompt once (default) or once per row.
+        Whether the engine stores the prompt once (default) or once per row; used for
+        every side when ``sides`` is not given.
     candidates : int
         Candidates in the request (``candidates``): each holds its own P and Q prompt
         caches (and snapshots) and its own R rows, and the stacked forwards run over
         every candidate's rows at once, so the rows' KV and the decoding activations
-        count ``candidates × rows`` rows.
+        count ``candidates × rows`` rows. Ignored when ``sides`` is given.
+    sides : sequence of CandidateMemory, optional
+        Each candidate's sides as the engine will hold them (:meth:`MemoryGate.describe`):
+        a per-row side counts R copies of the prompt slots it keeps (2R + 1 for
+        replayed residual branches) and the transient copies of one layer's per-row
+        cache its appends (and a quantized cache's flushes) make. None: ``candidates``
+        candidates whose sides all follow ``shared_prompt``.
 
     Returns
     -------
     MemoryEstimate
+
+    Raises
+    ------
+    ValueError
+        An unknown ``kind``, or a count below 1.
 
     Examples
     --------
@@ -145,18 +265,27 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
     >>> four = estimate(s, 64, 783, 32, candidates=4)
     >>> four.prompt_kv // shared.prompt_kv, four.row_kv // shared.row_kv
     (4, 4)
+    >>> q_rows = CandidateMemory("dms", q=SideMemory(shared=False))
+    >>> (estimate(s, 64, 783, 32, sides=[q_rows]).prompt_kv - shared.prompt_kv) // (783 * s.kv_bytes_per_token)
+    63
     """
     if kind not in ("coupled", "residual"):
         raise ValueError(f"kind: {kind!r} is neither 'coupled' nor 'residual'")
-    if min(rows, prompt_tokens, horizon, candidates) < 1:
+    if sides is None:
+        side = SideMemory(shared_prompt)
+        sides = [CandidateMemory(p=side, q=side)] * max(candidates, 0)
+    if min(rows, prompt_tokens, horizon, len(sides)) < 1:
         raise ValueError(f"rows, prompt_tokens, horizon and candidates must be >= 1, got {rows}, {prompt_tokens}, "
-                         f"{horizon}, {candidates}")
+                         f"{horizon}, {len(sides)}")
     token = shape.kv_bytes_per_token
-    copies = 1 if shared_prompt else rows
-    snapshots = 1 if kind == "residual" else 0
-    prompt_kv = 2 * (copies + snapshots) * prompt_tokens * token * candidates
-    rows *= candidates   # every candidate's rows, decoded together
     slots = horizon * (2 if kind == "residual" else 1)
+    prompt_kv = transient = 0
+    for cand in sides:
+        for side in (cand.p, cand.q):
+            kept = side.kept(prompt_tokens)
+            prompt_kv += cand.prompt_copies(side, rows, kind) * kept * token
+            transient += side.transient(shape) * rows * (kept + slots) * token // shape.layers
+    rows *= len(sides)   # every candidate's rows, decoded together
     row_kv = 2 * rows * slots * token
     b = shape.dtype_bytes
     mlp = shape.hidden * 6 + shape.intermediate * 3
@@ -165,7 +294,8 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
     keys = prompt_tokens + slots
     decode = (2 * rows * mlp * b                       # P's and Q's rows in one forward when fused
               + 2 * shape.q_heads * rows * keys * 4         # one layer's scores and weights, float32
-              + COUPLING_TENSORS * rows * shape.vocab * 4)
+              + COUPLING_TENSORS * rows * shape.vocab * 4
+              + transient)
     return MemoryEstimate(prompt_kv=prompt_kv, row_kv=row_kv, activations=max(prefill, decode), rows=rows)
 
 
@@ -222,36 +352,92 @@ class MemoryGate:
             budget = (budget or DEFAULT_FRACTION) * available_memory(lm.device)
         return cls(shape, int(budget), getattr(engine, "shared_prompt", True))
 
+    def describe(self, policy: str, reference: Any, candidate: Any, kind: str = "coupled") -> CandidateMemory:
+        """How the engine will hold one candidate's sides, from the two policies' plans.
+
+        Parameters
+        ----------
+        policy : str
+            The candidate's policy id.
+        reference, candidate : gen_service.presses.Plan
+            :meth:`Policy.plan` of the reference and of the candidate for this prompt
+            (``decoding``: a press acting while decoding; ``quant``: a quantized cache).
+        kind : str
+            ``"coupled"`` or ``"residual"``.
+
+        Returns
+        -------
+        CandidateMemory
+            A side keeps per-row copies where the engine's :func:`gen_service.shared_cache.can_share`
+            will refuse the shared prompt: a press acting while decoding, a quantized
+            cache, or an engine without the shared path. Those sides replay their
+            residual branches. The prompt slots kept are bounded by the whole prompt
+            (head-wise and decoding-time presses keep every slot until they evict).
+        """
+        def side(plan: Any) -> SideMemory:
+            quantized = plan.quant is not None
+            return SideMemory(self.shared_prompt and not plan.decoding and not quantized, quantized=quantized,
+                              decoding=plan.decoding)
+
+        p, q = side(reference), side(candidate)
+        # the engine replays when a press acts while decoding or a cache is quantized (and for
+        # per-layer budgets, known only after prefill: on the shared path that costs no prompt
+        # copy; on the copy path count it)
+        replay = not self.shared_prompt or not (p.shared and q.shared)
+        return CandidateMemory(policy, p, q, replayed=replay and kind == "residual")
+
     def estimate(self, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
-                 candidates: int = 1) -> MemoryEstimate:
-        return estimate(self.shape, rows, prompt_tokens, horizon, kind, self.shared_prompt, candidates)
+                 candidates: int = 1, sides: Sequence[CandidateMemory] | None = None) -> MemoryEstimate:
+        """:func:`estimate` with the gate's shapes (``sides`` overrides ``candidates``)."""
+        return estimate(self.shape, rows, prompt_tokens, horizon, kind, self.shared_prompt, candidates, sides)
 
     def admit(self, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
-              candidates: int = 1) -> MemoryEstimate:
-        """The request's estimate if it fits the budget (``candidates``: see :func:`estimate`).
+              candidates: int = 1, sides: Sequence[CandidateMemory] | None = None) -> MemoryEstimate:
+        """The request's estimate if it fits the budget (``candidates``, ``sides``: see :func:`estimate`).
+
+        Returns
+        -------
+        MemoryEstimate
 
         Raises
         ------
         RequestTooLarge
-            When it never can, with the estimate, the budget and the largest R that fits.
+            When it never can, with the estimate, the budget, the largest R that fits
+            and the candidates whose sides keep per-row copies of the prompt.
         """
-        est = self.estimate(rows, prompt_tokens, horizon, kind, candidates)
+        est = self.estimate(rows, prompt_tokens, horizon, kind, candidates, sides)
         if est.total > self.budget:
-            fit = self.max_rows(prompt_tokens, horizon, kind, candidates=candidates)
-            many = f" for each of {candidates} candidates" if candidates > 1 else ""
+            count = len(sides) if sides is not None else candidates
+            fit = self.max_rows(prompt_tokens, horizon, kind, candidates=candidates, sides=sides)
+            many = f" for each of {count} candidates" if count > 1 else ""
             raise RequestTooLarge(
                 f"needs an estimated {est.describe()} for R={rows}{many}, a {prompt_tokens}-token prompt and "
                 f"T={horizon} ({kind}); the memory budget is {self.budget / (1 << 20):.0f} MiB: "
-                + (f"at most R={fit} fits" if fit else "no R fits; shorten the prompt or T"))
+                + (f"at most R={fit} fits" if fit else "no R fits; shorten the prompt or T")
+                + self._per_row_note(rows, prompt_tokens, kind, sides))
         return est
 
+    def _per_row_note(self, rows: int, prompt_tokens: int, kind: str,
+                      sides: Sequence[CandidateMemory] | None) -> str:
+        """Which candidates store the prompt once per row, and what that costs."""
+        notes = []
+        for i, cand in enumerate(sides or ()):
+            if cand.per_row_sides:
+                copies = sum(cand.prompt_copies(s, rows, kind) * s.kept(prompt_tokens)
+                             for s in (cand.p, cand.q) if not s.shared) * self.shape.kv_bytes_per_token
+                name = f"candidates[{i}]" if len(sides) > 1 else "candidate"
+                notes.append(f"{name} ({cand.policy}) keeps per-row copies of the prompt on its "
+                             f"{cand.per_row_sides} side{'s' if ' and ' in cand.per_row_sides else ''} "
+                             f"({copies / (1 << 20):.0f} MiB at R={rows})")
+        return "; " + "; ".join(notes) if notes else ""
+
     def max_rows(self, prompt_tokens: int, horizon: int, kind: str = "coupled", limit: int = 1 << 20,
-                 candidates: int = 1) -> int:
+                 candidates: int = 1, sides: Sequence[CandidateMemory] | None = None) -> int:
         """The largest R (per candidate) whose estimate fits the budget (0 if none), by bisection."""
         lo, hi = 0, limit
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.estimate(mid, prompt_tokens, horizon, kind, candidates).total <= self.budget:
+            if self.estimate(mid, prompt_tokens, horizon, kind, candidates, sides).total <= self.budget:
                 lo = mid
             else:
                 hi = mid - 1

@@ -385,11 +385,26 @@ class Service:
             raise invalid(field, f"prompt of {len(ids)} tokens + {new_tokens} new tokens exceeds the "
                                  f"model context of {ctx}")
 
-    def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str, candidates: int = 1) -> None:
+    def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str, candidates: int = 1,
+                     policies: tuple[str, ...] = (), reference: str = "full",
+                     context_tokens: int | None = None) -> None:
         """422 when the request's estimated memory can never fit the budget (gen_service/memory.py);
-        a multi-candidate request counts every candidate's caches and rows."""
+        a multi-candidate request counts every candidate's caches and rows.
+
+        With ``policies`` (the candidates' ids, already checked by :meth:`check_policy`)
+        each candidate's sides are described from its plan and the reference's for this
+        prompt (``context_tokens``: what the press compresses), so a side that stores
+        per-row copies of the prompt (a press acting while decoding, a quantized cache)
+        counts them and the 422 names that candidate."""
+        sides = None
+        if policies:
+            info = self.model_info
+            length = prompt_tokens if context_tokens is None else context_tokens
+            ref = self.engine.registry.build(reference, info).plan(length)
+            sides = [self.memory.describe(p, ref, self.engine.registry.build(p, info).plan(length), kind)
+                     for p in policies]
         try:
-            self.memory.admit(rows, prompt_tokens, horizon, kind, candidates)
+            self.memory.admit(rows, prompt_tokens, horizon, kind, candidates, sides)
         except RequestTooLarge as exc:
             raise invalid("replicates", str(exc)) from exc
 

@@ -116,3 +116,109 @@ def test_http_refuses_a_request_that_can_never_fit():
         body["replicates"] = 2
         r = client.post("/v1/traces", json=body)
         assert r.status_code == 200 and r.text.count('"type": "step"') + r.text.count('"type":"step"') == 8
+
+
+# ---------------------------------------------------------------------- per-row sides
+
+DECODING = "kvpress:DecodingPress(KnormPress):compression_interval=2,target_size=64"
+DMS = "kvpress:DMSPress(KnormPress):threshold=-9.0,sliding_window_size=16,decoding=true"
+QUANT = "quant:kivi@4:residual_length=2,group_size=7"   # flushes every other step
+
+
+def _kv_bytes_per_token(lm) -> int:
+    """Keys + values of one token, one side, from the config (independently of ModelShape)."""
+    c = lm.model.config
+    return c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) \
+        * lm.dtype.itemsize * 2
+
+
+def _describe(gate, engine, policy, prompt_len, kind):
+    from gen_service.presses import ModelInfo
+
+    info = ModelInfo.of(engine.lm)
+    plan = engine.registry.build(policy, info).plan(prompt_len)
+    return gate.describe(policy, engine.registry.build("full", info).plan(prompt_len), plan, kind)
+
+
+@pytest.mark.parametrize("policy", [DECODING, DMS, QUANT, "snapkv@0.5+quant:kivi@2"])
+def test_per_row_candidate_counts_its_copies(lm, policy):
+    engine = Engine(lm)
+    gate = MemoryGate.for_engine(engine, 1 << 40)
+    R, L, T = 16, 100, 8
+    token = _kv_bytes_per_token(lm)
+    for kind, extra in (("coupled", R - 1), ("residual", 2 * R - 1)):
+        side = _describe(gate, engine, policy, L, kind)
+        assert side.p.shared and not side.q.shared and side.per_row_sides == "Q"
+        assert side.replayed == (kind == "residual")
+        old, new = gate.estimate(R, L, T, kind), gate.estimate(R, L, T, kind, sides=[side])
+        # Q's prompt: R copies (coupled) or R survival + 1 snapshot + R replayed branch rows
+        # (residual) instead of one shared copy (+ 1 snapshot)
+        assert new.prompt_kv - old.prompt_kv == extra * L * token
+        assert new.row_kv == old.row_kv
+        assert new.activations >= old.activations and new.total > old.total
+
+
+@pytest.mark.parametrize("kind", ["coupled", "residual"])
+@pytest.mark.parametrize("policy", ["full", "snapkv@0.5", "adakv@0.5", "pyramidkv@0.5"])
+def test_shared_candidate_estimate_is_unchanged(lm, policy, kind):
+    engine = Engine(lm)
+    gate = MemoryGate.for_engine(engine, 1 << 40)
+    side = _describe(gate, engine, policy, 100, kind)
+    assert side.per_row_sides == "" and not side.replayed
+    assert gate.estimate(16, 100, 8, kind, sides=[side]) == gate.estimate(16, 100, 8, kind)
+    assert gate.estimate(16, 100, 8, kind, sides=[side] * 3) == gate.estimate(16, 100, 8, kind, candidates=3)
+
+
+def _peak_bytes(run) -> int:
+    """Peak of the bytes torch allocates on the CPU while ``run()`` runs, from the
+    profiler's allocation and free events in time order (relative to the start)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    assert events, "the profiler recorded no allocation"
+    now = peak = 0
+    for e in events:
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.parametrize(("policy", "kind"), [(DECODING, "coupled"), (DMS, "residual"), (QUANT, "coupled")])
+def test_estimate_bounds_the_measured_peak_of_a_per_row_request(lm, policy, kind):
+    engine = Engine(lm)
+    gate = MemoryGate.for_engine(engine, 1 << 40)
+    R, T, ids = 64, 12, [10 + i % 300 for i in range(400)]
+    job = TraceJob(prompt_ids=ids, candidate=policy, kind=kind, horizon=T, replicates=R, seed=0)
+    peak = _peak_bytes(lambda: list(engine.trace(job)))
+    est = gate.estimate(R, len(ids), T, kind, sides=[_describe(gate, engine, policy, len(ids), kind)])
+    assert peak <= est.total, f"measured {peak} B > estimate {est.describe()}"
+    # the estimate that assumed a shared prompt did not bound it
+    assert peak > gate.estimate(R, len(ids), T, kind).total
+
+
+def test_http_refuses_a_per_row_candidate_the_old_estimate_admitted():
+    from starlette.testclient import TestClient
+
+    from gen_service.server_cli import build_service
+
+    R, T, text = 8, 8, "hello there, " * 20
+    app, service = build_service("tiny:llama", memory_budget=1 << 30)
+    L = len(service.encode(text))
+    # a budget the old estimate (every prompt shared) admits exactly, one and two candidates
+    service.memory.budget = service.memory.estimate(R, L, T, "residual", candidates=2).total
+    body = {"inputs": text, "replicates": R, "kind": "residual", "parameters": {"max_new_tokens": T}}
+    with TestClient(app) as client:
+        r = client.post("/v1/traces", json={**body, "candidates": ["snapkv@0.5", "adakv@0.5"]})
+        assert r.status_code == 200 and '"type":"end"' in r.text.replace(" ", "")
+        r = client.post("/v1/traces", json={**body, "candidates": ["snapkv@0.5", QUANT]})
+        assert r.status_code == 422
+        msg = r.json()["error"]
+        assert f"candidates[1] ({QUANT}) keeps per-row copies of the prompt on its Q side" in msg
+        assert "candidates[0]" not in msg and "at most R=" in msg
+        service.memory.budget = service.memory.estimate(R, L, T, "coupled").total
+        r = client.post("/v1/traces", json={**body, "kind": "coupled", "candidate": DECODING})
+        assert r.status_code == 422
+        assert f"candidate ({DECODING}) keeps per-row copies" in r.json()["error"]
