@@ -25,10 +25,10 @@ Degenerate data (one document for a permutation or bootstrap test, zero spread
 for the t and bootstrap-t tests) are *not estimable*: NaN p-value and interval with
 the reason in ``reason``; nothing raises and nothing claims certainty.  So is a
 one-sided ``bootstrap-t`` test below ``divstats.resample.MIN_DOCS_MEAN_BOUND``
-documents: on skewed differences with mean 0 its size was 0.08 at 10 and 0.066 at 20
-documents (alpha = 0.05) and no construction measured held there (docs/plans.md,
-"One-sided tests of a mean"); it is refused together with its dual bound, and the
-two-sided test (size held from 5 documents) stays available.
+documents: on skewed differences with mean 0 its size was 0.066-0.081 at 5-30
+documents (alpha = 0.05; 0.052 at 50) and no construction measured held there
+(docs/plans.md, "One-sided tests of a mean"); it is refused together with its dual
+bound, and the two-sided test (size within alpha + 2 SE from 5 documents) stays available.
 
 The mean difference's interval is the studentized bootstrap (bootstrap-t) interval
 by default — the dual of the ``bootstrap-t`` test — because it is the one that covers
