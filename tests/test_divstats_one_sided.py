@@ -113,3 +113,19 @@ def test_plan_row_is_refused_with_its_reason_and_the_report_renders() -> None:
     assert np.isfinite(t.loc["h2", "p_value"])
     md = render_markdown(compute(ds, plan, n_resamples=99, progress=False))
     assert "one-sided bootstrap-t tests of a mean difference need ≥" in md
+
+
+def test_power_is_zero_with_the_reason_where_the_one_sided_test_is_refused() -> None:
+    from divstats.power import hypothesis_pilots, power, power_at
+
+    pilot = simulate_study(8, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.2)}, horizon=6, replicates=4, seed=1)
+    hyp = {"id": "h", "family": "f", "metric": "occurrence", "compare": ["a", "b"], "split": "all",
+           "test": "bootstrap-t", "direction": "less"}
+    plan = {"plan": {"name": "p", "salt": "s"}, "hypothesis": [hyp]}
+    hp = hypothesis_pilots(plan, pilot)[0]
+    assert power_at(hp, MIN_DOCS_MEAN_BOUND - 1, 4, n_sims=200) == 0.0
+    assert power_at(hp, MIN_DOCS_MEAN_BOUND, 4, n_sims=200) > 0.5
+    t = power(plan, pilot, docs=[MIN_DOCS_MEAN_BOUND - 1, MIN_DOCS_MEAN_BOUND], n_sims=200).table
+    below, at = t.iloc[0], t.iloc[1]
+    assert below["power"] == 0.0 and "one-sided bootstrap-t tests of a mean difference need ≥" in below["note"]
+    assert at["power"] > 0.5 and "bootstrap-t" not in at["note"]
