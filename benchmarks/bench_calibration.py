@@ -152,7 +152,7 @@ def main() -> None:
     t0 = time.time()
     sizes = [3, 5, 10, 20, 50]
     if args.one_sided:
-        one_sided_table(args.sims, [5, 10, 20, 30, 50], shift=0.05)
+        one_sided_table(args.sims, [5, 10, 20, 30, 40, 50], shift=0.05)
         print(f"\nMonte Carlo SE of a rate near 0.05 with {args.sims} studies: {mc_se(0.05, args.sims):.4f}")
         print(f"\n(total {time.time() - t0:.0f} s)")
         return

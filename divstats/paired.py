@@ -590,7 +590,7 @@ def not_estimable_reason(d: np.ndarray, test: str, alternative: str = "two-sided
     >>> import numpy as np
     >>> not_estimable_reason(np.array([0.1, 0.1]), "ttest")[:15]
     'not estimable: '
-    >>> not_estimable_reason(np.arange(12.0), "bootstrap-t", "less")[:40]
+    >>> not_estimable_reason(np.arange(12.0), "bootstrap-t", "less")[:41]
     'not estimable: n = 12 documents, one-side'
     """
     if d.size < MIN_DOCS[test]:
@@ -662,7 +662,9 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
         ``permutation``): studentized bootstrap (default), t, or BCa bootstrap.
         Refused below ``divstats.resample.MIN_DOCS_MEAN_DIFFERENCE`` documents, or
         ``MIN_DOCS_MEAN_BOUND`` for a one-sided bound (``ci_reason``);
-        ``bootstrap-t`` tests always use their own (dual) interval.
+        ``bootstrap-t`` tests always use their own (dual) interval, and a one-sided
+        ``bootstrap-t`` test is itself refused below ``MIN_DOCS_MEAN_BOUND``
+        (``reason``; :func:`not_estimable_reason`).
 
     Returns
     -------
