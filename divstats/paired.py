@@ -28,7 +28,7 @@ one-sided ``bootstrap-t`` test below ``divstats.resample.MIN_DOCS_MEAN_BOUND``
 documents: on skewed differences with mean 0 its size was 0.066-0.081 at 5-30
 documents (alpha = 0.05; 0.052 at 50) and no construction measured held there
 (docs/plans.md, "One-sided tests of a mean"); it is refused together with its dual
-bound, and the two-sided test (size within alpha + 2 SE from 5 documents) stays available.
+bound, and the two-sided test (size 0.047-0.066 there from 5 documents) stays available.
 
 The mean difference's interval is the studentized bootstrap (bootstrap-t) interval
 by default — the dual of the ``bootstrap-t`` test — because it is the one that covers
