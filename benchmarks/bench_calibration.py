@@ -17,8 +17,12 @@ against a method's own output.
    share), by method (hybrid-t = the default, bootstrap-t, jackknife-t, BCa,
    percentile) x n documents x population; measured below the thresholds too.
 4. A whole plan under the null on simulated traces: family-wise rejection.
+5. (--one-sided) Size for the mean of the mean tests (bootstrap-t, t) by side
+   (greater, less, two-sided) x n x population, and power at a shift towards
+   each side; bootstrap-t also without its refusal of one-sided tests below
+   resample.MIN_DOCS_MEAN_BOUND (the behaviour before it).
 
-Usage: python benchmarks/bench_calibration.py [--quick] [--sims N]
+Usage: python benchmarks/bench_calibration.py [--quick] [--sims N] [--one-sided]
 """
 
 from __future__ import annotations
@@ -64,6 +68,24 @@ def paired_table(n_sims: int, sizes: list[int], shift: float) -> None:
         alt = paired_calibration(test, n_sims=n_sims, shift=shift, seed=1000 + n, **kw)
         print(f"| {pop} | {test} | {n} | {null.rejection_rate:.3f} | {alt.rejection_rate:.3f} | "
               f"{cell(null.effect_coverage)} | {null.hl_ci_coverage:.3f} |", flush=True)
+
+
+def one_sided_table(n_sims: int, sizes: list[int], shift: float) -> None:
+    print(f"\n## Size for the mean by side (alpha = 0.05; {n_sims} simulated studies per cell; power at a "
+          f"mean shift of {shift} towards the side: +{shift} for greater and two-sided, -{shift} for less)")
+    print("| population | test | n | side | size | power | refused | size without refusal | "
+          "power without refusal |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for pop, test, n, side in itertools.product(POPULATIONS, ("bootstrap-t", "ttest"), sizes,
+                                                ("greater", "less", "two-sided")):
+        kw = dict(n_docs=n, population=pop, n_resamples=999, alternative=side, n_sims=n_sims,
+                  unrefused=test == "bootstrap-t")
+        null = paired_calibration(test, shift=0.0, seed=5000 + n, **kw)
+        alt = paired_calibration(test, shift=-shift if side == "less" else shift, seed=6000 + n, **kw)
+        un = (f"{null.rejection_unrefused:.3f} | {alt.rejection_unrefused:.3f}" if test == "bootstrap-t"
+              else "= size | = power")
+        print(f"| {pop} | {test} | {n} | {side} | {null.rejection_rate:.3f} | {alt.rejection_rate:.3f} | "
+              f"{null.not_estimable:.2f} | {un} |", flush=True)
 
 
 def mean_interval_table(n_sims: int, sizes: list[int]) -> None:
@@ -124,9 +146,16 @@ def main() -> None:
     ap.add_argument("--sims", type=int, default=1000,
                     help="studies per cell of the default interval methods (others: a quarter; paired tests: half)")
     ap.add_argument("--skip-plan", action="store_true", help="leave out the whole-plan null study")
+    ap.add_argument("--one-sided", action="store_true",
+                    help="only the size-by-side table (5) with --sims studies per cell")
     args = ap.parse_args()
     t0 = time.time()
     sizes = [3, 5, 10, 20, 50]
+    if args.one_sided:
+        one_sided_table(args.sims, [5, 10, 20, 30, 40, 50], shift=0.05)
+        print(f"\nMonte Carlo SE of a rate near 0.05 with {args.sims} studies: {mc_se(0.05, args.sims):.4f}")
+        print(f"\n(total {time.time() - t0:.0f} s)")
+        return
     if args.quick:
         paired_table(100, [5, 10], shift=0.08)
         mean_interval_table(200, [5, 10])

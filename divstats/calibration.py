@@ -258,12 +258,15 @@ class PairedCalibration:
     population: str = "symmetric"
     not_estimable: float = 0.0
     ci_refused: float = 0.0      # fraction of studies whose test interval was refused (too few documents)
+    #: bootstrap-t only (``unrefused=True``): rejection rate of the same test without its
+    #: refusal below divstats.resample.MIN_DOCS_MEAN_BOUND (its dual bound excludes 0)
+    rejection_unrefused: float = float("nan")
 
 
 def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int = 400, shift: float = 0.0,
                        alpha: float = 0.05, alternative: str = "two-sided", seed: int = 0,
                        n_resamples: int = 999, mean_ci: str = "bootstrap-t",
-                       population: str = "symmetric") -> PairedCalibration:
+                       population: str = "symmetric", unrefused: bool = False) -> PairedCalibration:
     """Rejection rate and interval coverage for per-document differences from ``population``.
 
     The mean difference is ``shift`` in both populations, so ``rejection_rate`` at
@@ -293,11 +296,22 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
         Interval for the mean difference.
     population : {"symmetric", "skewed"}
         Law of the differences (:func:`draw_differences`).
+    unrefused : bool
+        For ``bootstrap-t``: also measure the rejection rate without the refusal of
+        one-sided tests below ``divstats.resample.MIN_DOCS_MEAN_BOUND`` (the test
+        rejects exactly when its dual interval, computed without threshold by
+        ``divstats.paired.mean_difference_interval``, excludes 0), i.e. the
+        behaviour before that refusal.
 
     Returns
     -------
     PairedCalibration
         Rejection rate, the three coverages and the not-estimable fraction.
+
+    Raises
+    ------
+    ValueError
+        For ``unrefused`` with a test other than ``bootstrap-t``.
 
     Examples
     --------
@@ -305,8 +319,12 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
     >>> 0 <= r.rejection_rate <= 1
     True
     """
+    from divstats.paired import mean_difference_interval
+
+    if unrefused and test != "bootstrap-t":
+        raise ValueError(f"unrefused is measured for bootstrap-t only, not {test!r}")
     rng = np.random.default_rng(seed)
-    rej = cov = cov_m = cov_hl = bad = shown = shown_m = 0
+    rej = cov = cov_m = cov_hl = bad = shown = shown_m = rej_u = 0
     hl_truth = pseudo_median(population, shift)
     own = hl_truth if test == "wilcoxon" else shift
     for i in range(n_sims):
@@ -314,6 +332,10 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
         d = draw_differences(population, n_docs, shift, rng)
         res = paired_test(a + d, a, test, alternative, confidence_level=1 - alpha,
                           n_resamples=n_resamples, seed=i, mean_ci=mean_ci)
+        if unrefused:   # the same resamples as paired_test's (same seed), without the threshold
+            _, lo, hi = mean_difference_interval((a + d) - a, "bootstrap-t", 1 - alpha, alternative,
+                                                 n_resamples=n_resamples, seed=i)
+            rej_u += bool(lo > 0.0 or hi < 0.0)
         bad += bool(res.reason)
         rej += rejects(res.pvalue, alpha)
         reported = not (np.isnan(res.ci_low) or np.isnan(res.ci_high))
@@ -326,7 +348,8 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
     rate = lambda k, m: float(k / m) if m else float("nan")  # noqa: E731
     return PairedCalibration(test, alternative, n_docs, n_sims, shift, float(rej / n_sims),
                              rate(cov, shown), rate(cov_m, shown_m), float(cov_hl / n_sims),
-                             population, float(bad / n_sims), float(1 - shown / n_sims))
+                             population, float(bad / n_sims), float(1 - shown / n_sims),
+                             float(rej_u / n_sims) if unrefused else float("nan"))
 
 
 @dataclass(frozen=True)

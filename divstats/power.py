@@ -20,7 +20,9 @@ Power is the probability that the hypothesis' test rejects at its level: the
 plan's alpha divided by the family's size for Holm families (Bonferroni: Holm
 rejects at least what Bonferroni rejects, so this is a lower bound of Holm's
 power).  It is computed by simulating the test on the model (exact signed-rank
-null law, t distribution; the sign-flip permutation test as the t-test) for up to
+null law, t distribution; the sign-flip permutation and bootstrap-t tests as the
+t-test; 0 for a one-sided bootstrap-t test on fewer documents than it needs, which
+is refused, :func:`refused_reason`) for up to
 :data:`SIMULATE_MAX_N` documents, and beyond that from the normal approximation of
 the test statistic under the alternative (Lehmann's moments of the signed-rank
 statistic, estimated on the model; the noncentral t).
@@ -48,9 +50,11 @@ from divstats.components import document_values, paired_document_values
 from divstats.errors import PlanError
 from divstats.paired import signed_rank_null_cdf
 from divstats.plans import WINDOW_METRICS, Hypothesis, Plan, load_plan
+from divstats.resample import MIN_DOCS_MEAN_BOUND, too_few_documents
 
 __all__ = ["POWER_COLUMNS", "SIMULATE_MAX_N", "HypothesisPilot", "PowerDesign", "PowerResult", "effect_range",
-           "counted_replicates", "hypothesis_pilots", "power", "power_at", "power_calibration", "power_range"]
+           "counted_replicates", "hypothesis_pilots", "power", "power_at", "power_calibration", "power_range",
+           "refused_reason"]
 
 #: Up to this many documents power is simulated; beyond it the normal approximation is used.
 SIMULATE_MAX_N = 100
@@ -421,7 +425,9 @@ def power_at(hp: HypothesisPilot, n: int, R: float, *, theta: float | None = Non
     -------
     float
         The rejection probability at ``hp.alpha``; NaN with fewer than 2 documents
-        (in the study or in the pilot).
+        (in the study or in the pilot); 0 for a one-sided ``bootstrap-t`` test below
+        ``divstats.resample.MIN_DOCS_MEAN_BOUND`` documents, which ``paired_test``
+        refuses (:func:`refused_reason`).
 
     Examples
     --------
@@ -436,12 +442,45 @@ def power_at(hp: HypothesisPilot, n: int, R: float, *, theta: float | None = Non
     h = hp.hypothesis
     if n < 2 or hp.n_pilot < 2:
         return math.nan
+    if refused_reason(h, n):
+        return 0.0                  # the test is not run, so it never rejects
     model = _model(hp, theta, R)
     if n <= SIMULATE_MAX_N:
         return _simulated_power(model, n, R, h.test, h.direction, hp.alpha, n_sims, seed)
     if h.test == "wilcoxon":
         return _lehmann_power(model, n, R, h.direction, hp.alpha, seed)
     return _t_power(model, n, R, h.direction, hp.alpha, seed)
+
+
+def refused_reason(h: Hypothesis, n: int) -> str:
+    """Why ``paired_test`` refuses ``h``'s test on ``n`` documents whatever the data ("" when it does not).
+
+    A one-sided ``bootstrap-t`` test needs ``divstats.resample.MIN_DOCS_MEAN_BOUND``
+    documents (its size on skewed differences, docs/plans.md).
+
+    Parameters
+    ----------
+    h : Hypothesis
+        The hypothesis (its test and direction).
+    n : int
+        Documents the test runs on.
+
+    Returns
+    -------
+    str
+        The reason, or "".
+
+    Examples
+    --------
+    >>> from divstats.plans import load_plan
+    >>> plan = load_plan({"plan": {"name": "p", "salt": "s"}, "hypothesis": [{"id": "h", "family": "f",
+    ...     "metric": "occurrence", "compare": ["a", "b"], "direction": "less", "test": "bootstrap-t"}]})
+    >>> refused_reason(plan.hypotheses[0], 20)[:31]
+    'not estimable: n = 20 documents'
+    """
+    if h.test == "bootstrap-t" and h.direction != "two-sided":
+        return too_few_documents(n, MIN_DOCS_MEAN_BOUND, "one-sided bootstrap-t tests of a mean difference")
+    return ""
 
 
 def effect_range(hp: HypothesisPilot, R: float, level: float = 0.8, n_boot: int = N_BOOTSTRAP,
@@ -565,7 +604,8 @@ def _row(hp: HypothesisPilot, docs: int, R: int, level: float, n_sims: int, seed
             "direction": h.direction, "alpha_used": hp.alpha, "docs": docs, "replicates": R, "n_docs": n,
             "effect": hp.effect, "sd_between": math.sqrt(hp.between) if hp.n_pilot >= 2 else math.nan,
             "sd_replicate": math.sqrt(hp.replicate_var) if hp.n_pilot else math.nan,
-            "power": point, "power_low": low, "power_high": high, "note": hp.note}
+            "power": point, "power_low": low, "power_high": high,
+            "note": "; ".join(x for x in (hp.note, refused_reason(h, n)) if x)}
 
 
 def power(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, docs: int | Sequence[int] | None = None,

@@ -173,7 +173,8 @@ def test_split_disagreement_is_reported():
 # ---------------------------------------------------------------------------
 
 def test_run_plan_table_columns_and_planted_effect():
-    est, branch = fake_data(n_docs=60, effect=0.1, tv_slope=0.01, seed=1)
+    # 120 documents: about 60 confirmatory, above the 50 that one-sided bootstrap-t tests need
+    est, branch = fake_data(n_docs=120, effect=0.1, tv_slope=0.01, seed=1)
     res = run_plan(est, PAPER, estimates=est, branch=branch)
     assert list(res.table.columns[: len(TABLE_COLUMNS)]) == list(TABLE_COLUMNS)
     assert res.plan_sha256 == hashlib.sha256(PAPER.read_bytes()).hexdigest()
@@ -188,7 +189,8 @@ def test_run_plan_table_columns_and_planted_effect():
 
 
 def test_holm_within_family_matches_manual_step_down():
-    est, branch = fake_data(n_docs=30, effect=0.02, seed=3)
+    # 120 documents: about 60 confirmatory, above the 50 that one-sided bootstrap-t tests need
+    est, branch = fake_data(n_docs=120, effect=0.02, seed=3)
     res = run_plan(est, PAPER, estimates=est, branch=branch)
     fam = res.table[res.table["family"] == "snapkv-retention"]
     p = fam["p_value"].to_numpy()

@@ -80,14 +80,17 @@ def test_unknown_policy_is_refused(pilot):
         power(plan([{**HYPS[0], "compare": ["a", "zzz"]}]), pilot)
 
 
-#: 12 designs on residual traces: both tests, both sides, simulated (n <= 100) and normal-approximation paths.
+#: 15 designs on residual traces: all tests, both sides, simulated (n <= 100) and normal-approximation paths.
 DESIGNS = {
     (0.05, 0.058): [PowerDesign("wilcoxon", "less", 6, 1), PowerDesign("wilcoxon", "less", 8, 4),
                     PowerDesign("wilcoxon", "less", 12, 1), PowerDesign("wilcoxon", "two-sided", 10, 2),
                     PowerDesign("ttest", "less", 6, 2), PowerDesign("ttest", "two-sided", 10, 1),
                     PowerDesign("permutation", "less", 8, 2), PowerDesign("wilcoxon", "less", 16, 16)],
     (0.05, 0.052): [PowerDesign("wilcoxon", "less", 120, 1), PowerDesign("wilcoxon", "two-sided", 200, 2),
-                    PowerDesign("ttest", "less", 150, 1), PowerDesign("wilcoxon", "less", 60, 8)],
+                    PowerDesign("ttest", "less", 150, 1), PowerDesign("wilcoxon", "less", 60, 8),
+                    # bootstrap-t (the paper plan's test): predicted as the t-test; one-sided refused below 50
+                    PowerDesign("bootstrap-t", "less", 100, 2), PowerDesign("bootstrap-t", "two-sided", 60, 2),
+                    PowerDesign("bootstrap-t", "less", 40, 8)],
 }
 
 

@@ -69,7 +69,7 @@ def test_t_interval_undercovers_mean_differences_where_bootstrap_t_covers() -> N
     two = dict(n_docs=MIN_DOCS_MEAN_DIFFERENCE, **kw)
     t, bt = (mean_interval_coverage(m, **two).coverage for m in ("t", "bootstrap-t"))
     assert t < bt and bt >= 0.91, (t, bt)               # binomial SD near 0.92 from 600 studies: 0.011
-    one = dict(n_docs=MIN_DOCS_MEAN_BOUND, alternative="less", **kw)
+    one = dict(n_docs=20, alternative="less", **kw)
     t, bt = (mean_interval_coverage(m, **one).coverage for m in ("t", "bootstrap-t"))
     assert t < 0.90 and bt >= 0.92, (t, bt)
 
@@ -107,6 +107,13 @@ def _sample(n: int, seed: int = 0):
 def test_paired_mean_interval_refused_below_threshold_with_reason(test, alternative, min_docs, what) -> None:
     n = min_docs - 1
     res = dv.paired_test(*_sample(n), test, alternative, n_resamples=999)
+    if test == "bootstrap-t" and alternative != "two-sided":         # refused with its bound
+        assert np.isnan(res.pvalue) and np.isnan(res.ci_low) and np.isnan(res.mean_ci_low)
+        assert res.reason.startswith(f"not estimable: n = {n} documents, one-sided bootstrap-t tests of a "
+                                     f"mean difference need ≥ {min_docs}")
+        ok = dv.paired_test(*_sample(min_docs), test, alternative, n_resamples=999)
+        assert np.isfinite(ok.pvalue) and np.isfinite(ok.mean_ci_low) and not ok.reason
+        return
     assert np.isfinite(res.pvalue) and not res.reason                # the test stands
     assert np.isnan(res.mean_ci_low) and np.isnan(res.mean_ci_high)
     assert res.ci_reason == (f"not estimable: n = {n} documents, {what} need ≥ {min_docs} "
@@ -167,14 +174,15 @@ def test_plan_and_report_render_with_refused_intervals() -> None:
     ds = simulate_study(7, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=6, replicates=4, seed=2)
     plan = {"plan": {"name": "small", "alpha": 0.05, "salt": "s"}, "windows": {},
             "hypothesis": [{"id": "h", "family": "f", "metric": "occurrence", "compare": ["a", "b"],
-                            "direction": "less", "split": "all", "test": "bootstrap-t"}]}
+                            "direction": "less", "split": "all", "test": "ttest"}]}
     row = run_plan(ds, plan, n_resamples=499).table.iloc[0]
     assert row["n_docs"] == 7 and np.isfinite(row["p_value"])
     assert np.isnan(row["ci_high"]) and np.isnan(row["mean_ci_high"])
-    assert "n = 7 documents, one-sided bounds for a mean difference need ≥ 20" in row["note"]
+    bound = f"one-sided bounds for a mean difference need ≥ {MIN_DOCS_MEAN_BOUND}"
+    assert f"n = 7 documents, {bound}" in row["note"]
     an = compute(ds, plan, n_resamples=199, progress=False)
     page, md = render_html(an, {}), render_markdown(an)
-    for text in ("one-sided bounds for a mean difference need ≥ 20", "intervals for aggregate estimates need ≥ 10",
+    for text in (bound, "intervals for aggregate estimates need ≥ 10",
                  "intervals for the gap and its parts need ≥ 10", "intervals for shares need ≥ 10"):
         assert text in page, text
         assert text in md, text
