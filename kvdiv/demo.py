@@ -352,7 +352,8 @@ def demo_windows(window: int) -> dict[str, tuple[int, int]]:
     return {"early": (1, max(1, window // 4)), "late": (max(2, window // 2), window)}
 
 
-def write_demo_plan(source: Path, target: Path, budget: int, window: int) -> Path:
+def write_demo_plan(source: Path, target: Path, budget: int, window: int, confirmatory_docs: int | None = None,
+                    ) -> Path:
     """The demo's plan: the shipped plan with its budget policy and windows fitted to a CPU run.
 
     Written into the run directory *before* any trace is collected (and never
@@ -360,10 +361,16 @@ def write_demo_plan(source: Path, target: Path, budget: int, window: int) -> Pat
     families are the paper's; only ``snapkv#512`` becomes ``snapkv#N`` (as a plan
     alias, see docs/plans.md) and the age windows shrink with W, because a
     late window of ages 16-32 needs T > 32 decoding steps per branch, several
-    times what fits in the demo's minutes on 2 cores.
+    times what fits in the demo's minutes on 2 cores. With fewer than
+    ``divstats.resample.MIN_DOCS_MEAN_BOUND`` confirmatory documents the
+    hypotheses become two-sided: a one-sided test of a mean is refused there (its
+    size does not hold on skewed differences, docs/plans.md), a two-sided one holds
+    it from 5 documents.
     """
     if target.exists():
         return target
+    from divstats.resample import MIN_DOCS_MEAN_BOUND
+
     text = source.read_text(encoding="utf-8")
     windows = demo_windows(window)
     for name, (first, last) in windows.items():
@@ -371,8 +378,13 @@ def write_demo_plan(source: Path, target: Path, budget: int, window: int) -> Pat
         if n != 1:
             raise DemoError(f"{source}: expected one `{name} = [a, b]` line in [windows] to adapt")
     text = re.sub(r'(?m)^name\s*=\s*"([^"]*)"', r'name = "\1-demo"', text, count=1)
+    two_sided = confirmatory_docs is not None and confirmatory_docs < MIN_DOCS_MEAN_BOUND
+    if two_sided:
+        text = re.sub(r'(?m)^direction\s*=\s*"(less|greater)"', 'direction = "two-sided"', text)
     header = (f"# Derived by `kvdiv demo` from {source.name} before collecting: windows scaled to "
-              f"W = {window}, {PLANNED_BUDGET_POLICY} -> snapkv#{budget}.\n")
+              f"W = {window}, {PLANNED_BUDGET_POLICY} -> snapkv#{budget}"
+              + (f"; directions two-sided ({confirmatory_docs} confirmatory documents, one-sided tests "
+                 f"of a mean need {MIN_DOCS_MEAN_BOUND})" if two_sided else "") + ".\n")
     text = header + text.rstrip("\n") + f'\n\n[aliases]\n"{PLANNED_BUDGET_POLICY}" = "snapkv#{budget}"\n'
     from divstats.plans import load_plan
 
@@ -419,7 +431,8 @@ def _run(cfg: DemoConfig) -> Any:
         if server is not None:
             _say(f"      server ready at {urls[0]} after {time.monotonic() - t0:.0f} s")
         policies = demo_policies(budget)
-        plan = cfg.plan or write_demo_plan(shipped_plan(), cfg.out / "plan.toml", budget, cfg.window)
+        plan = cfg.plan or write_demo_plan(shipped_plan(), cfg.out / "plan.toml", budget, cfg.window,
+                                           confirmatory_docs=(cfg.docs_count + 1) // 2)
         _say(f"      plan: {plan}")
         _say(f"[3/5] collecting traces: {', '.join(policies)}")
         result = collect(CollectConfig(

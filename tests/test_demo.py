@@ -63,6 +63,22 @@ def test_demo_plan_is_the_paper_plan_fitted_to_the_window(tmp_path: Path) -> Non
     before = path.read_bytes()
     write_demo_plan(shipped_plan(), path, 99, 16)  # prespecified: never rewritten for a run
     assert path.read_bytes() == before
+    assert [h.direction for h in plan.hypotheses] == [h.direction for h in paper.hypotheses]
+
+
+def test_demo_plan_is_two_sided_below_the_one_sided_threshold(tmp_path: Path) -> None:
+    # 7 confirmatory documents: a one-sided bootstrap-t test would be refused, a two-sided one is not
+    from divstats.plans import load_plan
+    from divstats.resample import MIN_DOCS_MEAN_BOUND
+
+    paper = load_plan(shipped_plan())
+    small = load_plan(write_demo_plan(shipped_plan(), tmp_path / "small.toml", 70, 8, confirmatory_docs=7))
+    large = load_plan(write_demo_plan(shipped_plan(), tmp_path / "large.toml", 70, 8,
+                                      confirmatory_docs=MIN_DOCS_MEAN_BOUND))
+    assert {h.direction for h in small.hypotheses} == {"two-sided"}
+    assert [h.direction for h in large.hypotheses] == [h.direction for h in paper.hypotheses]
+    assert [h.test for h in small.hypotheses] == [h.test for h in paper.hypotheses]
+    assert "two-sided" in (tmp_path / "small.toml").read_text().splitlines()[0]
 
 
 def test_documents_are_balanced_over_the_plan_split() -> None:
