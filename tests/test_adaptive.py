@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +23,6 @@ from kvdiv.cli import main
 
 POLICIES = ["snapkv@0.5", "recent@0.5"]
 TARGET = {"occurrence": 0.08, "loss": 0.4}
-
-
-@pytest.fixture()
-def fake_server() -> Iterator[FakeServer]:
-    with FakeServer() as server:
-        yield server
 
 
 @pytest.fixture()

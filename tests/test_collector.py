@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_collector_support import FakeServer
+from test_collector_support import POLICIES, FakeServer, small_config
 
 from collector import documents as D
 from collector.cli import _split_policies
@@ -28,27 +27,7 @@ from collector.journal import ManifestMismatch
 from collector.pack import PackError, pack_run
 from protocols import read_stream
 
-POLICIES = ["snapkv@0.5", "recent@0.5"]
-
-
-@pytest.fixture()
-def fake_server() -> Iterator[FakeServer]:
-    with FakeServer() as server:
-        yield server
-
-
-@pytest.fixture()
-def docs_file(tmp_path: Path) -> Path:
-    docs = [D.Document(f"doc{i}", f"Paragraph {i} of the test set.\n\nSecond paragraph {i}.") for i in range(3)]
-    return D.write_jsonl(docs, tmp_path / "docs.jsonl")
-
-
-def _cfg(servers: list[str], docs_file: Path, out: Path, **kw) -> CollectConfig:
-    base = dict(servers=servers, docs_file=docs_file, policies=POLICIES, out=out, kind="residual",
-                replicates=2, max_new_tokens=6, window=4, seed=7, progress=False, backoff_s=0.01,
-                backoff_max_s=0.05, max_attempts=4)
-    base.update(kw)
-    return CollectConfig(**base)
+_cfg = small_config
 
 
 def _journal_bytes(run: Path) -> dict[str, bytes]:

@@ -5,44 +5,24 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import xarray as xr
-from test_collector_support import FakeServer
+from test_collector_support import FakeServer, small_config
 
-from collector import documents as D
 from collector.checks import derive_seed
 from collector.collect import CollectConfig, Collector, collect, prepare_run
 from collector.errors import ConfigError, ManifestMismatch
 from collector.journal import Journal
 from collector.pack import PackError, pack_run, pack_to
 
-POLICIES = ["snapkv@0.5", "recent@0.5"]
 ALLOCATION = {"doc0": {"snapkv@0.5": 3, "recent@0.5": 0}, "doc1": {"snapkv@0.5": 1, "recent@0.5": 4},
               "doc2": {"snapkv@0.5": 2, "recent@0.5": 2}}
 
 
-@pytest.fixture()
-def fake_server() -> Iterator[FakeServer]:
-    with FakeServer() as server:
-        yield server
-
-
-@pytest.fixture()
-def docs_file(tmp_path: Path) -> Path:
-    docs = [D.Document(f"doc{i}", f"Paragraph {i} of the test set.\n\nSecond paragraph {i}.") for i in range(3)]
-    return D.write_jsonl(docs, tmp_path / "docs.jsonl")
-
-
-def _cfg(servers: list[str], docs_file: Path, out: Path, **kw) -> CollectConfig:
-    base = dict(servers=servers, docs_file=docs_file, policies=POLICIES, out=out, kind="residual",
-                replicates=2, max_new_tokens=6, window=4, seed=7, progress=False, backoff_s=0.01,
-                backoff_max_s=0.05, max_attempts=4)
-    base.update(kw)
-    return CollectConfig(**base)
+_cfg = small_config
 
 
 def _round_files(run: Path, k: int) -> dict[str, bytes]:

@@ -25,16 +25,18 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from collector import documents as D
+from collector.collect import CollectConfig
 from protocols import (
     StreamWriter,
     branch_record,
@@ -246,10 +248,23 @@ BAD_LINES = {
 }
 
 
-@pytest.fixture()
-def fake_server() -> Iterator[FakeServer]:
-    with FakeServer() as server:
-        yield server
+#: The policies of the collector tests' runs.
+POLICIES = ["snapkv@0.5", "recent@0.5"]
+
+
+def write_docs(path: Path, count: int = 3) -> Path:
+    """A small document set of ``count`` two-paragraph documents (``doc0``, ``doc1``, ...)."""
+    docs = [D.Document(f"doc{i}", f"Paragraph {i} of the test set.\n\nSecond paragraph {i}.") for i in range(count)]
+    return D.write_jsonl(docs, path)
+
+
+def small_config(servers: list[str], docs_file: Path, out: Path, **kw: Any) -> CollectConfig:
+    """A fast residual run (R = 2, T = 6, W = 4) with quick retries; ``kw`` overrides."""
+    base = dict(servers=servers, docs_file=docs_file, policies=POLICIES, out=out, kind="residual",
+                replicates=2, max_new_tokens=6, window=4, seed=7, progress=False, backoff_s=0.01,
+                backoff_max_s=0.05, max_attempts=4)
+    base.update(kw)
+    return CollectConfig(**base)
 
 
 def test_fake_streams_are_deterministic_and_valid() -> None:
