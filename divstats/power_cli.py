@@ -38,6 +38,18 @@ def format_power_table(table) -> list[str]:
     return lines
 
 
+def row_notes(table, shown: list[str]) -> list[str]:
+    """The rows' own notes (e.g. a test refused at that many documents), once per (note, hypothesis)."""
+    lines: dict[str, list[str]] = {}
+    for r in table.itertuples(index=False):
+        for note in filter(None, str(r.note or "").split("; ")):
+            if note not in shown:
+                lines.setdefault(note, [])
+                if r.id not in lines[note]:
+                    lines[note].append(r.id)
+    return [f"note ({', '.join(ids)}): {note}" for note, ids in lines.items()]
+
+
 def format_design_table(table, target: float) -> list[str]:
     """Documents needed per hypothesis (rows) and replicates per document (columns)."""
     grid = table.pivot(index="id", columns="replicates", values="docs").reindex(table["id"].unique())
@@ -98,6 +110,8 @@ def power_command(traces: Path, plan_source: str, docs: tuple[int, ...], replica
             click.echo(line)
         for note in res.notes:
             click.echo(f"note: {note}")
+        for line in row_notes(res.table, res.notes):
+            click.echo(line)
         if target is not None:
             des = design(plan, pilot, target, use="low" if conservative else "point", aliases=alias_map,
                          window=window, n_sims=min(sims, 1000), seed=seed)

@@ -136,3 +136,13 @@ def test_power_table_columns_stay_aligned() -> None:
     head, _, *lines = format_power_table(table)
     assert len({line.index("0.0500") for line in lines}) == 1
     assert head.index("alpha") + len("alpha") == lines[0].index("0.0500") + len("0.0500")
+
+
+def test_cli_prints_each_rows_refusal_once() -> None:
+    import pandas as pd
+
+    from divstats.power_cli import row_notes
+
+    table = pd.DataFrame({"id": ["a", "a", "b", "c"],
+                          "note": ["refused at 7", "", "refused at 7; window beyond W", None]})
+    assert row_notes(table, ["window beyond W"]) == ["note (a, b): refused at 7"]
