@@ -146,3 +146,20 @@ def test_cli_prints_each_rows_refusal_once() -> None:
     table = pd.DataFrame({"id": ["a", "a", "b", "c"],
                           "note": ["refused at 7", "", "refused at 7; window beyond W", None]})
     assert row_notes(table, ["window beyond W"]) == ["note (a, b): refused at 7"]
+
+
+@pytest.mark.parametrize("direction", ["two-sided", "greater", "less"])
+def test_large_studies_have_power_not_nan(direction: str) -> None:
+    # scipy's noncentral t returns NaN at large noncentrality (here ~100); power is then ~1 or ~0
+    import math
+
+    from divstats.calibration import PolicyEffect, simulate_study
+    from divstats.power import hypothesis_pilots, power_at
+
+    pilot = simulate_study(8, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.3)}, horizon=6, replicates=4, seed=1)
+    plan = {"plan": {"name": "p", "salt": "s"}, "hypothesis": [
+        {"id": "h", "family": "f", "metric": "occurrence", "compare": ["b", "a"], "split": "all",
+         "direction": direction, "test": "ttest"}]}
+    hp = hypothesis_pilots(plan, pilot)[0]
+    value = power_at(hp, 20_000, 4)
+    assert math.isfinite(value) and value == (0.0 if direction == "less" else 1.0)
