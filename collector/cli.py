@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import click
 
 from collector.documents import TEMPLATES
+from protocols import WIRE_KINDS
 
 if TYPE_CHECKING:
     from collector.collect import CollectConfig
@@ -43,7 +44,7 @@ def _split_policies(value: str) -> list[str]:
 @click.option("--docs", "docs_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
               help="JSONL document set (see `kvdiv docs`).")
 @click.option("--policies", required=True, help="Comma-separated candidate policy ids, e.g. snapkv@0.5,recent@0.5.")
-@click.option("--kind", type=click.Choice(["coupled", "residual"]), default="residual", show_default=True)
+@click.option("--kind", type=click.Choice(WIRE_KINDS), default="residual", show_default=True)
 @click.option("--replicates", "-R", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--max-new-tokens", "-T", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--window", "-W", type=click.IntRange(min=1), default=None,

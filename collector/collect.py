@@ -53,7 +53,8 @@ from collector.errors import ConfigError, DocumentsError, PermanentError, Retrya
 from collector.grouped import CandidateSplitter, group_body, groupable, max_candidates
 from collector.journal import DOCUMENTS, Journal, RequestWriter
 from collector.servers import Server, ServerPool, ServerStats, read_servers_file
-from protocols.stream import LIMITS, StreamError, StreamReader
+from protocols import WIRE_KINDS, Kind
+from protocols.stream import STREAM_LIMITS, StreamError, StreamReader
 
 __all__ = [
     "CollectConfig", "CollectResult", "Collector", "PermanentError", "RetryableError", "collect", "collect_async",
@@ -61,7 +62,6 @@ __all__ = [
 ]
 
 RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
-KINDS = ("coupled", "residual")
 
 
 @dataclass
@@ -166,15 +166,15 @@ class CollectConfig:
             problems.append("at least one policy is needed")
         if len(set(self.policies)) != len(self.policies):
             problems.append(f"duplicate policies in {self.policies}")
-        if self.kind not in KINDS:
-            problems.append(f"--kind must be one of {KINDS}, not {self.kind!r}")
+        if self.kind not in WIRE_KINDS:
+            problems.append(f"--kind must be one of {WIRE_KINDS}, not {self.kind!r}")
         if self.template not in TEMPLATES:
             problems.append(f"--template must be one of {sorted(TEMPLATES)}, not {self.template!r}")
         if self.replicates < 1 or self.max_new_tokens < 1 or self.concurrency < 1 or self.max_attempts < 1:
             problems.append("--replicates, --max-new-tokens, --concurrency and attempts must be >= 1")
         if self.window is not None and not 1 <= self.window <= self.max_new_tokens:
             problems.append(f"--window must be in 1..{self.max_new_tokens}, not {self.window}")
-        if self.kind == "coupled" and self.window not in (None, self.max_new_tokens):
+        if self.kind == Kind.COUPLED and self.window not in (None, self.max_new_tokens):
             problems.append("--window applies to residual traces (coupled traces run to the horizon)")
         if self.temperature < 0:
             problems.append("--temperature must be >= 0")
@@ -679,8 +679,8 @@ class Collector:
                 *complete, buffer = buffer.split(b"\n")
                 for raw in complete:
                     self._take(writer, reader, raw + b"\n", job)
-                if len(buffer) > LIMITS.line_bytes:
-                    raise RetryableError(f"a line longer than {LIMITS.line_bytes} bytes")
+                if len(buffer) > STREAM_LIMITS.line_bytes:
+                    raise RetryableError(f"a line longer than {STREAM_LIMITS.line_bytes} bytes")
             if buffer.strip():
                 self._take(writer, reader, buffer, job)  # a final line without newline: kept, so truncation is seen
             self._complete(writer, reader, job)
@@ -849,8 +849,8 @@ class Collector:
                 *complete, buffer = buffer.split(b"\n")
                 for raw in complete:
                     self._take_grouped(group, raw + b"\n")
-                if len(buffer) > LIMITS.line_bytes:
-                    raise RetryableError(f"a line longer than {LIMITS.line_bytes} bytes")
+                if len(buffer) > STREAM_LIMITS.line_bytes:
+                    raise RetryableError(f"a line longer than {STREAM_LIMITS.line_bytes} bytes")
             if buffer.strip():
                 self._take_grouped(group, buffer)
         finally:

@@ -22,7 +22,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from protocols.stream import LIMITS, StreamError, parse_record
+from protocols.stream import STREAM_LIMITS, StreamError, parse_record
 
 __all__ = ["CandidateSplitter", "group_body", "groupable", "max_candidates"]
 
@@ -138,7 +138,7 @@ class CandidateSplitter:
         if not raw.strip():
             return None
         self.lines += 1
-        rec = parse_record(raw.rstrip(b"\n"), self.lines, LIMITS)
+        rec = parse_record(raw.rstrip(b"\n"), self.lines, STREAM_LIMITS)
         tag = rec.get("candidate")
         policy = tag.get("policy") if rec.get("type") == "header" and isinstance(tag, Mapping) else tag
         if not isinstance(policy, str) or policy not in self.policies:

@@ -31,6 +31,7 @@ from divstats.planrun import PlanResult, run_plan
 from divstats.plans import Plan, PlanSource, load_plan
 from divstats.results import results_dataset
 from divstats.variance import variance_check
+from protocols import Kind
 from protocols.chunks import is_lazy
 
 __all__ = ["Analysis", "compute", "decomposition_pairs", "default_interval_windows"]
@@ -86,9 +87,9 @@ def default_interval_windows(ds: xr.Dataset) -> list[int]:
     """
     T = int(ds.attrs["horizon"])
     kind = ds.attrs.get("kind")
-    if kind == "reference":
+    if kind == Kind.REFERENCE:
         return [0]
-    top = T - 1 if kind == "coupled" else min(int(ds.attrs.get("window", T)), T - 1)
+    top = T - 1 if kind == Kind.COUPLED else min(int(ds.attrs.get("window", T)), T - 1)
     grid = np.unique(np.round(np.linspace(0, top, min(top + 1, 9))).astype(int))
     return [int(w) for w in grid]
 
@@ -135,11 +136,11 @@ def _optional_curves(traces: xr.Dataset, window: int | None, notes: list[str]) -
     """(branch TV, variance check), each None where the trace kind does not allow it."""
     kind = traces.attrs.get("kind")
     bt = vc = None
-    if kind == "reference":
+    if kind == Kind.REFERENCE:
         notes.append("Reference traces observe nothing after divergence: no branch-aligned TV.")
     else:
         bt = branch_tv(traces, window=window)
-    if kind == "residual":
+    if kind == Kind.RESIDUAL:
         try:
             vc = variance_check(traces)
         except ValueError as exc:
@@ -159,11 +160,11 @@ def _one_pass(traces: xr.Dataset, window: int | None, windows: list[int], notes:
     fns: dict[str, tuple[Any, dict[str, Any]]] = {
         "est": (estimate, {"window": window}), "surv": (survival, {}),
         "ivw": (interval_by_window, {"windows": windows})}
-    if kind == "reference":
+    if kind == Kind.REFERENCE:
         notes.append("Reference traces observe nothing after divergence: no branch-aligned TV.")
     else:
         fns["bt"] = (branch_tv, {"window": window})
-    if kind == "residual":
+    if kind == Kind.RESIDUAL:
         try:
             out = map_docs_many({**fns, "vc": (variance_check, {})}, traces)
         except ValueError as exc:

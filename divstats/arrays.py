@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from protocols import Kind
+
 __all__ = [
     "CHUNK_ELEMENTS", "CORE_DIMS", "KEY_VARIABLE", "Layout", "core_array", "cov_of_means", "kind_of", "layout",
     "mean_se", "nanmean", "present_replicates", "ratio_se", "row_chunks",
@@ -329,7 +331,7 @@ def present_replicates(ds: xr.Dataset, lay: Layout) -> np.ndarray:
     True
     """
     kind = kind_of(ds)
-    if kind == "residual":
+    if kind == Kind.RESIDUAL:
         first = ds.variables["shared_tv"].isel(step=0).transpose(*lay.dims, "replicate").values
         present = ~np.isnan(first).reshape(lay.rows, -1)
     else:

@@ -14,11 +14,10 @@ import xarray as xr
 
 from divstats.kernels import CoupledKernels, Kernel, StepLaw
 from divstats.replicates import survival_terms
-from protocols import coupled_dataset, reference_dataset, residual_dataset, validate
+from protocols import KINDS, Kind, coupled_dataset, reference_dataset, residual_dataset, validate
 
-__all__ = ["KINDS", "simulate"]
+__all__ = ["simulate"]
 
-KINDS = ("coupled", "residual", "reference")
 
 
 def _draw(probs: np.ndarray, u: float) -> int:
@@ -188,7 +187,7 @@ def simulate(
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if horizon < 1 or replicates < 1:
         raise ValueError("horizon and replicates must be >= 1")
-    if window is not None and kind != "residual":
+    if window is not None and kind != Kind.RESIDUAL:
         raise ValueError(f"window applies to residual traces only (truncate {kind} traces in estimate)")
     T, n = int(horizon), int(replicates)
     kern = CoupledKernels(p, q, vocab_size, eos)
@@ -196,10 +195,10 @@ def simulate(
     rng = np.random.default_rng(seed)
     common = dict(vocab_size=vocab_size, docs=[doc], policies=[policy], eos_token_id=eos,
                   producer="divstats.simulate")
-    if kind == "coupled":
+    if kind == Kind.COUPLED:
         tv, xt, yt = _simulate_coupled(kern, T, n, rng)
         ds = coupled_dataset(tv, xt, yt, **common)
-    elif kind == "residual":
+    elif kind == Kind.RESIDUAL:
         W = T if window is None else int(window)
         if W < 0:
             raise ValueError(f"window must be >= 0, got {window}")

@@ -42,6 +42,7 @@ from divstats.replicates import (
     reference_survival,
     survival_terms,
 )
+from protocols import Kind
 from protocols.chunks import is_lazy
 
 __all__ = ["MIN_SE_COUNT", "branch_tv", "branch_tv_window", "small_count_se", "survival"]
@@ -59,12 +60,12 @@ def _survival_rows(ds: xr.Dataset, lay, T: int) -> np.ndarray:
     out = np.empty((lay.rows, n, T + 1))
     out[..., 0] = 1.0
     core = ("replicate", "step")
-    if kind == "coupled":
+    if kind == Kind.COUPLED:
         x, y = (core_array(ds, v, lay, core) for v in ("x_token", "y_token"))
         for sl in row_chunks(lay.rows, n * T):
             _, tau = first_divergence(x[sl], y[sl], T)
             out[sl, :, 1:] = tau[..., None] > np.arange(1, T + 1)
-    elif kind == "residual":
+    elif kind == Kind.RESIDUAL:
         stv = core_array(ds, "shared_tv", lay, core)
         for sl in row_chunks(lay.rows, n * T):
             out[sl, :, 1:] = survival_terms(stv[sl])[0]
@@ -195,12 +196,12 @@ def _residual_branch(stv: np.ndarray, tstar: np.ndarray, btv: np.ndarray, T: int
 def _branch_rows(ds: xr.Dataset, window: int | None, reducer):
     """Apply ``reducer(num, den, observed, law_den)`` chunk by chunk; returns stacked results."""
     kind, T = kind_of(ds), horizon_of(ds)
-    if kind == "reference":
+    if kind == Kind.REFERENCE:
         raise _NotIdentified("reference traces never observe the branches after divergence")
     W = effective_window(ds, window)
     lay = layout(ds)
     n = lay.n_replicates
-    if kind == "coupled":
+    if kind == Kind.COUPLED:
         arrays = [core_array(ds, v, lay, ("replicate", "step")) for v in ("tv", "x_token", "y_token")]
         fn = lambda a, b, c: _coupled_branch(a, b, c, T, W)  # noqa: E731
     else:

@@ -22,6 +22,7 @@ from divstats.arrays import cov_of_means, mean_se, ratio_se
 from divstats.chunked import load, map_docs
 from divstats.replicates import Replicates, replicate_values
 from divstats.resample import MIN_DOCS_AGGREGATE, document_interval
+from protocols import Kind
 from protocols.chunks import is_lazy
 
 __all__ = [
@@ -137,7 +138,7 @@ def _point_and_se(rep: Replicates) -> dict[str, np.ndarray]:
 def _reason(rep: Replicates) -> str | None:
     if rep.identified:
         return None
-    if rep.kind == "reference":
+    if rep.kind == Kind.REFERENCE:
         return NOT_IDENTIFIED_REF
     return NOT_IDENTIFIED_POST.format(W=rep.window, Tm1=rep.horizon - 1)
 

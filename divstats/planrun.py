@@ -33,6 +33,7 @@ from divstats.plans import (
     split_disagreement_note,
     split_table,
 )
+from protocols import Kind
 
 __all__ = ["EXTRA_COLUMNS", "TABLE_COLUMNS", "PlanResult", "run_plan", "window_mean"]
 
@@ -159,7 +160,7 @@ def _metric(data: _Data, h: Hypothesis, plan: Plan, policy: str, which: str | No
     """Per-document values of the hypothesis metric for one policy (over doc[, model])."""
     if h.metric in WINDOW_METRICS:
         reason = data.branch["branch_tv"].attrs.get("not_identified")
-        if data.branch.attrs.get("kind") == "reference" or (reason and data.branch["branch_tv"].isnull().all()):
+        if data.branch.attrs.get("kind") == Kind.REFERENCE or (reason and data.branch["branch_tv"].isnull().all()):
             raise NotIdentified(f"hypothesis {h.id!r}: branch_tv is not identified for these traces ({reason})")
         first, last = plan.windows[which]
         ages = data.branch["age"].values

@@ -15,6 +15,7 @@ import numpy as np
 import xarray as xr
 
 from divstats.arrays import Layout, core_array, kind_of, layout, present_replicates, row_chunks
+from protocols import Kind
 
 __all__ = [
     "VALUES", "Replicates", "effective_window", "eos_of", "eos_rows", "first_divergence", "horizon_of",
@@ -376,10 +377,10 @@ def replicate_values(ds: xr.Dataset, window: int | None = None) -> Replicates:
     eos_r = eos_rows(ds, lay)
     out = {k: np.empty((lay.rows, n)) for k in VALUES}
     core = ("replicate", "step")
-    if kind == "coupled":
+    if kind == Kind.COUPLED:
         arrays = [core_array(ds, "x_token", lay, core), core_array(ds, "y_token", lay, core), eos_r]
         fn = lambda x, y, e: _coupled_chunk(x, y, T, W, e)  # noqa: E731
-    elif kind == "residual":
+    elif kind == Kind.RESIDUAL:
         arrays = [core_array(ds, "shared_tv", lay, core),
                   core_array(ds, "branch_step", lay, ("replicate",)),
                   core_array(ds, "branch_x_token", lay, ("replicate", "age")),
@@ -392,7 +393,7 @@ def replicate_values(ds: xr.Dataset, window: int | None = None) -> Replicates:
         part = fn(*(a[sl] for a in arrays))
         for k in VALUES:
             out[k][sl] = part[k]
-    identified = kind != "reference" and W >= T - 1
+    identified = kind != Kind.REFERENCE and W >= T - 1
     if not identified:
         out["post_mismatch"][:] = np.nan
     present = present_replicates(ds, lay)

@@ -19,6 +19,7 @@ import xarray as xr
 from divstats.arrays import core_array, mean_se, nanmean, row_chunks
 from divstats.chunked import map_docs
 from divstats.replicates import replicate_values, survival_terms
+from protocols import Kind
 from protocols.chunks import is_lazy
 
 __all__ = ["variance_check"]
@@ -96,7 +97,7 @@ def variance_check(ds: xr.Dataset) -> xr.Dataset:
     >>> bool((variance_check(ds)["variance_ratio"] <= 1).all())
     True
     """
-    if ds.attrs.get("kind") != "residual":
+    if ds.attrs.get("kind") != Kind.RESIDUAL:
         raise ValueError("variance_check needs residual traces (kind='residual')")
     if is_lazy(ds):
         return map_docs(variance_check, ds)

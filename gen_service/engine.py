@@ -65,6 +65,7 @@ from gen_service.models import LoadedModel
 from gen_service.presses import ModelInfo, Plan, Policy, PolicyRegistry, iter_presses
 from gen_service.quantized import is_quantized
 from gen_service.shared_cache import StackedPromptCache, attention_route, share_prompt, stackable
+from protocols import Kind
 
 __all__ = ["CandidateDone", "CandidateError", "CandidateFailed", "Cancelled", "Engine", "Forward", "Prefilled",
            "Side", "TraceJob", "PRODUCER"]
@@ -456,7 +457,7 @@ class Engine:
             for side in (p0.side, q0.side):
                 share_prompt(side, job.horizon)
         gen = self.generator(seed)
-        if job.kind == "coupled":
+        if job.kind == Kind.COUPLED:
             return self._coupled(job, p0, q0, gen, cancelled)
         return self._residual(job, p0, q0, gen, cancelled)
 

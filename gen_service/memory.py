@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from gen_service.errors import ServiceError
+from protocols import WIRE_KINDS, Kind
 
 __all__ = ["CandidateMemory", "MemoryEstimate", "MemoryGate", "ModelShape", "RequestTooLarge", "SideMemory",
            "available_memory", "estimate", "parse_budget"]
@@ -211,7 +212,7 @@ class CandidateMemory:
         """Prompt copies one side holds at its peak: once (shared) or R times (per row),
         one batch-1 snapshot for residual requests, and R more for the replayed branch
         rows of a per-row side."""
-        residual = kind == "residual"
+        residual = kind == Kind.RESIDUAL
         if side.shared:
             return 1 + residual
         return rows + residual + (rows if residual and self.replayed else 0)
@@ -269,8 +270,8 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
     >>> (estimate(s, 64, 783, 32, sides=[q_rows]).prompt_kv - shared.prompt_kv) // (783 * s.kv_bytes_per_token)
     63
     """
-    if kind not in ("coupled", "residual"):
-        raise ValueError(f"kind: {kind!r} is neither 'coupled' nor 'residual'")
+    if kind not in WIRE_KINDS:
+        raise ValueError(f"kind: {kind!r} is not one of {WIRE_KINDS}")
     if sides is None:
         side = SideMemory(shared_prompt)
         sides = [CandidateMemory(p=side, q=side)] * max(candidates, 0)
@@ -278,7 +279,7 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
         raise ValueError(f"rows, prompt_tokens, horizon and candidates must be >= 1, got {rows}, {prompt_tokens}, "
                          f"{horizon}, {len(sides)}")
     token = shape.kv_bytes_per_token
-    slots = horizon * (2 if kind == "residual" else 1)
+    slots = horizon * (2 if kind == Kind.RESIDUAL else 1)
     prompt_kv = transient = 0
     for cand in sides:
         for side in (cand.p, cand.q):
@@ -384,7 +385,7 @@ class MemoryGate:
         # per-layer budgets, known only after prefill: on the shared path that costs no prompt
         # copy; on the copy path count it)
         replay = not self.shared_prompt or not (p.shared and q.shared)
-        return CandidateMemory(policy, p, q, replayed=replay and kind == "residual")
+        return CandidateMemory(policy, p, q, replayed=replay and kind == Kind.RESIDUAL)
 
     def estimate(self, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
                  candidates: int = 1, sides: Sequence[CandidateMemory] | None = None) -> MemoryEstimate:

@@ -19,6 +19,7 @@ from typing import Any
 
 from gen_service.coupling import Sampling
 from gen_service.errors import invalid
+from protocols import WIRE_KINDS, Kind
 
 __all__ = [
     "Limits", "Reader", "Decoding", "Message", "GenerateRequest", "ChatRequest", "CompletionRequest",
@@ -486,12 +487,12 @@ def parse_trace(data: dict[str, Any], limits: Limits) -> TraceRequest:
     p = Reader(r.get("parameters", {}), "parameters.")
     horizon = p.int("max_new_tokens", 32, lo=1, hi=limits.max_new_tokens)
     kind = r.get("kind", "coupled")
-    if kind not in ("coupled", "residual"):
-        raise invalid("kind", "must be 'coupled' or 'residual'")
+    if kind not in WIRE_KINDS:
+        raise invalid("kind", f"must be one of {', '.join(map(repr, WIRE_KINDS))}")
     window = r.int("window", lo=1)
     if window is not None and window > horizon:
         raise invalid("window", f"window {window} > horizon (max_new_tokens) {horizon}")
-    if window is not None and kind == "coupled" and window != horizon:
+    if window is not None and kind == Kind.COUPLED and window != horizon:
         raise invalid("window", "coupled traces run to the horizon; window applies to residual traces")
     candidates, seeds = _candidates(r, limits.max_candidates)
     doc = r.get("doc_id")

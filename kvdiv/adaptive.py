@@ -46,6 +46,7 @@ import xarray as xr
 from collector.collect import CollectConfig, CollectResult, collect
 from collector.errors import ConfigError, ManifestMismatch
 from collector.journal import Journal
+from protocols import Kind
 
 __all__ = [
     "AdaptiveResult", "AdaptiveSpec", "RoundPlan", "bias_table", "collect_adaptive", "parse_target", "plan_metrics",
@@ -465,7 +466,7 @@ def collect_adaptive(cfg: CollectConfig, spec: AdaptiveSpec, *, say: Callable[[s
     """
     from collector.pack import pack_run
 
-    if cfg.kind != "residual":
+    if cfg.kind != Kind.RESIDUAL:
         raise ConfigError("an adaptive collection (--target-se/--budget) needs --kind residual: its rounds give "
                           "pairs different replicate counts, and only residual traces may hold absent replicates")
     if cfg.round_index:

@@ -19,10 +19,10 @@ from protocols.combine import CombineError, combine
 from protocols.converters import ConversionError, from_eval_logs, from_probabilities, residual_from_probabilities
 from protocols.errors import ProtocolError
 from protocols.io import OutputExistsError, TraceFileError, open_traces, save_traces
+from protocols.kinds import KINDS, WIRE_KINDS, Kind
 from protocols.policies import PolicyIdError, PolicySpec, PressTerm, QuantTerm, parse_policy_id, policy_coords
 from protocols.schema import (
     COUPLING,
-    KINDS,
     SCHEMA,
     coupled_dataset,
     reference_dataset,
@@ -30,7 +30,7 @@ from protocols.schema import (
     sampling_params,
 )
 from protocols.store import StoreError, TraceStoreWriter
-from protocols.stream import Limits, Stream, StreamReader, read_stream
+from protocols.stream import Stream, StreamLimits, StreamReader, read_stream
 from protocols.validate import TV_ZERO_ATOL, Problem, TraceValidationError, validate
 from protocols.wire import (
     StreamWriter,
@@ -46,7 +46,8 @@ from protocols.wire import (
 )
 
 __all__ = [
-    "COUPLING", "KINDS", "SCHEMA", "CombineError", "ConversionError", "Limits", "OutputExistsError",
+    "COUPLING", "KINDS", "SCHEMA", "WIRE_KINDS", "Kind", "CombineError", "ConversionError", "OutputExistsError",
+    "StreamLimits",
     "PolicyIdError", "PolicySpec", "PressTerm", "Problem", "QuantTerm", "StoreError", "Stream", "StreamReader",
     "TraceFileError", "TraceStoreWriter",
     "assemble_stream",

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from protocols.kinds import Kind
 from protocols.policies import policy_coords
 from protocols.schema import MISSING_TOKEN, PROB_DTYPE, TOKEN_DTYPE, coupled_dataset, residual_dataset
 from protocols.stream import Stream, StreamError, read_stream
@@ -226,7 +227,7 @@ def assemble_stream(stream: Stream, doc: str | None = None) -> xr.Dataset:
     h, records = stream.header, stream.records
     T, R, W = h["horizon"], h["replicates"], h["window"]
     meta = _meta(h, doc, stream.end)
-    if h["kind"] == "coupled":
+    if h["kind"] == Kind.COUPLED:
         ds = coupled_dataset(*_coupled_arrays(records), **meta["kwargs"])
     else:
         shared, branches = records[:T], records[T:]

@@ -15,6 +15,7 @@ import xarray as xr
 from protocols.assemble import StreamError, assemble
 from protocols.chunks import cluster_options, dask_client, read_chunks
 from protocols.io import SUFFIXES, open_traces
+from protocols.kinds import Kind
 from protocols.validate import TraceValidationError
 from protocols.validate import validate as _validate
 
@@ -39,7 +40,7 @@ def _shape(ds: xr.Dataset) -> str:
     parts += [f"{ds.sizes.get('doc', 0)} docs", f"{ds.sizes.get('policy', 0)} policies",
               f"{ds.sizes.get('replicate', 0)} replicates", f"T={ds.attrs.get('horizon', '?')}"]
     text = " × ".join(parts)
-    if ds.attrs.get("kind") == "residual":
+    if ds.attrs.get("kind") == Kind.RESIDUAL:
         text += f", W={ds.attrs.get('window', '?')}"
     return text
 

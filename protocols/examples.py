@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import xarray as xr
 
+from protocols.kinds import Kind
 from protocols.schema import coupled_dataset, reference_dataset, residual_dataset
 
 __all__ = ["DEFAULT_POLICIES", "example_dataset"]
@@ -227,12 +228,12 @@ def example_dataset(
     p, q = _kernels(rng, len(doc_ids), len(pol_ids), horizon, vocab_size, disjoint)
     common = dict(vocab_size=vocab_size, docs=doc_ids, policies=pol_ids, eos_token_id=eos_token_id,
                   model=model, producer="protocols.examples", prompt_tokens=[100 + 7 * i for i in range(len(doc_ids))])
-    if kind == "coupled":
+    if kind == Kind.COUPLED:
         return coupled_dataset(*_coupled(rng, p, q, replicates, eos), **common)
-    if kind == "residual":
+    if kind == Kind.RESIDUAL:
         W = horizon if window is None else int(window)
         stv, stok, t_star, (btv, bx, by) = _residual(rng, p, q, replicates, W, eos)
         return residual_dataset(stv, stok, t_star, btv, bx, by, window=W, **common)
-    if kind == "reference":
+    if kind == Kind.REFERENCE:
         return reference_dataset(*_reference(rng, p, q, replicates, eos), **common)
     raise ValueError(f"kind {kind!r} is not one of coupled, residual, reference")

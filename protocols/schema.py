@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from protocols.kinds import KINDS
 from protocols.policies import policy_coords
 
 __all__ = [
@@ -26,7 +27,6 @@ __all__ = [
 
 SCHEMA = "kvdiv.trace/1"
 COUPLING = "stepwise-maximal"
-KINDS = ("coupled", "residual", "reference")
 SPLITS = ("exploratory", "confirmatory", "")
 
 TOKEN_DTYPE = np.int32

@@ -3,7 +3,7 @@
 :class:`StreamReader` takes a stream's lines one at a time, as they arrive over HTTP
 or from a journal file, and checks everything that does not need the whole stream:
 
-- each line is parsed with limits (:class:`Limits`: bytes per line, nesting depth,
+- each line is parsed with limits (:class:`StreamLimits`: bytes per line, nesting depth,
   integer digits), so a hostile line raises :class:`StreamError` instead of a
   ``RecursionError`` or a ``ValueError`` from deep inside ``json``;
 - the header comes first and is well formed; ``step`` (coupled) or ``shared_step``
@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocols.errors import ProtocolError
+from protocols.kinds import WIRE_KINDS, Kind
 from protocols.schema import COUPLING, SCHEMA
 
-__all__ = ["LIMITS", "Limits", "Stream", "StreamError", "StreamReader", "parse_record", "read_stream"]
+__all__ = ["STREAM_LIMITS", "StreamLimits", "Stream", "StreamError", "StreamReader", "parse_record", "read_stream"]
 
 #: Why a stream was refused, in :attr:`StreamError.reason`.
 REASONS = ("malformed", "truncated", "altered", "failed")
@@ -63,7 +64,7 @@ class StreamError(ProtocolError, ValueError):
 
 
 @dataclass(frozen=True)
-class Limits:
+class StreamLimits:
     """Bounds on one wire line: what a well-behaved producer never comes near.
 
     Attributes
@@ -81,7 +82,7 @@ class Limits:
     int_digits: int = 20
 
 
-LIMITS = Limits()
+STREAM_LIMITS = StreamLimits()
 
 
 def _bounded_int(limit: int):
@@ -106,7 +107,7 @@ def _depth(line: bytes) -> int:
     return deepest
 
 
-def parse_record(line: bytes, number: int = 1, limits: Limits = LIMITS) -> dict[str, Any]:
+def parse_record(line: bytes, number: int = 1, limits: StreamLimits = STREAM_LIMITS) -> dict[str, Any]:
     """Parse one wire line into a record, within ``limits``.
 
     Parameters
@@ -115,7 +116,7 @@ def parse_record(line: bytes, number: int = 1, limits: Limits = LIMITS) -> dict[
         One line without its newline.
     number : int
         Its 1-based line number, for messages.
-    limits : Limits
+    limits : StreamLimits
         Size, depth and integer-digit bounds.
 
     Returns
@@ -174,13 +175,13 @@ def check_header(rec: Mapping[str, Any]) -> None:
         raise StreamError(f"line 1: expected a 'header' record first, got {rec.get('type')!r}")
     if rec.get("schema") != SCHEMA:
         raise StreamError(f"header: schema {rec.get('schema')!r} is not {SCHEMA!r}")
-    if rec.get("kind") not in ("coupled", "residual"):
-        raise StreamError(f"header: kind {rec.get('kind')!r} has no wire format (coupled or residual)")
+    if rec.get("kind") not in WIRE_KINDS:
+        raise StreamError(f"header: kind {rec.get('kind')!r} has no wire format ({' or '.join(WIRE_KINDS)})")
     T = _int_field(rec, "horizon", 1, 2**20, "header")
     _int_field(rec, "replicates", 1, 2**20, "header")
     _int_field(rec, "vocab_size", 1, 2**31 - 1, "header")
     W = _int_field(rec, "window", 0, 2**20, "header")
-    if rec["kind"] == "residual" and W > T:
+    if rec["kind"] == Kind.RESIDUAL and W > T:
         raise StreamError(f"header: window {W} exceeds horizon {T}")
     if rec.get("coupling", COUPLING) != COUPLING:
         raise StreamError(f"header: coupling {rec['coupling']!r} is not {COUPLING!r}")
@@ -219,7 +220,7 @@ class StreamReader:
 
     Parameters
     ----------
-    limits : Limits
+    limits : StreamLimits
         Bounds applied to every line.
 
     Examples
@@ -233,7 +234,7 @@ class StreamReader:
     3
     """
 
-    def __init__(self, limits: Limits = LIMITS) -> None:
+    def __init__(self, limits: StreamLimits = STREAM_LIMITS) -> None:
         self.limits = limits
         self.lines = 0
         self.header: dict[str, Any] | None = None
@@ -293,7 +294,7 @@ class StreamReader:
         h = self.header
         assert h is not None
         T, R = h["horizon"], h["replicates"]
-        step_type = "step" if h["kind"] == "coupled" else "shared_step"
+        step_type = "step" if h["kind"] == Kind.COUPLED else "shared_step"
         if self._order.step < T:
             t = self._order.step + 1
             if rec["type"] != step_type or rec.get("step") != t:
@@ -304,7 +305,7 @@ class StreamReader:
                 _array(rec, key, R, f"line {n} ({step_type} {t})")
             self._order.step = t
             return
-        if rec["type"] != "branch" or h["kind"] != "residual":
+        if rec["type"] != "branch" or h["kind"] != Kind.RESIDUAL:
             raise StreamError(f"line {n}: unexpected {rec['type']!r} record (expected 'end'; records out of order)")
         self._branch(rec, n, T, R, h["window"])
 
@@ -325,7 +326,7 @@ class StreamReader:
         assert h is not None
         T, R = h["horizon"], h["replicates"]
         if self._order.step < T:
-            step_type = "step" if h["kind"] == "coupled" else "shared_step"
+            step_type = "step" if h["kind"] == Kind.COUPLED else "shared_step"
             raise StreamError(f"line {n}: 'end' after step {self._order.step} of {T} (expected {step_type} "
                               f"record for step {self._order.step + 1}; records out of order or missing)")
         if rec.get("steps") != T or rec.get("replicates") != R:
@@ -365,14 +366,14 @@ def _unframe(line: bytes | str) -> bytes:
     return b if b.strip() else b""
 
 
-def read_stream(lines: Iterable[str | bytes] | str | bytes, limits: Limits = LIMITS) -> Stream:
+def read_stream(lines: Iterable[str | bytes] | str | bytes, limits: StreamLimits = STREAM_LIMITS) -> Stream:
     """Read a whole stream with one :class:`StreamReader`.
 
     Parameters
     ----------
     lines : iterable of str or bytes, or one str or bytes blob
         The stream's lines (newlines optional) or its whole body; SSE framing accepted.
-    limits : Limits
+    limits : StreamLimits
         Bounds applied to every line.
 
     Returns

@@ -40,6 +40,7 @@ import xarray as xr
 
 from protocols.chunks import DocChunk, doc_chunks, is_lazy
 from protocols.errors import ProtocolError
+from protocols.kinds import Kind
 from protocols.schema import (
     COUPLING,
     KINDS,
@@ -230,11 +231,11 @@ def _check_window(a: dict[str, Any]) -> Iterator[str]:
     kind, h, w = a.get("kind"), a.get("horizon"), a.get("window")
     if not (_is_int(h) and _is_int(w)):
         return
-    if kind == "coupled" and w != h:
+    if kind == Kind.COUPLED and w != h:
         yield f"attribute 'window' = {w}: coupled traces are complete, so window must equal horizon = {h}"
-    elif kind == "reference" and w != 0:
+    elif kind == Kind.REFERENCE and w != 0:
         yield f"attribute 'window' = {w}: reference traces observe nothing after divergence, so window must be 0"
-    elif kind == "residual" and w > h:
+    elif kind == Kind.RESIDUAL and w > h:
         yield f"attribute 'window' = {w} exceeds horizon = {h}"
 
 
@@ -279,7 +280,7 @@ def _check_time_coords(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
             yield f"dimension 'step' has length {ds.sizes['step']}, expected horizon = {h}"
         elif "step" not in ds.coords or not np.array_equal(ds.coords["step"].values, np.arange(1, h + 1)):
             yield f"coordinate 'step' must be 1..{h}"
-    if ctx.kind == "residual" and h is not None and "age" in ds.dims:
+    if ctx.kind == Kind.RESIDUAL and h is not None and "age" in ds.dims:
         if ds.sizes["age"] != h:
             yield f"dimension 'age' has length {ds.sizes['age']}, expected horizon = {h} (ages 0..T-1)"
         elif "age" not in ds.coords or not np.array_equal(ds.coords["age"].values, np.arange(h)):
@@ -309,7 +310,7 @@ def _check_vars(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
 # ----------------------------------------------------------------------------- value rules
 
 def _rule_tv_range(ctx: _Ctx) -> Iterator[str]:
-    complete = ctx.kind == "coupled"
+    complete = ctx.kind == Kind.COUPLED
     for name in sorted(_TV_VARS & ctx.arrays.keys()):
         a = ctx.arrays[name]
         yield from _report(ctx, name, np.isinf(a) | (np.isfinite(a) & ((a < 0) | (a > 1))), "outside [0, 1]")
@@ -318,7 +319,7 @@ def _rule_tv_range(ctx: _Ctx) -> Iterator[str]:
 
 
 def _rule_token_range(ctx: _Ctx) -> Iterator[str]:
-    complete = ctx.kind in ("coupled", "reference")
+    complete = ctx.kind in (Kind.COUPLED, Kind.REFERENCE)
     for name in sorted((_TOKEN_VARS - {"branch_step"}) & ctx.arrays.keys()):
         a = ctx.arrays[name]
         v = _lead(ctx.vocab, a.ndim)
@@ -344,9 +345,9 @@ def _mismatch(ctx: _Ctx, tv: str, x: str, y: str, observed: np.ndarray | None = 
 
 
 def _rule_mismatch(ctx: _Ctx) -> Iterator[str]:
-    if ctx.kind == "coupled":
+    if ctx.kind == Kind.COUPLED:
         yield from _mismatch(ctx, "tv", "x_token", "y_token")
-    elif ctx.kind == "residual":
+    elif ctx.kind == Kind.RESIDUAL:
         # Age 0 is a divergence *conditioned* on happening, legitimate at any TV > 0
         # (checked with the branch masks); later ages run the plain coupling again.
         if "branch_tv" in ctx.arrays:
@@ -386,18 +387,18 @@ def _rule_eos(ctx: _Ctx) -> Iterator[str]:
         return
     out: list[_Finding] = []
     arr = ctx.arrays
-    if ctx.kind == "coupled" and {"x_token", "y_token"} <= arr.keys():
+    if ctx.kind == Kind.COUPLED and {"x_token", "y_token"} <= arr.keys():
         both = _absorbing(ctx, "x_token", out) & _absorbing(ctx, "y_token", out)
         if "tv" in arr:
             out += _report(ctx, "tv", both & (arr["tv"] != 0),
                            "nonzero after both sides emitted EOS (both laws are the EOS point mass)")
-    elif ctx.kind == "reference" and "x_token" in arr:
+    elif ctx.kind == Kind.REFERENCE and "x_token" in arr:
         after = _absorbing(ctx, "x_token", out)
         for name in ("x_logp", "x_logq"):
             if name in arr:
                 out += _report(ctx, name, after & (arr[name] != 0),
                                "nonzero after EOS (both laws are then the EOS point mass, log 1 = 0)")
-    elif ctx.kind == "residual":
+    elif ctx.kind == Kind.RESIDUAL:
         # The branches continue the shared history z_<t*; that prefix holds no EOS because
         # TV is 0 after a shared EOS and t* needs TV > 0 (checked with the branch masks).
         if "shared_token" in arr:
@@ -424,7 +425,7 @@ def _rule_shared_path(ctx: _Ctx) -> Iterator[str]:
     its token is -1). A TV that rounds to 1 while a little overlap mass is left may
     carry a token and let the path continue.
     """
-    if ctx.kind != "residual" or not {"shared_tv", "shared_token"} <= ctx.arrays.keys():
+    if ctx.kind != Kind.RESIDUAL or not {"shared_tv", "shared_token"} <= ctx.arrays.keys():
         return
     tv, tok = ctx.arrays["shared_tv"], ctx.arrays["shared_token"]
     seen = ~np.isnan(tv)
@@ -448,7 +449,7 @@ def _rule_shared_path(ctx: _Ctx) -> Iterator[str]:
 def _rule_branch_masks(ctx: _Ctx) -> Iterator[str]:
     """branch_step in 0..T; ages 0..K observed with K = min(W, T - t*), later ages unobserved."""
     need = {"branch_step", "branch_tv", "branch_x_token", "branch_y_token"}
-    if ctx.kind != "residual" or not need <= ctx.arrays.keys() or ctx.horizon is None or ctx.window is None:
+    if ctx.kind != Kind.RESIDUAL or not need <= ctx.arrays.keys() or ctx.horizon is None or ctx.window is None:
         return
     t_star = ctx.arrays["branch_step"]
     T, W = ctx.horizon, ctx.window

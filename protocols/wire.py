@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from protocols.kinds import Kind
 from protocols.schema import SCHEMA
 
 __all__ = [
@@ -446,10 +447,10 @@ def dataset_lines(
         replicates=R, vocab_size=int(a["vocab_size"]), doc=doc, request_id=request_id,
         producer=a["producer"],
     ))]
-    if kind == "coupled":
+    if kind == Kind.COUPLED:
         tv, x, y = (cell[v].transpose("replicate", "step").values for v in ("tv", "x_token", "y_token"))
         lines += [w.line(step_record(t + 1, tv[:, t], x[:, t], y[:, t])) for t in range(T)]
-    elif kind == "residual":
+    elif kind == Kind.RESIDUAL:
         tv, tok = (cell[v].transpose("replicate", "step").values for v in ("shared_tv", "shared_token"))
         lines += [w.line(shared_step_record(t + 1, tv[:, t], tok[:, t])) for t in range(T)]
         bs = cell.branch_step.values

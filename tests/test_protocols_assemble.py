@@ -213,7 +213,7 @@ def test_assemble_is_fast_for_64_replicates_512_steps():
 
 
 def test_reader_limits_refuse_hostile_lines_without_crashing():
-    from protocols import Limits, read_stream
+    from protocols import StreamLimits, read_stream
 
     lines = dataset_lines(cell())
     hostile = {
@@ -225,10 +225,10 @@ def test_reader_limits_refuse_hostile_lines_without_crashing():
     }
     for line, message in hostile.items():
         with pytest.raises(StreamError, match=message) as err:
-            read_stream([lines[0], line, *lines[1:]], Limits(line_bytes=250_000))
+            read_stream([lines[0], line, *lines[1:]], StreamLimits(line_bytes=250_000))
         assert err.value.reason == "malformed"
     # Within the limits, the same records read as usual.
-    assert len(read_stream(lines, Limits(line_bytes=250_000)).records) == 9
+    assert len(read_stream(lines, StreamLimits(line_bytes=250_000)).records) == 9
 
 
 def test_reader_says_why_a_stream_is_refused():
