@@ -6,13 +6,6 @@ gen_service.
 Every error it raises on purpose derives from :class:`protocols.ProtocolError`.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:  # one version source: the installed distribution's metadata
-    __version__ = version("kvdiv")
-except PackageNotFoundError:  # a source tree that was never installed
-    __version__ = "0+unknown"
-
 from protocols import converters
 from protocols.assemble import StreamError, assemble, assemble_stream
 from protocols.combine import CombineError, combine
@@ -32,6 +25,7 @@ from protocols.schema import (
 from protocols.store import StoreError, TraceStoreWriter
 from protocols.stream import Stream, StreamLimits, StreamReader, read_stream
 from protocols.validate import TV_ZERO_ATOL, Problem, TraceValidationError, validate
+from protocols.version import __version__
 from protocols.wire import (
     StreamWriter,
     branch_record,

@@ -18,6 +18,7 @@ import xarray as xr
 
 from protocols.kinds import KINDS
 from protocols.policies import policy_coords
+from protocols.version import __version__
 
 __all__ = [
     "COUPLING", "KINDS", "MISSING_TOKEN", "OPTIONAL_VARS", "PROB_DTYPE", "REQUIRED_ATTRS", "REQUIRED_VARS",
@@ -87,8 +88,6 @@ VARIABLE_DOCS: dict[str, str] = {
 
 
 def _producer() -> str:
-    from protocols import __version__
-
     return f"kvdiv {__version__}"
 
 
