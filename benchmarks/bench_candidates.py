@@ -216,10 +216,11 @@ def bench_collect(args: argparse.Namespace) -> None:
     totals: dict[str, list[float]] = {m: [] for m in modes}
     for rep in range(args.repeats):
         for mode in modes if rep % 2 == 0 else modes[::-1]:
-            cfg = CollectConfig(servers=[url], docs_file=docs_file, policies=policies, out=tmp / f"{rep}-{SHORT[mode]}",
-                                kind=args.kind, replicates=args.rows, max_new_tokens=args.steps,
-                                window=args.window if args.kind == "residual" else None, seed=args.seed,
-                                progress=False, group_candidates=mode.endswith("document"))
+            cfg = CollectConfig.flat(servers=[url], docs_file=docs_file, policies=policies,
+                                     out=tmp / f"{rep}-{SHORT[mode]}",
+                                     kind=args.kind, replicates=args.rows, max_new_tokens=args.steps,
+                                     window=args.window if args.kind == "residual" else None, seed=args.seed,
+                                     progress=False, group_candidates=mode.endswith("document"))
             t0 = time.perf_counter()
             result = collect(cfg)
             totals[mode].append(time.perf_counter() - t0)

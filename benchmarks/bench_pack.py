@@ -72,8 +72,8 @@ def build_journal(run: Path, n_docs: int, policies: list[str], R: int, T: int) -
 
     docs_file = D.write_jsonl([D.Document(f"doc{i:05d}", f"Synthetic document {i}.") for i in range(n_docs)],
                               run.parent / f"{run.name}-docs.jsonl")
-    cfg = CollectConfig(servers=["http://synthetic"], docs_file=docs_file, policies=policies, out=run,
-                        kind="residual", replicates=R, max_new_tokens=T, window=T // 2, seed=1)
+    cfg = CollectConfig.flat(servers=["http://synthetic"], docs_file=docs_file, policies=policies, out=run,
+                             kind="residual", replicates=R, max_new_tokens=T, window=T // 2, seed=1)
     journal, docs = prepare_run(cfg)
     for doc in docs:
         for policy in policies:

@@ -16,7 +16,7 @@ from collector.documents import TEMPLATES
 from protocols import WIRE_KINDS
 
 if TYPE_CHECKING:
-    from collector.collect import CollectConfig
+    from collector.config import CollectConfig
 
 
 def _split_policies(value: str) -> list[str]:
@@ -102,16 +102,15 @@ def collect_config(*, servers: tuple[str, ...], servers_file: Path | None, wait_
                    api_key: str | None, concurrency: int, template: str, max_attempts: int, request_timeout: float,
                    progress: bool, group_candidates: bool = True, **_: object) -> CollectConfig:
     """The :class:`collector.collect.CollectConfig` of ``kvdiv collect``'s options (also for ``kvdiv.adaptive``)."""
-    from collector.collect import CollectConfig
+    from collector.config import CollectConfig, PoolConfig, RetryConfig, Sampling
 
-    return CollectConfig(servers=list(servers), servers_file=servers_file, wait_for_servers_s=wait_for_servers,
-                         docs_file=docs_file, policies=_split_policies(policies),
-                         out=out, kind=kind, replicates=replicates, max_new_tokens=max_new_tokens,
-                         window=window, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                         common_random_numbers=crn,
-                         template=template, api_key=api_key, concurrency=concurrency,
-                         max_attempts=max_attempts, request_timeout_s=request_timeout, progress=progress,
-                         group_candidates=group_candidates)
+    return CollectConfig(
+        servers=list(servers), docs_file=docs_file, policies=_split_policies(policies), out=out, kind=kind,
+        replicates=replicates, max_new_tokens=max_new_tokens, window=window, template=template, progress=progress,
+        sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, common_random_numbers=crn),
+        retry=RetryConfig(max_attempts=max_attempts, request_timeout_s=request_timeout),
+        pool=PoolConfig(servers_file=servers_file, concurrency=concurrency, api_key=api_key,
+                        wait_for_servers_s=wait_for_servers, group_candidates=group_candidates))
 
 
 @click.command("pack")

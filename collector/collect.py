@@ -1,230 +1,71 @@
 """The collector: drive trace servers over HTTP into a journal, then pack a dataset.
 
 ``collect`` sends one ``POST /v1/traces`` per (document, policy) to one or more
-servers (httpx, async), ``concurrency`` requests in flight per server, from one
-shared queue: whenever a server has a free slot it gets the next request, so a
-faster server simply takes more work. The servers may change during the run
-(``servers_file``, re-read every few seconds); a server that stops answering is
-taken out of rotation with a backoff (``collector.servers.ServerPool``); when no
-server answers the run waits, up to ``wait_for_servers_s``, then stops with the
-requests left incomplete for a rerun. Every stream is written
+servers (httpx, async), or one per document with its policies as ``candidates``
+where a server takes them (``collector.grouped``): a single policy is a request of
+one, sent, streamed, journaled, checked and retried by the same code. Each server
+has ``pool.concurrency`` requests in flight, from one shared queue: whenever a
+server has a free slot it gets the next request, so a faster server simply takes
+more work. The servers may change during the run (``pool.servers_file``, re-read
+every few seconds); a server that stops answering is taken out of rotation with a
+backoff (``collector.servers.ServerPool``); when no server answers the run waits, up
+to ``pool.wait_for_servers_s``, then stops with the requests left incomplete for a
+rerun. HTTP failures are mapped to the collector's errors by one table
+(``collector.transport``), which also frames the NDJSON lines. Every stream is written
 to the journal as it arrives, read once by ``protocols.StreamReader`` (limits,
 digest, order, shapes), and becomes complete only after its header answers the
 request (``collector.checks``) and its dataset assembles and validates. Transient
 failures (429, 5xx, dropped connections, a request past its deadline, truncated,
 altered or malformed streams, server error records) are retried with exponential
 backoff and jitter, on whichever server is free; a request that still fails after
-``max_attempts`` is reported and left incomplete. Permanent failures (a 4xx, a
+``retry.max_attempts`` is reported and left incomplete. Permanent failures (a 4xx, a
 header that answers another request, a digested stream that does not assemble)
 end the request at once. No failure of one request escapes its worker: the run
 always finishes and reports.
 
 Determinism: each request's seed is derived from (seed, document, policy), never from
 the order of completion, so a resumed run produces the same traces as an
-uninterrupted one on the same server hardware. With ``common_random_numbers`` it is
+uninterrupted one on the same server hardware. With ``sampling.common_random_numbers`` it is
 derived from (seed, document): every policy of a document draws the same random
 numbers, which correlates their traces and shrinks the variance of paired
 differences (docs/design.md); each policy's estimates stay unbiased.
 
-Rounds: a config with ``round_index`` k >= 1 and an ``allocation`` (doc -> policy ->
+Rounds: a config with ``round.index`` k >= 1 and a ``round.allocation`` (doc -> policy ->
 replicates) collects one later round of an adaptive collection (``kvdiv collect
 --target-se``, driven by ``kvdiv.adaptive``): only the allocated (document, policy)
 pairs, each with its own R, seeds derived with the round, into the round's own
 journal folder (``collector.journal``).
+
+The parameters are ``collector.config.CollectConfig`` and its records (re-exported here).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import random
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collector.checks import RunLedger, asked_replicates, audit_document, derive_seed, header_problems
-from collector.documents import TEMPLATES, Document, file_sha256, read_jsonl, render_messages
+from collector.checks import RunLedger, audit_document, derive_seed, header_problems
+from collector.config import CollectConfig, PoolConfig, RetryConfig, RoundConfig, Sampling
+from collector.documents import Document, file_sha256, read_jsonl, render_messages
 from collector.errors import ConfigError, DocumentsError, PermanentError, RetryableError
 from collector.grouped import CandidateSplitter, group_body, groupable, max_candidates
 from collector.journal import DOCUMENTS, Journal, RequestWriter
 from collector.servers import Server, ServerPool, ServerStats, read_servers_file
-from protocols import WIRE_KINDS, Kind
-from protocols.stream import STREAM_LIMITS, StreamError, StreamReader
+from collector.transport import Refused, map_errors, ndjson_lines, refusal
+from protocols.stream import StreamError, StreamReader
 
 __all__ = [
-    "CollectConfig", "CollectResult", "Collector", "PermanentError", "RetryableError", "collect", "collect_async",
-    "derive_seed", "prepare_run", "request_body",
+    "CollectConfig", "CollectResult", "Collector", "PermanentError", "PoolConfig", "RetryConfig", "RetryableError",
+    "RoundConfig", "Sampling", "collect", "collect_async", "derive_seed", "prepare_run", "request_body",
 ]
-
-RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
-
-
-@dataclass
-class CollectConfig:
-    """Everything ``collect`` needs; the fields in :meth:`params` are the resume contract.
-
-    Attributes
-    ----------
-    servers : list of str
-        Trace server URLs; requests are spread over them.
-    servers_file : Path, optional
-        A file of server URLs, one a line, re-read every ``servers_poll_s`` seconds
-        during the run (servers may join and leave); used with ``servers``.
-    docs_file, out : Path
-        The JSONL documents and the run directory.
-    policies : list of str
-        Candidate policy ids (the reference is ``full``).
-    kind, replicates, max_new_tokens, window : str, int, int, int or None
-        Trace kind, R, T and W (W defaults to T).
-    temperature, top_k, top_p, seed, template
-        Sampling, the run seed and the prompt template.
-    api_key, concurrency, max_attempts, backoff_s, backoff_max_s
-        Authentication, requests in flight per server, tries per request and the
-        exponential backoff.
-    read_timeout_s, request_timeout_s : float
-        Longest silence while reading, and longest whole request (None: no limit).
-    wait_for_servers_s : float
-        How long the run waits while no listed server answers before it stops
-        (the requests left stay incomplete for a rerun).
-    server_backoff_s, server_backoff_max_s : float
-        First and longest time a server that stops answering is out of rotation.
-    progress : bool
-        Show a progress bar on stderr.
-    round_index : int
-        0 for the run's first (or only) round; k >= 1 for a later round of an
-        adaptive collection, which needs ``allocation``.
-    allocation : mapping, optional
-        doc id -> policy -> replicates for round ``round_index`` (0 or absent: no
-        request for that pair); recorded in the journal before the round starts.
-    group_candidates : bool
-        Send a document's policies as the candidates of one request to a server that
-        advertises ``trace_candidates`` (collector/grouped.py); the journal gets the
-        same per-(document, policy) files. Off: one request per (document, policy).
-
-    Raises
-    ------
-    ConfigError
-        Listing every parameter that cannot work.
-
-    Examples
-    --------
-    >>> cfg = CollectConfig(servers=["http://127.0.0.1:8080/"], docs_file="d.jsonl", policies=["snapkv@0.5"],
-    ...                     out="runs/x", max_new_tokens=8)
-    >>> cfg.servers, cfg.effective_window
-    (['http://127.0.0.1:8080'], 8)
-    """
-
-    servers: list[str]
-    docs_file: Path
-    policies: list[str]
-    out: Path
-    kind: str = "residual"
-    replicates: int = 8
-    max_new_tokens: int = 32
-    window: int | None = None
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int = 0
-    common_random_numbers: bool = False
-    template: str = "summarise"
-    api_key: str | None = None
-    concurrency: int = 1
-    max_attempts: int = 6
-    backoff_s: float = 0.5
-    backoff_max_s: float = 30.0
-    read_timeout_s: float = 600.0
-    request_timeout_s: float | None = 3600.0
-    progress: bool = True
-    servers_file: Path | None = None
-    servers_poll_s: float = 2.0
-    wait_for_servers_s: float = 300.0
-    server_backoff_s: float = 1.0
-    server_backoff_max_s: float = 60.0
-    round_index: int = 0
-    allocation: Mapping[str, Mapping[str, int]] | None = None
-    group_candidates: bool = True
-
-    def __post_init__(self) -> None:
-        self.servers = [s.rstrip("/") for s in self.servers]
-        self.docs_file, self.out = Path(self.docs_file), Path(self.out)
-        self.servers_file = Path(self.servers_file) if self.servers_file is not None else None
-        problems = self._problems()
-        if problems:
-            raise ConfigError("; ".join(problems))
-
-    def _problems(self) -> list[str]:
-        problems = []
-        if not self.servers and self.servers_file is None:
-            problems.append("at least one --server or a --servers-file is needed")
-        if not self.policies:
-            problems.append("at least one policy is needed")
-        if len(set(self.policies)) != len(self.policies):
-            problems.append(f"duplicate policies in {self.policies}")
-        if self.kind not in WIRE_KINDS:
-            problems.append(f"--kind must be one of {WIRE_KINDS}, not {self.kind!r}")
-        if self.template not in TEMPLATES:
-            problems.append(f"--template must be one of {sorted(TEMPLATES)}, not {self.template!r}")
-        if self.replicates < 1 or self.max_new_tokens < 1 or self.concurrency < 1 or self.max_attempts < 1:
-            problems.append("--replicates, --max-new-tokens, --concurrency and attempts must be >= 1")
-        if self.window is not None and not 1 <= self.window <= self.max_new_tokens:
-            problems.append(f"--window must be in 1..{self.max_new_tokens}, not {self.window}")
-        if self.kind == Kind.COUPLED and self.window not in (None, self.max_new_tokens):
-            problems.append("--window applies to residual traces (coupled traces run to the horizon)")
-        if self.temperature < 0:
-            problems.append("--temperature must be >= 0")
-        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
-            problems.append("--request-timeout must be > 0 seconds")
-        problems += self._round_problems()
-        if not self.wait_for_servers_s >= 0 or not self.servers_poll_s > 0 or not self.server_backoff_s > 0:
-            problems.append("--wait-for-servers must be >= 0 seconds, the servers file's poll interval and the "
-                            "server backoff > 0")
-        return problems
-
-    def _round_problems(self) -> list[str]:
-        if self.round_index < 0:
-            return [f"round_index must be >= 0, not {self.round_index}"]
-        if (self.round_index > 0) != (self.allocation is not None):
-            return ["a later round (round_index >= 1) needs an allocation, and only a later round takes one"]
-        if self.allocation is None:
-            return []
-        unknown = sorted({p for row in self.allocation.values() for p in row} - set(self.policies))
-        bad = [f"{d} × {p}: {r!r}" for d, row in self.allocation.items() for p, r in row.items()
-               if not isinstance(r, int) or isinstance(r, bool) or r < 0]
-        return ([f"the allocation names policies not in the run: {unknown}"] if unknown else []) + (
-            [f"allocated replicates must be integers >= 0: {', '.join(bad[:5])}"] if bad else [])
-
-    def round_params(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """The run's parameters as this round's requests must answer them (round and allocation added)."""
-        if not self.round_index:
-            return dict(params)
-        return {**params, "round": self.round_index,
-                "allocation": {d: dict(row) for d, row in (self.allocation or {}).items()}}
-
-    def replicates_for(self, doc_id: str, policy: str) -> int:
-        """R asked of (doc_id, policy) in this round (0: not requested)."""
-        return asked_replicates(self.round_params({"replicates": self.replicates}), doc_id, policy)
-
-    def params(self, docs_sha256: str) -> dict[str, Any]:
-        """The parameters that decide the traces' values (compared on resume and by ``pack``)."""
-        return {
-            "policies": list(self.policies), "kind": self.kind, "replicates": self.replicates,
-            "max_new_tokens": self.max_new_tokens, "window": self.effective_window,
-            "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-            "seed": self.seed, "template": self.template, "docs_sha256": docs_sha256,
-            "reference": "full",
-            # only when on, so journals written before the option existed still resume
-            **({"common_random_numbers": True} if self.common_random_numbers else {}),
-        }
-
-    @property
-    def effective_window(self) -> int:
-        return self.max_new_tokens if self.window is None else self.window
 
 
 @dataclass
@@ -325,36 +166,22 @@ def request_body(cfg: CollectConfig, doc: Document, policy: str) -> dict[str, An
     >>> request_body(cfg, Document("d1", "Text."), "snapkv@0.5")["doc_id"]
     'd1'
     """
+    s = cfg.sampling
     parameters: dict[str, Any] = {
-        "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-        "do_sample": cfg.temperature > 0,
-        "seed": derive_seed(cfg.seed, doc.id, None if cfg.common_random_numbers else policy, cfg.round_index),
+        "max_new_tokens": cfg.max_new_tokens, "temperature": s.temperature,
+        "do_sample": s.temperature > 0,
+        "seed": derive_seed(s.seed, doc.id, None if s.common_random_numbers else policy, cfg.round.index),
     }
-    if cfg.top_k is not None:
-        parameters["top_k"] = cfg.top_k
-    if cfg.top_p is not None:
-        parameters["top_p"] = cfg.top_p
+    if s.top_k is not None:
+        parameters["top_k"] = s.top_k
+    if s.top_p is not None:
+        parameters["top_p"] = s.top_p
     return {
         "messages": render_messages(doc, cfg.template), "parameters": parameters,
         "candidate": policy, "reference": "full", "kind": cfg.kind,
         "replicates": cfg.replicates_for(doc.id, policy), "window": cfg.effective_window, "doc_id": doc.id,
     }
 
-
-def _error_message(status: int, body: bytes) -> str:
-    try:
-        obj = json.loads(body)
-        detail = obj.get("error") or obj.get("detail") or obj
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        detail = body[:200].decode("utf-8", "replace")
-    return f"HTTP {status}: {detail}"
-
-
-def _retry_after(headers: Mapping[str, str]) -> float | None:
-    try:
-        return float(headers.get("retry-after", ""))
-    except ValueError:
-        return None
 
 
 def _tokens_in(record: Mapping[str, Any]) -> int:
@@ -430,11 +257,75 @@ class _Progress:
         self.bar.close()
 
 
+# --------------------------------------------------------------------------- one response's streams
+
+
+@dataclass
+class _Stream:
+    """One (document, policy) stream of a response: its request, its journal file and its reader."""
+
+    job: _Job
+    writer: RequestWriter
+    reader: StreamReader = field(default_factory=StreamReader)
+
+
+class _Exchange:
+    """One response's streams, one per request sent, and how each ended (``ends``: policy -> None
+    when complete, or its error).
+
+    A response to one policy is that policy's stream alone: every line is its own (blank ones
+    included, as its journal file has always kept them), its failure is the response's, and it
+    completes when the response ends, so that a line after its ``end`` is still read and refused.
+    A multi-candidate response multiplexes several (collector/grouped.py): each line goes to the
+    candidate it names (a blank one to none), and each stream completes at its own ``end``, or
+    fails alone; a stream's lines after it ended are dropped.
+    """
+
+    def __init__(self, jobs: Sequence[_Job], journal: Journal) -> None:
+        self.streams = {job.policy: _Stream(job, journal.open_request(job.doc.id, job.policy)) for job in jobs}
+        self.shared = len(jobs) > 1
+        self.splitter = CandidateSplitter(list(self.streams)) if self.shared else None
+        self.ends: dict[str, Exception | None] = {}
+
+    def route(self, raw: bytes) -> _Stream | None:
+        """The stream a line belongs to (None: a blank line, or a stream that has ended)."""
+        if self.splitter is None:
+            return next(iter(self.streams.values()))
+        try:
+            policy = self.splitter.route(raw)
+        except StreamError as exc:   # a line for no candidate asked: nothing in this response is trusted
+            raise RetryableError(str(exc)) from None
+        return None if policy is None or policy in self.ends else self.streams[policy]
+
+    @contextmanager
+    def outcome(self, stream: _Stream) -> Iterator[None]:
+        """A stream's failure: the whole response's when it is the only stream, else that stream's end."""
+        try:
+            yield
+        except (RetryableError, PermanentError) as exc:
+            if not self.shared:
+                raise
+            self.ends[stream.job.policy] = exc
+
+    def unended(self) -> list[_Stream]:
+        return [s for policy, s in self.streams.items() if policy not in self.ends]
+
+    def close(self) -> None:
+        for stream in self.streams.values():
+            stream.writer.abort()   # nothing for the committed ones
+
+
 # --------------------------------------------------------------------------- the loop
 
 
 class Collector:
-    """One collection run: the queue of requests, the servers, the dispatcher and the journal."""
+    """One collection run: the queue of requests, the servers, the dispatcher and the journal.
+
+    A request carries one document's policies: one of them (the body names a ``candidate``),
+    or several where the server takes ``candidates`` (collector/grouped.py). Either way it is
+    sent, streamed, journaled and checked by the same code (:meth:`_run`), and each policy then
+    completes, is retried or fails on its own.
+    """
 
     def __init__(self, cfg: CollectConfig, docs: Sequence[Document], journal: Journal,
                  stop_reason: Callable[[], str | None] | None = None) -> None:
@@ -445,7 +336,7 @@ class Collector:
         manifest = journal.read_manifest() or {}
         params = cfg.round_params(manifest.get("params") or cfg.params(file_sha256(cfg.docs_file)))
         ledger = RunLedger(model=manifest.get("model"))
-        if cfg.round_index:  # a later round asks for the prompts round 0 saw
+        if cfg.round.index:  # a later round asks for the prompts round 0 saw
             ledger.learn_prompts(journal.for_round(0), [doc.id for doc in self.docs], cfg.policies)
         self.check = _RequestCheck(cfg, journal, params, ledger)
         self.ready: deque[_Job] = deque()       # requests waiting for a free server slot
@@ -481,12 +372,12 @@ class Collector:
 
         start = time.monotonic()
         self.progress = _Progress(self.result.total, self.result.skipped, self.cfg.progress)
-        cfg = self.cfg
-        self.pool = ServerPool(cfg.servers, cfg.servers_file, concurrency=cfg.concurrency,
-                               backoff_s=cfg.server_backoff_s, backoff_max_s=cfg.server_backoff_max_s,
-                               poll_s=cfg.servers_poll_s, say=self._say)
-        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-        timeout = httpx.Timeout(30.0, read=cfg.read_timeout_s)
+        pool = self.cfg.pool
+        self.pool = ServerPool(self.cfg.servers, pool.servers_file, concurrency=pool.concurrency,
+                               backoff_s=pool.server_backoff_s, backoff_max_s=pool.server_backoff_max_s,
+                               poll_s=pool.servers_poll_s, say=self._say)
+        headers = {"Authorization": f"Bearer {pool.api_key}"} if pool.api_key else {}
+        timeout = httpx.Timeout(30.0, read=self.cfg.retry.read_timeout_s)
         # The pool bounds requests per server; the client must not queue them a second time.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         try:
@@ -504,6 +395,8 @@ class Collector:
             self.result.elapsed_s = time.monotonic() - start
             self.result.servers = self.pool.stats()
         return self.result
+
+    # ----------------------------------------------------------------------- dispatching
 
     async def _dispatch(self, client: Any) -> None:
         """Hand each ready request to the least loaded server with a free slot, until none is left."""
@@ -525,23 +418,24 @@ class Collector:
 
     def _watch_servers(self, since: float | None) -> float | None:
         """Track how long no listed server has answered; stop the run once that exceeds the wait."""
+        wait_s = self.cfg.pool.wait_for_servers_s
         if self.pool.healthy:
             if since is not None:
                 self._say(f"servers available again ({len(self.pool.listed)} listed); collecting")
             return None
         now = time.monotonic()
         if since is None:
-            self._say(f"{self.pool.describe()}; waiting up to {self.cfg.wait_for_servers_s:g} s for one "
+            self._say(f"{self.pool.describe()}; waiting up to {wait_s:g} s for one "
                       "(--wait-for-servers); complete requests are kept")
             return now
-        if now - since > self.cfg.wait_for_servers_s and not self.running:
-            self._abort(f"{self.pool.describe()} for {self.cfg.wait_for_servers_s:g} s (--wait-for-servers)")
+        if now - since > wait_s and not self.running:
+            self._abort(f"{self.pool.describe()} for {wait_s:g} s (--wait-for-servers)")
         return since
 
     async def _sleep_until_change(self) -> None:
-        timeout = self.cfg.servers_poll_s
+        timeout = self.cfg.pool.servers_poll_s
         if not self.pool.healthy:  # check the wait for servers often enough to keep its deadline
-            timeout = min(timeout, max(self.cfg.wait_for_servers_s, 0.01))
+            timeout = min(timeout, max(self.cfg.pool.wait_for_servers_s, 0.01))
         soon = self.pool.next_change()
         if soon is not None:
             timeout = min(timeout, soon)
@@ -558,171 +452,11 @@ class Collector:
         else:
             print(message, file=sys.stderr)
 
-    async def _run_job(self, client: Any, server: Server, job: _Job) -> None:
-        """One attempt of ``job`` on ``server`` (whose slot the dispatcher took), and what follows from it."""
-        self.progress.servers(self.pool)
-        job.attempts += 1
-        job.tokens = 0
-        outcome: dict[str, Any] = {}
-        try:
-            await self._attempt(client, server.url, job)
-        except asyncio.CancelledError:  # the run is ending: not the server's failure
-            outcome["counted"] = False
-            raise
-        except RetryableError as exc:
-            outcome["unreachable"] = exc.unreachable
-            self._retry(job, exc)
-        except PermanentError as exc:
-            self._abort(str(exc)) if exc.fatal else self._finish(job, str(exc))
-        except Exception as exc:  # a bug or an unforeseen failure: this request ends, the run goes on
-            self._finish(job, f"unexpected {type(exc).__name__}: {exc}")
-        else:
-            outcome["tokens"] = job.tokens
-            self.result.completed += 1
-            self.progress.done()
-            self._finish(job, None)
-        finally:  # also on cancellation: the slot is free again
-            self.pool.finished(server, **outcome)
-            self.progress.servers(self.pool)
-            self.wake.set()
-
-    def _retry(self, job: _Job, exc: RetryableError) -> None:
-        """Put a failed attempt back on the queue (after a backoff), or end the request."""
-        reason = self.stop_reason() if self.stop_reason else None
-        if reason:
-            self._abort(reason)
-        elif not exc.sent:  # never reached the server: another server takes it at once, attempt not counted
-            job.attempts -= 1
-            self.ready.appendleft(job)
-        elif job.attempts >= self.cfg.max_attempts:
-            self._finish(job, f"{exc} (after {job.attempts} attempts)")
-        else:
-            self.progress.retry()
-            self._requeue_later(job, self._backoff(job.attempts, exc.retry_after))
-
-    def _abort(self, reason: str) -> None:
-        """Give up on every unfinished request (left incomplete; a rerun resumes them)."""
-        for key in self.unfinished:
-            self.result.failed[key] = reason
-        self.unfinished.clear()
-        self.ready.clear()
-        self.pending = 0
-        self._say(f"collection stopped: {reason}")
-        self.wake.set()
-
-    def _finish(self, job: _Job, failure: str | None) -> None:
-        if self.unfinished.pop(job.key, None) is None:
-            return  # already accounted for by _abort
-        if failure is not None:
-            self.result.failed[job.key] = failure
-            self._say(f"request {job.key} failed: {failure}")
-        self.pending -= 1
-        self.wake.set()
-
-    def _backoff(self, attempt: int, retry_after: float | None) -> float:
-        # Full jitter: spreads retries of requests that failed together (one 429 burst).
-        cap = min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2 ** (attempt - 1))
-        delay = random.uniform(0.5 * cap, cap)
-        return max(delay, retry_after or 0.0)
-
-    def _requeue_later(self, job: _Job, delay: float) -> None:
-        async def later() -> None:
-            await asyncio.sleep(delay)
-            if job.key in self.unfinished:
-                self.ready.append(job)
-                self.wake.set()
-
-        task = asyncio.create_task(later())
-        self.timers.add(task)
-        task.add_done_callback(self.timers.discard)
-
-    async def _attempt(self, client: Any, server: str, job: _Job) -> None:
-        """One try, within the whole-request deadline; raises Retryable/Permanent errors on failure."""
-        try:
-            async with asyncio.timeout(self.cfg.request_timeout_s):
-                await self._request(client, server, job)
-        except TimeoutError:
-            raise RetryableError(f"no complete answer within --request-timeout {self.cfg.request_timeout_s:g} s "
-                                 f"from {server}") from None
-
-    async def _request(self, client: Any, server: str, job: _Job) -> None:
-        import httpx
-
-        body = request_body(self.cfg, job.doc, job.policy)
-        try:
-            async with client.stream("POST", f"{server}/v1/traces", json=body,
-                                     headers={"Accept": "application/x-ndjson"}) as response:
-                if response.status_code != 200:
-                    message = _error_message(response.status_code, await response.aread())
-                    if response.status_code in RETRY_STATUS:
-                        raise RetryableError(message, _retry_after(response.headers))
-                    if response.status_code in (401, 403):
-                        raise PermanentError(f"{message} (check --api-key)", fatal=True)
-                    raise PermanentError(message)
-                await self._receive(response, job)
-        except httpx.HTTPError as exc:  # refused, reset, dropped mid-stream, timed out, undecodable body
-            # A refused connection never reached the server; a silent one may be down: both take the
-            # server out of rotation for a while.
-            unreachable = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadTimeout))
-            raise RetryableError(f"{type(exc).__name__} from {server}: {exc or 'connection lost'}",
-                                 unreachable=unreachable, sent=not isinstance(exc, httpx.ConnectError)) from None
-        except OSError as exc:  # the journal's disk (full, removed): worth another attempt
-            raise RetryableError(f"{type(exc).__name__}: {exc}") from None
-
-    async def _receive(self, response: Any, job: _Job) -> None:
-        writer = self.journal.open_request(job.doc.id, job.policy)
-        reader = StreamReader()
-        try:
-            buffer = b""
-            async for chunk in response.aiter_bytes():
-                buffer += chunk
-                *complete, buffer = buffer.split(b"\n")
-                for raw in complete:
-                    self._take(writer, reader, raw + b"\n", job)
-                if len(buffer) > STREAM_LIMITS.line_bytes:
-                    raise RetryableError(f"a line longer than {STREAM_LIMITS.line_bytes} bytes")
-            if buffer.strip():
-                self._take(writer, reader, buffer, job)  # a final line without newline: kept, so truncation is seen
-            self._complete(writer, reader, job)
-        finally:
-            writer.abort()
-
-    def _take(self, writer: RequestWriter, reader: StreamReader, raw: bytes, job: _Job) -> None:
-        writer.write(raw)
-        try:
-            record = reader.feed(raw)
-        except StreamError as exc:
-            raise _stream_failure(exc) from None
-        if record is not None and record["type"] in ("step", "shared_step", "branch"):
-            n = _tokens_in(record)
-            job.tokens += n
-            self.progress.add_tokens(n)
-
-    def _complete(self, writer: RequestWriter, reader: StreamReader, job: _Job) -> None:
-        """Check the whole stream and its header, assemble it, then make the request complete."""
-        from protocols import TraceValidationError, assemble_stream
-
-        try:
-            stream = reader.finish()
-        except StreamError as exc:
-            raise _stream_failure(exc) from None
-        self.check(job, stream.header)
-        try:
-            assemble_stream(stream, doc=job.doc.id)
-        except (StreamError, TraceValidationError) as exc:
-            # The digest held: the server sent exactly this, and would again.
-            raise PermanentError(f"the stream does not assemble: {exc}") from None
-        writer.commit()
-        self.check.record(job, stream.header)
-
-
-    # ----------------------------------------------------------------------- grouped requests
-
     def _take_ready(self) -> list[_Job]:
         """The next ready request and, when grouping, the ready requests of the same document
         whose bodies differ only in policy and seed (looked for near the queue's front)."""
         first = self.ready.popleft()
-        if not self.cfg.group_candidates or first.solo:
+        if not self.cfg.pool.group_candidates or first.solo:
             return [first]
         body = request_body(self.cfg, first.doc, first.policy)
         near = list(itertools.islice(self.ready, 4 * len(self.cfg.policies)))
@@ -749,17 +483,17 @@ class Collector:
         return self.group_sizes[server]
 
     async def _run_jobs(self, client: Any, server: Server, jobs: list[_Job]) -> None:
-        """Run ``jobs`` (one document's requests) as one grouped request where the server takes it."""
+        """Run ``jobs`` (one document's requests) as one request: all of them where the server takes
+        candidates (up to its maximum), else the first alone; the rest go back to the queue."""
         size = await self._group_size(client, server.url) if len(jobs) > 1 else 0
-        if size < 2:
-            self._put_back(jobs[1:])
-            await self._run_job(client, server, jobs[0])
-            return
+        size = max(size, 1)
         self._put_back(jobs[size:])
-        await self._run_group(client, server, jobs[:size])
+        await self._run(client, server, jobs[:size])
 
-    async def _run_group(self, client: Any, server: Server, jobs: list[_Job]) -> None:
-        """One attempt of a document's requests as one multi-candidate request; each request then
+    # ----------------------------------------------------------------------- one attempt
+
+    async def _run(self, client: Any, server: Server, jobs: list[_Job]) -> None:
+        """One attempt of ``jobs`` on ``server`` (whose slot the dispatcher took); each request then
         completes, retries or fails on its own, as if it had been sent alone."""
         self.progress.servers(self.pool)
         for job in jobs:
@@ -768,22 +502,19 @@ class Collector:
         outcome: dict[str, Any] = {}
         ends: dict[str, Exception | None] = {}
         try:
-            ends = await self._attempt_group(client, server.url, jobs)
-        except asyncio.CancelledError:
+            ends = await self._attempt(client, server.url, jobs)
+        except asyncio.CancelledError:  # the run is ending: not the server's failure
             outcome["counted"] = False
             raise
-        except _GroupRefused as exc:   # e.g. a 422 naming one candidate: each policy alone names its own
-            self._say(f"{jobs[0].doc.id}: grouped request refused ({exc}); sending its policies one by one")
-            for job in jobs:
-                job.attempts -= 1
-                job.solo = True
-            self._put_back(jobs)
         except (RetryableError, PermanentError) as exc:
-            outcome["unreachable"] = getattr(exc, "unreachable", False)
-            ends = {job.policy: exc for job in jobs}
-        except Exception as exc:
+            if isinstance(exc, Refused) and len(jobs) > 1:
+                self._resend_alone(jobs, exc)
+            else:
+                outcome["unreachable"] = getattr(exc, "unreachable", False)
+                ends = dict.fromkeys((job.policy for job in jobs), exc)
+        except Exception as exc:  # a bug or an unforeseen failure: these requests end, the run goes on
             ends = {job.policy: PermanentError(f"unexpected {type(exc).__name__}: {exc}") for job in jobs}
-        finally:
+        finally:  # also on cancellation: the slot is free again
             done = [job for job in jobs if job.policy in ends and ends[job.policy] is None]
             if done:
                 outcome["tokens"] = sum(job.tokens for job in done)
@@ -795,8 +526,94 @@ class Collector:
             if job.policy in ends:
                 self._settle(job, ends[job.policy])
 
+    def _resend_alone(self, jobs: list[_Job], exc: Refused) -> None:
+        """A multi-candidate request refused as a whole (e.g. a 422 naming one candidate): each
+        policy goes back alone, so that it names its own error; the attempt does not count."""
+        self._say(f"{jobs[0].doc.id}: grouped request refused ({exc}); sending its policies one by one")
+        for job in jobs:
+            job.attempts -= 1
+            job.solo = True
+        self._put_back(jobs)
+
+    async def _attempt(self, client: Any, server: str, jobs: list[_Job]) -> dict[str, Exception | None]:
+        """One try of ``jobs`` as one request, within their deadlines together: policy -> None
+        (complete) or its error; raises Retryable/Permanent errors for the response as a whole."""
+        bodies = [request_body(self.cfg, job.doc, job.policy) for job in jobs]
+        per_policy = self.cfg.retry.request_timeout_s
+        limit = None if per_policy is None else per_policy * len(jobs)
+        if limit is None:
+            deadline = "no deadline"
+        elif len(jobs) == 1:
+            deadline = f"--request-timeout {limit:g} s"
+        else:
+            deadline = f"{limit:g} s (--request-timeout per policy)"
+        with map_errors(server, deadline):
+            async with asyncio.timeout(limit):
+                async with client.stream("POST", f"{server}/v1/traces",
+                                         json=bodies[0] if len(jobs) == 1 else group_body(bodies),
+                                         headers={"Accept": "application/x-ndjson"}) as response:
+                    if response.status_code != 200:
+                        raise refusal(response.status_code, await response.aread(), response.headers)
+                    return await self._receive(response, jobs)
+
+    async def _receive(self, response: Any, jobs: list[_Job]) -> dict[str, Exception | None]:
+        """Journal and check the response's streams as its lines arrive (:class:`_Exchange`)."""
+        exchange = _Exchange(jobs, self.journal)
+        try:
+            async with aclosing(ndjson_lines(response.aiter_bytes())) as lines:
+                async for raw in lines:
+                    stream = exchange.route(raw)
+                    if stream is None:
+                        continue
+                    with exchange.outcome(stream):
+                        self._feed(stream, raw)
+                        if exchange.shared and stream.reader.end is not None:
+                            self._complete(stream)   # a candidate completes at its own end
+                            exchange.ends[stream.job.policy] = None
+            for stream in exchange.unended():
+                with exchange.outcome(stream):
+                    if exchange.shared:
+                        raise RetryableError(f"the response ended before {stream.job.policy}'s end record")
+                    self._complete(stream)   # the reader names a truncation
+                    exchange.ends[stream.job.policy] = None
+        finally:
+            exchange.close()
+        return exchange.ends
+
+    def _feed(self, stream: _Stream, raw: bytes) -> None:
+        """Journal one line of ``stream`` and read it."""
+        stream.writer.write(raw)
+        try:
+            record = stream.reader.feed(raw)
+        except StreamError as exc:
+            raise _stream_failure(exc) from None
+        if record is not None and record["type"] in ("step", "shared_step", "branch"):
+            n = _tokens_in(record)
+            stream.job.tokens += n
+            self.progress.add_tokens(n)
+
+    def _complete(self, stream: _Stream) -> None:
+        """Check the whole stream and its header, assemble it, then make the request complete."""
+        from protocols import TraceValidationError, assemble_stream
+
+        job = stream.job
+        try:
+            whole = stream.reader.finish()
+        except StreamError as exc:
+            raise _stream_failure(exc) from None
+        self.check(job, whole.header)
+        try:
+            assemble_stream(whole, doc=job.doc.id)
+        except (StreamError, TraceValidationError) as exc:
+            # The digest held: the server sent exactly this, and would again.
+            raise PermanentError(f"the stream does not assemble: {exc}") from None
+        stream.writer.commit()
+        self.check.record(job, whole.header)
+
+    # ----------------------------------------------------------------------- outcomes
+
     def _settle(self, job: _Job, error: Exception | None) -> None:
-        """What one request of a group comes to: complete, retried or failed."""
+        """What one request's attempt comes to: complete, retried or failed."""
         if error is None:
             self.result.completed += 1
             self.progress.done()
@@ -808,93 +625,49 @@ class Collector:
         else:
             self._finish(job, str(error))
 
-    async def _attempt_group(self, client: Any, server: str, jobs: list[_Job]) -> dict[str, Exception | None]:
-        """One grouped try, within the requests' deadlines together: policy -> None (complete) or its error."""
-        import httpx
+    def _retry(self, job: _Job, exc: RetryableError) -> None:
+        """Put a failed attempt back on the queue (after a backoff), or end the request."""
+        reason = self.stop_reason() if self.stop_reason else None
+        if reason:
+            self._abort(reason)
+        elif not exc.sent:  # never reached the server: another server takes it at once, attempt not counted
+            job.attempts -= 1
+            self.ready.appendleft(job)
+        elif job.attempts >= self.cfg.retry.max_attempts:
+            self._finish(job, f"{exc} (after {job.attempts} attempts)")
+        else:
+            self.progress.retry()
+            self._requeue_later(job, self.cfg.retry.backoff(job.attempts, exc.retry_after))
 
-        body = group_body([request_body(self.cfg, job.doc, job.policy) for job in jobs])
-        limit = None if self.cfg.request_timeout_s is None else self.cfg.request_timeout_s * len(jobs)
-        try:
-            async with asyncio.timeout(limit):
-                async with client.stream("POST", f"{server}/v1/traces", json=body,
-                                         headers={"Accept": "application/x-ndjson"}) as response:
-                    if response.status_code != 200:
-                        self._refused(response.status_code, await response.aread(), response.headers)
-                    return await self._receive_group(response, jobs)
-        except TimeoutError:
-            raise RetryableError(f"no complete answer within {limit:g} s (--request-timeout per policy) "
-                                 f"from {server}") from None
-        except httpx.HTTPError as exc:
-            unreachable = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadTimeout))
-            raise RetryableError(f"{type(exc).__name__} from {server}: {exc or 'connection lost'}",
-                                 unreachable=unreachable, sent=not isinstance(exc, httpx.ConnectError)) from None
-        except OSError as exc:
-            raise RetryableError(f"{type(exc).__name__}: {exc}") from None
+    def _abort(self, reason: str) -> None:
+        """Give up on every unfinished request (left incomplete; a rerun resumes them)."""
+        for key in self.unfinished:
+            self.result.failed[key] = reason
+        self.unfinished.clear()
+        self.ready.clear()
+        self.pending = 0
+        self._say(f"collection stopped: {reason}")
+        self.wake.set()
 
-    def _refused(self, status: int, body: bytes, headers: Mapping[str, str]) -> None:
-        message = _error_message(status, body)
-        if status in RETRY_STATUS:
-            raise RetryableError(message, _retry_after(headers))
-        if status in (401, 403):
-            raise PermanentError(f"{message} (check --api-key)", fatal=True)
-        raise _GroupRefused(message)
+    def _finish(self, job: _Job, failure: str | None) -> None:
+        if self.unfinished.pop(job.key, None) is None:
+            return  # already accounted for by _abort
+        if failure is not None:
+            self.result.failed[job.key] = failure
+            self._say(f"request {job.key} failed: {failure}")
+        self.pending -= 1
+        self.wake.set()
 
-    async def _receive_group(self, response: Any, jobs: list[_Job]) -> dict[str, Exception | None]:
-        """Split the response into the jobs' journal files; complete each one at its ``end``."""
-        group = _Group(jobs, {job.policy: self.journal.open_request(job.doc.id, job.policy) for job in jobs})
-        try:
-            buffer = b""
-            async for chunk in response.aiter_bytes():
-                buffer += chunk
-                *complete, buffer = buffer.split(b"\n")
-                for raw in complete:
-                    self._take_grouped(group, raw + b"\n")
-                if len(buffer) > STREAM_LIMITS.line_bytes:
-                    raise RetryableError(f"a line longer than {STREAM_LIMITS.line_bytes} bytes")
-            if buffer.strip():
-                self._take_grouped(group, buffer)
-        finally:
-            for writer in group.writers.values():
-                writer.abort()   # nothing for the committed ones
-        for job in jobs:
-            group.ends.setdefault(job.policy, RetryableError(f"the response ended before {job.policy}'s end record"))
-        return group.ends
+    def _requeue_later(self, job: _Job, delay: float) -> None:
+        async def later() -> None:
+            await asyncio.sleep(delay)
+            if job.key in self.unfinished:
+                self.ready.append(job)
+                self.wake.set()
 
-    def _take_grouped(self, group: _Group, raw: bytes) -> None:
-        try:
-            policy = group.splitter.route(raw)
-        except StreamError as exc:   # a line for no candidate asked: nothing in this response is trusted
-            raise RetryableError(str(exc)) from None
-        if policy is None or policy in group.ends:
-            return
-        job, writer, reader = group.jobs[policy], group.writers[policy], group.readers[policy]
-        try:
-            self._take(writer, reader, raw, job)
-            if reader.end is not None:
-                self._complete(writer, reader, job)
-                group.ends[policy] = None
-        except (RetryableError, PermanentError) as exc:
-            group.ends[policy] = exc
-
-
-class _GroupRefused(Exception):
-    """A grouped request refused as a whole (a 4xx): its policies are sent one by one."""
-
-
-@dataclass
-class _Group:
-    """One grouped request's per-policy state: journal writers, stream readers and outcomes."""
-
-    jobs_list: list[_Job]
-    writers: dict[str, RequestWriter]
-    jobs: dict[str, _Job] = field(default_factory=dict)
-    readers: dict[str, StreamReader] = field(default_factory=dict)
-    ends: dict[str, Exception | None] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.jobs = {job.policy: job for job in self.jobs_list}
-        self.readers = {policy: StreamReader() for policy in self.jobs}
-        self.splitter = CandidateSplitter(list(self.jobs))
+        task = asyncio.create_task(later())
+        self.timers.add(task)
+        task.add_done_callback(self.timers.discard)
 
 
 def _stream_failure(exc: StreamError) -> RetryableError | PermanentError:
@@ -932,31 +705,32 @@ def prepare_run(cfg: CollectConfig) -> tuple[Journal, list[Document]]:
     ConfigError
         An unreadable ``servers_file``.
     """
-    if cfg.servers_file is not None:  # a typo in the path is refused now, not after a wait for servers
+    servers_file = cfg.pool.servers_file
+    if servers_file is not None:  # a typo in the path is refused now, not after a wait for servers
         try:
-            read_servers_file(cfg.servers_file)
+            read_servers_file(servers_file)
         except OSError as exc:
-            raise ConfigError(f"{cfg.servers_file}: cannot read the servers file ({exc.strerror or exc})") from None
+            raise ConfigError(f"{servers_file}: cannot read the servers file ({exc.strerror or exc})") from None
     journal = Journal(cfg.out)
     docs = read_jsonl(cfg.docs_file)
     if not docs:
         raise DocumentsError(f"{cfg.docs_file}: no documents")
     digest = file_sha256(cfg.docs_file)
     journal.start(cfg.params(digest), {
-        "servers": cfg.servers, "servers_file": str(cfg.servers_file) if cfg.servers_file else None,
-        "concurrency": cfg.concurrency, "docs_file": str(cfg.docs_file),
+        "servers": cfg.servers, "servers_file": str(servers_file) if servers_file else None,
+        "concurrency": cfg.pool.concurrency, "docs_file": str(cfg.docs_file),
         "documents": DOCUMENTS, "n_docs": len(docs),
     })
     copy = journal.dir / DOCUMENTS
     if not copy.exists() or file_sha256(copy) != digest:
         copy.write_bytes(Path(cfg.docs_file).read_bytes())  # pack reads the run dir alone
-    if cfg.round_index:  # a later round: its allocation is recorded (or checked) before any request
-        unknown = sorted(set(cfg.allocation or {}) - {doc.id for doc in docs})
+    if cfg.round.index:  # a later round: its allocation is recorded (or checked) before any request
+        unknown = sorted(set(cfg.round.allocation or {}) - {doc.id for doc in docs})
         if unknown:
-            raise ConfigError(f"round {cfg.round_index}'s allocation names documents not in "
+            raise ConfigError(f"round {cfg.round.index}'s allocation names documents not in "
                               f"{cfg.docs_file}: {', '.join(unknown[:5])}")
-        journal = journal.for_round(cfg.round_index)
-        journal.write_allocation(cfg.allocation or {})
+        journal = journal.for_round(cfg.round.index)
+        journal.write_allocation(cfg.round.allocation or {})
     return journal, docs
 
 
@@ -990,8 +764,8 @@ def collect(cfg: CollectConfig, stop_reason: Callable[[], str | None] | None = N
 
     Examples
     --------
-    >>> result = collect(CollectConfig(servers=["http://127.0.0.1:8080"], docs_file="docs.jsonl",
-    ...                                policies=["snapkv@0.5"], out="runs/x", seed=1))  # doctest: +SKIP
+    >>> result = collect(CollectConfig.flat(servers=["http://127.0.0.1:8080"], docs_file="docs.jsonl",
+    ...                                     policies=["snapkv@0.5"], out="runs/x", seed=1))  # doctest: +SKIP
     >>> print(result.summary())                                                       # doctest: +SKIP
     """
     return asyncio.run(collect_async(cfg, stop_reason))

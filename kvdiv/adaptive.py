@@ -461,15 +461,15 @@ def collect_adaptive(cfg: CollectConfig, spec: AdaptiveSpec, *, say: Callable[[s
     Examples
     --------
     >>> spec = AdaptiveSpec(("occurrence",), target_se={"occurrence": 0.05})
-    >>> collect_adaptive(CollectConfig(servers=["http://127.0.0.1:8080"], docs_file="docs.jsonl",
-    ...                                policies=["snapkv@0.5"], out="runs/x", seed=1), spec)  # doctest: +SKIP
+    >>> collect_adaptive(CollectConfig.flat(servers=["http://127.0.0.1:8080"], docs_file="docs.jsonl",
+    ...                                     policies=["snapkv@0.5"], out="runs/x", seed=1), spec)  # doctest: +SKIP
     """
     from collector.pack import pack_run
 
     if cfg.kind != Kind.RESIDUAL:
         raise ConfigError("an adaptive collection (--target-se/--budget) needs --kind residual: its rounds give "
                           "pairs different replicate counts, and only residual traces may hold absent replicates")
-    if cfg.round_index:
+    if cfg.round.index:
         raise ConfigError("collect_adaptive takes the pilot's config (round_index 0); it runs the later rounds")
     journal = Journal(cfg.out)
     if journal.manifest_path.exists():
@@ -497,7 +497,7 @@ def collect_adaptive(cfg: CollectConfig, spec: AdaptiveSpec, *, say: Callable[[s
             _record(journal, spec, out.plans, "")
             say(f"after round {k - 1}: {plan.summary(spec)}; round {k}: {plan.replicates} replicates for "
                 f"{plan.pairs} pairs")
-        out.results[k] = collect(dataclasses.replace(cfg, round_index=k, allocation=allocation), stop_reason)
+        out.results[k] = collect(cfg.for_round(k, allocation), stop_reason)
         k += 1
     if not out.ok:
         out.stopped = f"round {max(out.results)} is incomplete; rerun the same command to resume it"

@@ -435,7 +435,7 @@ def _run(cfg: DemoConfig) -> Any:
                                            confirmatory_docs=(cfg.docs_count + 1) // 2)
         _say(f"      plan: {plan}")
         _say(f"[3/5] collecting traces: {', '.join(policies)}")
-        result = collect(CollectConfig(
+        result = collect(CollectConfig.flat(
             servers=urls, docs_file=docs_path, policies=policies, out=cfg.out / "journal", kind="residual",
             replicates=cfg.replicates, max_new_tokens=cfg.max_new_tokens, window=cfg.window,
             temperature=1.0, seed=cfg.seed, template=cfg.template, api_key=cfg.api_key,

@@ -35,7 +35,7 @@ def _cfg(server: FakeServer, docs_file: Path, out: Path, **kw) -> CollectConfig:
     base = dict(servers=[server.url], docs_file=docs_file, policies=POLICIES, out=out, kind="residual",
                 replicates=3, max_new_tokens=6, window=5, seed=7, progress=False, backoff_s=0.01,
                 backoff_max_s=0.05, max_attempts=2)
-    return CollectConfig(**{**base, **kw})
+    return CollectConfig.flat(**{**base, **kw})
 
 
 def _spec(**kw) -> AdaptiveSpec:

@@ -11,8 +11,8 @@ POLICIES = ["snapkv@0.5", "recent@0.5", "snapkv@0.9"]
 
 
 def _cfg(**kw) -> CollectConfig:
-    return CollectConfig(servers=["http://x"], docs_file=Path("d.jsonl"), policies=POLICIES, out=Path("o"), seed=3,
-                         **kw)
+    return CollectConfig.flat(servers=["http://x"], docs_file=Path("d.jsonl"), policies=POLICIES, out=Path("o"), seed=3,
+                              **kw)
 
 
 def test_common_random_numbers_share_the_seed_across_policies_only():

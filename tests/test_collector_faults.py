@@ -64,7 +64,7 @@ def _cfg(servers: list[str], docs_file: Path, out: Path, **kw) -> CollectConfig:
                 replicates=2, max_new_tokens=6, window=4, seed=7, progress=False, backoff_s=0.01,
                 backoff_max_s=0.05, max_attempts=3, request_timeout_s=2.0, concurrency=1)
     base.update(kw)
-    return CollectConfig(**base)
+    return CollectConfig.flat(**base)
 
 
 def _journal(run: Path) -> dict[str, bytes]:

@@ -50,7 +50,7 @@ def _cfg(url: str, docs_file: Path, out: Path, **kw) -> CollectConfig:
     base = dict(servers=[url], docs_file=docs_file, policies=POLICIES, out=out, kind="residual", replicates=3,
                 max_new_tokens=6, window=4, seed=7, progress=False, concurrency=1, backoff_s=0.01,
                 backoff_max_s=0.05)
-    return CollectConfig(**{**base, **kw})
+    return CollectConfig.flat(**{**base, **kw})
 
 
 def _traces_requests(server: LiveServer) -> float:

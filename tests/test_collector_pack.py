@@ -27,7 +27,7 @@ def _cfg(server: str, docs_file: Path, out: Path, **kw) -> CollectConfig:
                 max_new_tokens=6, window=4, seed=7, progress=False, backoff_s=0.01, backoff_max_s=0.05,
                 max_attempts=2, concurrency=2)
     base.update(kw)
-    return CollectConfig(**base)
+    return CollectConfig.flat(**base)
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,7 @@ def _cfg(docs_file: Path, out: Path, **kw) -> CollectConfig:
                 max_attempts=4, concurrency=2, servers_poll_s=0.05, server_backoff_s=0.1,
                 server_backoff_max_s=0.4, wait_for_servers_s=5.0, request_timeout_s=10.0)
     base.update(kw)
-    return CollectConfig(**base)
+    return CollectConfig.flat(**base)
 
 
 def _write(path: Path, urls: list[str]) -> None:
@@ -121,7 +121,7 @@ def test_twenty_servers_joining_and_leaving_pack_the_single_server_dataset(tmp_p
     assert result.ok, result.summary()
     assert result.completed == 36 and not result.failed
     # Every server was kept within its bound, and the joining servers took work.
-    assert max(s.max_in_flight for s in servers) <= cfg.concurrency
+    assert max(s.max_in_flight for s in servers) <= cfg.pool.concurrency
     assert sum(bool(s.arrivals) for s, url in zip(servers, urls, strict=True) if url in joining) >= 10
     # Servers that left got nothing once the file was re-read (one poll and a dispatch later).
     late = [t for s, url in zip(servers, urls, strict=True) if url in leaving for t in s.arrivals

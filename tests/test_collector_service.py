@@ -36,13 +36,13 @@ def docs_file(tmp_path: Path) -> Path:
 
 
 def _cfg(url: str, docs_file: Path, out: Path) -> CollectConfig:
-    return CollectConfig(servers=[url], docs_file=docs_file, policies=["snapkv@0.5", "recent@0.5"], out=out,
-                         kind="residual", replicates=3, max_new_tokens=8, window=5, seed=11, progress=False,
-                         concurrency=2, backoff_s=0.05,
-                         # bit-identical resume needs each request decoded the same way: a policy grouped
-                         # with others in one run and alone in the other matches only to rounding
-                         # (tests/test_collector_grouped.py)
-                         group_candidates=False)
+    return CollectConfig.flat(servers=[url], docs_file=docs_file, policies=["snapkv@0.5", "recent@0.5"], out=out,
+                              kind="residual", replicates=3, max_new_tokens=8, window=5, seed=11, progress=False,
+                              concurrency=2, backoff_s=0.05,
+                              # bit-identical resume needs each request decoded the same way: a policy grouped
+                              # with others in one run and alone in the other matches only to rounding
+                              # (tests/test_collector_grouped.py)
+                              group_candidates=False)
 
 
 async def _cancel_after(cfg: CollectConfig, k: int) -> None:

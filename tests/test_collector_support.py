@@ -264,7 +264,7 @@ def small_config(servers: list[str], docs_file: Path, out: Path, **kw: Any) -> C
                 replicates=2, max_new_tokens=6, window=4, seed=7, progress=False, backoff_s=0.01,
                 backoff_max_s=0.05, max_attempts=4)
     base.update(kw)
-    return CollectConfig(**base)
+    return CollectConfig.flat(**base)
 
 
 def test_fake_streams_are_deterministic_and_valid() -> None:
