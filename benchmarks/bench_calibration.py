@@ -32,7 +32,7 @@ import itertools
 import math
 import time
 
-from divstats.calibration import (
+from divstats.calibration.coverage import (
     POPULATIONS,
     PolicyEffect,
     aggregate_coverage,
@@ -41,8 +41,8 @@ from divstats.calibration import (
     paired_calibration,
     simulate_study,
 )
-from divstats.planrun import run_plan
-from divstats.resample import METHODS
+from divstats.estimation.resample import METHODS
+from divstats.plans.run import run_plan
 
 TESTS = ("wilcoxon", "ttest", "permutation", "bootstrap-t")
 DEFAULT_METHOD = "hybrid-t"
