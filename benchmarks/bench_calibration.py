@@ -34,15 +34,14 @@ import time
 
 from divstats.calibration.coverage import (
     POPULATIONS,
-    PolicyEffect,
     aggregate_coverage,
     decomposition_coverage,
     mean_interval_coverage,
     paired_calibration,
-    simulate_study,
 )
 from divstats.estimation.resample import METHODS
 from divstats.plans.run import run_plan
+from divstats.truth.studies import PolicyEffect, simulate_study
 
 TESTS = ("wilcoxon", "ttest", "permutation", "bootstrap-t")
 DEFAULT_METHOD = "hybrid-t"

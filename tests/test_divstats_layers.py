@@ -75,11 +75,25 @@ def _is_module(name: str, package_dir: Path) -> bool:
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
+def _targets(node: ast.Import | ast.ImportFrom, package_dir: Path) -> list[tuple[str, bool]]:
+    """(module, imported from a package's __init__) for each name an import statement binds."""
+    top = package_dir.name
+    if isinstance(node, ast.Import):
+        return [(alias.name, alias.name == top) for alias in node.names]
+    if node.level:
+        return [("." * node.level + (node.module or ""), False)]
+    mod = node.module or ""
+    if mod.split(".")[0] != top or not _is_package(mod, package_dir):
+        return [(mod, False)]
+    # ``from divstats[.room] import x``: a submodule x, or a name of the package's __init__
+    return [(f"{mod}.{a.name}", False) if _is_module(f"{mod}.{a.name}", package_dir) else (mod, True)
+            for a in node.names]
+
+
 def imports(path: Path, package_dir: Path = PACKAGE) -> list[Import]:
     """Every import in a file (module level, under ``if``, inside functions)."""
     source = path.read_text(encoding="utf-8")
     lines = source.splitlines()
-    top = package_dir.name
     found: list[Import] = []
 
     def commented(lineno: int) -> bool:
@@ -93,28 +107,10 @@ def imports(path: Path, package_dir: Path = PACKAGE) -> list[Import]:
 
     def visit(node: ast.AST, nested: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            inner = nested or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            if isinstance(child, ast.Import):
-                for alias in child.names:
-                    found.append(Import(alias.name, child.lineno, nested, commented(child.lineno),
-                                        alias.name == top))
-            elif isinstance(child, ast.ImportFrom):
-                if child.level:
-                    found.append(Import("." * child.level + (child.module or ""), child.lineno, nested,
-                                        commented(child.lineno), False))
-                    continue
-                mod = child.module or ""
-                if mod.split(".")[0] == top and _is_package(mod, package_dir):
-                    # ``from divstats[.room] import x``: a submodule x, or a name of the package's __init__
-                    for alias in child.names:
-                        sub = f"{mod}.{alias.name}"
-                        if _is_module(sub, package_dir):
-                            found.append(Import(sub, child.lineno, nested, commented(child.lineno), False))
-                        else:
-                            found.append(Import(mod, child.lineno, nested, commented(child.lineno), True))
-                else:
-                    found.append(Import(mod, child.lineno, nested, commented(child.lineno), False))
-            visit(child, inner)
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.extend(Import(target, child.lineno, nested, commented(child.lineno), from_package)
+                             for target, from_package in _targets(child, package_dir))
+            visit(child, nested or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
 
     visit(ast.parse(source, filename=str(path)), False)
     return found

@@ -14,12 +14,10 @@ import pytest
 
 import divstats as dv
 from divstats.calibration.coverage import (
-    PolicyEffect,
     aggregate_coverage,
     decomposition_coverage,
     document_population,
     mean_interval_coverage,
-    simulate_study,
 )
 from divstats.estimation.resample import (
     MIN_DOCS_AGGREGATE,
@@ -29,6 +27,7 @@ from divstats.estimation.resample import (
     MIN_DOCS_SHARES,
     document_interval,
 )
+from divstats.truth.studies import PolicyEffect, simulate_study
 
 # --------------------------------------------------------------------------- the truth is the population's
 

@@ -35,6 +35,14 @@ number of documents, read off the coverage table: :data:`MIN_DOCS_AGGREGATE`,
 :data:`MIN_DOCS_PARTS`, :data:`MIN_DOCS_SHARES` and, for paired differences,
 :data:`MIN_DOCS_MEAN_DIFFERENCE` (two-sided) and :data:`MIN_DOCS_MEAN_BOUND`
 (one-sided).  :func:`too_few_documents` words the refusal.
+
+Why this module is in ``estimation/`` and not ``inference/``: the aggregate
+estimates' intervals (``divstats.estimation.estimators.aggregate_intervals``) are
+built here, and estimation may import only ``traces/``.  Moving
+``aggregate_intervals`` to inference would split the estimators' module; instead
+the resampling primitives sit one room lower, where the estimators and the
+inference room (``divstats.inference.paired``, ``decompose``) may both import
+them.  They depend on numpy and scipy only.
 """
 
 from __future__ import annotations
