@@ -1,8 +1,9 @@
 """divstats' rooms (docs/architecture.md, "divstats: rooms by job"): what each room may
 import, checked statically over every file of the package, function-level and
 ``TYPE_CHECKING`` imports included; no module imports from the package root or from a
-room's ``__init__``; function-level imports only for deliberate, commented lazy loads;
-and no import cycle between divstats modules.
+room's ``__init__``, and functions and classes come from the module that defines them;
+function-level imports only for deliberate, commented lazy loads; and no import cycle
+between divstats modules.
 """
 
 from __future__ import annotations
@@ -228,6 +229,25 @@ def test_every_room_is_a_package_that_exports_nothing():
         tree = ast.parse(init.read_text(encoding="utf-8"))
         assert not [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], init
 
+
+def test_functions_and_classes_are_imported_from_the_module_that_defines_them():
+    import importlib
+    import inspect
+
+    bad = []
+    for path in files():
+        if path == PACKAGE / "__init__.py":
+            continue  # the root re-exports on purpose
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("divstats.")):
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                obj = getattr(module, alias.name, None)
+                if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ != node.module:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {alias.name} from {node.module}, "
+                               f"defined in {obj.__module__}")
+    assert not bad, "\n".join(bad)
 
 # --------------------------------------------------------------------------- the checker itself
 

@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from divstats.errors import DivstatsError
+from divstats.errors import DivstatsError, PlanError
 from divstats.plans.format import (
-    PlanError,
     load_plan,
     parse_aliases,
     shipped_plans,
