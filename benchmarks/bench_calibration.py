@@ -32,17 +32,16 @@ import itertools
 import math
 import time
 
-from divstats.calibration import (
+from divstats.calibration.coverage import (
     POPULATIONS,
-    PolicyEffect,
     aggregate_coverage,
     decomposition_coverage,
     mean_interval_coverage,
     paired_calibration,
-    simulate_study,
 )
-from divstats.planrun import run_plan
-from divstats.resample import METHODS
+from divstats.estimation.resample import METHODS
+from divstats.plans.run import run_plan
+from divstats.truth.studies import PolicyEffect, simulate_study
 
 TESTS = ("wilcoxon", "ttest", "permutation", "bootstrap-t")
 DEFAULT_METHOD = "hybrid-t"

@@ -3,7 +3,7 @@
 For each policy and estimand, on the same documents with the same seeds in one run:
 
 * variance per replicate ``v``: the Monte Carlo variance of one replicate's
-  influence value (``divstats.components.replicate_influence``; for the branch-TV
+  influence value (``divstats.estimation.components.replicate_influence``; for the branch-TV
   windows R times the squared delta-method SE of ``divstats.branch_tv_window``),
   averaged over documents;
 * seconds per replicate ``s``: wall time of the request (prefill included) / R,
@@ -39,7 +39,7 @@ import xarray as xr  # noqa: E402
 
 import divstats  # noqa: E402
 from collector import documents as D  # noqa: E402
-from divstats.components import replicate_influence  # noqa: E402
+from divstats.estimation.components import replicate_influence  # noqa: E402
 from gen_service.engine import Engine, TraceJob  # noqa: E402
 from gen_service.models import load_model  # noqa: E402
 from gen_service.presses import PolicyRegistry  # noqa: E402

@@ -11,7 +11,7 @@
    worker processes; the largest difference between the two results is reported
    (target: <= 1e-12, i.e. identical).
 3. ``--scale`` x on dask: the same analysis on the big store with the same cluster,
-   in one pass over the data (``divstats.chunked.map_docs_many``), and, with
+   in one pass over the data (``divstats.traces.chunked.map_docs_many``), and, with
    ``--separate``, as the plain separate calls.  Reported: time per document against
    the in-memory time per document at paper scale (target: within 2x; median of
    ``--big-repeat`` runs), the CPU time per document of all processes (client,
@@ -105,7 +105,7 @@ def analysis(ds, plan) -> dict:
 def analysis_one_pass(ds, plan) -> dict:
     """The same, reading each document chunk once (estimate, sharp_interval, branch_tv per chunk)."""
     import divstats as D
-    from divstats.chunked import map_docs_many
+    from divstats.traces.chunked import map_docs_many
 
     out = map_docs_many({"estimate": (D.estimate, {}), "sharp_interval": (D.sharp_interval, {}),
                          "branch_tv": (D.branch_tv, {})}, ds)

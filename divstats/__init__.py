@@ -4,25 +4,29 @@ The contract is docs/statistics.md; every estimand there has an exact enumerator
 (``exact``), a simulator producing trace datasets (``simulate``) and estimators
 for each trace kind (``estimate``, ``survival``, ``branch_tv``, ``sharp_interval``).
 Comparisons between policies (``decompose``, ``paired_test``) and prespecified
-plans (``load_plan``, ``run_plan``) sit on top. ``analyze`` (the report) is loaded
+plans (``load_plan``, ``run_plan``) sit on top. The modules live in rooms by job
+(``truth``, ``traces``, ``estimation``, ``inference``, ``plans``, ``design``,
+``calibration``, ``report``, ``cli``; docs/architecture.md gives what each may
+import); this package re-exports the public names. ``analyze`` (the report) is loaded
 lazily because it pulls in matplotlib. Every exception divstats raises on purpose
 is a :class:`DivstatsError`.
 """
 
-from divstats.components import variance_components
-from divstats.coupling import simulate
-from divstats.curves import branch_tv, branch_tv_window, survival
-from divstats.decompose import DecompositionResult, decompose
-from divstats.design import design
+from divstats.design.allocation import design
+from divstats.design.power import power
 from divstats.errors import DivstatsError, NotIdentified, OutputError, PlanError
-from divstats.estimators import aggregate, aggregate_intervals, estimate
-from divstats.exact import ExactResult, exact
-from divstats.interval import extremal_kernels, interval_by_window, sharp_interval
-from divstats.paired import holm, paired_test
-from divstats.planrun import PlanResult, run_plan
-from divstats.plans import Plan, assign_split, load_plan, shipped_plan, shipped_plans
-from divstats.power import power
-from divstats.variance import variance_check
+from divstats.estimation.components import variance_components
+from divstats.estimation.curves import branch_tv, branch_tv_window, survival
+from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
+from divstats.estimation.interval import interval_by_window, sharp_interval
+from divstats.estimation.variance import variance_check
+from divstats.inference.decompose import DecompositionResult, decompose
+from divstats.inference.paired import holm, paired_test
+from divstats.plans.format import Plan, assign_split, load_plan, shipped_plan, shipped_plans
+from divstats.plans.run import PlanResult, run_plan
+from divstats.truth.exact import ExactResult, exact
+from divstats.truth.extremal import extremal_kernels
+from divstats.truth.simulate import simulate
 
 __all__ = [
     "DecompositionResult", "DivstatsError", "ExactResult", "NotIdentified", "OutputError", "Plan", "PlanError",
@@ -35,7 +39,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "analyze":
-        from divstats.report import analyze
+        from divstats.report.write import analyze  # lazy: the report pulls in matplotlib
 
         return analyze
     raise AttributeError(f"module 'divstats' has no attribute {name!r}")

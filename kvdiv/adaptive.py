@@ -3,14 +3,14 @@
 ``kvdiv collect --target-se X`` (or ``--budget B``) collects the run as usual, R
 replicates per (document, policy): that is round 0, the *pilot*. Then, round after
 round, it packs what it has, estimates each pair's per-replicate Monte Carlo variance
-w of the target metrics (``divstats.components.document_values``) and asks each pair
-the further replicates it needs (``divstats.design.allocate``):
+w of the target metrics (``divstats.estimation.components.document_values``) and asks each pair
+the further replicates it needs (``divstats.design.allocation.allocate``):
 
 - ``target_se``: enough that w / R reaches the target SE on every metric, counting
   only the replicates of rounds >= 1; after each round the variance is re-estimated
   from everything collected and the run stops once no pair needs more, or after
   ``max_rounds`` rounds;
-- ``budget``: B further replicates (or cost units, ``divstats.design.CostModel``)
+- ``budget``: B further replicates (or cost units, ``divstats.design.allocation.CostModel``)
   spread by Neyman allocation (R proportional to sqrt(w / c)) to minimise the summed
   variance of the metrics, in one round after the pilot.
 
@@ -63,12 +63,12 @@ class AdaptiveSpec:
     Attributes
     ----------
     metrics : tuple of str
-        Metrics of ``divstats.components.METRICS`` the allocation targets.
+        Metrics of ``divstats.estimation.components.METRICS`` the allocation targets.
     target_se : dict, optional
         metric -> the Monte Carlo SE to reach on every per-document estimate.
     budget : float, optional
         Further replicates (``budget_unit="replicates"``) or cost units (``"cost"``:
-        ``divstats.design.CostModel.from_traces`` on the pilot) to spend.
+        ``divstats.design.allocation.CostModel.from_traces`` on the pilot) to spend.
     budget_unit : {"replicates", "cost"}
     by : {"cell", "policy"}
         Allocate from each (document, policy)'s own variance, or the policy's mean.
@@ -109,7 +109,7 @@ class AdaptiveSpec:
             raise ConfigError("; ".join(problems))
 
     def _problems(self) -> list[str]:
-        from divstats.components import METRICS
+        from divstats.estimation.components import METRICS
 
         problems = []
         if (self.target_se is None) == (self.budget is None):
@@ -229,8 +229,8 @@ def plan_metrics(plan_source: Any) -> tuple[tuple[str, ...], list[str], str]:
     ('occurrence', 'rmtd')
     """
     from divstats import load_plan
-    from divstats.components import METRICS
     from divstats.errors import DivstatsError
+    from divstats.estimation.components import METRICS
 
     try:
         plan = load_plan(plan_source)
@@ -305,7 +305,7 @@ class RoundPlan:
 
 def _counted(data: xr.Dataset) -> xr.DataArray:
     """Replicates per (doc, policy) that count toward the estimate: rounds >= 1 (0 before round 1)."""
-    from divstats.arrays import layout, present_replicates
+    from divstats.traces.arrays import layout, present_replicates
 
     lay = layout(data)
     if "round" not in data.coords:
@@ -333,14 +333,14 @@ def plan_round(data: xr.Dataset, spec: AdaptiveSpec, round_index: int) -> RoundP
 
     Examples
     --------
-    >>> from divstats.calibration import PolicyEffect, simulate_study
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
     >>> pilot = simulate_study(3, {"a": PolicyEffect(0.1)}, horizon=5, replicates=4, kind="residual")
     >>> nxt = plan_round(pilot, AdaptiveSpec(("loss",), budget=40), 1)
     >>> nxt.pairs, nxt.replicates >= 40
     (3, True)
     """
-    from divstats.components import document_values
-    from divstats.design import CostModel, allocate
+    from divstats.design.allocation import CostModel, allocate
+    from divstats.estimation.components import document_values
 
     everything = data.drop_vars("round", errors="ignore")   # the variance: from every replicate collected
     counted = _counted(data)
@@ -555,7 +555,7 @@ def simulate_adaptive(spec: AdaptiveSpec, *, docs: int = 6, effects: Sequence[fl
     """Run the adaptive procedure on simulated documents and compare its estimates with the exact values.
 
     Each (document, policy) is a small Markov pair of kernels
-    (``divstats.calibration.markov_kernels``) whose estimands ``divstats.exact``
+    (``divstats.truth.studies.markov_kernels``) whose estimands ``divstats.exact``
     enumerates. A repetition simulates the pilot (residual traces), then, round by
     round, asks :func:`plan_round` (the function ``kvdiv collect`` uses) for the next
     allocation and gives each pair that many fresh replicates, laid out in round
@@ -601,7 +601,7 @@ def simulate_adaptive(spec: AdaptiveSpec, *, docs: int = 6, effects: Sequence[fl
     import divstats
     import protocols
     from collector.rounds import RoundLayout
-    from divstats.calibration import PolicyEffect, markov_kernels
+    from divstats.truth.studies import PolicyEffect, markov_kernels
 
     rng = np.random.default_rng(seed)
     policies = [f"p{j}" for j in range(len(effects))]

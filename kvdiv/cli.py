@@ -18,9 +18,9 @@ from kvdiv import __version__
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("protocols.cli:validate", "Check a traces file against kvdiv.trace/1."),
     "info": ("protocols.cli:info", "Summarise a traces file."),
-    "analyze": ("divstats.cli:analyze", "Estimate, test a plan and write a report."),
-    "split": ("divstats.cli:split", "Show the plan's exploratory/confirmatory split."),
-    "power": ("divstats.power_cli:power_command", "Power of a plan's hypotheses at a study size, from a pilot."),
+    "analyze": ("divstats.cli.analyze:analyze", "Estimate, test a plan and write a report."),
+    "split": ("divstats.cli.analyze:split", "Show the plan's exploratory/confirmatory split."),
+    "power": ("divstats.cli.power:power_command", "Power of a plan's hypotheses at a study size, from a pilot."),
     "serve": ("gen_service.server_cli:serve", "Run the TGI-compatible trace service."),
     "collect": ("kvdiv.commands:collect", "Collect traces from one or more servers (adaptive: --target-se)."),
     "pack": ("collector.cli:pack", "Assemble a collection journal into a dataset."),

@@ -18,6 +18,7 @@ from collector.collect import CollectConfig, collect
 from collector.errors import ConfigError, ManifestMismatch
 from collector.journal import Journal
 from collector.pack import pack_run
+from divstats.estimation.components import document_values
 from kvdiv.adaptive import AdaptiveSpec, collect_adaptive, parse_target, plan_metrics, plan_round
 from kvdiv.cli import main
 
@@ -74,10 +75,10 @@ def test_cli_target_se_collects_rounds_that_pack_stacks_and_the_estimate_uses_th
     later = ds.isel(replicate=ds["round"].values >= 1).drop_vars("round")
     xr.testing.assert_allclose(est["occurrence"], divstats.estimate(later)["occurrence"])
     counted = ds["round_replicates"].sel(request_round=ds["request_round"] >= 1).sum("request_round")
-    np.testing.assert_array_equal(divstats.components.document_values(ds)["replicates"].sel(metric="loss"),
+    np.testing.assert_array_equal(document_values(ds)["replicates"].sel(metric="loss"),
                                   counted.transpose("doc", "policy"))
     # every pair meets the target on the replicates that count (by the variance of everything collected)
-    w = divstats.components.document_values(ds.drop_vars("round")).sel(metric=list(TARGET))
+    w = document_values(ds.drop_vars("round")).sel(metric=list(TARGET))
     se = np.sqrt(w["mc_var"] * w["replicates"] / counted)
     assert all(float(se.sel(metric=m).max()) <= x for m, x in TARGET.items())
     res = CliRunner().invoke(main, ["analyze", str(tmp_path / "t.nc"), "--out", str(tmp_path / "report"),
@@ -145,14 +146,14 @@ def test_errors_are_named(fake_server: FakeServer, docs_file: Path, tmp_path: Pa
 
 
 def test_plan_round_counts_only_the_later_rounds(docs_file: Path, tmp_path: Path) -> None:
-    from divstats.calibration import PolicyEffect, simulate_study
+    from divstats.truth.studies import PolicyEffect, simulate_study
 
     pilot = simulate_study(3, {"a": PolicyEffect(0.1)}, horizon=5, replicates=4, kind="residual", window=4)
     first = plan_round(pilot, AdaptiveSpec(("occurrence",), target_se={"occurrence": 0.1}), 1)
     assert first.pilot_only and int(first.counted.sum()) == 0 and int(first.further.min()) >= 2
     assert plan_round(pilot, AdaptiveSpec(("occurrence",), budget=10), 2).reason == "the budget is spent"
     # a budget in cost units: no recorded times, so decoding steps (T + K per residual replicate)
-    from divstats.design import CostModel
+    from divstats.design.allocation import CostModel
 
     steps = CostModel.from_traces(pilot).steps_per_replicate
     spent = plan_round(pilot, AdaptiveSpec(("occurrence",), budget=300, budget_unit="cost"), 1).replicates

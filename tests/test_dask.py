@@ -9,9 +9,9 @@ import pytest
 import xarray as xr
 
 import divstats as D
-from divstats.calibration import PolicyEffect, simulate_study
-from divstats.chunked import map_docs_many
-from divstats.planrun import run_plan
+from divstats.plans.run import run_plan
+from divstats.traces.chunked import map_docs_many
+from divstats.truth.studies import PolicyEffect, simulate_study
 from protocols import open_traces, save_traces
 from protocols.chunks import dask_client, doc_chunks, doc_slices, is_lazy
 
@@ -99,16 +99,17 @@ def test_run_plan_equal_in_memory(traces):
 
 
 def test_report_results_equal_in_memory(traces):
-    from divstats.analysis import compute
+    from divstats.report.analysis import compute
+    from divstats.report.results import results_dataset
 
     mem, lazy = traces
-    a = compute(mem, PAPER, n_resamples=199, progress=False).results
-    b = compute(lazy, PAPER, n_resamples=199, progress=False).results
+    a = results_dataset(compute(mem, PAPER, n_resamples=199, progress=False))
+    b = results_dataset(compute(lazy, PAPER, n_resamples=199, progress=False))
     xr.testing.assert_allclose(a, b, **TOL)
 
 
 def test_report_reads_each_chunk_once(traces, monkeypatch):
-    from divstats.analysis import compute
+    from divstats.report.analysis import compute
     from protocols.chunks import DocChunk
 
     _, lazy = traces
@@ -120,7 +121,8 @@ def test_report_reads_each_chunk_once(traces, monkeypatch):
 
 
 def test_report_notes_a_skipped_variance_check_as_in_memory(tmp_path):
-    from divstats.analysis import compute
+    from divstats.report.analysis import compute
+    from divstats.report.results import results_dataset
 
     ds = simulate_study(5, POLICIES, horizon=12, replicates=4, kind="residual", window=3, seed=1)
     save_traces(ds, tmp_path / "t.zarr")
@@ -129,7 +131,7 @@ def test_report_notes_a_skipped_variance_check_as_in_memory(tmp_path):
     b = compute(lazy, n_resamples=99, progress=False)
     assert a.variance is None and b.variance is None
     assert any(n.startswith("Variance check skipped") for n in a.notes) and a.notes == b.notes
-    xr.testing.assert_allclose(a.results, b.results, **TOL)
+    xr.testing.assert_allclose(results_dataset(a), results_dataset(b), **TOL)
 
 
 def test_one_pass_for_several_estimators(traces):
@@ -141,7 +143,7 @@ def test_one_pass_for_several_estimators(traces):
 
 @pytest.mark.parametrize("fn", [D.estimate, D.branch_tv, D.survival, D.sharp_interval])
 def test_concat_docs_is_xarray_concat(traces, fn):
-    from divstats.chunked import concat_docs
+    from divstats.traces.chunked import concat_docs
 
     mem, _ = traces
     parts = [fn(mem.isel(doc=sl)) for sl in (slice(0, 4), slice(4, 5), slice(5, 11))]
@@ -155,7 +157,7 @@ def test_concat_docs_is_xarray_concat(traces, fn):
 
 
 def test_concat_docs_refuses_parts_that_differ():
-    from divstats.chunked import concat_docs
+    from divstats.traces.chunked import concat_docs
 
     a = xr.Dataset({"x": (("doc", "age"), [[1.0, 2.0]])}, coords={"doc": ["a"], "age": [0, 1]})
     b = xr.Dataset({"x": (("doc", "age"), [[3.0, 4.0]])}, coords={"doc": ["b"], "age": [0, 2]})
@@ -203,8 +205,8 @@ def test_cli_analyze_on_a_local_cluster_writes_the_same_results(tmp_path):
     pytest.importorskip("distributed")
     from click.testing import CliRunner
 
-    from divstats.cli import analyze
-    from divstats.results import load_results
+    from divstats.cli.analyze import analyze
+    from divstats.report.results import load_results
 
     path = tmp_path / "traces.zarr"
     save_traces(simulate_study(9, POLICIES, horizon=36, replicates=5, kind="residual", seed=6), path)

@@ -52,7 +52,7 @@ def test_demo_with_a_running_server_resumes_and_refuses_other_sizes(tmp_path: Pa
 
 
 def test_demo_plan_is_the_paper_plan_fitted_to_the_window(tmp_path: Path) -> None:
-    from divstats.plans import load_plan
+    from divstats.plans.format import load_plan
 
     paper = load_plan(shipped_plan())
     path = write_demo_plan(shipped_plan(), tmp_path / "plan.toml", 70, 8)
@@ -68,8 +68,8 @@ def test_demo_plan_is_the_paper_plan_fitted_to_the_window(tmp_path: Path) -> Non
 
 def test_demo_plan_is_two_sided_below_the_one_sided_threshold(tmp_path: Path) -> None:
     # 7 confirmatory documents: a one-sided bootstrap-t test would be refused, a two-sided one is not
-    from divstats.plans import load_plan
-    from divstats.resample import MIN_DOCS_MEAN_BOUND
+    from divstats.estimation.resample import MIN_DOCS_MEAN_BOUND
+    from divstats.plans.format import load_plan
 
     paper = load_plan(shipped_plan())
     small = load_plan(write_demo_plan(shipped_plan(), tmp_path / "small.toml", 70, 8, confirmatory_docs=7))
@@ -82,7 +82,7 @@ def test_demo_plan_is_two_sided_below_the_one_sided_threshold(tmp_path: Path) ->
 
 
 def test_documents_are_balanced_over_the_plan_split() -> None:
-    from divstats.plans import assign_split, load_plan
+    from divstats.plans.format import assign_split, load_plan
     from kvdiv.demo import select_balanced
 
     plan = load_plan(shipped_plan())

@@ -7,8 +7,8 @@ import pytest
 import xarray as xr
 
 import divstats
-from divstats.calibration import PolicyEffect, markov_kernels
-from divstats.components import document_values, replicate_influence, variance_components
+from divstats.estimation.components import document_values, replicate_influence, variance_components
+from divstats.truth.studies import PolicyEffect, markov_kernels
 
 V, T, R = 4, 5, 8
 EFFECTS = {"a": PolicyEffect(0.08), "b": PolicyEffect(0.2)}
@@ -101,7 +101,7 @@ def test_common_random_numbers_keep_estimates_unbiased_and_reduce_pair_variance(
 
 
 def test_traces_and_estimates_agree_per_policy():
-    from divstats.calibration import simulate_study
+    from divstats.truth.studies import simulate_study
 
     ds = simulate_study(8, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.15)}, horizon=8, replicates=6,
                         kind="residual", seed=3)
@@ -127,7 +127,7 @@ def vc_describes(vc: xr.Dataset) -> bool:
 
 
 def test_window_on_estimates_is_refused():
-    from divstats.calibration import simulate_study
+    from divstats.truth.studies import simulate_study
 
     ds = simulate_study(2, {"a": PolicyEffect(0.05)}, horizon=4, replicates=3, seed=1)
     with pytest.raises(ValueError, match="window applies to traces"):

@@ -7,8 +7,9 @@ import pytest
 import xarray as xr
 
 import divstats
-from divstats.calibration import PolicyEffect, decomposition_coverage, simulate_study
-from divstats.decompose import ATTRIBUTIONS, decompose
+from divstats.calibration.coverage import decomposition_coverage
+from divstats.inference.decompose import ATTRIBUTIONS, decompose
+from divstats.truth.studies import PolicyEffect, simulate_study
 
 
 def estimates(occ, exp_, post, horizon=10, docs=None, policies=("A", "B")):

@@ -16,6 +16,7 @@ import xarray as xr
 from divstats_cases import CASE_IDS, CASES, Case
 
 import divstats as dv
+from divstats.estimation.estimators import SCALARS
 
 N = 3000
 Z = 4.5
@@ -52,7 +53,7 @@ def assert_close(est, se, exact, what: str) -> None:
 
 
 def check_estimate(est: xr.Dataset, ex: dv.ExactResult, what: str) -> None:
-    for name in dv.estimators.SCALARS:
+    for name in SCALARS:
         value = est[name].values
         if "not_identified" in est[name].attrs:
             assert np.isnan(value).all(), f"{what}: {name} not identified but reported"

@@ -12,7 +12,7 @@ import pytest
 from divstats_cases import CASE_IDS, CASES
 
 import divstats as dv
-from divstats.kernels import CoupledKernels
+from divstats.truth.kernels import CoupledKernels
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "statistics.md"
 

@@ -3,7 +3,7 @@
 The paper plan's hypotheses are one-sided ``bootstrap-t`` tests of the mean
 paired difference.  On skewed differences whose mean is 0 the one-sided
 studentized bootstrap rejected about 0.08 of the time at 10 documents
-(alpha = 0.05); below ``divstats.resample.MIN_DOCS_MEAN_BOUND`` documents such a
+(alpha = 0.05); below ``divstats.estimation.resample.MIN_DOCS_MEAN_BOUND`` documents such a
 test is now refused together with its dual bound (NaN p-value, the reason
 stated), never aborting.  Sizes are measured against the population's known mean
 (0), never against a method's own output.
@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 import divstats as dv
-from divstats.calibration import PolicyEffect, paired_calibration, simulate_study
-from divstats.paired import MIN_DOCS, not_estimable_reason, rejects
-from divstats.resample import MIN_DOCS_MEAN_BOUND, MIN_DOCS_MEAN_DIFFERENCE
+from divstats.calibration.coverage import paired_calibration
+from divstats.estimation.resample import MIN_DOCS_MEAN_BOUND, MIN_DOCS_MEAN_DIFFERENCE
+from divstats.inference.paired import MIN_DOCS_BY_TEST, not_estimable_reason, rejects
+from divstats.truth.studies import PolicyEffect, simulate_study
 
 ALPHA = 0.05
 N_SIMS = 1000
@@ -93,14 +94,14 @@ def test_degenerate_inputs_give_nan_with_a_reason(d, side) -> None:
     assert not rejects(res.pvalue, ALPHA)
     clean = d[np.isfinite(d)]
     assert res.reason == not_estimable_reason(clean, "bootstrap-t", side)
-    if clean.size >= MIN_DOCS["bootstrap-t"] and side == "two-sided":
+    if clean.size >= MIN_DOCS_BY_TEST["bootstrap-t"] and side == "two-sided":
         assert "spread is 0" in res.reason
 
 
 def test_plan_row_is_refused_with_its_reason_and_the_report_renders() -> None:
-    from divstats.analysis import compute
-    from divstats.planrun import run_plan
-    from divstats.render import render_markdown
+    from divstats.plans.run import run_plan
+    from divstats.report.analysis import compute
+    from divstats.report.render import render_markdown
 
     ds = simulate_study(12, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=6, replicates=4, seed=2)
     hyp = {"id": "h", "family": "f", "metric": "occurrence", "compare": ["a", "b"], "split": "all",
@@ -116,7 +117,7 @@ def test_plan_row_is_refused_with_its_reason_and_the_report_renders() -> None:
 
 
 def test_power_is_zero_with_the_reason_where_the_one_sided_test_is_refused() -> None:
-    from divstats.power import hypothesis_pilots, power, power_at
+    from divstats.design.power import hypothesis_pilots, power, power_at
 
     pilot = simulate_study(8, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.2)}, horizon=6, replicates=4, seed=1)
     hyp = {"id": "h", "family": "f", "metric": "occurrence", "compare": ["a", "b"], "split": "all",

@@ -12,12 +12,12 @@ import pytest
 from click.testing import CliRunner
 
 import divstats
-from divstats.analysis import compute
-from divstats.calibration import PolicyEffect, simulate_study
-from divstats.cli import analyze
+from divstats.cli.analyze import analyze
 from divstats.errors import DivstatsError, OutputError, PlanError
-from divstats.report import OUTPUT_FILES, is_report_dir, publish_report, write_report
-from divstats.results import load_results
+from divstats.report.analysis import compute
+from divstats.report.results import load_results
+from divstats.report.write import OUTPUT_FILES, is_report_dir, publish_report, write_report
+from divstats.truth.studies import PolicyEffect, simulate_study
 
 POLICIES = {"a": PolicyEffect(0.05), "b": PolicyEffect(0.15), "c": PolicyEffect(0.1, growth=0.5)}
 
@@ -143,7 +143,7 @@ def test_publish_is_atomic_when_rendering_fails(analysis, tmp_path, monkeypatch)
     out = tmp_path / "report"
     publish_report(analysis, out)
     before = _tree(out)
-    import divstats.report as R
+    import divstats.report.write as R
 
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")

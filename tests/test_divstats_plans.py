@@ -16,9 +16,8 @@ import pytest
 import xarray as xr
 from scipy import stats
 
-from divstats.paired import hodges_lehmann, holm, paired_test, signed_rank_null_cdf
-from divstats.planrun import TABLE_COLUMNS, run_plan
-from divstats.plans import (
+from divstats.inference.paired import hodges_lehmann, holm, paired_test, signed_rank_null_cdf
+from divstats.plans.format import (
     PlanError,
     assign_split,
     load_plan,
@@ -27,6 +26,7 @@ from divstats.plans import (
     split_table,
     split_uniform,
 )
+from divstats.plans.run import TABLE_COLUMNS, run_plan
 
 PAPER = shipped_plan("paper")  # package data, as a wheel install has it
 POLICIES = ["snapkv@0.5", "snapkv#512", "recent@0.5", "snapkv@0.9"]

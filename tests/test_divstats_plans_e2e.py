@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import divstats
-from divstats.calibration import PolicyEffect, paired_calibration, simulate_study
-from divstats.planrun import run_plan, window_mean
-from divstats.plans import PlanError
+from divstats.calibration.coverage import paired_calibration
+from divstats.plans.format import PlanError
+from divstats.plans.run import run_plan, window_mean
+from divstats.truth.studies import PolicyEffect, simulate_study
 
 PLANTED = {"snapkv@0.5": PolicyEffect(0.03), "snapkv#512": PolicyEffect(0.09),
            "recent@0.5": PolicyEffect(0.09), "snapkv@0.9": PolicyEffect(0.02, growth=1.0)}

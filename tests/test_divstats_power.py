@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import divstats
-from divstats.calibration import PolicyEffect, simulate_study
+from divstats.design.power import PowerDesign, hypothesis_pilots, power, power_at, power_calibration
 from divstats.errors import PlanError
-from divstats.power import PowerDesign, hypothesis_pilots, power, power_at, power_calibration
+from divstats.truth.studies import PolicyEffect, simulate_study
 
 EFFECTS = {"a": PolicyEffect(0.05), "b": PolicyEffect(0.07), "c": PolicyEffect(0.02, growth=1.0)}
 
@@ -111,8 +111,8 @@ def test_pilot_replicates_are_the_counted_ones() -> None:
     # power table's default R and the per-replicate variance use the counted R.
     import numpy as np
 
-    from divstats.calibration import PolicyEffect, simulate_study
-    from divstats.power import counted_replicates, power
+    from divstats.design.power import counted_replicates, power
+    from divstats.truth.studies import PolicyEffect, simulate_study
 
     ds = simulate_study(6, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.15)}, horizon=6, replicates=6,
                         kind="residual", seed=3)
@@ -127,7 +127,7 @@ def test_power_table_columns_stay_aligned() -> None:
     # a long "test direction" cell ("bootstrap-t greater") must not shift the columns after it
     import pandas as pd
 
-    from divstats.power_cli import format_power_table
+    from divstats.cli.power import format_power_table
 
     row = dict(id="h", metric="rmtd", a="x", b="y", alpha_used=0.05, docs=10, replicates=8, n_docs=10,
                effect=0.1, sd_between=0.2, sd_replicate=0.3, power=0.5, power_low=0.4, power_high=0.6)
@@ -141,7 +141,7 @@ def test_power_table_columns_stay_aligned() -> None:
 def test_cli_prints_each_rows_refusal_once() -> None:
     import pandas as pd
 
-    from divstats.power_cli import row_notes
+    from divstats.cli.power import row_notes
 
     table = pd.DataFrame({"id": ["a", "a", "b", "c"],
                           "note": ["refused at 7", "", "refused at 7; window beyond W", None]})
@@ -153,8 +153,8 @@ def test_large_studies_have_power_not_nan(direction: str) -> None:
     # scipy's noncentral t returns NaN at large noncentrality (here ~100); power is then ~1 or ~0
     import math
 
-    from divstats.calibration import PolicyEffect, simulate_study
-    from divstats.power import hypothesis_pilots, power_at
+    from divstats.design.power import hypothesis_pilots, power_at
+    from divstats.truth.studies import PolicyEffect, simulate_study
 
     pilot = simulate_study(8, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.3)}, horizon=6, replicates=4, seed=1)
     plan = {"plan": {"name": "p", "salt": "s"}, "hypothesis": [

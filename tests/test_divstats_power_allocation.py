@@ -1,4 +1,5 @@
-"""divstats.design.allocate: target SE, Neyman budget, and the bias of pooling a data-dependent allocation."""
+"""divstats.design.allocation.allocate: target SE, Neyman budget, and the bias of pooling a data-dependent
+allocation."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import pytest
 import xarray as xr
 
 import divstats
-from divstats.calibration import PolicyEffect, markov_kernels, simulate_study
-from divstats.design import allocate
+from divstats.design.allocation import allocate
+from divstats.estimation.components import document_values
+from divstats.truth.studies import PolicyEffect, markov_kernels, simulate_study
 
 V, T = 4, 5
 
@@ -16,7 +18,7 @@ V, T = 4, 5
 def test_target_se_and_budget():
     pilot = simulate_study(6, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.15)}, horizon=8, replicates=6,
                            kind="residual", seed=5)
-    vals = divstats.components.document_values(pilot).sel(metric="loss", drop=True)
+    vals = document_values(pilot).sel(metric="loss", drop=True)
     w = vals["mc_var"] * vals["replicates"]
     more = allocate(pilot, "loss", target_se=0.05, floor=0.0, min_replicates=0)
     total = more + 6

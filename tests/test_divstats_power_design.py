@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from divstats.calibration import PolicyEffect, simulate_study
-from divstats.design import CostModel, design
-from divstats.power import hypothesis_pilots, power_at
+from divstats.design.allocation import CostModel, design
+from divstats.design.power import hypothesis_pilots, power_at
+from divstats.truth.studies import PolicyEffect, simulate_study
 
 PLAN = {"plan": {"name": "d", "alpha": 0.05, "salt": "d", "confirmatory_fraction": 0.5},
         "hypothesis": [{"id": "occ", "family": "f", "metric": "occurrence", "compare": ["a", "b"],
@@ -30,7 +30,7 @@ def test_cost_model_counts_steps_or_fits_recorded_seconds(pilot):
     assert 8 <= cm.steps_per_replicate <= 16
     assert cm.cost(10, 3) == pytest.approx(10 * 2 * (2.0 + 3 * cm.steps_per_replicate))
     # recorded seconds: 0.3 s per request + 1 ms per prompt token + 5 ms per decoded step
-    from divstats.replicates import replicate_values
+    from divstats.traces.replicates import replicate_values
 
     steps = replicate_values(pilot).values["cost"].sum(-1).reshape(12, 2)
     tokens = np.arange(12) * 50 + 200
@@ -89,7 +89,7 @@ def test_power_command_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys, divstats.power_cli, divstats.design, divstats.power, protocols; "
+    code = ("import sys, divstats.cli.power, divstats.design.allocation, divstats.design.power, protocols; "
             "print(sorted(m for m in ('torch', 'transformers', 'httpx', 'gen_service') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

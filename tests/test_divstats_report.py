@@ -14,16 +14,16 @@ from click.testing import CliRunner
 from matplotlib.figure import Figure
 
 import divstats
-from divstats import figures as F
-from divstats.analysis import compute
-from divstats.calibration import PolicyEffect, simulate_study
-from divstats.cli import analyze, split
-from divstats.decompose import decompose
-from divstats.planrun import run_plan
-from divstats.plans import assign_split, shipped_plan
-from divstats.render import make_figures
-from divstats.results import load_results
-from divstats.tables import fmt
+from divstats.cli.analyze import analyze, split
+from divstats.inference.decompose import decompose
+from divstats.plans.format import assign_split, shipped_plan
+from divstats.plans.run import run_plan
+from divstats.report import figures as F
+from divstats.report.analysis import compute
+from divstats.report.render import make_figures
+from divstats.report.results import load_results, results_dataset
+from divstats.report.tables import fmt
+from divstats.truth.studies import PolicyEffect, simulate_study
 
 PAPER = shipped_plan("paper")  # package data, as a wheel install has it
 POLICIES = {"snapkv@0.5": PolicyEffect(0.04), "snapkv#128": PolicyEffect(0.12),
@@ -74,7 +74,7 @@ def test_figures_split_panels_by_model():
 
 def test_numbers_are_reproducible_from_the_public_api(traces, analysis):
     ds, _ = traces
-    res = analysis.results
+    res = results_dataset(analysis)
     est = divstats.estimate(ds)
     agg = divstats.aggregate(est)
     np.testing.assert_allclose(res["aggregate_mismatch_fraction"].values, agg["mismatch_fraction"].values)
@@ -119,16 +119,17 @@ def test_cli_analyze_writes_the_three_files(traces, tmp_path):
 
 
 def test_results_round_trip_exactly(analysis, tmp_path):
-    from divstats.results import save_results
+    from divstats.report.results import save_results
 
-    path = save_results(analysis.results, tmp_path / "r.nc")
+    results = results_dataset(analysis)
+    path = save_results(results, tmp_path / "r.nc")
     back = load_results(path)
-    for name, var in analysis.results.data_vars.items():
+    for name, var in results.data_vars.items():
         if var.dtype == object:
             assert back[name].values.tolist() == var.values.tolist(), name
         else:
             xr.testing.assert_equal(back[name].reset_coords(drop=True), var.reset_coords(drop=True))
-    assert back.attrs == {k: v for k, v in analysis.results.attrs.items()}
+    assert back.attrs == {k: v for k, v in results.attrs.items()}
 
 
 def test_cli_refuses_unknown_policy_with_a_message(traces, tmp_path):
@@ -162,8 +163,9 @@ def test_cli_split_on_traces_reports_the_disagreeing_label(traces):
 
 
 def test_analysis_modules_never_import_model_stacks():
-    code = ("import sys, divstats.cli, divstats.report, divstats.plans, divstats.decompose, divstats.figures, "
-            "divstats.analysis, divstats.results, divstats.render, divstats.tables, divstats.planrun;"
+    code = ("import sys, divstats.cli.analyze, divstats.report.write, divstats.plans.format, "
+            "divstats.inference.decompose, divstats.report.figures, divstats.report.analysis, "
+            "divstats.report.results, divstats.report.render, divstats.report.tables, divstats.plans.run;"
             "bad = [m for m in ('torch', 'transformers', 'httpx', 'gen_service') if m in sys.modules];"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

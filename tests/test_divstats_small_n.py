@@ -13,15 +13,13 @@ import numpy as np
 import pytest
 
 import divstats as dv
-from divstats.calibration import (
-    PolicyEffect,
+from divstats.calibration.coverage import (
     aggregate_coverage,
     decomposition_coverage,
     document_population,
     mean_interval_coverage,
-    simulate_study,
 )
-from divstats.resample import (
+from divstats.estimation.resample import (
     MIN_DOCS_AGGREGATE,
     MIN_DOCS_MEAN_BOUND,
     MIN_DOCS_MEAN_DIFFERENCE,
@@ -29,6 +27,7 @@ from divstats.resample import (
     MIN_DOCS_SHARES,
     document_interval,
 )
+from divstats.truth.studies import PolicyEffect, simulate_study
 
 # --------------------------------------------------------------------------- the truth is the population's
 
@@ -82,7 +81,7 @@ def test_aggregate_intervals_cover_from_their_threshold() -> None:
 
 def test_hybrid_interval_contains_bootstrap_t_and_jackknife_t() -> None:
     pop = document_population(15, np.random.default_rng(3), 32, "skewed")
-    from divstats.decompose import parts_and_shares
+    from divstats.inference.decompose import parts_and_shares
 
     f = parts_and_shares(32, "shapley")
     h, b, j = (document_interval(pop, f, method=m, n_resamples=499, seed=1)
@@ -167,9 +166,9 @@ def test_aggregate_intervals_refused_below_threshold_with_reason() -> None:
 
 
 def test_plan_and_report_render_with_refused_intervals() -> None:
-    from divstats.analysis import compute
-    from divstats.planrun import run_plan
-    from divstats.render import render_html, render_markdown
+    from divstats.plans.run import run_plan
+    from divstats.report.analysis import compute
+    from divstats.report.render import render_html, render_markdown
 
     ds = simulate_study(7, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=6, replicates=4, seed=2)
     plan = {"plan": {"name": "small", "alpha": 0.05, "salt": "s"}, "windows": {},

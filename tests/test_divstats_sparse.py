@@ -11,7 +11,7 @@ import pytest
 from divstats_cases import split_replicates
 
 import divstats as dv
-from divstats.curves import MIN_SE_COUNT
+from divstats.estimation.curves import MIN_SE_COUNT
 
 V, T = 3, 7
 
@@ -134,7 +134,7 @@ def test_hl_interval_excludes_zero_iff_wilcoxon_rejects(alternative) -> None:
 
 
 def test_hl_interval_is_the_inverted_test_at_its_ends() -> None:
-    from divstats.paired import signed_rank_test
+    from divstats.inference.paired import signed_rank_test
 
     rng = np.random.default_rng(3)
     for _ in range(50):
@@ -156,7 +156,7 @@ def test_hl_interval_is_the_inverted_test_at_its_ends() -> None:
 def test_wilcoxon_matches_scipy_with_ties_and_zeros() -> None:
     from scipy import stats
 
-    from divstats.paired import signed_rank_test
+    from divstats.inference.paired import signed_rank_test
 
     rng = np.random.default_rng(8)
     for _ in range(12):                  # scipy's permutation path is slow (~0.5 s a call)
@@ -172,7 +172,7 @@ def test_wilcoxon_matches_scipy_with_ties_and_zeros() -> None:
 # --------------------------------------------------------------------------- item 7
 
 def test_one_rejection_rule_at_the_boundary() -> None:
-    from divstats.paired import holm, rejects
+    from divstats.inference.paired import holm, rejects
 
     reject, adjusted = holm(np.array([0.025, 0.025]), 0.05)
     np.testing.assert_allclose(adjusted, [0.05, 0.05])
@@ -210,7 +210,7 @@ def _estimates(o_a, o_b, e_a, e_b, p_a, p_b, horizon: int = 32):
 
 
 def test_decomposition_shares_have_intervals_and_refuse_when_gap_covers_zero() -> None:
-    from divstats.calibration import document_population
+    from divstats.calibration.coverage import document_population
 
     pop = document_population(40, np.random.default_rng(0), 32, "skewed")
     res = dv.decompose(_estimates(*pop), "A", "B")
@@ -229,8 +229,8 @@ def test_decomposition_shares_have_intervals_and_refuse_when_gap_covers_zero() -
 
 
 def test_decomposition_interval_refused_with_few_documents() -> None:
-    from divstats.calibration import document_population
-    from divstats.resample import MIN_DOCS_PARTS
+    from divstats.calibration.coverage import document_population
+    from divstats.estimation.resample import MIN_DOCS_PARTS
 
     pop = document_population(2, np.random.default_rng(0), 32, "skewed")
     ci = dv.decompose(_estimates(*pop), "A", "B").confidence_interval(method="BCa", n_resamples=199)
@@ -240,8 +240,8 @@ def test_decomposition_interval_refused_with_few_documents() -> None:
 
 @pytest.mark.parametrize("population", ["symmetric", "skewed"])
 def test_default_document_interval_covers_from_min_docs(population) -> None:
-    from divstats.calibration import decomposition_coverage
-    from divstats.resample import MIN_DOCS_PARTS
+    from divstats.calibration.coverage import decomposition_coverage
+    from divstats.estimation.resample import MIN_DOCS_PARTS
 
     cov = decomposition_coverage(n_docs=MIN_DOCS_PARTS, n_sims=300, seed=5, population=population)
     assert cov.refused == 0.0
@@ -262,8 +262,8 @@ def _window_plan(test: str = "ttest") -> dict:
 
 @pytest.mark.parametrize("kind", ["coupled", "residual"])
 def test_plan_drops_documents_whose_window_no_branch_reached(kind) -> None:
-    from divstats.calibration import PolicyEffect, simulate_study
-    from divstats.planrun import run_plan
+    from divstats.plans.run import run_plan
+    from divstats.truth.studies import PolicyEffect, simulate_study
 
     ds = simulate_study(16, {"p": PolicyEffect(0.05, growth=0.2)}, horizon=12, replicates=5, kind=kind, seed=3)
     reached = (dv.branch_tv(ds)["branch_tv_count"].sel(policy="p", age=[10, 11]).sum("age") > 0).values
@@ -276,8 +276,8 @@ def test_plan_drops_documents_whose_window_no_branch_reached(kind) -> None:
 
 
 def test_plan_rows_state_their_estimand_and_survive_degenerate_tests(monkeypatch) -> None:
-    from divstats.calibration import PolicyEffect, simulate_study
-    from divstats.planrun import run_plan
+    from divstats.plans.run import run_plan
+    from divstats.truth.studies import PolicyEffect, simulate_study
 
     ds = simulate_study(3, {"p": PolicyEffect(0.3, growth=0.2)}, horizon=12, replicates=8, kind="coupled", seed=1)
     plan = _window_plan("permutation")
@@ -291,9 +291,9 @@ def test_plan_rows_state_their_estimand_and_survive_degenerate_tests(monkeypatch
 
 
 def test_plan_rejection_rule_is_the_same_with_and_without_holm(monkeypatch) -> None:
-    from divstats.calibration import PolicyEffect, simulate_study
-    from divstats.paired import paired_test as real
-    from divstats.planrun import run_plan
+    from divstats.inference.paired import paired_test as real
+    from divstats.plans.run import run_plan
+    from divstats.truth.studies import PolicyEffect, simulate_study
 
     pvalues = iter([0.025, 0.025, 0.05])
 
@@ -302,7 +302,7 @@ def test_plan_rejection_rule_is_the_same_with_and_without_holm(monkeypatch) -> N
 
         return dataclasses.replace(real(*args, **kwargs), pvalue=next(pvalues))
 
-    monkeypatch.setattr("divstats.planrun.paired_test", fake)
+    monkeypatch.setattr("divstats.plans.run.paired_test", fake)
     ds = simulate_study(12, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2)}, horizon=6, replicates=4)
     hyp = {"metric": "occurrence", "compare": ["a", "b"], "split": "all", "test": "ttest"}
     plan = {"plan": {"name": "rule", "alpha": 0.05, "salt": "s"}, "windows": {},
@@ -316,8 +316,8 @@ def test_plan_rejection_rule_is_the_same_with_and_without_holm(monkeypatch) -> N
 def test_paper_plan_tests_the_mean_with_a_test_whose_size_holds_better() -> None:
     from pathlib import Path
 
-    from divstats.calibration import paired_calibration
-    from divstats.plans import load_plan
+    from divstats.calibration.coverage import paired_calibration
+    from divstats.plans.format import load_plan
 
     plan = load_plan(Path(dv.__file__).parent / "shipped_plans" / "paper.toml")
     assert {h.test for h in plan.hypotheses} == {"bootstrap-t"}
@@ -332,7 +332,7 @@ def test_paper_plan_tests_the_mean_with_a_test_whose_size_holds_better() -> None
 # --------------------------------------------------------------------------- item 10
 
 def test_aggregate_intervals_drop_missing_documents_explicitly() -> None:
-    from divstats.calibration import PolicyEffect, simulate_study
+    from divstats.truth.studies import PolicyEffect, simulate_study
 
     ds = simulate_study(14, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=6, replicates=6, seed=4)
     est = dv.estimate(ds)
@@ -347,7 +347,7 @@ def test_aggregate_intervals_drop_missing_documents_explicitly() -> None:
     alone = dv.aggregate_intervals(est.sel(doc=[f"doc{i}" for i in range(3, 14)]), n_resamples=499)
     for q in ("occurrence", "rate"):
         assert float(ci[f"{q}_low"].sel(policy="b")) == pytest.approx(float(alone[f"{q}_low"].sel(policy="b")))
-    # fewer documents than resample.MIN_DOCS: refused, not a finite interval
+    # fewer documents than resample.MIN_DOCS_INTERVAL: refused, not a finite interval
     few = dv.aggregate_intervals(est.isel(doc=slice(0, 3)), n_resamples=199)
     assert np.isnan(few["occurrence_low"]).all()
 
@@ -360,10 +360,10 @@ def test_bootstrap_mean_interval_refused_with_few_documents() -> None:
 def test_report_shows_counts_beside_per_age_branch_tv_all_within_unit_interval() -> None:
     import re
 
-    from divstats.analysis import compute
-    from divstats.calibration import PolicyEffect, simulate_study
-    from divstats.render import render_html
-    from divstats.tables import branch_tv_rows
+    from divstats.report.analysis import compute
+    from divstats.report.render import render_html
+    from divstats.report.tables import branch_tv_rows
+    from divstats.truth.studies import PolicyEffect, simulate_study
 
     ds = simulate_study(12, {"a": PolicyEffect(0.1, growth=0.3), "b": PolicyEffect(0.3, growth=0.3)},
                         horizon=10, replicates=4, kind="residual", seed=2)

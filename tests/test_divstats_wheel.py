@@ -52,7 +52,7 @@ def _clean_env() -> dict[str, str]:
 
 
 def test_wheel_install_runs_analyze_with_the_shipped_plan(tmp_path):
-    from divstats.calibration import PolicyEffect, simulate_study
+    from divstats.truth.studies import PolicyEffect, simulate_study
     from protocols import save_traces
 
     src = _tracked_copy(tmp_path / "src")

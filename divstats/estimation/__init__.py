@@ -1,0 +1,9 @@
+"""Estimators on traces: per-(doc, policy) estimates and their aggregates (``estimators``), curves
+(``curves``), the sharp interval (``interval``), the variance check (``variance``), variance
+components (``components``) and the intervals over documents (``resample``). Imports only
+``traces`` (and ``divstats.errors``).
+
+Import from the submodules; this package exports nothing itself (docs/architecture.md).
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,282 @@
+"""``compute``: every estimator, the plan and the decompositions on one trace dataset.
+
+This is the computation behind ``kvdiv analyze`` (no files written): it calls the
+public API (``divstats.estimate``, ``aggregate``, ``aggregate_intervals``,
+``survival``, ``branch_tv``, ``interval_by_window``, ``variance_check``,
+``run_plan``, ``decompose``) with the same options and keeps every result in one
+:class:`Analysis`. On dask-backed traces the per-document estimators share one
+pass over the data (``divstats.traces.chunked.map_docs_many``): each document chunk is
+read once, not once per estimator. Without a plan the analysis is descriptive: there are no plan
+rows and every comparison is exploratory.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from divstats.estimation.curves import branch_tv, survival
+from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
+from divstats.estimation.interval import interval_by_window
+from divstats.estimation.variance import variance_check
+from divstats.inference.decompose import DecompositionInterval, DecompositionResult, decompose
+from divstats.plans.format import Plan, PlanSource, load_plan
+from divstats.plans.run import PlanResult, run_plan
+from divstats.traces.chunked import map_docs_many
+from protocols import Kind
+from protocols.chunks import is_lazy
+
+__all__ = ["Analysis", "compute", "decomposition_pairs", "default_interval_windows"]
+
+#: What the progress bar counts, in order.
+STEPS: tuple[str, ...] = ("estimate", "survival", "branch TV", "interval by W", "variance check", "plan",
+                          "decomposition")
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """Everything ``analyze`` computed, built once by :func:`compute` and never changed.
+
+    ``plan`` and ``plan_result`` are None for a descriptive analysis (no plan). What
+    ``results.nc`` holds is computed from it by
+    :func:`divstats.report.results.results_dataset` (which imports this module, not
+    the other way round). ``paths`` is empty from :func:`compute`; the writers in
+    ``divstats.report.write`` return the paths they wrote, and
+    :func:`divstats.report.write.analyze` returns a copy of the analysis naming them.
+    """
+
+    traces: xr.Dataset
+    plan: Plan | None
+    estimates: xr.Dataset
+    aggregate: xr.Dataset
+    aggregate_ci: xr.Dataset
+    survival: xr.Dataset
+    branch_tv: xr.Dataset | None
+    interval: xr.Dataset | None
+    variance: xr.Dataset | None
+    plan_result: PlanResult | None
+    decompositions: list[tuple[DecompositionResult, DecompositionInterval]]
+    notes: list[str]
+    options: dict[str, Any]
+    paths: Mapping[str, Path] = field(default_factory=dict)
+
+
+def default_interval_windows(ds: xr.Dataset) -> list[int]:
+    """A grid of at most 9 observation windows W for the sharp-interval curve.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Traces (``kind``, ``horizon`` and, for residual traces, ``window`` attrs).
+
+    Returns
+    -------
+    list of int
+        ``[0]`` for reference traces, else evenly spaced W from 0 to the largest
+        observed window (T - 1 for coupled traces).
+
+    Examples
+    --------
+    >>> import xarray as xr
+    >>> default_interval_windows(xr.Dataset(attrs={"kind": "coupled", "horizon": 5}))
+    [0, 1, 2, 3, 4]
+    """
+    T = int(ds.attrs["horizon"])
+    kind = ds.attrs.get("kind")
+    if kind == Kind.REFERENCE:
+        return [0]
+    top = T - 1 if kind == Kind.COUPLED else min(int(ds.attrs.get("window", T)), T - 1)
+    grid = np.unique(np.round(np.linspace(0, top, min(top + 1, 9))).astype(int))
+    return [int(w) for w in grid]
+
+
+def decomposition_pairs(plan_result: PlanResult | None, policies: Sequence[str]) -> list[tuple[str, str]]:
+    """Policy pairs to decompose: those the plan compares (after aliases), else all vs the first.
+
+    Parameters
+    ----------
+    plan_result : PlanResult or None
+        The plan's result (None: no plan).
+    policies : sequence of str
+        Policies in the data, in order.
+
+    Returns
+    -------
+    list of (str, str)
+        (A, B) pairs, in plan order, without repeats.
+
+    Examples
+    --------
+    >>> decomposition_pairs(None, ["a", "b", "c"])
+    [('b', 'a'), ('c', 'a')]
+    """
+    pairs: list[tuple[str, str]] = []
+    if plan_result is not None:
+        t = plan_result.table
+        for a, b, pol in zip(t["a"], t["b"], t["policy"], strict=True):
+            if not pol and a in policies and b in policies and (a, b) not in pairs:
+                pairs.append((a, b))
+    if not pairs and len(policies) > 1:
+        pairs = [(p, policies[0]) for p in policies[1:]]
+    return pairs
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm  # lazy: the progress bar (and its notebook probe) only when compute runs
+
+    return tqdm(total=total, file=sys.stderr, disable=not enabled, desc="analyze", unit="step",
+                leave=False)
+
+
+def _optional_curves(traces: xr.Dataset, window: int | None, notes: list[str]) -> tuple[Any, Any]:
+    """(branch TV, variance check), each None where the trace kind does not allow it."""
+    kind = traces.attrs.get("kind")
+    bt = vc = None
+    if kind == Kind.REFERENCE:
+        notes.append("Reference traces observe nothing after divergence: no branch-aligned TV.")
+    else:
+        bt = branch_tv(traces, window=window)
+    if kind == Kind.RESIDUAL:
+        try:
+            vc = variance_check(traces)
+        except ValueError as exc:
+            notes.append(f"Variance check skipped: {exc}")
+    return bt, vc
+
+
+def _one_pass(traces: xr.Dataset, window: int | None, windows: list[int], notes: list[str],
+              ) -> tuple[Any, ...]:
+    """(estimates, survival, branch TV, interval by W, variance check) of dask-backed traces, one read.
+
+    Each document chunk is read once for all five (``map_docs_many``) instead of once
+    per estimator. A variance check the data do not allow fails its chunk task, so
+    the pass is run again without it and the reason noted, as in memory.
+    """
+    kind = traces.attrs.get("kind")
+    fns: dict[str, tuple[Any, dict[str, Any]]] = {
+        "est": (estimate, {"window": window}), "surv": (survival, {}),
+        "ivw": (interval_by_window, {"windows": windows})}
+    if kind == Kind.REFERENCE:
+        notes.append("Reference traces observe nothing after divergence: no branch-aligned TV.")
+    else:
+        fns["bt"] = (branch_tv, {"window": window})
+    if kind == Kind.RESIDUAL:
+        try:
+            out = map_docs_many({**fns, "vc": (variance_check, {})}, traces)
+        except ValueError as exc:
+            out = map_docs_many(fns, traces)
+            notes.append(f"Variance check skipped: {exc}")
+    else:
+        out = map_docs_many(fns, traces)
+    return out["est"], out["surv"], out.get("bt"), out["ivw"], out.get("vc")
+
+
+def _per_document(traces: xr.Dataset, window: int | None, windows: list[int], notes: list[str], bar,
+                  ) -> tuple[Any, ...]:
+    """(estimates, survival, branch TV, interval by W, variance check): the per-document estimators."""
+    if is_lazy(traces):
+        out = _one_pass(traces, window, windows, notes)
+        bar.update(4)
+        return out
+    est = estimate(traces, window=window)
+    bar.update()
+    surv = survival(traces)
+    bar.update()
+    bt, vc = _optional_curves(traces, window, notes)
+    bar.update()
+    ivw = interval_by_window(traces, windows)
+    bar.update()
+    return est, surv, bt, ivw, vc
+
+
+def _decompositions(est: xr.Dataset, pairs: Sequence[tuple[str, str]], level: float, n_resamples: int,
+                    seed: int, notes: list[str]) -> list[tuple[DecompositionResult, DecompositionInterval]]:
+    decs = []
+    for a, b in pairs:
+        try:
+            res = decompose(est, a, b)
+        except ValueError as exc:
+            notes.append(f"Decomposition {a} vs {b} not computed: {exc}")
+            continue
+        decs.append((res, res.confidence_interval(level, n_resamples=n_resamples, seed=seed)))
+    return decs
+
+
+def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int | None = None,
+            policy_aliases: Mapping[str, str] | None = None, seed: int = 0, n_resamples: int = 9999,
+            level: float = 0.95, interval_windows: Sequence[int] | None = None,
+            progress: bool = True) -> Analysis:
+    """Run every estimator, the plan and the decompositions on ``traces`` (no files written).
+
+    Parameters
+    ----------
+    traces : xarray.Dataset
+        A trace dataset (docs/contract.md).
+    plan : Plan, str, pathlib.Path, mapping or None
+        Anything :func:`divstats.plans.format.load_plan` accepts (``"paper"``: the shipped
+        plan). None: a descriptive analysis, every comparison exploratory.
+    window : int, optional
+        Truncate the observation window after divergence.
+    policy_aliases : mapping of str to str, optional
+        Planned policy → data policy (a recorded deviation; see docs/plans.md).
+    seed, n_resamples : int
+        Control every bootstrap and Monte Carlo permutation test.
+    level : float
+        Confidence level of the descriptive intervals (plan rows use 1 - alpha).
+    interval_windows : sequence of int, optional
+        Observation windows of the sharp-interval curve (default: :func:`default_interval_windows`).
+    progress : bool
+        Show a progress bar on stderr.
+
+    Returns
+    -------
+    Analysis
+        Every result (``divstats.report.results.results_dataset`` turns it into the
+        Dataset that ``results.nc`` holds).
+
+    Raises
+    ------
+    PlanError
+        For an ill-formed plan, or one that names what the data lack.
+
+    Examples
+    --------
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2)}, horizon=6, replicates=3)
+    >>> an = compute(ds, n_resamples=99, progress=False)
+    >>> an.plan is None, [(r.a, r.b) for r, _ in an.decompositions]
+    (True, [('b', 'a')])
+    """
+    plan = None if plan is None else load_plan(plan)
+    if plan is None and policy_aliases:
+        raise ValueError("policy aliases substitute planned policies; without a plan there is nothing to alias")
+    notes: list[str] = []
+    bar = _progress(len(STEPS), progress)
+    windows = list(interval_windows) if interval_windows is not None else default_interval_windows(traces)
+    est, surv, bt, ivw, vc = _per_document(traces, window, windows, notes, bar)
+    agg = aggregate(est)
+    agg_ci = aggregate_intervals(est, level=level, n_resamples=n_resamples, seed=seed)
+    bar.update()
+    pres = None
+    if plan is not None:
+        pres = run_plan(traces, plan, aliases=policy_aliases, window=window, estimates=est, branch=bt,
+                        n_resamples=n_resamples, seed=seed)
+    bar.update()
+    pairs = decomposition_pairs(pres, [str(p) for p in traces["policy"].values])
+    decs = _decompositions(est, pairs, level, n_resamples, seed, notes)
+    bar.update()
+    bar.close()
+    options = {"window": -1 if window is None else int(window), "seed": int(seed),
+               "n_resamples": int(n_resamples), "level": float(level),
+               "policy_aliases": json.dumps(dict(policy_aliases or {}), sort_keys=True),
+               "interval_windows": json.dumps(windows)}
+    return Analysis(traces=traces, plan=plan, estimates=est, aggregate=agg, aggregate_ci=agg_ci, survival=surv,
+                    branch_tv=bt, interval=ivw, variance=vc, plan_result=pres, decompositions=decs,
+                    notes=notes + (pres.notes if pres is not None else []), options=options)

@@ -1,0 +1,436 @@
+"""Figures for the report (matplotlib, Agg canvas). Each function returns a Figure.
+
+Figures are built without pyplot on an Agg canvas, so they render headless and
+importing this module never changes the user's matplotlib backend.
+
+Bands and error bars describe uncertainty *across documents* (the unit of
+inference): the document mean ± z · SD_docs / √n_docs, falling back to the Monte
+Carlo SE when there is a single document. Panels are split by ``model`` when the
+data hold several models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import xarray as xr
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from scipy import stats
+
+__all__ = [
+    "branch_tv_figure", "decomposition_figure", "doc_band", "gap_figure", "interval_figure", "policy_colors",
+    "survival_figure", "variance_figure"
+]
+
+_PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
+            "#7f7f7f", "#bcbd22", "#17becf")
+_WINDOW_COLORS = ("#9ecae1", "#fdae6b", "#a1d99b", "#d9d9d9")
+
+
+def policy_colors(policies: Sequence[str]) -> dict[str, str]:
+    """A stable colour per policy (in dataset order), shared by every figure.
+
+    Parameters
+    ----------
+    policies : sequence of str
+        Policy ids in dataset order.
+
+    Returns
+    -------
+    dict of str to str
+        Policy → hex colour.
+
+    Examples
+    --------
+    >>> policy_colors(["a", "b"])
+    {'a': '#1f77b4', 'b': '#d62728'}
+    """
+    return {str(p): _PALETTE[i % len(_PALETTE)] for i, p in enumerate(policies)}
+
+
+def _models(ds: xr.Dataset | xr.DataArray) -> list[Any]:
+    return list(ds["model"].values) if "model" in ds.dims else [None]
+
+
+def _figure(width: float, height: float) -> Figure:
+    """A pyplot-free Figure on an Agg canvas: headless, and the global backend is left alone."""
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _panels(n: int, width: float = 6.4, height: float = 4.2, sharey: bool = True) -> tuple[Figure, list]:
+    fig = _figure(width * n if n > 1 else width, height)
+    axes = fig.subplots(1, n, sharey=sharey, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def doc_band(values: xr.DataArray, se: xr.DataArray | None = None, level: float = 0.95,
+             dim: str = "doc") -> tuple[xr.DataArray, xr.DataArray, xr.DataArray]:
+    """(mean, low, high) over documents: mean ± z·SD_docs/√n (MC SE if one document).
+
+    Parameters
+    ----------
+    values : xarray.DataArray
+        Per-document values.
+    se : xarray.DataArray, optional
+        Their Monte Carlo SEs (used with a single document).
+    level : float
+        Band level.
+    dim : str
+        The document dim.
+
+    Returns
+    -------
+    (xarray.DataArray, xarray.DataArray, xarray.DataArray)
+        Mean, low and high, ``dim`` reduced.
+
+    Examples
+    --------
+    >>> import xarray as xr
+    >>> m, lo, hi = doc_band(xr.DataArray([1.0, 2.0, 3.0], dims="doc"))
+    >>> float(m), bool(lo < m < hi)
+    (2.0, True)
+    """
+    z = stats.norm.ppf(0.5 + level / 2)
+    mean = values.mean(dim, skipna=True)
+    n = values.notnull().sum(dim)
+    if values.sizes[dim] > 1:
+        half = z * values.std(dim, ddof=1, skipna=True) / np.sqrt(n.where(n > 0))
+    elif se is not None:
+        half = z * se.squeeze(dim, drop=True)
+    else:
+        half = xr.zeros_like(mean)
+    return mean, mean - half, mean + half
+
+
+def _title(ax, text: str, model: Any) -> None:
+    ax.set_title(text if model is None else f"{text} — {model}", fontsize=11)
+
+
+def _legend(ax, n: int) -> None:
+    if n:
+        ax.legend(fontsize=8, frameon=False, loc="best")
+
+
+# ---------------------------------------------------------------------------
+
+def survival_figure(surv: xr.Dataset, *, level: float = 0.95) -> Figure:
+    """Survival S(t) = P(tau > t) per policy, document mean with a band (docs/statistics.md §3).
+
+    Parameters
+    ----------
+    surv : xarray.Dataset
+        ``divstats.survival(ds)``.
+    level : float
+        Band level.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One panel per model.
+
+    Examples
+    --------
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=5, replicates=4)
+    >>> import divstats
+    >>> len(survival_figure(divstats.survival(ds)).axes)
+    1
+    """
+    models = _models(surv)
+    fig, axes = _panels(len(models))
+    colors = policy_colors(surv["policy"].values)
+    step = surv["step"].values
+    for ax, model in zip(axes, models, strict=True):
+        sub = surv if model is None else surv.sel(model=model)
+        for pol in sub["policy"].values:
+            s = sub.sel(policy=pol)
+            mean, lo, hi = doc_band(s["survival"], s.get("survival_se"), level)
+            c = colors[str(pol)]
+            ax.step(step, mean, where="post", color=c, lw=1.8, label=str(pol))
+            ax.fill_between(step, lo.clip(0, 1), hi.clip(0, 1), step="post", color=c, alpha=0.18, lw=0)
+        ax.set_xlabel("step t")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlim(step.min(), step.max())
+        ax.grid(alpha=0.3)
+        _title(ax, "Survival: P(no mismatch up to t)", model)
+        _legend(ax, sub.sizes["policy"])
+    axes[0].set_ylabel(f"S(t), document mean, {int(level * 100)}% band")
+    return fig
+
+
+def decomposition_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
+    """Mismatch fraction per policy split into first mismatch + exposure × rate.
+
+    Error bars: the total's document-level interval (mean ± z·SD_docs/√n). When the
+    post-divergence part is not identified (finite window), the identified window
+    part is drawn solid and the tail capacity as a hatched range (the sharp interval).
+
+    Parameters
+    ----------
+    agg : xarray.Dataset
+        ``divstats.aggregate(est)``.
+    level : float
+        Error-bar level.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One panel per model.
+
+    Examples
+    --------
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=5, replicates=4)
+    >>> import divstats
+    >>> len(decomposition_figure(divstats.aggregate(divstats.estimate(ds))).axes)
+    1
+    """
+    models = _models(agg)
+    fig, axes = _panels(len(models), height=max(2.6, 0.55 * agg.sizes["policy"] + 1.8))
+    z = stats.norm.ppf(0.5 + level / 2)
+    n_docs = int(agg.attrs.get("n_docs", 1))
+    T = float(agg.attrs.get("horizon", 1))
+    for ax, model in zip(axes, models, strict=True):
+        sub = agg if model is None else agg.sel(model=model)
+        pols = [str(p) for p in sub["policy"].values]
+        y = np.arange(len(pols))
+        first = sub["first_mismatch_contribution"].values
+        expo = sub["exposure_contribution"].values
+        ax.barh(y, first, color="#4c72b0", label="first mismatch (occurrence / T)")
+        identified = np.isfinite(expo)
+        if identified.any():
+            ax.barh(y[identified], expo[identified], left=first[identified], color="#dd8452",
+                    label="after divergence (exposure / T × rate)")
+        if (~identified).any():
+            win = (sub["window_mismatch"].values / T)[~identified]
+            tail = (sub["tail_capacity"].values / T)[~identified]
+            ax.barh(y[~identified], win, left=first[~identified], color="#dd8452")
+            ax.barh(y[~identified], tail, left=first[~identified] + win, color="none",
+                    edgecolor="#dd8452", hatch="///", label="unobserved tail (sharp interval)")
+        total = sub["mismatch_fraction"].values
+        if "mismatch_fraction_sd_docs" in sub and n_docs > 1:
+            half = z * sub["mismatch_fraction_sd_docs"].values / np.sqrt(n_docs)
+        else:
+            half = z * sub["mismatch_fraction_se"].values
+        ok = np.isfinite(total)
+        ax.errorbar(total[ok], y[ok], xerr=half[ok], fmt="none", ecolor="black", capsize=3, lw=1)
+        ax.set_yticks(y, pols)
+        ax.invert_yaxis()
+        ax.set_xlabel("mismatch fraction (expected share of the T tokens that differ)")
+        ax.grid(axis="x", alpha=0.3)
+        _title(ax, "Where the mismatches come from", model)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(2, len(labels)), fontsize=8, frameon=False)
+    return fig
+
+
+def gap_figure(rows: Sequence[Mapping[str, Any]]) -> Figure:
+    """Gap M_A − M_B and its Shapley parts with bootstrap intervals, one group per comparison.
+
+    ``rows``: dicts with ``label`` and, for each of gap/first/exposure/rate, the
+    value and ``<name>_low``/``<name>_high`` (as in the report's decomposition table).
+
+    Parameters
+    ----------
+    rows : sequence of mapping
+        As described above.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        Horizontal bars with interval whiskers.
+
+    Examples
+    --------
+    >>> row = {"label": "a vs b", **{k: 0.1 for k in ("gap", "first", "exposure", "rate")},
+    ...        **{f"{k}_{e}": 0.1 for k in ("gap", "first", "exposure", "rate") for e in ("low", "high")}}
+    >>> len(gap_figure([row]).axes) >= 1
+    True
+    """
+    parts = [("first", "Δ first mismatch", "#4c72b0"), ("exposure", "Δ exposure", "#dd8452"),
+             ("rate", "Δ rate", "#55a868"), ("gap", "gap (total)", "#333333")]
+    n = max(len(rows), 1)
+    fig = _figure(7.2, 0.9 * n + 1.6)
+    ax = fig.subplots()
+    height = 0.8 / len(parts)
+    for i, row in enumerate(rows):
+        for j, (name, label, color) in enumerate(parts):
+            yy = i + (j - (len(parts) - 1) / 2) * height
+            v = row[name]
+            err = [[v - row.get(f"{name}_low", v)], [row.get(f"{name}_high", v) - v]]
+            ax.barh(yy, v, height=height * 0.9, color=color, label=label if i == 0 else None)
+            if np.all(np.isfinite(err)):
+                ax.errorbar(v, yy, xerr=err, fmt="none", ecolor="black", capsize=2, lw=0.8)
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yticks(range(len(rows)), [str(r["label"]) for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("contribution to M_A − M_B (mismatch fraction)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title("Gap attribution (Shapley) with paired bootstrap intervals", fontsize=11)
+    fig.legend(loc="outside lower center", ncols=4, fontsize=8, frameon=False)
+    return fig
+
+
+def branch_tv_figure(bt: xr.Dataset, windows: Mapping[str, tuple[int, int]] | None = None,
+                     *, level: float = 0.95) -> Figure:
+    """Branch-aligned TV by age since divergence, with the plan's windows shaded.
+
+    Parameters
+    ----------
+    bt : xarray.Dataset
+        ``divstats.branch_tv(ds)``.
+    windows : mapping of str to (int, int), optional
+        Named inclusive age ranges to shade (a plan's ``windows``).
+    level : float
+        Band level.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One panel per model.
+
+    Examples
+    --------
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=5, replicates=4)
+    >>> import divstats
+    >>> len(branch_tv_figure(divstats.branch_tv(ds), {"early": (1, 2)}).axes)
+    1
+    """
+    models = _models(bt)
+    fig, axes = _panels(len(models))
+    colors = policy_colors(bt["policy"].values)
+    age = bt["age"].values
+    for ax, model in zip(axes, models, strict=True):
+        sub = bt if model is None else bt.sel(model=model)
+        for k, (name, (first, last)) in enumerate((windows or {}).items()):
+            ax.axvspan(first - 0.5, min(last, age.max()) + 0.5, color=_WINDOW_COLORS[k % 4], alpha=0.35, lw=0)
+            ax.text((first + min(last, age.max())) / 2, 0.98, f"{name}\n[{first}, {last}]", ha="center",
+                    va="top", fontsize=8, transform=ax.get_xaxis_transform())
+        for pol in sub["policy"].values:
+            s = sub.sel(policy=pol)
+            mean, lo, hi = doc_band(s["branch_tv"], s.get("branch_tv_se"), level)
+            ok = np.isfinite(mean.values)
+            c = colors[str(pol)]
+            ax.plot(age[ok], mean.values[ok], color=c, lw=1.6, marker="o", ms=2.5, label=str(pol))
+            ax.fill_between(age[ok], lo.values[ok].clip(0), hi.values[ok].clip(max=1), color=c, alpha=0.15, lw=0)
+        ax.set_xlabel("age k = t − τ (steps since divergence)")
+        ax.grid(alpha=0.3)
+        _title(ax, "Branch-aligned TV", model)
+        _legend(ax, sub.sizes["policy"])
+    axes[0].set_ylim(bottom=0)  # after all panels (shared y)
+    axes[0].set_ylabel(f"E[TV at age k], document mean, {int(level * 100)}% band")
+    return fig
+
+
+def interval_figure(ivw: xr.Dataset, full: xr.Dataset | None = None) -> Figure:
+    """Sharp interval for the mismatch fraction as a function of the window W (docs/statistics.md §6).
+
+    ``ivw``: ``divstats.interval_by_window(ds, windows)``; per-document bounds are
+    averaged over documents (equal weights, as the aggregate). ``full``: the
+    aggregate at the full horizon, drawn dotted where the loss is identified.
+
+    Parameters
+    ----------
+    ivw : xarray.Dataset
+        ``divstats.interval_by_window(ds, windows)``.
+    full : xarray.Dataset, optional
+        ``divstats.aggregate(est)`` at the full horizon.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One panel per model.
+
+    Examples
+    --------
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=5, replicates=4)
+    >>> import divstats
+    >>> len(interval_figure(divstats.interval_by_window(ds, [0, 2, 4])).axes)
+    1
+    """
+    curve = ivw.mean("doc") if "doc" in ivw.dims else ivw
+    models = _models(curve)
+    fig, axes = _panels(len(models))
+    colors = policy_colors(curve["policy"].values)
+    w = curve["window"].values
+    for ax, model in zip(axes, models, strict=True):
+        sub = curve if model is None else curve.sel(model=model)
+        for pol in sub["policy"].values:
+            s = sub.sel(policy=pol)
+            c = colors[str(pol)]
+            lo, hi = s["mismatch_fraction_lower"].values, s["mismatch_fraction_upper"].values
+            ax.fill_between(w, lo, hi, color=c, alpha=0.22, lw=0)
+            ax.plot(w, lo, color=c, lw=1.4, marker="o", ms=3, label=f"{pol}")
+            ax.plot(w, hi, color=c, lw=1.4, ls="--", marker="o", ms=3)
+            if full is not None:
+                f = full.sel(policy=pol) if model is None else full.sel(policy=pol, model=model)
+                if np.isfinite(float(f["mismatch_fraction"])):
+                    ax.axhline(float(f["mismatch_fraction"]), color=c, lw=0.9, ls=":")
+        ax.set_xlabel("observation window W (steps observed after divergence)")
+        ax.grid(alpha=0.3)
+        _title(ax, "Sharp interval for the mismatch fraction", model)
+        _legend(ax, sub.sizes["policy"])
+    # After every panel is drawn: fixing a limit inside the loop would freeze the
+    # shared y-range at the first panel's data.
+    axes[0].set_ylim(bottom=0)
+    axes[0].set_ylabel("lower (solid) – upper (dashed); full value dotted")
+    return fig
+
+
+def variance_figure(vc: xr.Dataset, *, residual: str = "var_residual",
+                    crude: str = "var_crude_implied") -> Figure:
+    """Residual-branch vs implied crude variance per (document, policy), log–log.
+
+    Points below the diagonal are variance reductions (docs/statistics.md §5 guarantees ≤).
+
+    Parameters
+    ----------
+    vc : xarray.Dataset
+        ``divstats.variance_check(ds)``.
+    residual, crude : str
+        The variables plotted on the y and x axes.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        A log–log scatter with the diagonal.
+
+    Examples
+    --------
+    >>> import divstats
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(3, {"a": PolicyEffect(0.2)}, horizon=5, replicates=4, kind="residual")
+    >>> len(variance_figure(divstats.variance_check(ds)).axes)
+    1
+    """
+    fig = _figure(6.0, 5.0)
+    ax = fig.subplots()
+    colors = policy_colors(vc["policy"].values)
+    lo_all, hi_all = np.inf, 0.0
+    for pol in vc["policy"].values:
+        s = vc.sel(policy=pol)
+        x = np.asarray(s[crude].values, dtype=float).ravel()
+        y = np.asarray(s[residual].values, dtype=float).ravel()
+        ok = np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
+        if ok.any():
+            ax.scatter(x[ok], y[ok], s=14, color=colors[str(pol)], alpha=0.8, label=str(pol))
+            lo_all, hi_all = min(lo_all, x[ok].min(), y[ok].min()), max(hi_all, x[ok].max(), y[ok].max())
+    if np.isfinite(lo_all) and hi_all > 0:
+        ax.plot([lo_all, hi_all], [lo_all, hi_all], color="black", lw=0.8, label="equal variance")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "no positive variances to show", ha="center", transform=ax.transAxes)
+    ax.set_xlabel("implied crude variance (per replicate)")
+    ax.set_ylabel("residual-branch variance (per replicate)")
+    ax.grid(alpha=0.3, which="both")
+    ax.set_title("Variance check: residual branch vs crude", fontsize=11)
+    _legend(ax, vc.sizes.get("policy", 0))
+    return fig

@@ -1,0 +1,257 @@
+"""Rendering an :class:`~divstats.report.analysis.Analysis`: figures, the HTML page, the Markdown summary.
+
+The page is the Jinja2 template ``divstats/templates/report.html.j2`` (package
+data) filled with display rows from :mod:`divstats.report.tables` and figures from
+:mod:`divstats.report.figures` embedded as base64 PNG, so the file is self-contained.
+The Markdown summary repeats the headline tables.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from divstats.report import figures as F
+from divstats.report.tables import (
+    EXPLORATORY,
+    branch_tv_rows,
+    data_summary,
+    decomposition_rows,
+    decomposition_table,
+    estimate_rows,
+    plan_rows,
+    variance_rows,
+)
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from divstats.report.analysis import Analysis
+
+__all__ = ["GENERATOR", "SUMMARY_HEADING", "figure_png", "make_figures", "render_html", "render_markdown",
+           "reproduce_snippet"]
+
+#: The page's ``<meta name="generator">``: how kvdiv recognises a report.html it wrote.
+GENERATOR = "kvdiv analyze"
+#: The first characters of every summary.md kvdiv writes.
+SUMMARY_HEADING = "# kvdiv summary: "
+
+
+def make_figures(an: Analysis) -> dict[str, Figure]:
+    """Name → matplotlib Figure for every figure the report shows.
+
+    Parameters
+    ----------
+    an : Analysis
+        A computed analysis.
+
+    Returns
+    -------
+    dict of str to matplotlib.figure.Figure
+        ``survival`` and ``decomposition`` always; ``gap``, ``branch_tv``,
+        ``interval`` and ``variance`` when there is something to show.
+
+    Examples
+    --------
+    >>> from divstats.report.analysis import compute
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2)}, horizon=6, replicates=3)
+    >>> sorted(make_figures(compute(ds, n_resamples=99, progress=False)))
+    ['branch_tv', 'decomposition', 'gap', 'interval', 'survival']
+    """
+    figs: dict[str, Any] = {"survival": F.survival_figure(an.survival),
+                            "decomposition": F.decomposition_figure(an.aggregate)}
+    rows = decomposition_rows(an)
+    if rows:
+        figs["gap"] = F.gap_figure(rows)
+    if an.branch_tv is not None:
+        figs["branch_tv"] = F.branch_tv_figure(an.branch_tv, an.plan.windows if an.plan else None)
+    if an.interval is not None and an.interval.sizes.get("window", 0) > 1:
+        figs["interval"] = F.interval_figure(an.interval, an.aggregate)
+    if an.variance is not None:
+        figs["variance"] = F.variance_figure(an.variance)
+    return figs
+
+
+def figure_png(fig: Figure, dpi: int = 110) -> bytes:
+    """A figure as PNG bytes.
+
+    Parameters
+    ----------
+    fig : matplotlib.figure.Figure
+        The figure.
+    dpi : int
+        Resolution.
+
+    Returns
+    -------
+    bytes
+        The PNG file.
+
+    Examples
+    --------
+    >>> from matplotlib.figure import Figure
+    >>> figure_png(Figure())[:4]
+    b'\\x89PNG'
+    """
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
+def _template():
+    import jinja2  # lazy: the template engine is needed only to render the HTML page
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("divstats", "templates"),
+                             autoescape=True, undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    return env.get_template("report.html.j2")
+
+
+def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
+    """The self-contained report page.
+
+    Parameters
+    ----------
+    an : Analysis
+        A computed analysis.
+    figs : mapping of str to bytes
+        PNG files by figure name (:func:`make_figures` then :func:`figure_png`).
+
+    Returns
+    -------
+    str
+        The HTML document.
+
+    Examples
+    --------
+    >>> from divstats.report.analysis import compute
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2)}, horizon=6, replicates=3)
+    >>> page = render_html(compute(ds, n_resamples=99, progress=False), {})
+    >>> page.startswith("<!DOCTYPE html>"), "every comparison is exploratory" in page
+    (True, True)
+    """
+    pr = an.plan_result
+    counts = pr.split["split"].value_counts().to_dict() if pr is not None else {}
+    return _template().render(
+        generator=GENERATOR, title=an.plan.name if an.plan else "descriptive (no plan)", plan=an.plan,
+        split_counts={"confirmatory": counts.get("confirmatory", 0), "exploratory": counts.get("exploratory", 0)},
+        summary=data_summary(an.traces), options=", ".join(f"{k}={v}" for k, v in an.options.items()),
+        notes=_notes(an), exploratory=EXPLORATORY, plan_rows=plan_rows(pr), n_docs=an.traces.sizes["doc"],
+        level_percent=int(an.options["level"] * 100), estimate_rows=estimate_rows(an),
+        decomposition_rows=decomposition_table(an), branch_rows=branch_tv_rows(an.branch_tv),
+        interval_method=str(an.aggregate_ci.attrs.get("methods_used", "")),
+        variance_rows=variance_rows(an.variance) if an.variance is not None else [],
+        images={k: base64.b64encode(v).decode() for k, v in figs.items()}, reproduce=reproduce_snippet(an))
+
+
+def _notes(an: Analysis) -> list[str]:
+    devs = an.plan_result.deviations if an.plan_result is not None else []
+    return an.notes + _interval_notes(an) + [f"Deviation from the plan: {d}" for d in devs]
+
+
+def _interval_notes(an: Analysis) -> list[str]:
+    """Why intervals of the descriptive tables are missing (refused) or cover fewer documents."""
+    extra = []
+    for res, ci in an.decompositions:
+        for why in dict.fromkeys((ci.reason, ci.share_reason)):   # a refused interval also refuses the shares
+            if why:
+                extra.append(f"Decomposition {res.a} vs {res.b}: {why}.")
+    if an.aggregate_ci.attrs.get("reason"):
+        extra.append(f"Aggregate intervals: {an.aggregate_ci.attrs['reason']}.")
+    dropped = an.aggregate_ci.get("n_dropped")
+    if dropped is not None and int(dropped.max()) > 0:
+        extra.append("Aggregate intervals: documents without data for a policy were dropped from that "
+                     f"policy's interval (up to {int(dropped.max())} per policy; results.nc aggregate_ci_n_dropped).")
+    return extra
+
+
+def reproduce_snippet(an: Analysis) -> str:
+    """Python that recomputes the report's numbers with the public API.
+
+    Parameters
+    ----------
+    an : Analysis
+        A computed analysis.
+
+    Returns
+    -------
+    str
+        Source code (``TRACES``, ``A`` and ``B`` are placeholders).
+
+    Examples
+    --------
+    >>> from divstats.report.analysis import compute
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1)}, horizon=6, replicates=3)
+    >>> "divstats.estimate(ds, window=None)" in reproduce_snippet(compute(ds, n_resamples=99, progress=False))
+    True
+    """
+    w = an.options["window"]
+    win = "None" if w == -1 else str(w)
+    o = an.options
+    lines = ["import divstats, protocols",
+             "from divstats.inference.decompose import decompose",
+             "ds = protocols.open_traces(TRACES)",
+             f"est = divstats.estimate(ds, window={win}); agg = divstats.aggregate(est)"]
+    if an.plan is not None:
+        lines.append(f"res = divstats.run_plan(ds, {an.plan.source!r}, aliases={json.loads(o['policy_aliases'])!r}, "
+                     f"window={win}, seed={o['seed']}, n_resamples={o['n_resamples']})")
+    lines.append(f"dec = decompose(est, A, B); dec.confidence_interval({o['level']}, "
+                 f"n_resamples={o['n_resamples']}, seed={o['seed']})")
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown(an: Analysis) -> str:
+    """The headline tables as Markdown (summary.md).
+
+    Parameters
+    ----------
+    an : Analysis
+        A computed analysis.
+
+    Returns
+    -------
+    str
+        Markdown starting with :data:`SUMMARY_HEADING`.
+
+    Examples
+    --------
+    >>> from divstats.report.analysis import compute
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1)}, horizon=6, replicates=3)
+    >>> render_markdown(compute(ds, n_resamples=99, progress=False)).splitlines()[0]
+    '# kvdiv summary: descriptive (no plan)'
+    """
+    if an.plan is not None:
+        lines = [f"{SUMMARY_HEADING}{an.plan.name}", "",
+                 f"- plan: `{an.plan.source}`", f"- plan SHA-256: `{an.plan.sha256}`"]
+    else:
+        lines = [f"{SUMMARY_HEADING}descriptive (no plan)", "",
+                 "- plan: none; every comparison is exploratory"]
+    lines += [f"- {k}: {v}" for k, v in data_summary(an.traces).items()]
+    devs = an.plan_result.deviations if an.plan_result is not None else []
+    lines += [f"- note: {n}" for n in an.notes + _interval_notes(an)] + [f"- deviation: {d}" for d in devs]
+    if an.plan is not None:
+        lines += ["", "## Plan results", "", _md_table(plan_rows(an.plan_result))]
+    lines += ["", f"## Aggregate estimates — {EXPLORATORY}", "", _md_table(estimate_rows(an)), ""]
+    dec = decomposition_table(an, shares=False)
+    if dec:
+        lines += [f"## Gap decomposition — {EXPLORATORY}", "", _md_table(dec), ""]
+    return "\n".join(lines)
+
+
+def _md_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    if not rows:
+        return "_none_"
+    cols = list(rows[0])
+
+    def esc(s: Any) -> str:
+        return str(s).replace("|", "\\|")
+
+    out = ["| " + " | ".join(esc(c) for c in cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(esc(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(out)
