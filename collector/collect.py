@@ -281,11 +281,13 @@ class _Exchange:
     fails alone; a stream's lines after it ended are dropped.
     """
 
-    def __init__(self, jobs: Sequence[_Job], journal: Journal) -> None:
+    def __init__(self, jobs: Sequence[_Job], journal: Journal, ends: dict[str, Exception | None]) -> None:
         self.streams = {job.policy: _Stream(job, journal.open_request(job.doc.id, job.policy)) for job in jobs}
         self.shared = len(jobs) > 1
         self.splitter = CandidateSplitter(list(self.streams)) if self.shared else None
-        self.ends: dict[str, Exception | None] = {}
+        # The caller's dict, so that the candidates already committed stay complete when the
+        # response as a whole fails afterwards (a dropped connection, a stray line).
+        self.ends = ends
 
     def route(self, raw: bytes) -> _Stream | None:
         """The stream a line belongs to (None: a blank line, or a stream that has ended)."""
@@ -502,7 +504,7 @@ class Collector:
         outcome: dict[str, Any] = {}
         ends: dict[str, Exception | None] = {}
         try:
-            ends = await self._attempt(client, server.url, jobs)
+            await self._attempt(client, server.url, jobs, ends)
         except asyncio.CancelledError:  # the run is ending: not the server's failure
             outcome["counted"] = False
             raise
@@ -511,7 +513,9 @@ class Collector:
                 self._resend_alone(jobs, exc)
             else:
                 outcome["unreachable"] = getattr(exc, "unreachable", False)
-                ends = dict.fromkeys((job.policy for job in jobs), exc)
+                # Candidates committed before the response failed are complete (their files are
+                # whole and checked); only the others share its error.
+                ends = {job.policy: None if job.policy in ends and ends[job.policy] is None else exc for job in jobs}
         except Exception as exc:  # a bug or an unforeseen failure: these requests end, the run goes on
             ends = {job.policy: PermanentError(f"unexpected {type(exc).__name__}: {exc}") for job in jobs}
         finally:  # also on cancellation: the slot is free again
@@ -535,9 +539,10 @@ class Collector:
             job.solo = True
         self._put_back(jobs)
 
-    async def _attempt(self, client: Any, server: str, jobs: list[_Job]) -> dict[str, Exception | None]:
-        """One try of ``jobs`` as one request, within their deadlines together: policy -> None
-        (complete) or its error; raises Retryable/Permanent errors for the response as a whole."""
+    async def _attempt(self, client: Any, server: str, jobs: list[_Job], ends: dict[str, Exception | None]) -> None:
+        """One try of ``jobs`` as one request, within their deadlines together: fills ``ends``
+        (policy -> None when complete, or its error) as streams end; raises Retryable/Permanent
+        errors for the response as a whole."""
         bodies = [request_body(self.cfg, job.doc, job.policy) for job in jobs]
         per_policy = self.cfg.retry.request_timeout_s
         limit = None if per_policy is None else per_policy * len(jobs)
@@ -554,11 +559,12 @@ class Collector:
                                          headers={"Accept": "application/x-ndjson"}) as response:
                     if response.status_code != 200:
                         raise refusal(response.status_code, await response.aread(), response.headers)
-                    return await self._receive(response, jobs)
+                    await self._receive(response, jobs, ends)
 
-    async def _receive(self, response: Any, jobs: list[_Job]) -> dict[str, Exception | None]:
-        """Journal and check the response's streams as its lines arrive (:class:`_Exchange`)."""
-        exchange = _Exchange(jobs, self.journal)
+    async def _receive(self, response: Any, jobs: list[_Job], ends: dict[str, Exception | None]) -> None:
+        """Journal and check the response's streams as its lines arrive (:class:`_Exchange`),
+        recording in ``ends`` how each ended."""
+        exchange = _Exchange(jobs, self.journal, ends)
         try:
             async with aclosing(ndjson_lines(response.aiter_bytes())) as lines:
                 async for raw in lines:
@@ -578,7 +584,6 @@ class Collector:
                     exchange.ends[stream.job.policy] = None
         finally:
             exchange.close()
-        return exchange.ends
 
     def _feed(self, stream: _Stream, raw: bytes) -> None:
         """Journal one line of ``stream`` and read it."""

@@ -23,6 +23,7 @@ from service_live import LiveServer
 
 from collector import documents as D
 from collector.collect import CollectConfig, collect
+from collector.errors import RetryableError
 from collector.grouped import CandidateSplitter, group_body
 from collector.pack import pack_run
 from protocols.stream import StreamError
@@ -123,6 +124,35 @@ def test_a_refused_group_is_resent_policy_by_policy(server: LiveServer, docs_fil
     assert result.completed == 3
     assert sorted(result.failed) == sorted(f"{d} × bogus@0.5" for d in _doc_ids(docs_file))
     assert all("candidate: " in why for why in result.failed.values())   # the one-policy request's 422
+
+
+def test_candidates_committed_before_a_cut_stay_complete(server: LiveServer, docs_file: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import collector.collect as C
+
+    lines, bodies = C.ndjson_lines, []
+    cut = {"done": False}
+
+    async def cut_after_first_end(chunks):
+        async for raw in lines(chunks):
+            yield raw
+            if not cut["done"] and b'"type":"end"' in raw.replace(b" ", b""):
+                cut["done"] = True       # the connection drops once, after one candidate's end
+                raise RetryableError("connection lost (cut by the test)")
+
+    def recording(group):
+        bodies.append(list(group_body(group)["candidates"]))
+        return group_body(group)
+
+    monkeypatch.setattr(C, "ndjson_lines", cut_after_first_end)
+    monkeypatch.setattr(C, "group_body", recording)
+    result = collect(_cfg(server.url, docs_file, tmp_path / "run", policies=POLICIES[:3]))
+    assert cut["done"] and result.ok and result.completed == 9
+    first, *rest = bodies
+    # the retry of the cut document asks only for the candidates that had not ended
+    retried = [b for b in rest if len(b) < len(first)]
+    assert len(retried) == 1 and len(retried[0]) == len(first) - 1
+    assert len(list((tmp_path / "run" / "requests").glob("*.ndjson"))) == 9
 
 
 def _doc_ids(docs_file: Path) -> list[str]:
