@@ -43,6 +43,7 @@ from gen_service.requests import (
     parse_trace,
 )
 from gen_service.service import Service, Ticket, WorkStream, failure_error
+from protocols import StreamWriter, error_record
 from protocols import __version__ as VERSION
 
 __all__ = ["ROUTES", "Handler", "SSE", "NDJSON"]
@@ -365,8 +366,6 @@ def _count_row_steps(svc: Service, job: TraceJob, rec: dict[str, Any]) -> None:
 async def _trace_body(svc: Service, job: TraceJob, work: WorkStream,
                       frame: Callable[[bytes], bytes]) -> AsyncIterator[bytes]:
     """One candidate: its records, then ``end`` (or an ``error`` record if the work fails)."""
-    from protocols import StreamWriter, error_record
-
     writer = StreamWriter()
     t0 = time.perf_counter()
     try:
@@ -390,8 +389,6 @@ async def _candidates_body(svc: Service, job: TraceJob, work: WorkStream,
     record while the others go on; a failure of the whole work (a stacked forward, the
     deadline) ends every candidate still open with one. Candidates already ended keep
     their complete streams."""
-    from protocols import StreamWriter, error_record
-
     writers = {policy: StreamWriter() for policy in job.candidates}
     open_ = list(job.candidates)
     t0 = time.perf_counter()

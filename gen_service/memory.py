@@ -360,7 +360,7 @@ class MemoryGate:
         ----------
         policy : str
             The candidate's policy id.
-        reference, candidate : gen_service.presses.Plan
+        reference, candidate : gen_service.presses.PressPlan
             :meth:`Policy.plan` of the reference and of the candidate for this prompt
             (``decoding``: a press acting while decoding; ``quant``: a quantized cache).
         kind : str

@@ -6,11 +6,12 @@ during prefill, as kvpress does it: each attention layer attends to the whole pr
 and its cache is compressed right after, so the first new token's distribution is
 exactly the full model's (step-1 TV = 0) and eviction acts from step 2 on. Presses
 that also act while decoding (DecodingPress, PrefillDecodingPress, DMSPress with
-``decoding=true``, CAMPress) are flagged in the :class:`Plan`; the engine runs their
-hooks around the candidate's decoding forwards only.
+``decoding=true``, CAMPress) are flagged in the :class:`PressPlan`; the engine runs their
+hooks around the candidate's decoding forwards only. What a press is (acts while
+decoding, re-rotates, ...) is read in :mod:`gen_service.press_traits`.
 
 A ``+quant:kivi@<bits>`` suffix (or ``quant:kivi@<bits>`` alone) quantizes the cache
-as well (gen_service/quantized.py): the :class:`Plan` carries the quantizer's settings
+as well (gen_service/quantized.py): the :class:`PressPlan` carries the quantizer's settings
 and the engine builds the quantized cache at prefill. Presses whose artifact the
 operator supplies as local files load it from there (gen_service/press_artifacts.py).
 
@@ -30,16 +31,17 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
 from gen_service.press_artifacts import LOCAL_ARTIFACTS, OPTION_KEYS, artifact_path, attach, check_options
 from gen_service.press_params import ATTRIBUTE_PARAMS, PolicyError, check_value, param_specs, press_slots
-from protocols import PolicyIdError, PolicySpec, PressTerm, parse_policy_id
+from gen_service.press_traits import acts_while_decoding, check_quantizable, iter_presses, rerotates
+from gen_service.quantized import KIVIConfig
+from protocols import PolicyIdError, PolicySpec, PressTerm, parse_option_value, parse_policy_id
 
-__all__ = ["ALIASES", "ModelInfo", "Plan", "Policy", "PolicyError", "PolicyRegistry", "expected_kept",
+__all__ = ["ALIASES", "ModelInfo", "PressPlan", "Policy", "PolicyError", "PolicyRegistry", "expected_kept",
            "iter_presses", "load_class", "parse_press_option"]
 
 log = logging.getLogger("kvdiv.service")
@@ -110,7 +112,7 @@ class ModelInfo:
 
 
 @dataclass
-class Plan:
+class PressPlan:
     """What a policy will do to one prompt."""
 
     press: Any | None          # a fresh kvpress press, or None: keep the whole prompt
@@ -119,30 +121,7 @@ class Plan:
     params: dict[str, Any] = field(default_factory=dict)
     decoding: bool = False     # the press also compresses during decoding
     rerotates: bool = False    # kept keys are re-rotated to positions 0..kept-1
-    quant: Any | None = None   # a gen_service.quantized.KIVIConfig: the cache is quantized
-
-
-def iter_presses(press: Any) -> Iterator[Any]:
-    """A press and every press inside it (wrappers, compositions), outermost first."""
-    yield press
-    for name in ("press", "base_press", "prefilling_press", "decoding_press"):
-        inner = getattr(press, name, None)
-        if inner is not None and inner is not press and hasattr(inner, "forward_hook"):
-            yield from iter_presses(inner)
-    for inner in getattr(press, "presses", None) or ():
-        yield from iter_presses(inner)
-
-
-def _acts_while_decoding(press: Any) -> bool:
-    from kvpress import DecodingPress, DMSPress
-
-    return isinstance(press, DecodingPress) or (isinstance(press, DMSPress) and press.decoding)
-
-
-def _rerotates(press: Any) -> bool:
-    from kvpress import FinchPress, KeyRerotationPress
-
-    return isinstance(press, KeyRerotationPress) or (isinstance(press, FinchPress) and press.rerotate_keys)
+    quant: KIVIConfig | None = None   # the cache is quantized
 
 
 @dataclass
@@ -233,7 +212,7 @@ class Policy:
     spec: PolicySpec
     root: _Node | None = None
     info: ModelInfo = field(default_factory=ModelInfo)
-    quant: Any | None = None   # a gen_service.quantized.KIVIConfig for "+quant:" / "quant:" ids
+    quant: KIVIConfig | None = None   # for "+quant:" / "quant:" ids
 
     @property
     def press_name(self) -> str:
@@ -250,28 +229,26 @@ class Policy:
             return 1.0 - (self.spec.budget + 0.5) / prompt_len, ""
         return 1.0 - self.spec.retention, ""
 
-    def plan(self, prompt_len: int) -> Plan:
+    def plan(self, prompt_len: int) -> PressPlan:
         plan = self._press_plan(prompt_len)
         if self.quant is not None:
             plan.quant = self.quant
             plan.params.update(self.quant.params())
         return plan
 
-    def _press_plan(self, prompt_len: int) -> Plan:
+    def _press_plan(self, prompt_len: int) -> PressPlan:
         if self.root is None:
-            return Plan(None, prompt_len)
+            return PressPlan(None, prompt_len)
         ratio, note = self.compression_ratio(prompt_len)
         if note or prompt_len < 2:
-            return Plan(None, prompt_len, note or "nothing to evict")
+            return PressPlan(None, prompt_len, note or "nothing to evict")
         press = self.root.make(prompt_len, self.info.num_layers)
         params: dict[str, Any] = {} if math.isnan(ratio) else {"compression_ratio": ratio}
         shown = {k: self.root.kwargs[k] for k in self.root.shown}
         shown.update((k, v) for k, v in self.spec.params.items() if "." not in k)
         params.update({k: _plain(getattr(press, k, v)) for k, v in shown.items()})
-        decoding = any(_acts_while_decoding(p) for p in iter_presses(press))
-        rerotates = any(_rerotates(p) for p in iter_presses(press))
         kept = prompt_len if math.isnan(ratio) else expected_kept(prompt_len, ratio)
-        return Plan(press, kept, note, params, decoding=decoding, rerotates=rerotates)
+        return PressPlan(press, kept, note, params, decoding=acts_while_decoding(press), rerotates=rerotates(press))
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.spec.id, "press": self.press_name,
@@ -299,13 +276,11 @@ def load_class(target: str) -> type:
 
 def parse_press_option(text: str) -> tuple[str, str, Any]:
     """``Class:key=value`` (``kvdiv serve --press-option``) -> (Class, key, value)."""
-    from protocols.policies import _value
-
     cls_name, sep, rest = text.partition(":")
     key, eq, value = rest.partition("=")
     if not sep or not eq or not cls_name or not key:
         raise PolicyError(f"--press-option {text!r}: expected Class:key=value")
-    return cls_name.strip(), key.strip(), _value(value.strip())
+    return cls_name.strip(), key.strip(), parse_option_value(value.strip())
 
 
 class PolicyRegistry:
@@ -376,8 +351,6 @@ class PolicyRegistry:
             return Policy(spec, None, info)
         quant = None
         if spec.quant is not None:
-            from gen_service.quantized import KIVIConfig
-
             quant = KIVIConfig.from_term(spec.quant, spec.id, info.max_context)
         if spec.press is None:
             return Policy(spec, None, info, quant)
@@ -396,9 +369,7 @@ class PolicyRegistry:
         except (AssertionError, TypeError, ValueError, AttributeError) as exc:
             raise PolicyError(f"policy {spec.id!r}: {root.name} cannot be built: {exc or type(exc).__name__}") from None
         if quant is not None:
-            from gen_service.quantized import check_press
-
-            check_press(spec.id, press)
+            check_quantizable(spec.id, press)
         return policy
 
     resolve = build  # the name the HTTP layer used before build() existed

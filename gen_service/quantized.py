@@ -41,8 +41,7 @@ from transformers.cache_utils import Cache, QuantizedCache, QuantizedLayer
 from gen_service.press_params import PolicyError
 from protocols import QuantTerm
 
-__all__ = ["AXES", "BITS", "KIVIConfig", "FakeQuantizedCache", "FakeQuantizedLayer", "fake_quantize", "is_quantized",
-           "check_press"]
+__all__ = ["AXES", "BITS", "KIVIConfig", "FakeQuantizedCache", "FakeQuantizedLayer", "fake_quantize", "is_quantized"]
 
 BITS = (2, 4)                                  # as transformers' quanto backend allows
 AXES = {"token": 0, "channel": -1}             # our names -> quanto's axis argument
@@ -210,30 +209,3 @@ class FakeQuantizedCache(QuantizedCache):
 def is_quantized(cache: Any) -> bool:
     """Whether ``cache`` quantizes while decoding (its branches cannot be prefixes)."""
     return isinstance(cache, QuantizedCache)
-
-
-def check_press(policy_id: str, press: Any) -> None:
-    """Refuse presses that cannot compress a quantized cache exactly as kvpress does.
-
-    kvpress compresses a ``QuantizedCache`` in ``BasePress.forward_hook`` (dequantize,
-    compress, quantize). Presses with their own hook (decoding-time presses, KVzip &
-    co.) edit the full-precision tensors directly, and head-wise presses (AdaKV & co.)
-    leave per-head masks sized for a plain cache.
-
-    Raises
-    ------
-    PolicyError
-        Naming the press that cannot be combined.
-    """
-    from kvpress import AdaKVPress, BasePress, ComposedPress, CriticalAdaKVPress, DMSPress, PerLayerCompressionPress
-
-    from gen_service.presses import iter_presses
-
-    delegating = (ComposedPress, PerLayerCompressionPress)   # their hooks call their inner presses' hooks
-    for p in iter_presses(press):
-        own_hook = type(p).forward_hook is not BasePress.forward_hook and not isinstance(p, delegating)
-        if own_hook or isinstance(p, (AdaKVPress, CriticalAdaKVPress, DMSPress)):
-            why = "masks keys per head" if not own_hook else "edits the cache in its own hook"
-            raise PolicyError(f"policy {policy_id!r}: {type(p).__name__} {why}; it cannot be combined with a "
-                              f"quantized cache (+quant:). Presses that compress through kvpress's "
-                              f"BasePress hook can (SnapKV, Knorm, PyramidKV ...)", "quant")

@@ -1,6 +1,6 @@
 """The typed request layer: every route's JSON body becomes one frozen record here.
 
-Parsing is pure (a dict and the server's :class:`Limits` in, a record or a 422 out),
+Parsing is pure (a dict and the server's :class:`RequestLimits` in, a record or a 422 out),
 so every check lives in one place and every error names its field. What needs the
 model (tokenising, the context length, building the policy for the prompt) happens
 afterwards in the handlers, still before the first byte of a response is sent.
@@ -22,7 +22,7 @@ from gen_service.errors import invalid
 from protocols import WIRE_KINDS, Kind
 
 __all__ = [
-    "Limits", "Reader", "Decoding", "Message", "GenerateRequest", "ChatRequest", "CompletionRequest",
+    "RequestLimits", "Reader", "Decoding", "Message", "GenerateRequest", "ChatRequest", "CompletionRequest",
     "TraceRequest", "TokenizeRequest", "parse_generate", "parse_chat", "parse_chat_messages", "parse_completion",
     "parse_trace", "parse_tokenize", "SEED_MAX", "MAX_CANDIDATES",
 ]
@@ -33,7 +33,7 @@ PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for frequency and presence penalti
 
 
 @dataclass(frozen=True)
-class Limits:
+class RequestLimits:
     """What one server accepts (set by ``kvdiv serve`` flags)."""
 
     max_new_tokens: int = 1024
@@ -125,7 +125,7 @@ class Reader:
             raise invalid(self.name(key), why)
 
 
-def _text(value: str, field: str, limits: Limits) -> str:
+def _text(value: str, field: str, limits: RequestLimits) -> str:
     if len(value.encode("utf-8")) > limits.max_input_bytes:
         raise invalid(field, f"over {limits.max_input_bytes} bytes (server limit --max-input-bytes)")
     if not value.strip():
@@ -269,14 +269,14 @@ def _refuse_tgi_extras(p: Reader) -> None:
     p.refuse("best_of", (None, 1), "only best_of = 1 is supported")
 
 
-def parse_generate(data: dict[str, Any], limits: Limits, *, stream: bool = False) -> GenerateRequest:
+def parse_generate(data: dict[str, Any], limits: RequestLimits, *, stream: bool = False) -> GenerateRequest:
     """A TGI generate request (``/generate``, ``/generate_stream``, ``/``).
 
     Parameters
     ----------
     data : dict
         The parsed JSON body.
-    limits : Limits
+    limits : RequestLimits
         The server's limits.
     stream : bool
         The default of ``stream`` (read from the body on the compat route ``/``).
@@ -293,7 +293,7 @@ def parse_generate(data: dict[str, Any], limits: Limits, *, stream: bool = False
 
     Examples
     --------
-    >>> req = parse_generate({"inputs": "Hi", "parameters": {"max_new_tokens": 5}}, Limits())
+    >>> req = parse_generate({"inputs": "Hi", "parameters": {"max_new_tokens": 5}}, RequestLimits())
     >>> req.decoding.max_new_tokens, req.decoding.sampling.greedy
     (5, True)
     """
@@ -327,7 +327,7 @@ def _content(value: Any, field: str) -> str:
     raise invalid(field, "expected a string or a list of text parts")
 
 
-def _messages(r: Reader, limits: Limits, *, allow_empty: bool = False) -> tuple[Message, ...]:
+def _messages(r: Reader, limits: RequestLimits, *, allow_empty: bool = False) -> tuple[Message, ...]:
     raw = r.get("messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("messages", "expected a non-empty list of {role, content} objects")
@@ -345,7 +345,7 @@ def _messages(r: Reader, limits: Limits, *, allow_empty: bool = False) -> tuple[
     return tuple(out)
 
 
-def _openai_decoding(r: Reader, limits: Limits, *, top_n: int) -> Decoding:
+def _openai_decoding(r: Reader, limits: RequestLimits, *, top_n: int) -> Decoding:
     r.refuse("n", (None, 1), "only n = 1 is supported")
     r.refuse("logit_bias", (None,), "logit_bias is not supported by this server")
     r.refuse("best_of", (None, 1), "only best_of = 1 is supported")
@@ -355,14 +355,14 @@ def _openai_decoding(r: Reader, limits: Limits, *, top_n: int) -> Decoding:
                     eviction=_policy(r, "eviction", limits.default_eviction))
 
 
-def parse_chat(data: dict[str, Any], limits: Limits) -> ChatRequest:
+def parse_chat(data: dict[str, Any], limits: RequestLimits) -> ChatRequest:
     """An OpenAI chat request as TGI's Messages API takes it, plus kvdiv's ``eviction``.
 
     Parameters
     ----------
     data : dict
         The parsed JSON body.
-    limits : Limits
+    limits : RequestLimits
         The server's limits.
 
     Returns
@@ -376,7 +376,7 @@ def parse_chat(data: dict[str, Any], limits: Limits) -> ChatRequest:
 
     Examples
     --------
-    >>> parse_chat({"messages": [{"role": "user", "content": "Hi"}]}, Limits()).messages[0].content
+    >>> parse_chat({"messages": [{"role": "user", "content": "Hi"}]}, RequestLimits()).messages[0].content
     'Hi'
     """
     r = Reader(data)
@@ -392,7 +392,7 @@ def parse_chat(data: dict[str, Any], limits: Limits) -> ChatRequest:
                        stream=bool(r.bool("stream", False)), include_usage=bool(options.bool("include_usage", False)))
 
 
-def parse_chat_messages(data: dict[str, Any], limits: Limits) -> tuple[Message, ...]:
+def parse_chat_messages(data: dict[str, Any], limits: RequestLimits) -> tuple[Message, ...]:
     """The messages of a ``/chat_tokenize`` request; the generation knobs do not matter
     for templating and are ignored, as TGI does.
 
@@ -400,7 +400,7 @@ def parse_chat_messages(data: dict[str, Any], limits: Limits) -> tuple[Message, 
     ----------
     data : dict
         The parsed JSON body.
-    limits : Limits
+    limits : RequestLimits
         The server's limits.
 
     Returns
@@ -414,20 +414,20 @@ def parse_chat_messages(data: dict[str, Any], limits: Limits) -> tuple[Message, 
 
     Examples
     --------
-    >>> parse_chat_messages({"messages": [{"role": "user", "content": ""}]}, Limits())
+    >>> parse_chat_messages({"messages": [{"role": "user", "content": ""}]}, RequestLimits())
     (Message(role='user', content=''),)
     """
     return _messages(Reader(data), limits, allow_empty=True)
 
 
-def parse_completion(data: dict[str, Any], limits: Limits) -> CompletionRequest:
+def parse_completion(data: dict[str, Any], limits: RequestLimits) -> CompletionRequest:
     """An OpenAI (legacy) completion request: ``prompt`` is a string or a list of one.
 
     Parameters
     ----------
     data : dict
         The parsed JSON body.
-    limits : Limits
+    limits : RequestLimits
         The server's limits.
 
     Returns
@@ -441,7 +441,7 @@ def parse_completion(data: dict[str, Any], limits: Limits) -> CompletionRequest:
 
     Examples
     --------
-    >>> parse_completion({"prompt": ["Once"], "max_tokens": 3}, Limits()).prompt
+    >>> parse_completion({"prompt": ["Once"], "max_tokens": 3}, RequestLimits()).prompt
     'Once'
     """
     r = Reader(data)
@@ -457,14 +457,14 @@ def parse_completion(data: dict[str, Any], limits: Limits) -> CompletionRequest:
                              decoding=_openai_decoding(r, limits, top_n=0), stream=bool(r.bool("stream", False)))
 
 
-def parse_trace(data: dict[str, Any], limits: Limits) -> TraceRequest:
+def parse_trace(data: dict[str, Any], limits: RequestLimits) -> TraceRequest:
     """A ``/v1/traces`` request; the prompt is tokenised and the policies built later.
 
     Parameters
     ----------
     data : dict
         The parsed JSON body.
-    limits : Limits
+    limits : RequestLimits
         The server's limits.
 
     Returns
@@ -479,7 +479,7 @@ def parse_trace(data: dict[str, Any], limits: Limits) -> TraceRequest:
 
     Examples
     --------
-    >>> parse_trace({"inputs": "Hi", "candidate": "snapkv@0.5"}, Limits()).kind
+    >>> parse_trace({"inputs": "Hi", "candidate": "snapkv@0.5"}, RequestLimits()).kind
     'coupled'
     """
     r = Reader(data)
@@ -544,7 +544,7 @@ def _candidates(r: Reader, most: int) -> tuple[tuple[str, ...], tuple[int | None
     return tuple(many), tuple(_seed(seeds_reader, f"seeds[{i}]") for i in range(len(seeds)))
 
 
-def _trace_prompt(r: Reader, limits: Limits) -> tuple[str | None, tuple[Message, ...] | None, str | None, str]:
+def _trace_prompt(r: Reader, limits: RequestLimits) -> tuple[str | None, tuple[Message, ...] | None, str | None, str]:
     """(inputs, messages, context, question): exactly one of the three prompts."""
     if r.get("context") is None:
         if r.get("question") is not None:
@@ -561,14 +561,14 @@ def _trace_prompt(r: Reader, limits: Limits) -> tuple[str | None, tuple[Message,
     return None, None, context, question
 
 
-def parse_tokenize(data: dict[str, Any], limits: Limits) -> TokenizeRequest:
+def parse_tokenize(data: dict[str, Any], limits: RequestLimits) -> TokenizeRequest:
     """A ``/tokenize`` request (TGI's GenerateRequest; ``parameters`` are ignored).
 
     Parameters
     ----------
     data : dict
         The parsed JSON body.
-    limits : Limits
+    limits : RequestLimits
         The server's limits (``max_input_bytes``).
 
     Returns
@@ -582,7 +582,7 @@ def parse_tokenize(data: dict[str, Any], limits: Limits) -> TokenizeRequest:
 
     Examples
     --------
-    >>> parse_tokenize({"inputs": ""}, Limits()).inputs
+    >>> parse_tokenize({"inputs": ""}, RequestLimits()).inputs
     ''
     """
     r = Reader(data)

@@ -55,6 +55,8 @@ def build_service(model: str | None = None, *, gguf: str | None = None, eviction
     >>> service.config.max_new_tokens                                  # doctest: +SKIP
     64
     """
+    # imported here, not at the top: ``kvdiv --help`` and the command's own option
+    # checks must not load torch (tests/test_cli_imports.py)
     from gen_service.app import Service, ServiceConfig, create_app
     from gen_service.engine import Engine
     from gen_service.models import load_model
@@ -144,7 +146,7 @@ def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replic
     # Before torch loads OpenMP: its default busy-waiting threads collapse when the
     # cores are shared (a 576x1536 matmul went from 0.25 ms to 16 ms on 2 busy cores).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import uvicorn
+    import uvicorn  # here, as everything below: ``kvdiv serve --help`` loads nothing heavy
 
     from gen_service.errors import ConfigError
 

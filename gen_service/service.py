@@ -31,7 +31,7 @@ from gen_service.errors import ApiError, ConfigError, RequestTimeout, invalid
 from gen_service.memory import MemoryGate, RequestTooLarge
 from gen_service.models import context_question_ids
 from gen_service.presses import ModelInfo, PolicyError
-from gen_service.requests import MAX_CANDIDATES, Limits, Message
+from gen_service.requests import MAX_CANDIDATES, Message, RequestLimits
 
 __all__ = ["ServiceConfig", "Admission", "Ticket", "Metrics", "WorkStream", "Service", "failure_error"]
 
@@ -74,8 +74,8 @@ class ServiceConfig:
         if not 1 <= self.max_candidates <= MAX_CANDIDATES:
             raise ConfigError(f"--max-candidates must be in 1..{MAX_CANDIDATES}")
 
-    def limits(self) -> Limits:
-        return Limits(max_new_tokens=self.max_new_tokens, max_replicates=self.max_replicates,
+    def limits(self) -> RequestLimits:
+        return RequestLimits(max_new_tokens=self.max_new_tokens, max_replicates=self.max_replicates,
                       max_input_bytes=self.max_input_bytes, default_eviction=self.eviction,
                       max_candidates=self.max_candidates)
 
@@ -268,7 +268,7 @@ class Service:
     engine : Engine
         The loaded model and its policy registry.
     config : ServiceConfig, optional
-        Limits and options.
+        RequestLimits and options.
 
     Raises
     ------

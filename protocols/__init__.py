@@ -13,7 +13,15 @@ from protocols.converters import ConversionError, from_eval_logs, from_probabili
 from protocols.errors import ProtocolError
 from protocols.io import OutputExistsError, TraceFileError, open_traces, save_traces
 from protocols.kinds import KINDS, WIRE_KINDS, Kind
-from protocols.policies import PolicyIdError, PolicySpec, PressTerm, QuantTerm, parse_policy_id, policy_coords
+from protocols.policies import (
+    PolicyIdError,
+    PolicySpec,
+    PressTerm,
+    QuantTerm,
+    parse_option_value,
+    parse_policy_id,
+    policy_coords,
+)
 from protocols.schema import (
     COUPLING,
     SCHEMA,
@@ -43,6 +51,7 @@ __all__ = [
     "COUPLING", "KINDS", "SCHEMA", "WIRE_KINDS", "Kind", "CombineError", "ConversionError", "OutputExistsError",
     "StreamLimits",
     "PolicyIdError", "PolicySpec", "PressTerm", "Problem", "QuantTerm", "StoreError", "Stream", "StreamReader",
+    "parse_option_value",
     "TraceFileError", "TraceStoreWriter",
     "assemble_stream",
     "prompt_digest", "read_stream",

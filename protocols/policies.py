@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 from protocols.errors import ProtocolError
 
-__all__ = ["PolicyIdError", "PolicySpec", "PressTerm", "QuantTerm", "parse_policy_id", "policy_coords", "MAX_POLICY_ID",
-           "MAX_BUDGET"]
+__all__ = ["PolicyIdError", "PolicySpec", "PressTerm", "QuantTerm", "parse_option_value", "parse_policy_id",
+           "policy_coords", "MAX_POLICY_ID", "MAX_BUDGET"]
 
 MAX_POLICY_ID = 1000            # characters; longer ids are refused before parsing
 MAX_BUDGET = 2**31 - 1          # traces store budgets as int32
@@ -110,7 +110,31 @@ class PolicySpec:
         return self.name == "full"
 
 
-def _value(text: str) -> object:
+def parse_option_value(text: str) -> int | float | bool | str:
+    """A parameter value as policy ids spell it (``kvdiv serve --press-option`` reads its
+    values the same way).
+
+    Parameters
+    ----------
+    text : str
+        The value's text, stripped.
+
+    Returns
+    -------
+    int, float, bool or str
+        An integer (up to 18 digits), a float (up to 40 characters), ``true``/``false``
+        in any case, else the text itself.
+
+    Raises
+    ------
+    None
+        Any text is a value: what does not read as a number or a boolean is a string.
+
+    Examples
+    --------
+    >>> [parse_option_value(v) for v in ("8", "0.5", "True", "models/q")]
+    [8, 0.5, True, 'models/q']
+    """
     if _INT.match(text):
         return int(text)
     if len(text) <= 40:
@@ -195,7 +219,7 @@ def _params(policy_id: str, text: str) -> dict[str, object]:
             raise PolicyIdError(f"policy id {policy_id!r}: parameter {item.strip()!r} is not key=value")
         if key in params:
             raise PolicyIdError(f"policy id {policy_id!r}: parameter {key!r} is given twice")
-        params[key] = _value(val.strip())
+        params[key] = parse_option_value(val.strip())
     return params
 
 

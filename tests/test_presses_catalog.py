@@ -19,6 +19,7 @@ from gen_service.presses import PolicyError, PolicyRegistry
 from protocols import StreamWriter, assemble
 
 TEXT = "The quick brown fox jumps over the lazy dog; a lazy dog sleeps under the old tree. " * 3
+QUESTION = " Which animal sleeps under the tree, and where?"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "service.md"
 BEGIN, END = "<!-- press-table:begin -->", "<!-- press-table:end -->"
 
@@ -42,20 +43,26 @@ def test_catalog_lists_every_exported_press() -> None:
 
 @pytest.mark.parametrize("entry", [e for e in CATALOG if e.example], ids=lambda e: e.name)
 def test_example_runs_as_claimed(engine: Engine, entry) -> None:
+    """Each claimed kind runs from a whole prompt (``inputs``) and from ``context`` +
+    ``question`` (the question prefilled after compression, at batch 1, then the rows
+    made: per-row press state must follow, CAMPress's running attention sum included)."""
     prompt = list(engine.lm.tokenizer(TEXT).input_ids)
+    question = list(engine.lm.tokenizer(QUESTION).input_ids)
     if entry.artifact:  # a server without the operator's artifact refuses it, naming the option
         with pytest.raises(PolicyError, match="--press-option"):
             PolicyRegistry().build(entry.example)
     for kind, claimed in (("coupled", entry.coupled), ("residual", entry.residual)):
-        job = TraceJob(prompt_ids=prompt, candidate=entry.example, kind=kind, horizon=4, replicates=2, seed=1)
         if not claimed:
             with pytest.raises(PolicyError):  # refused before anything streams, with the reason
                 engine.registry.build(entry.example)
             continue
-        w = StreamWriter()
-        lines = [w.line(r) for r in engine.trace(job)]
-        ds = assemble([*lines, w.end(4, 2, 0.0)])
-        assert ds.attrs["kind"] == kind and ds.sizes["replicate"] == 2
+        for asked in ([], question):
+            job = TraceJob(prompt_ids=prompt, question_ids=asked, candidate=entry.example, kind=kind, horizon=4,
+                           replicates=2, seed=1)
+            w = StreamWriter()
+            lines = [w.line(r) for r in engine.trace(job)]
+            ds = assemble([*lines, w.end(4, 2, 0.0)])
+            assert ds.attrs["kind"] == kind and ds.sizes["replicate"] == 2
 
 
 def test_docs_carry_the_generated_table() -> None:

@@ -1,4 +1,4 @@
-"""Several candidates in one ``/v1/traces`` request (gen_service/engine.py, handlers.py).
+"""Several candidates in one ``/v1/traces`` request (gen_service/engine/scheduler.py, handlers.py).
 
 One multi-candidate request must give each candidate the traces of its own request with
 the same seed: bit for bit when every forward runs alone (``batch_candidates = False``),

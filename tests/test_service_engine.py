@@ -320,6 +320,40 @@ def test_question_with_one_forward_prefill_pair(engine: Engine, prompt: list[int
         assert all(torch.equal(x.keys, y.keys) for x, y in zip(a.cache.layers, b.cache.layers, strict=True))
 
 
+CAM = "kvpress:CAMPress(KnormPress)#96:compression_interval=2"
+
+
+@pytest.mark.parametrize("policy", [CAM, "kvpress:DecodingPress(KnormPress):compression_interval=2,target_size=64"])
+def test_rows_after_a_question_carry_the_decoding_press_state(engine: Engine, prompt: list[int],
+                                                               policy: str) -> None:
+    """The question is prefilled at batch 1 with a decoding press's hooks on (CAMPress's
+    running attention sum, DecodingPress's hidden-state buffer start there); making R
+    rows afterwards must give the state a batch-of-R question prefill gives: the next
+    forwards then see the same press state, cache and logits (a CAMPress trace from a
+    question with R >= 2 used to fail on the batch-1 running sum)."""
+    question = list(engine.lm.tokenizer(" Which animal sleeps?").input_ids)
+    policy_ = engine.registry.build(policy)
+    after = engine.prefill(policy_, prompt, question).side     # question at batch 1, then rows
+    after.rows(2)
+    before = engine.prefill(policy_, prompt).side              # rows, then the question at batch 2
+    before.rows(2)
+    q = torch.tensor([question] * 2)
+    engine.forward(before, q, torch.arange(before.next_pos, before.next_pos + len(question))[None].expand(2, -1),
+                   logits_to_keep=1)
+    before.next_pos += len(question)
+    for t, tok in enumerate((5, 7, 11)):   # three steps: CAMPress compresses every second
+        tokens, pos = torch.tensor([tok, tok]), torch.full((2,), after.next_pos + t)
+        logits = []
+        for side in (after, before):
+            torch.manual_seed(t)   # CAMPress's merges draw from torch's global generator
+            logits.append(engine.step(side, tokens, pos))
+        assert torch.equal(*logits)
+    for a, b in zip(after.cache.layers, before.cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    sums_a, sums_b = (getattr(s.press, "_running_attn_sum", {}) for s in (after, before))
+    assert sums_a.keys() == sums_b.keys() and all(torch.equal(sums_a[k], sums_b[k]) for k in sums_a)
+
+
 @pytest.mark.parametrize("policy", ["adakv@0.5", "kvpress:KeyRerotationPress(KnormPress)@0.5",
                                     "kvpress:DecodingPress(KnormPress):compression_interval=2,target_size=64"])
 def test_generate_follows_the_candidate_kernel(engine: Engine, prompt: list[int], policy: str) -> None:

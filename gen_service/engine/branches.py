@@ -1,0 +1,168 @@
+"""The residual branches: from each row's branch point t*, P and Q decode apart for
+K = min(W, T − t*) steps, maximally coupled, rows batched.
+
+Two ways to reach Q's state at t*:
+
+- **prefix** (:func:`prefix_branches`): since decoding never evicts, each row's P and
+  Q caches at z_<t* are prefixes of the survival caches. Rows with different t* are
+  batched together by masking each row's cache beyond its own prefix (a 2-D attention
+  mask) and appending the branch tokens, at positions prompt + t* − 1 + k. No
+  re-prefill and no snapshots; the price is attending over up to T masked slots. Rows
+  leave the batch as their branch reaches K.
+- **replay** (:func:`replay_branches`): when that shortcut does not hold — a press
+  that compresses while decoding, a quantized cache, or layers keeping different
+  numbers of tokens — both sides restart from a snapshot of their state right after
+  prefill, every branch row re-feeds its own shared history z_<t* and then its branch
+  tokens, all rows in lockstep, so a decoding press compresses each row at exactly the
+  steps it did on the survival path. The price is up to T − 1 more forwards per side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from gen_service.coupling import History, absorb_eos, maximal_coupling, probs
+from gen_service.engine.context import LoopContext
+from gen_service.engine.sides import Forward, Side
+from protocols import branch_record
+
+__all__ = ["Branches", "prefix_branches", "replay_branches"]
+
+
+class Branches:
+    """Branch points, residual pairs and the records being filled, per replicate
+    (filled in place as the branch steps come: one list append per row and age)."""
+
+    def __init__(self, t_star: torch.Tensor, x0: torch.Tensor, y0: torch.Tensor, tv_star: torch.Tensor,
+                 W: int, T: int):
+        self.ts = t_star.tolist()
+        self.x0, self.y0 = x0, y0
+        self.K = [min(W, T - t) if t > 0 else 0 for t in self.ts]
+        self.rec = {r: ([tv], [x], [y]) for r, (t, tv, x, y) in
+                    enumerate(zip(self.ts, tv_star.tolist(), x0.tolist(), y0.tolist(), strict=True)) if t > 0}
+        self.rows = [r for r in self.rec if self.K[r] > 0]
+
+    def add(self, rows: list[int], d: Any, at: list[int] | None = None) -> None:
+        """Append one age's draws for ``rows`` (positions ``at`` of the batch, default all)."""
+        tv, xs, ys = d.tv.tolist(), d.x.tolist(), d.y.tolist()
+        for r, i in zip(rows, at if at is not None else range(len(rows)), strict=True):
+            self.rec[r][0].append(tv[i])
+            self.rec[r][1].append(xs[i])
+            self.rec[r][2].append(ys[i])
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        for r in sorted(self.rec):
+            tvs, xs, ys = self.rec[r]
+            yield branch_record(r, self.ts[r], tvs, xs, ys)
+
+
+def _done(ctx: LoopContext, x: torch.Tensor) -> torch.Tensor:
+    return (x == ctx.eos) if ctx.eos is not None else torch.zeros_like(x, dtype=torch.bool)
+
+
+def prefix_branches(ctx: LoopContext, ps: Side, qs: Side, p_kept: list[int], q_kept: list[int], br: Branches,
+                    h_star: torch.Tensor | None = None) -> Iterator[list[Forward]]:
+    """Branches as prefixes of the survival caches (uniform, prefill-only presses).
+    ``h_star`` holds each row's history counts at its branch point (prompt + z_<t*)."""
+    dev = ctx.device
+    rows = br.rows
+    idx = torch.tensor(rows, dtype=torch.long, device=dev)
+    tstar = torch.tensor([br.ts[r] for r in rows], dtype=torch.long, device=dev)
+    # Row r's prefix z_<t* is the first kept + t* − 1 cache slots; crop to the longest
+    # prefix needed and mask the rest per row.
+    longest = int(tstar.max()) - 1
+    masks = []
+    for side, kept in ((ps, p_kept[0]), (qs, q_kept[0])):
+        side.select(idx)
+        side.crop([kept + longest] * len(side.cache.layers))
+        slots = torch.arange(kept + longest, device=dev)
+        masks.append((slots[None] < (kept + tstar - 1)[:, None]).long())
+    # each branch's history: prompt + z_<t* + its own first token
+    hp = hq = None
+    if h_star is not None:
+        hp, hq = History(h_star[idx]).add(br.x0[idx]), History(h_star[idx]).add(br.y0[idx])
+    # head masks ride on kvpress's patched SDPA; eager attention would drop them
+    eager = not (ps.masks or qs.masks)
+    yield from _branch_loop(ctx, (ps, qs), rows, br, tstar, masks, (br.x0[idx], br.y0[idx]), (hp, hq), eager)
+
+
+def _branch_loop(ctx: LoopContext, sides: tuple[Side, Side], rows: list[int], br: Branches, tstar: torch.Tensor,
+                 masks: list[torch.Tensor], xy: tuple[torch.Tensor, torch.Tensor],
+                 hists: tuple[History | None, History | None], eager: bool) -> Iterator[list[Forward]]:
+    dev, eos, sampling = ctx.device, ctx.eos, ctx.job.sampling
+    (ps, qs), (pmask, qmask), (x, y), (hp, hq) = sides, masks, xy, hists
+    x_done, y_done = _done(ctx, x), _done(ctx, y)
+    k = 0
+    while rows:
+        k += 1
+        ctx.check()
+        ones = torch.ones(len(rows), 1, dtype=torch.long, device=dev)
+        pmask, qmask = torch.cat([pmask, ones], 1), torch.cat([qmask, ones], 1)
+        lp, lq = yield [Forward(ps, x, ps.next_pos + tstar + k - 2, pmask, eager),
+                        Forward(qs, y, qs.next_pos + tstar + k - 2, qmask, eager)]
+        d = maximal_coupling(absorb_eos(probs(lp, sampling, hp), x_done, eos),
+                             absorb_eos(probs(lq, sampling, hq), y_done, eos), ctx.gen)
+        if hp is not None:
+            hp, hq = hp.add(d.x), hq.add(d.y)
+        br.add(rows, d)
+        x, y = d.x, d.y
+        if eos is not None:
+            x_done |= x == eos
+            y_done |= y == eos
+        # Drop rows whose branch reached K = min(W, T − t*): the batch shrinks as
+        # branches end instead of carrying finished rows to the longest one.
+        live = [i for i, r in enumerate(rows) if br.K[r] > k]
+        if len(live) < len(rows):
+            sel = torch.tensor(live, dtype=torch.long, device=dev)
+            rows = [rows[i] for i in live]
+            if rows:
+                ps.select(sel)
+                qs.select(sel)
+                pmask, qmask, tstar = pmask[sel], qmask[sel], tstar[sel]
+                x, y, x_done, y_done = x[sel], y[sel], x_done[sel], y_done[sel]
+                if hp is not None:
+                    hp, hq = hp.select(sel), hq.select(sel)
+
+
+def replay_branches(ctx: LoopContext, start: tuple[Side, Side], shared: torch.Tensor, br: Branches,
+                    h0: History | None = None) -> Iterator[list[Forward]]:
+    """Branches replayed from the post-prefill state: row r feeds z_1..z_{t*-1}, then its
+    residual pair (X, Y) at step t*, then its own branch draws, all rows in lockstep.
+    A decoding-time press thus compresses each row at the steps it did on the survival
+    path, and each branch continues from Q's true state at t*. ``h0`` (the prompt's
+    counts per replicate) starts each side's penalty history, which then grows by
+    exactly the tokens that side is fed: prompt + z_<t* + its own branch, as on the
+    non-replayed path."""
+    dev, eos, sampling = ctx.device, ctx.eos, ctx.job.sampling
+    rows = br.rows
+    idx = torch.tensor(rows, dtype=torch.long, device=dev)
+    ts = torch.tensor([br.ts[r] for r in rows], dtype=torch.long, device=dev)
+    last = torch.tensor([br.ts[r] + br.K[r] - 1 for r in rows], dtype=torch.long, device=dev)
+    z = shared[idx]                                           # (B, T)
+    ps, qs = start
+    ps.rows(len(rows))
+    qs.rows(len(rows))
+    x, y = br.x0[idx], br.y0[idx]
+    x_done, y_done = _done(ctx, x), _done(ctx, y)
+    hp = hq = None if h0 is None else h0.select(idx)
+    for s in range(1, int(last.max()) + 1):
+        ctx.check()
+        before, at = s < ts, s == ts
+        xin = torch.where(before, z[:, s - 1], torch.where(at, br.x0[idx], x))
+        yin = torch.where(before, z[:, s - 1], torch.where(at, br.y0[idx], y))
+        n = len(rows)
+        lp, lq = yield [Forward(ps, xin, ctx.pos(ps, n, s)), Forward(qs, yin, ctx.pos(qs, n, s))]
+        if hp is not None:
+            hp, hq = hp.add(xin), hq.add(yin)
+        d = maximal_coupling(absorb_eos(probs(lp, sampling, hp), x_done, eos),
+                             absorb_eos(probs(lq, sampling, hq), y_done, eos), ctx.gen)
+        active = ((s >= ts) & (s <= last)).tolist()
+        br.add([r for r, a in zip(rows, active, strict=True) if a], d, [i for i, a in enumerate(active) if a])
+        on = (s >= ts)
+        x, y = torch.where(on, d.x, x), torch.where(on, d.y, y)
+        if eos is not None:
+            x_done |= on & (x == eos)
+            y_done |= on & (y == eos)

@@ -1,0 +1,50 @@
+"""What every decoding loop of one candidate reads: the job, its generator and the model facts.
+
+One frozen record instead of an engine: the loops (:mod:`~gen_service.engine.coupled`,
+:mod:`~gen_service.engine.residual`, :mod:`~gen_service.engine.branches`) are
+functions of it and of their sides, and never run a forward themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gen_service.coupling import History, Sampling
+from gen_service.engine.jobs import TraceJob, check
+from gen_service.engine.sides import Side
+
+__all__ = ["LoopContext", "history"]
+
+
+@dataclass(frozen=True)
+class LoopContext:
+    """One candidate's decoding: its job, generator, EOS id, device and cancellation."""
+
+    job: TraceJob
+    gen: torch.Generator
+    eos: int | None
+    device: torch.device
+    cancelled: Callable[[], bool]
+
+    def check(self) -> None:
+        """Stop between steps once the client has gone."""
+        check(self.cancelled)
+
+    def pos(self, side: Side, rows: int, t: int) -> torch.Tensor:
+        """Positions of the step-t input (the token drawn at step t) for every row."""
+        return torch.full((rows,), side.next_pos + t - 1, dtype=torch.long, device=self.device)
+
+    def history(self, prompt_ids: Sequence[int], rows: int, vocab: int) -> History | None:
+        """Each side's token counts for the history penalties; None (free) when none is set."""
+        return history(self.job.sampling, prompt_ids, rows, vocab, self.device)
+
+
+def history(sampling: Sampling, prompt_ids: Sequence[int], rows: int, vocab: int,
+            device: torch.device) -> History | None:
+    """The prompt's counts on ``rows`` rows when a penalty is set, else None."""
+    if not sampling.uses_history:
+        return None
+    return History.start(list(prompt_ids), rows, vocab, device)

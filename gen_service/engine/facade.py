@@ -1,0 +1,228 @@
+"""The :class:`Engine`: one loaded model's prefill and decoding, as the service calls it.
+
+A thin facade over the package's functions (prefill, the decoding loops, the
+scheduler, TGI generate): it holds the model, the policy registry and the settings the
+operator and the benchmarks change on a live engine (``shared_prompt``,
+``force_replay``, ``batch_candidates``, ``fuse``). Its underscored methods are the
+seams the tests and benchmarks patch or call (``_decode``, ``_coupled``,
+``_residual``, ``_drive``, ``_run_forward``, ``_forward_stacked``): the facade routes
+through them so a patch on an instance takes effect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from gen_service.coupling import Sampling
+from gen_service.engine.context import LoopContext
+from gen_service.engine.coupled import coupled
+from gen_service.engine.forwards import masked_attention, run_side, run_stacked
+from gen_service.engine.header import header
+from gen_service.engine.jobs import Cancelled, CandidateError, TraceJob, check, draw_seed
+from gen_service.engine.prefill import prefill, prefill_pair
+from gen_service.engine.residual import residual
+from gen_service.engine.scheduler import Runner, drive, drive_many
+from gen_service.engine.sides import Forward, Prefilled, Side
+from gen_service.engine.tgi import generate, prompt_logprobs
+from gen_service.head_masks import install
+from gen_service.models import LoadedModel
+from gen_service.presses import ModelInfo, Policy, PolicyRegistry
+from gen_service.shared_cache import share_prompt
+from protocols import Kind
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """Runs prefill and decoding for one loaded model. Not thread-safe: the app runs
+    all model work on one worker thread."""
+
+    def __init__(self, lm: LoadedModel, registry: PolicyRegistry | None = None, shared_prompt: bool = True):
+        install()  # head-wise masks through SDPA's own mask (gen_service.head_masks)
+        self.lm = lm
+        self.model = lm.model
+        self.registry = registry or PolicyRegistry()
+        self.device = lm.device
+        # store the prompt once for all rows where the side allows (gen_service/shared_cache.py)
+        self.shared_prompt = shared_prompt
+        # replay residual branches even when they could be prefixes of the survival
+        # caches (benchmarks measure the replay's price with it)
+        self.force_replay = False
+        # stack the forwards of a multi-candidate request's candidates, and P's with Q's
+        # where ``fuse`` says so (False: every forward alone, bit-identical to one request
+        # per candidate)
+        self.batch_candidates = True
+        # P's and Q's stacked forwards as one: "auto" (measured per shape), "on" or "off"
+        self.fuse = "auto"
+        self.fusion: dict[tuple[int, int, int], dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ forwards
+
+    def generator(self, seed: int) -> torch.Generator:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int(seed))
+        return gen
+
+    def prefill(self, policy: Policy, prompt_ids: list[int], question_ids: Sequence[int] = ()) -> Prefilled:
+        """One policy's prompt state (:func:`gen_service.engine.prefill.prefill`)."""
+        return prefill(self.model, policy, prompt_ids, question_ids)
+
+    def prefill_pair(self, ref: Policy, cand: Policy, prompt_ids: list[int],
+                     question_ids: Sequence[int] = ()) -> tuple[Prefilled, Prefilled]:
+        """P's and Q's prompt states (:func:`gen_service.engine.prefill.prefill_pair`)."""
+        return prefill_pair(self.model, ref, cand, prompt_ids, question_ids)
+
+    def forward(self, side: Side, tokens: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+        """One forward of ``side`` over (rows, n) tokens -> (rows, V) logits of the last one."""
+        return run_side(self.model, side, tokens, positions, mask, logits_to_keep)
+
+    def step(self, side: Side | DynamicCache, tokens: torch.Tensor, positions: torch.Tensor,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One decoding forward over all rows: (rows,) tokens -> (rows, V) float logits."""
+        if isinstance(side, DynamicCache):
+            side = Side(side, 0)
+        return self.forward(side, tokens[:, None], positions[:, None], mask)
+
+    def _run_forward(self, f: Forward) -> torch.Tensor:
+        with masked_attention(self.model, self.device) if f.eager else nullcontext():
+            return self.step(f.side, f.tokens, f.positions, f.mask)
+
+    def _forward_stacked(self, fs: list[Forward]) -> list[torch.Tensor]:
+        return run_stacked(self.model, fs)
+
+    def _runner(self) -> Runner:
+        """The scheduler's view of this engine's settings, read now."""
+        return Runner(lambda f: self._run_forward(f), lambda fs: self._forward_stacked(fs), self.device,
+                                self.batch_candidates, self.fuse, self.fusion)
+
+    def fusion_info(self) -> dict[str, Any]:
+        """The fused-forward setting and every shape's measurement so far (``/info``)."""
+        return {"mode": self.fuse, "measured": list(self.fusion.values())}
+
+    # ------------------------------------------------------------------ traces
+
+    def header(self, job: TraceJob, seed: int, cand: Policy, ref: Policy, p0: Prefilled,
+               q0: Prefilled) -> dict[str, Any]:
+        return header(self.lm, job, seed, cand, ref, p0, q0)
+
+    def trace(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Any]:
+        """Yield the stream's records (header, steps / shared steps + branches); the
+        caller adds the ``end`` record (it owns the digest).
+
+        With ``job.candidates`` the request holds several candidates
+        (:meth:`trace_candidates`): every header first, then the candidates' records
+        interleaved, each tagged with ``candidate``, and a :class:`CandidateDone` or
+        :class:`CandidateFailed` per candidate where its ``end`` or ``error`` goes."""
+        if job.candidates:
+            yield from self.trace_candidates(job, cancelled)
+            return
+        seed = job.seed if job.seed is not None else draw_seed()
+        info = ModelInfo.of(self.lm)
+        cand = self.registry.build(job.candidate, info)
+        ref = self.registry.build(job.reference, info)
+        p0, q0 = self.prefill_pair(ref, cand, job.prompt_ids, job.question_ids)
+        yield self.header(job, seed, cand, ref, p0, q0)
+        yield from self._drive(self._decode(job, p0, q0, seed, cancelled))
+
+    def _decode(self, job: TraceJob, p0: Prefilled, q0: Prefilled, seed: int,
+                cancelled: Callable[[], bool]) -> Iterator[Any]:
+        """One candidate's decoding loop: records, and the :class:`Forward` lists it needs run."""
+        if self.shared_prompt:
+            for side in (p0.side, q0.side):
+                share_prompt(side, job.horizon)
+        gen = self.generator(seed)
+        if job.kind == Kind.COUPLED:
+            return self._coupled(job, p0, q0, gen, cancelled)
+        return self._residual(job, p0, q0, gen, cancelled)
+
+    def _context(self, job: TraceJob, gen: torch.Generator, cancelled: Callable[[], bool]) -> LoopContext:
+        return LoopContext(job, gen, self.lm.eos_token_id, self.device, cancelled)
+
+    def _coupled(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
+                 cancelled: Callable[[], bool]) -> Iterator[Any]:
+        return coupled(self._context(job, gen, cancelled), p0, q0)
+
+    def _residual(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
+                  cancelled: Callable[[], bool]) -> Iterator[Any]:
+        return residual(self._context(job, gen, cancelled), p0, q0, self.force_replay)
+
+    def _drive(self, loop: Iterator[Any]) -> Iterator[dict[str, Any]]:
+        """Run one decoding loop on its own (:func:`gen_service.engine.scheduler.drive`)."""
+        return drive(loop, self._runner())
+
+    def trace_candidates(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Any]:
+        """Several candidates against one reference, on one prompt, in one request.
+
+        Each candidate is prefilled exactly as its own request would be
+        (:meth:`prefill_pair`: kvpress compresses inside the prefill forward, so every
+        candidate needs its forward over the prompt; P's full cache comes out of the
+        same forward) and decodes with its own generator seeded with its own seed,
+        drawing the same random numbers in the same order as its own request. Only the
+        forwards are shared (:func:`gen_service.engine.scheduler.drive_many`): sides on
+        the shared prompt path run stacked in one batch, P rows with P rows and Q rows
+        with Q rows; sides that cannot stack (per-head masks, decoding-time presses,
+        per-row copies) run their own forwards, exactly as alone. Stacking changes only
+        the batch of the row-wise matmuls, whose last bits depend on the batch size on
+        CPU, so traces equal one request per candidate to floating-point rounding (the
+        tests find the same tokens); ``batch_candidates = False`` runs every forward
+        alone and gives bit-identical traces.
+
+        Yields
+        ------
+        dict or CandidateDone or CandidateFailed
+            Every header (candidate order), then the records, each with
+            ``"candidate": policy``, and one marker per candidate when it ends.
+
+        Raises
+        ------
+        CandidateError
+            A candidate's policy failed in prefill (nothing was yielded yet).
+        Cancelled
+            The client went away (or the request ran out of time).
+        """
+        info = ModelInfo.of(self.lm)
+        ref = self.registry.build(job.reference, info)
+        runs, headers = [], []
+        seeds = job.seeds or [None] * len(job.candidates)
+        for i, (policy, seed) in enumerate(zip(job.candidates, seeds, strict=True)):
+            check(cancelled)
+            try:
+                cand = self.registry.build(policy, info)
+                p0, q0 = self.prefill_pair(ref, cand, job.prompt_ids, job.question_ids)
+            except Cancelled:
+                raise
+            except Exception as exc:
+                raise CandidateError(i, policy, exc) from exc
+            seed = seed if seed is not None else draw_seed()
+            one = replace(job, candidate=policy, seed=seed, candidates=[], seeds=[])
+            runs.append((one, seed, p0, q0))
+            headers.append(self.header(one, seed, cand, ref, p0, q0))
+        yield from headers   # only once every prefill ran: a policy failing there is a 422
+        loops = [self._decode(one, p0, q0, seed, cancelled) for one, seed, p0, q0 in runs]
+        yield from drive_many(job.candidates, loops, self._runner())
+
+    # ------------------------------------------------------------------ TGI generate
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], policy_id: str, max_new_tokens: int, sampling: Sampling,
+                 seed: int | None, top_n: int = 0, stop_check: Callable[[list[int]], bool] | None = None,
+                 cancelled: Callable[[], bool] = lambda: False) -> Iterator[dict[str, Any]]:
+        """Plain sampling from one policy's kernel (TGI's /generate): yields one dict per
+        token with id, logprob (the model's, as TGI reports it) and top tokens, and
+        finally a dict with the finish reason."""
+        policy = self.registry.build(policy_id, ModelInfo.of(self.lm))
+        pre = self.prefill(policy, prompt_ids)
+        gen = self.generator(seed if seed is not None else draw_seed())
+        yield from generate(pre, self.step, gen, self.lm.eos_token_id, self.device, prompt_ids, max_new_tokens,
+                                sampling, top_n, stop_check, cancelled)
+
+    def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
+        """Log-probabilities of each prompt token under the full model (TGI prefill details)."""
+        return prompt_logprobs(self.model, prompt_ids)

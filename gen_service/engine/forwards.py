@@ -1,0 +1,108 @@
+"""Running forwards: one side's over its own cache, or several shared-prompt sides' as one.
+
+A side's head masks and decoding-press hooks sit on the model's shared attention
+modules for exactly that side's forward (:func:`side_applied`), so nothing leaks into
+the other model's forwards. Nothing here decides *which* forwards run together: that
+is the scheduler's (:mod:`gen_service.engine.scheduler`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+
+import torch
+
+from gen_service.engine.sides import Forward, Side, cache_lengths
+from gen_service.head_masks import HIDDEN_ATTR, indices_to_mask, pad
+from gen_service.shared_cache import StackedPromptCache, attention_route
+
+__all__ = ["attention_layers", "eager_attention", "masked_attention", "run_side", "run_stacked", "side_applied"]
+
+
+def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's attention modules, layer order (where hooks and masks go)."""
+    return [layer.self_attn for layer in model.model.layers]
+
+
+@torch.inference_mode()
+def run_side(model: torch.nn.Module, side: Side, tokens: torch.Tensor, positions: torch.Tensor,
+             mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+    """One forward of ``side`` over (rows, n) tokens -> (rows, V) float logits of the
+    last one, with that side's head masks and decoding hooks in place."""
+    with side_applied(model, side, tokens.shape[1]), attention_route(model, side.cache, mask) as (mask, kw):
+        out = model(input_ids=tokens, past_key_values=side.cache, position_ids=positions,
+                    attention_mask=mask, use_cache=True, logits_to_keep=logits_to_keep, **kw)
+    return out.logits[:, -1].float()
+
+
+@torch.inference_mode()
+def run_stacked(model: torch.nn.Module, forwards: list[Forward]) -> list[torch.Tensor]:
+    """One forward over several shared-prompt sides' rows (:class:`StackedPromptCache`)."""
+    stack = StackedPromptCache([f.side.cache for f in forwards], [f.mask for f in forwards])
+    tokens = torch.cat([f.tokens for f in forwards])[:, None]
+    positions = torch.cat([f.positions for f in forwards])[:, None]
+    with attention_route(model, stack, None) as (_, kw):
+        out = model(input_ids=tokens, past_key_values=stack, position_ids=positions, use_cache=True,
+                    logits_to_keep=0, **kw)
+    return list(out.logits[:, -1].float().split([f.tokens.shape[0] for f in forwards]))
+
+
+@contextmanager
+def side_applied(model: torch.nn.Module, side: Side, n_new: int) -> Iterator[None]:
+    """Install ``side``'s head masks and decoding hooks for one forward, then take
+    them off the shared modules (with any masks a press added meanwhile)."""
+    if side.masks is None and side.press is None:
+        yield
+        return
+    attns = attention_layers(model)
+    hooks = []
+    if side.masks is not None:
+        for attn, m, n in zip(attns, side.masks, cache_lengths(side.cache), strict=True):
+            setattr(attn, HIDDEN_ATTR, None if m is None else pad(m, n + n_new))
+    if side.press is not None:
+        hooks = [attn.register_forward_hook(side.press.forward_hook, with_kwargs=True) for attn in attns]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        side.masks = _collect_masks(attns, side)
+
+
+def _collect_masks(attns: list[torch.nn.Module], side: Side) -> list[torch.Tensor | None] | None:
+    """Take the masks off the modules, merged with those a press added (e.g. DMS evicting
+    while decoding), each padded to its layer's slots."""
+    shape = side.cache.layers[0].keys.shape
+    masks = []
+    for attn, n in zip(attns, cache_lengths(side.cache), strict=True):
+        m, added = getattr(attn, HIDDEN_ATTR, None), getattr(attn, "masked_key_indices", None)
+        setattr(attn, HIDDEN_ATTR, None)
+        attn.masked_key_indices = None
+        if added is not None:
+            fresh = indices_to_mask(added, shape[0], shape[1], n)
+            m = fresh if m is None else pad(m, fresh.shape[-1]) | fresh
+        masks.append(None if m is None else pad(m, n))
+    return masks if any(m is not None for m in masks) else None
+
+
+@contextmanager
+def eager_attention(model: torch.nn.Module, on: bool = True) -> Iterator[None]:
+    """The model under eager attention while inside (``on``), as it was after."""
+    if not on:
+        yield
+        return
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
+def masked_attention(model: torch.nn.Module, device: torch.device) -> AbstractContextManager[None]:
+    """On CPU, torch's SDPA with a real (non-trivial) mask leaves its fast kernel and
+    was ~2.5x slower per decoding step than with no mask; eager attention with the
+    same mask was ~1.5-2x faster than that (SmolLM2, 8 rows, 570 slots). GPUs keep SDPA."""
+    before = getattr(model.config, "_attn_implementation", None)
+    return eager_attention(model, device.type == "cpu" and before == "sdpa")

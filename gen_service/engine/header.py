@@ -1,0 +1,31 @@
+"""A trace's header record: what was asked, what the policies did to the prompt."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gen_service.engine.jobs import PRODUCER, TraceJob
+from gen_service.engine.sides import Prefilled
+from gen_service.models import LoadedModel
+from gen_service.presses import Policy
+from protocols import header_record, prompt_digest
+
+__all__ = ["header"]
+
+
+def header(lm: LoadedModel, job: TraceJob, seed: int, cand: Policy, ref: Policy, p0: Prefilled,
+           q0: Prefilled) -> dict[str, Any]:
+    """The ``header`` record of one candidate's stream (``kvdiv.trace/1``)."""
+    candidate = cand.describe()
+    candidate.update(params=q0.plan.params, note=q0.plan.note)
+    reference = ref.describe()
+    nq = len(job.question_ids)
+    extra = {"question_tokens": nq} if nq else {}
+    return header_record(
+        kind=job.kind, horizon=job.horizon, window=job.window or job.horizon, model=lm.name,
+        eos_token_id=lm.eos_token_id, sampling=job.sampling.as_dict(), candidate=candidate,
+        reference=reference, seed=seed, prompt_tokens=job.prompt_len,
+        prompt_sha256=prompt_digest([*job.prompt_ids, *job.question_ids]), retained_tokens=q0.kept + nq,
+        replicates=job.replicates, vocab_size=lm.vocab_size, doc=job.doc, request_id=job.request_id,
+        coupling="stepwise-maximal", producer=PRODUCER, reference_retained_tokens=p0.kept + nq, **extra,
+    )

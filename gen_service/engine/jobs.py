@@ -1,0 +1,100 @@
+"""What a trace request asks for, and what the engine says back besides records.
+
+:class:`TraceJob` is the checked ``/v1/traces`` request; the rest are the signals the
+drivers give the HTTP layer: a client gone (:class:`Cancelled`), a candidate failed in
+prefill (:class:`CandidateError`, before anything streams) or while decoding
+(:class:`CandidateFailed`, the others go on), a candidate's records all out
+(:class:`CandidateDone`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from gen_service.coupling import Sampling
+from gen_service.errors import ServiceError
+
+__all__ = ["PRODUCER", "CandidateDone", "CandidateError", "CandidateFailed", "Cancelled", "TraceJob", "check",
+           "draw_seed"]
+
+PRODUCER = "kvdiv.gen_service"
+
+
+class Cancelled(ServiceError):
+    """The client went away; work stops between steps."""
+
+
+class CandidateError(ServiceError):
+    """A candidate of a multi-candidate request failed before anything was streamed.
+
+    Attributes
+    ----------
+    index : int
+        Its position in ``candidates``.
+    policy : str
+        Its policy id.
+    cause : BaseException
+        What its prefill raised.
+    """
+
+    def __init__(self, index: int, policy: str, cause: BaseException):
+        super().__init__(f"candidates[{index}] ({policy}): {type(cause).__name__}: {cause}")
+        self.index, self.policy, self.cause = index, policy, cause
+
+
+@dataclass(frozen=True)
+class CandidateDone:
+    """Yielded by :meth:`Engine.trace` (multi-candidate) when a candidate's records are all out."""
+
+    policy: str
+
+
+@dataclass(frozen=True)
+class CandidateFailed:
+    """Yielded by :meth:`Engine.trace` (multi-candidate) when one candidate fails while decoding;
+    the other candidates go on."""
+
+    policy: str
+    error: BaseException
+
+
+@dataclass
+class TraceJob:
+    """A validated ``/v1/traces`` request."""
+
+    prompt_ids: list[int]                 # the context: the part a press compresses
+    candidate: str
+    reference: str = "full"
+    kind: str = "coupled"
+    horizon: int = 32
+    replicates: int = 1
+    window: int | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    seed: int | None = None
+    doc: str | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    question_ids: list[int] = field(default_factory=list)   # prefilled after compression, never compressed
+    # several candidates in one request (records tagged with ``candidate``); ``seeds`` parallel,
+    # None where the server draws one; ``candidate`` is then unused
+    candidates: list[str] = field(default_factory=list)
+    seeds: list[int | None] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        """Positions taken by the prompt (context + question)."""
+        return len(self.prompt_ids) + len(self.question_ids)
+
+
+def check(cancelled: Callable[[], bool]) -> None:
+    """Raise :class:`Cancelled` once the client has gone (called between steps)."""
+    if cancelled():
+        raise Cancelled()
+
+
+def draw_seed() -> int:
+    """A seed for a request that gave none (torch's global generator)."""
+    return int(torch.randint(0, 2**31 - 1, ()).item())

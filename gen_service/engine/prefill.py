@@ -1,0 +1,118 @@
+"""Prefill: one policy's prompt state, or P's and Q's from one forward where that is exact.
+
+kvpress compresses inside the prefill forward: each layer attends to the whole prompt
+and its cache is compressed right after that layer, so the step-1 logits are the full
+model's whatever the press. A question is prefilled after compression, as kvpress's
+pipeline does, and is never compressed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from gen_service.engine.forwards import attention_layers, eager_attention, run_side
+from gen_service.engine.sides import Prefilled, Side, cache_lengths
+from gen_service.head_masks import indices_to_mask
+from gen_service.press_traits import wants_eager
+from gen_service.presses import Policy, PressPlan
+
+__all__ = ["prefill", "prefill_pair", "prefill_question"]
+
+
+@torch.inference_mode()
+def prefill(model: torch.nn.Module, policy: Policy, prompt_ids: list[int],
+            question_ids: Sequence[int] = ()) -> Prefilled:
+    """Prefill under the policy's press (the question, if any, after compression)."""
+    device = model.device
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    plan = policy.plan(len(prompt_ids))
+    cache = DynamicCache() if plan.quant is None else plan.quant.cache(model.config.num_hidden_layers)
+    positions = torch.arange(len(prompt_ids), device=device)[None]
+    press = plan.press  # a decoding-only press's hooks do nothing during prefill
+    with eager_attention(model, wants_eager(press)), (press(model) if press is not None else nullcontext()):
+        out = model(input_ids=ids, past_key_values=cache, position_ids=positions, logits_to_keep=1)
+    return _finish(model, plan, cache, out.logits[:, -1].float(), len(prompt_ids), question_ids)
+
+
+def _finish(model: torch.nn.Module, plan: PressPlan, cache: DynamicCache, logits: torch.Tensor, context_len: int,
+            question_ids: Sequence[int]) -> Prefilled:
+    side = Side(cache, context_len, masks=_take_masks(model, cache), press=plan.press if plan.decoding else None)
+    if plan.rerotates:  # kept keys were re-rotated to 0..kept-1: continue from there (as kvpress does)
+        side.next_pos = cache_lengths(cache)[0]
+    kept = side.kept()
+    if question_ids:
+        logits = prefill_question(model, side, list(question_ids))
+    return Prefilled(side, logits, kept, plan, cache_lengths(cache))
+
+
+def prefill_question(model: torch.nn.Module, side: Side, question_ids: list[int]) -> torch.Tensor:
+    """Feed the question after compression (batch 1; :meth:`Side.rows` repeats what a
+    decoding press kept of it). When layers keep different numbers of slots (PyramidKV
+    & co.) one causal mask cannot fit them all, so the question goes in one token at a
+    time (the same attention, without a mask)."""
+    q = torch.tensor([question_ids], dtype=torch.long, device=model.device)
+    pos = torch.arange(side.next_pos, side.next_pos + q.shape[1], device=model.device)[None]
+    if len(set(cache_lengths(side.cache))) == 1:
+        logits = run_side(model, side, q, pos, logits_to_keep=1)
+    else:
+        for i in range(q.shape[1]):
+            logits = run_side(model, side, q[:, i:i + 1], pos[:, i:i + 1])
+    side.next_pos += q.shape[1]
+    return logits
+
+
+def _take_masks(model: torch.nn.Module, cache: DynamicCache) -> list[torch.Tensor | None] | None:
+    """Move head-wise masks (kvpress's ``masked_key_indices``, left on the shared
+    modules for batch 1) into the side that owns them, as boolean (1, heads, slots)."""
+    masks: list[torch.Tensor | None] = []
+    for attn, layer in zip(attention_layers(model), cache.layers, strict=True):
+        idx = getattr(attn, "masked_key_indices", None)
+        attn.masked_key_indices = None
+        masks.append(None if idx is None else indices_to_mask(idx, 1, layer.keys.shape[1], layer.keys.shape[-2]))
+    return masks if any(m is not None for m in masks) else None
+
+
+@torch.inference_mode()
+def prefill_pair(model: torch.nn.Module, ref: Policy, cand: Policy, prompt_ids: list[int],
+                 question_ids: Sequence[int] = ()) -> tuple[Prefilled, Prefilled]:
+    """P's and Q's prompt states. With a full reference both come from ONE forward:
+    compression does not change a layer's output (it runs after the layer has
+    attended to the whole prompt), so hooks registered before the press's keep
+    each layer's uncompressed keys/values for P while the press compresses Q's."""
+    L = len(prompt_ids)
+    ref_plan, cand_plan = ref.plan(L), cand.plan(L)
+    # A press scoring with attention weights prefills under eager attention, whose
+    # logits differ from SDPA's in the last bits: P then gets its own forward.
+    # A quantized candidate's cache holds no full-precision prompt to copy for P.
+    if ref_plan.press is not None or ref_plan.quant is not None or cand_plan.quant is not None \
+            or wants_eager(cand_plan.press):
+        return prefill(model, ref, prompt_ids, question_ids), prefill(model, cand, prompt_ids, question_ids)
+    full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def keep(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        layer = kwargs["past_key_values"].layers[module.layer_idx]
+        # clone: a press may edit the tensors it is handed
+        full[module.layer_idx] = (layer.keys.clone(), layer.values.clone())
+
+    hooks = [attn.register_forward_hook(keep, with_kwargs=True) for attn in attention_layers(model)]
+    try:
+        # the prompt only: were the question fed while the hooks are on, they would
+        # keep Q's compressed cache + question for P
+        q0 = prefill(model, cand, prompt_ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    cache = DynamicCache()
+    for idx in sorted(full):
+        cache.update(*full[idx], idx)
+    p0 = _finish(model, ref_plan, cache, q0.logits, L, question_ids)
+    if question_ids:  # what prefill(model, cand, prompt_ids, question_ids) would have done
+        logits = prefill_question(model, q0.side, list(question_ids))
+        q0 = replace(q0, logits=logits, kept_slots=cache_lengths(q0.cache))   # slots after the question
+    return p0, q0

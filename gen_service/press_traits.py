@@ -1,0 +1,99 @@
+"""What a kvpress press is, as the engine and the registry need to know it.
+
+A policy's press is a tree (wrappers, compositions); every question asked of it here
+walks that tree with :func:`iter_presses`: does it act while decoding (its hooks run
+around the candidate's decoding forwards), does it re-rotate the kept keys (decoding
+continues from the kept count), does it score with attention weights (prefill under
+eager attention), which per-row state does it keep across forwards (repeated when one
+prefilled row becomes R), and can it compress a quantized cache exactly as kvpress does.
+
+This module imports no other press module of gen_service: :mod:`gen_service.presses`
+(the registry) and :mod:`gen_service.quantized` (the caches) both read it.
+kvpress is imported inside the functions that need its classes: importing it costs
+seconds, and the registry's parsing and ``kvdiv --help`` must not pay it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from gen_service.press_params import PolicyError
+
+__all__ = ["ROW_STATE", "acts_while_decoding", "check_quantizable", "iter_presses", "repeat_rows", "rerotates",
+           "wants_eager"]
+
+# Per-layer state a decoding press keeps across forwards, batch first: kvpress's
+# DecodingPress buffers its hidden states, DMSPress its scores, CAMPress its running
+# attention sum. One prefilled row (the question goes in at batch 1) becomes R rows by
+# repeating each, exactly the state R identical rows would have built.
+ROW_STATE = ("hidden_states_buffer", "scores_buffer", "_running_attn_sum")
+
+
+def iter_presses(press: Any) -> Iterator[Any]:
+    """A press and every press inside it (wrappers, compositions), outermost first."""
+    yield press
+    for name in ("press", "base_press", "prefilling_press", "decoding_press"):
+        inner = getattr(press, name, None)
+        if inner is not None and inner is not press and hasattr(inner, "forward_hook"):
+            yield from iter_presses(inner)
+    for inner in getattr(press, "presses", None) or ():
+        yield from iter_presses(inner)
+
+
+def acts_while_decoding(press: Any) -> bool:
+    """Whether any press of the tree also compresses during decoding."""
+    from kvpress import DecodingPress, DMSPress
+
+    return any(isinstance(p, DecodingPress) or (isinstance(p, DMSPress) and p.decoding) for p in iter_presses(press))
+
+
+def rerotates(press: Any) -> bool:
+    """Whether the kept keys are re-rotated to positions 0..kept-1."""
+    from kvpress import FinchPress, KeyRerotationPress
+
+    return any(isinstance(p, KeyRerotationPress) or (isinstance(p, FinchPress) and p.rerotate_keys)
+               for p in iter_presses(press))
+
+
+def wants_eager(press: Any) -> bool:
+    """Presses that score with the attention weights (only eager attention returns them)."""
+    from kvpress import KVComposePress, ObservedAttentionPress
+
+    scorers = (ObservedAttentionPress, KVComposePress)
+    return press is not None and any(isinstance(p, scorers) for p in iter_presses(press))
+
+
+def repeat_rows(press: Any, n: int) -> None:
+    """Batch 1 -> n identical rows in every press's :data:`ROW_STATE`."""
+    for p in iter_presses(press):
+        for name in ROW_STATE:
+            state = getattr(p, name, None)
+            for layer, buf in (state or {}).items():
+                state[layer] = ([t.repeat_interleave(n, 0) for t in buf] if isinstance(buf, list)
+                                else buf.repeat_interleave(n, 0))
+
+
+def check_quantizable(policy_id: str, press: Any) -> None:
+    """Refuse presses that cannot compress a quantized cache exactly as kvpress does.
+
+    kvpress compresses a ``QuantizedCache`` in ``BasePress.forward_hook`` (dequantize,
+    compress, quantize). Presses with their own hook (decoding-time presses, KVzip &
+    co.) edit the full-precision tensors directly, and head-wise presses (AdaKV & co.)
+    leave per-head masks sized for a plain cache.
+
+    Raises
+    ------
+    PolicyError
+        Naming the press that cannot be combined.
+    """
+    from kvpress import AdaKVPress, BasePress, ComposedPress, CriticalAdaKVPress, DMSPress, PerLayerCompressionPress
+
+    delegating = (ComposedPress, PerLayerCompressionPress)   # their hooks call their inner presses' hooks
+    for p in iter_presses(press):
+        own_hook = type(p).forward_hook is not BasePress.forward_hook and not isinstance(p, delegating)
+        if own_hook or isinstance(p, (AdaKVPress, CriticalAdaKVPress, DMSPress)):
+            why = "masks keys per head" if not own_hook else "edits the cache in its own hook"
+            raise PolicyError(f"policy {policy_id!r}: {type(p).__name__} {why}; it cannot be combined with a "
+                              f"quantized cache (+quant:). Presses that compress through kvpress's "
+                              f"BasePress hook can (SnapKV, Knorm, PyramidKV ...)", "quant")
