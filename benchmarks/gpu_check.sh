@@ -31,7 +31,8 @@ PY=${PYTHON:-python3}
 if [ -n "${OUT:-}" ]; then DEST=$OUT; else DEST=runs/gpu_check; fi
 mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
-WORK=$DEST/work
+# models, traces and caches stay outside $OUT (large); logs are copied next to the table
+WORK=${KVDIV_GPU_WORK:-${TMPDIR:-/tmp}/kvdiv-gpu-check}
 rm -rf "$WORK" && mkdir -p "$WORK"
 KIT=$PWD/.gpu-kit
 SITE=${KVDIV_SITE:-/tmp/kvdiv-site}
@@ -98,5 +99,6 @@ echo "=== table ($(($(date +%s) - START))s elapsed)"
 "$PY" benchmarks/gpu_check.py table --out "$WORK" --junit "$WORK/gpu-tests.xml" --dest "$DEST/gpu_check.md" \
   "${DRYFLAG[@]}"
 STATUS=$?
-echo "=== done in $(($(date +%s) - START))s, logs in $WORK/, status $STATUS"
+mkdir -p "$DEST/logs" && cp "$WORK"/*.log "$WORK"/*.json "$WORK"/*.xml "$WORK"/*.txt "$DEST/logs/" 2>/dev/null
+echo "=== done in $(($(date +%s) - START))s, logs in $DEST/logs/ (work files in $WORK/), status $STATUS"
 exit $STATUS

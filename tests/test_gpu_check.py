@@ -19,6 +19,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 
 def _run(tmp_path: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "KVDIV_SITE": str(tmp_path / "site"),
+           "KVDIV_GPU_WORK": str(tmp_path / "work"),
            "PYTHONPATH": str(ROOT)}
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -50,6 +51,7 @@ def test_dry_run_runs_every_step(tmp_path):
         assert row in table, row
     assert "FAIL" not in table and "did not finish" not in table
     assert "interpreter: " + sys.executable in out
+    assert (tmp_path / "logs" / "study.log").exists()
 
 
 def test_a_skipped_gpu_test_fails_the_check(tmp_path):
