@@ -89,9 +89,9 @@ step() {  # step NAME SECONDS CMD...: run with a time limit and a log; the table
   [ "$rc" -eq 0 ] || echo "!!! $name failed (exit $rc; log $WORK/$name.log)"
 }
 
-step gpu-tests 150 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider --junitxml="$WORK/gpu-tests.xml" \
+step gpu-tests 140 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider --junitxml="$WORK/gpu-tests.xml" \
   tests/test_shared_prompt_gpu.py tests/test_memory_gpu.py
-step study 150 "$PY" benchmarks/gpu_check.py study --out "$WORK" "${DRYFLAG[@]}"
+step study 140 "$PY" benchmarks/gpu_check.py study --out "$WORK" "${DRYFLAG[@]}"
 step memory 70 "$PY" benchmarks/gpu_check.py memory --out "$WORK" "${DRYFLAG[@]}"
 step throughput 80 "$PY" benchmarks/gpu_check.py throughput --out "$WORK" "${DRYFLAG[@]}"
 
