@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 OMP_WAIT_POLICY ?= PASSIVE
 export OMP_WAIT_POLICY
 
-.PHONY: demo test test-fast lint venv bench clean
+.PHONY: demo test test-fast lint venv bench gpu-kit clean
 
 # The venv is (re)installed whenever the project's dependency files change.
 $(STAMP): pyproject.toml Makefile
@@ -41,6 +41,12 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+# What benchmarks/gpu_check.sh needs on the GPU machine, which has no network: the
+# wheels pinned in benchmarks/gpu_kit.txt (CPython 3.12, manylinux x86-64, no deps)
+# and the embedded model's tokenizer, into .gpu-kit/ (git-ignored; <= 60 MiB).
+gpu-kit: $(STAMP)
+	$(PY) benchmarks/gpu_kit.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs/.tmp

@@ -1,61 +1,104 @@
 #!/usr/bin/env bash
-# GPU check for gen_service (under 8 minutes on one CUDA device; nothing to download).
+# GPU check for kvdiv on one CUDA device, under 8 minutes, with no network.
 #
-#   1. the GPU-marked tests (tests/test_shared_prompt_gpu.py): bf16 full-vs-full TV = 0,
-#      cascade attention and shared-prompt traces equal to the plain path, coupled and
-#      residual traces agreeing through divstats;
-#   2. benchmarks/bench_service.py on random:llama-1b and on the Llama-3.1-8B-shaped
-#      random:llama-8b in bf16: row-steps/s and the fraction of the memory-bandwidth floor;
-#   3. benchmarks/bench_shared_prompt.py on random:llama-1b: shared prompt vs per-row copies.
+#   make gpu-kit                       # where the package registry is reachable: .gpu-kit/
+#   bash benchmarks/gpu_check.sh       # on the GPU machine, with .gpu-kit/ beside the checkout
+#   bash benchmarks/gpu_check.sh --dry-run   # every step on the CPU with tiny models (no kit)
 #
-# Usage: benchmarks/gpu_check.sh [OUTDIR]     (PYTHON=... to pick the interpreter;
-#        BANDWIDTH=4800 to give the device's GB/s instead of measuring a copy)
-# Without a CUDA device it runs what can run (the GPU tests then skip) and says so.
+# Steps (benchmarks/gpu_check.py does b-e; each step has a time limit):
+#   0. install the kit's wheels into /tmp/kvdiv-site on top of the machine's torch; the
+#      checkout first on PYTHONPATH; the embedded tokenizer from the kit;
+#      no CUDA visible to torch: exit 1 (unless --dry-run);
+#   a. the GPU-marked tests; any skip or failure fails the check;
+#   b. the numerical noise floor: a bf16 residual study through kvdiv serve/collect/pack
+#      with 4 grouped candidates plus the control `full`;
+#   c. coupled vs residual occurrence on the same documents (|z| < 4.5);
+#   d. the memory estimate against torch's measured peak, per mechanism;
+#   e. row-steps/s of a Llama-3.1-8B-shaped random model, and the bandwidth floor.
+# Prints one table and writes it to $OUT/gpu_check.md ($OUT set) or runs/gpu_check/.
+# PYTHON picks the interpreter (default python3); BANDWIDTH=GB/s the device's peak.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
+DRY=0
+for arg in "$@"; do
+  case $arg in
+    --dry-run) DRY=1 ;;
+    *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
-OUT=${1:-${OUT:-${TMPDIR:-/tmp}/kvdiv-gpu-check}}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ -n "${OUT:-}" ]; then DEST=$OUT; else DEST=runs/gpu_check; fi
+mkdir -p "$DEST"
+DEST=$(cd "$DEST" && pwd)
+# models, traces and caches stay outside $OUT (large); logs are copied next to the table
+WORK=${KVDIV_GPU_WORK:-${TMPDIR:-/tmp}/kvdiv-gpu-check}
+rm -rf "$WORK" && mkdir -p "$WORK"
+KIT=$PWD/.gpu-kit
+SITE=${KVDIV_SITE:-/tmp/kvdiv-site}
+export OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 START=$(date +%s)
-STATUS=0
-BW=()
-if [ -n "${BANDWIDTH:-}" ]; then BW=(--bandwidth "$BANDWIDTH"); fi
+DRYFLAG=()
+echo "interpreter: $PY ($(command -v "$PY" || echo 'not found'))"
 
-step() {  # step NAME SECONDS CMD...: run with a time limit, log, and keep going
+# the machine's own torch decides, before anything is installed
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  if [ "$DRY" = 0 ]; then
+    echo "CUDA is not visible to torch ($PY): the GPU check needs a CUDA device (use --dry-run on a CPU)" >&2
+    exit 1
+  fi
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$WORK/device.txt"
+fi
+
+if [ "$DRY" = 1 ]; then
+  DRYFLAG=(--dry-run)
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  echo "dry run: tiny models on the CPU; the kit is not used"
+else
+  if ! ls "$KIT"/*.whl >/dev/null 2>&1 || [ ! -f "$KIT/tokenizer/tokenizer.json" ]; then
+    echo "no kit in $KIT: run 'make gpu-kit' where the package registry is reachable, and carry .gpu-kit" >&2
+    exit 1
+  fi
+  rm -rf "$SITE"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$KIT"/*.whl || exit 1
+  export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  export KVDIV_CACHE_DIR=$WORK/cache
+fi
+"$PY" - <<'EOF' || exit 1
+import sys, importlib.metadata as md
+print("python", sys.version.split()[0], sys.executable)
+for name in ("torch", "transformers", "tokenizers", "kvpress", "starlette", "uvicorn", "h5netcdf"):
+    try:
+        print(f"  {name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"  {name} MISSING")
+import kvpress, gen_service.engine  # noqa: F401  (fail here, not in every step)
+EOF
+if [ "$DRY" = 0 ]; then
+  "$PY" benchmarks/gpu_check.py tokenizer-cache --out "$WORK" --site "$SITE" --kit "$KIT" || exit 1
+fi
+
+step() {  # step NAME SECONDS CMD...: run with a time limit and a log; the table reports it
   local name=$1 limit=$2
   shift 2
   echo "=== $name (limit ${limit}s, $(($(date +%s) - START))s elapsed)"
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-  local rc=${PIPESTATUS[0]}
-  if [ "$rc" -ne 0 ]; then
-    echo "!!! $name failed (exit $rc)"
-    STATUS=1
-  fi
+  timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
+  local rc=$?
+  tail -n 15 "$WORK/$name.log"
+  [ "$rc" -eq 0 ] || echo "!!! $name failed (exit $rc; log $WORK/$name.log)"
 }
 
-if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  HAVE_CUDA=1
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt"
-else
-  HAVE_CUDA=0
-  echo "no CUDA device: the GPU tests skip and the GPU benchmarks are not run"
-fi
+step gpu-tests 140 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider --junitxml="$WORK/gpu-tests.xml" \
+  tests/test_shared_prompt_gpu.py tests/test_memory_gpu.py
+step study 140 "$PY" benchmarks/gpu_check.py study --out "$WORK" "${DRYFLAG[@]}"
+step memory 70 "$PY" benchmarks/gpu_check.py memory --out "$WORK" "${DRYFLAG[@]}"
+step throughput 80 "$PY" benchmarks/gpu_check.py throughput --out "$WORK" "${DRYFLAG[@]}"
 
-step gpu-tests 200 "$PY" -m pytest -q -rA -s -m gpu -p no:cacheprovider tests/test_shared_prompt_gpu.py tests/test_memory_gpu.py
-
-if [ "$HAVE_CUDA" = 1 ]; then
-  step bench-llama-1b 90 "$PY" benchmarks/bench_service.py --model random:llama-1b --device cuda \
-    --rows 64 --steps 16 --request-steps 32 --prompt-tokens 2000 --skip-generate "${BW[@]}"
-  step bench-llama-8b 120 "$PY" benchmarks/bench_service.py --model random:llama-8b --device cuda \
-    --rows 64 --steps 16 --request-steps 32 --prompt-tokens 2000 --skip-generate "${BW[@]}"
-  step shared-vs-copies-1b 60 "$PY" benchmarks/bench_shared_prompt.py --model random:llama-1b --device cuda \
-    --rows 64 256 --steps 32 --prompt-tokens 2000 --repeats 1 --no-requests
-  echo "=== summary"
-  grep -h -E "^model=|coupled row-steps/s|bandwidth floor" "$OUT"/bench-*.log
-  grep -h -A3 "copies rs/s" "$OUT"/shared-vs-copies-1b.log
-fi
-echo "=== done in $(($(date +%s) - START))s, logs in $OUT/, status $STATUS"
+echo "=== table ($(($(date +%s) - START))s elapsed)"
+"$PY" benchmarks/gpu_check.py table --out "$WORK" --junit "$WORK/gpu-tests.xml" --dest "$DEST/gpu_check.md" \
+  "${DRYFLAG[@]}"
+STATUS=$?
+mkdir -p "$DEST/logs" && cp "$WORK"/*.log "$WORK"/*.json "$WORK"/*.xml "$WORK"/*.txt "$DEST/logs/" 2>/dev/null
+echo "=== done in $(($(date +%s) - START))s, logs in $DEST/logs/ (work files in $WORK/), status $STATUS"
 exit $STATUS
