@@ -15,6 +15,7 @@ is a :class:`DivstatsError`.
 from divstats.design.allocation import design
 from divstats.design.power import power
 from divstats.errors import DivstatsError, NotIdentified, OutputError, PlanError
+from divstats.estimands import ESTIMANDS, Estimand
 from divstats.estimation.components import variance_components
 from divstats.estimation.curves import branch_tv, branch_tv_window, survival
 from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
@@ -29,11 +30,11 @@ from divstats.truth.extremal import extremal_kernels
 from divstats.truth.simulate import simulate
 
 __all__ = [
-    "DecompositionResult", "DivstatsError", "ExactResult", "NotIdentified", "OutputError", "Plan", "PlanError",
-    "PlanResult", "aggregate", "aggregate_intervals", "analyze", "assign_split", "branch_tv", "branch_tv_window",
-    "decompose", "design", "estimate", "exact", "extremal_kernels", "holm", "interval_by_window", "load_plan",
-    "paired_test", "power", "run_plan", "shipped_plan", "shipped_plans", "sharp_interval", "simulate", "survival",
-    "variance_check", "variance_components",
+    "DecompositionResult", "DivstatsError", "ESTIMANDS", "Estimand", "ExactResult", "NotIdentified", "OutputError",
+    "Plan", "PlanError", "PlanResult", "aggregate", "aggregate_intervals", "analyze", "assign_split", "branch_tv",
+    "branch_tv_window", "decompose", "design", "estimate", "exact", "extremal_kernels", "holm", "interval_by_window",
+    "load_plan", "paired_test", "power", "run_plan", "sharp_interval", "shipped_plan", "shipped_plans", "simulate",
+    "survival", "variance_check", "variance_components",
 ]
 
 
