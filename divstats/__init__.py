@@ -14,12 +14,14 @@ is a :class:`DivstatsError`.
 
 from divstats.design.allocation import design
 from divstats.design.power import power
+from divstats.design.rounds import RoundPlan, counted_replicates, plan_round
 from divstats.errors import DivstatsError, NotIdentified, OutputError, PlanError
 from divstats.estimands import ESTIMANDS, Estimand
 from divstats.estimation.components import variance_components
 from divstats.estimation.curves import branch_tv, branch_tv_window, survival
 from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
 from divstats.estimation.interval import interval_by_window, sharp_interval
+from divstats.estimation.resample import MIN_DOCS_MEAN_BOUND
 from divstats.estimation.variance import variance_check
 from divstats.inference.decompose import DecompositionResult, decompose
 from divstats.inference.paired import holm, paired_test
@@ -28,8 +30,11 @@ from divstats.plans.run import PlanResult, run_plan
 from divstats.truth.exact import ExactResult, exact
 from divstats.truth.extremal import extremal_kernels
 from divstats.truth.simulate import simulate
+from divstats.truth.studies import PolicyEffect, markov_kernels, simulate_study
 
 __all__ = [
+    "MIN_DOCS_MEAN_BOUND", "PolicyEffect", "RoundPlan", "counted_replicates", "markov_kernels", "plan_round",
+    "simulate_study",
     "DecompositionResult", "DivstatsError", "ESTIMANDS", "Estimand", "ExactResult", "NotIdentified", "OutputError",
     "Plan", "PlanError", "PlanResult", "aggregate", "aggregate_intervals", "analyze", "assign_split", "branch_tv",
     "branch_tv_window", "decompose", "design", "estimate", "exact", "extremal_kernels", "holm", "interval_by_window",
