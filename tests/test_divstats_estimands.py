@@ -85,3 +85,14 @@ def test_docs_print_the_code_table():
     printed = text.split(start, 1)[1].split(end, 1)[0].strip()
     assert printed == markdown_table(), ("docs/statistics.md's estimand table differs from the code; paste "
                                          "divstats.estimands.markdown_table()")
+
+
+def test_interval_ranges_come_from_the_table():
+    import numpy as np
+
+    lower, upper = estimators._interval_ranges(7)
+    old_upper = {"occurrence": 1.0, "rate": 1.0, "mismatch_fraction": 1.0, "first_mismatch_contribution": 1.0,
+                 "exposure_contribution": 1.0, "rmtd": 7, "exposure": 7, "loss_lower": 7, "loss_upper": 7}
+    q = estimators.INTERVAL_QUANTITIES
+    np.testing.assert_array_equal(lower, [0.0 if n in old_upper else -np.inf for n in q])
+    np.testing.assert_array_equal(upper, [float(old_upper.get(n, np.inf)) for n in q])
