@@ -4,7 +4,9 @@ The contract is docs/statistics.md; every estimand there has an exact enumerator
 (``exact``), a simulator producing trace datasets (``simulate``) and estimators
 for each trace kind (``estimate``, ``survival``, ``branch_tv``, ``sharp_interval``).
 Comparisons between policies (``decompose``, ``paired_test``) and prespecified
-plans (``load_plan``, ``run_plan``) sit on top. The modules live in rooms by job
+plans (``load_plan``, ``run_plan``) and the round planning of an adaptive
+collection (``plan_round``) sit on top. Every estimand is a row of ``ESTIMANDS``;
+every interval a result returns is a ``ConfidenceInterval(low, high)``. The modules live in rooms by job
 (``truth``, ``traces``, ``estimation``, ``inference``, ``plans``, ``design``,
 ``calibration``, ``report``, ``cli``; docs/architecture.md gives what each may
 import); this package re-exports the public names. ``analyze`` (the report) is loaded
@@ -14,26 +16,33 @@ is a :class:`DivstatsError`.
 
 from divstats.design.allocation import design
 from divstats.design.power import power
+from divstats.design.rounds import RoundPlan, counted_replicates, plan_round
 from divstats.errors import DivstatsError, NotIdentified, OutputError, PlanError
+from divstats.estimands import ESTIMANDS, Estimand
 from divstats.estimation.components import variance_components
 from divstats.estimation.curves import branch_tv, branch_tv_window, survival
 from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
 from divstats.estimation.interval import interval_by_window, sharp_interval
+from divstats.estimation.resample import MIN_DOCS_MEAN_BOUND
 from divstats.estimation.variance import variance_check
 from divstats.inference.decompose import DecompositionResult, decompose
-from divstats.inference.paired import holm, paired_test
+from divstats.inference.paired import Effect, PairedTestResult, holm, paired_test
+from divstats.intervals import ConfidenceInterval
 from divstats.plans.format import Plan, assign_split, load_plan, shipped_plan, shipped_plans
 from divstats.plans.run import PlanResult, run_plan
 from divstats.truth.exact import ExactResult, exact
 from divstats.truth.extremal import extremal_kernels
 from divstats.truth.simulate import simulate
+from divstats.truth.studies import PolicyEffect, markov_kernels, simulate_study
 
 __all__ = [
-    "DecompositionResult", "DivstatsError", "ExactResult", "NotIdentified", "OutputError", "Plan", "PlanError",
-    "PlanResult", "aggregate", "aggregate_intervals", "analyze", "assign_split", "branch_tv", "branch_tv_window",
-    "decompose", "design", "estimate", "exact", "extremal_kernels", "holm", "interval_by_window", "load_plan",
-    "paired_test", "power", "run_plan", "shipped_plan", "shipped_plans", "sharp_interval", "simulate", "survival",
-    "variance_check", "variance_components",
+    "ConfidenceInterval", "DecompositionResult", "DivstatsError", "ESTIMANDS", "Effect", "Estimand", "ExactResult",
+    "MIN_DOCS_MEAN_BOUND", "NotIdentified", "OutputError", "PairedTestResult", "Plan", "PlanError", "PlanResult",
+    "PolicyEffect", "RoundPlan", "aggregate", "aggregate_intervals", "analyze", "assign_split", "branch_tv",
+    "branch_tv_window", "counted_replicates", "decompose", "design", "estimate", "exact", "extremal_kernels", "holm",
+    "interval_by_window", "load_plan", "markov_kernels", "paired_test", "plan_round", "power", "run_plan",
+    "sharp_interval", "shipped_plan", "shipped_plans", "simulate", "simulate_study", "survival", "variance_check",
+    "variance_components",
 ]
 
 

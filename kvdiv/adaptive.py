@@ -3,14 +3,14 @@
 ``kvdiv collect --target-se X`` (or ``--budget B``) collects the run as usual, R
 replicates per (document, policy): that is round 0, the *pilot*. Then, round after
 round, it packs what it has, estimates each pair's per-replicate Monte Carlo variance
-w of the target metrics (``divstats.estimation.components.document_values``) and asks each pair
-the further replicates it needs (``divstats.design.allocation.allocate``):
+w of the target metrics and asks each pair the further replicates it needs
+(``divstats.plan_round``, docs/design.md):
 
 - ``target_se``: enough that w / R reaches the target SE on every metric, counting
   only the replicates of rounds >= 1; after each round the variance is re-estimated
   from everything collected and the run stops once no pair needs more, or after
   ``max_rounds`` rounds;
-- ``budget``: B further replicates (or cost units, ``divstats.design.allocation.CostModel``)
+- ``budget``: B further replicates (or cost units, ``divstats.plan_round``'s cost model)
   spread by Neyman allocation (R proportional to sqrt(w / c)) to minimise the summed
   variance of the metrics, in one round after the pilot.
 
@@ -46,6 +46,7 @@ import xarray as xr
 from collector.collect import CollectConfig, CollectResult, collect
 from collector.errors import ConfigError, ManifestMismatch
 from collector.journal import Journal
+from divstats import RoundPlan
 from protocols import Kind
 
 __all__ = [
@@ -56,6 +57,13 @@ __all__ = [
 BUDGET_UNITS = ("replicates", "cost")
 
 
+def _targetable() -> tuple[str, ...]:
+    """The metrics an allocation can target: the variance-component estimands of ``divstats.ESTIMANDS``."""
+    from divstats import ESTIMANDS
+
+    return tuple(e.name for e in ESTIMANDS if e.component)
+
+
 @dataclass(frozen=True)
 class AdaptiveSpec:
     """What an adaptive collection aims for; recorded in the manifest and compared on resume.
@@ -63,12 +71,12 @@ class AdaptiveSpec:
     Attributes
     ----------
     metrics : tuple of str
-        Metrics of ``divstats.estimation.components.METRICS`` the allocation targets.
+        Variance-component metrics of ``divstats.ESTIMANDS`` the allocation targets.
     target_se : dict, optional
         metric -> the Monte Carlo SE to reach on every per-document estimate.
     budget : float, optional
         Further replicates (``budget_unit="replicates"``) or cost units (``"cost"``:
-        ``divstats.design.allocation.CostModel.from_traces`` on the pilot) to spend.
+        the cost model fitted to the pilot's traces) to spend.
     budget_unit : {"replicates", "cost"}
     by : {"cell", "policy"}
         Allocate from each (document, policy)'s own variance, or the policy's mean.
@@ -109,7 +117,7 @@ class AdaptiveSpec:
             raise ConfigError("; ".join(problems))
 
     def _problems(self) -> list[str]:
-        from divstats.estimation.components import METRICS
+        METRICS = _targetable()
 
         problems = []
         if (self.target_se is None) == (self.budget is None):
@@ -228,10 +236,9 @@ def plan_metrics(plan_source: Any) -> tuple[tuple[str, ...], list[str], str]:
     >>> plan_metrics("paper")[0]
     ('occurrence', 'rmtd')
     """
-    from divstats import load_plan
-    from divstats.errors import DivstatsError
-    from divstats.estimation.components import METRICS
+    from divstats import DivstatsError, load_plan
 
+    METRICS = _targetable()
     try:
         plan = load_plan(plan_source)
     except (DivstatsError, ValueError, OSError) as exc:
@@ -249,72 +256,11 @@ def plan_metrics(plan_source: Any) -> tuple[tuple[str, ...], list[str], str]:
     return tuple(metrics), skipped, f"{plan.name} sha256={plan.sha256}"
 
 
-@dataclass(frozen=True)
-class RoundPlan:
-    """What :func:`plan_round` decided after the data so far.
-
-    Attributes
-    ----------
-    further : xarray.DataArray
-        Replicates to ask of each (doc, policy) in the next round (0: none).
-    counted : xarray.DataArray
-        Replicates per pair that count toward the estimate so far (rounds >= 1).
-    se : xarray.DataArray
-        The Monte Carlo SE per (metric, doc, policy) from the variance of all the data
-        so far, at ``counted`` replicates (before round 1: at the pilot's R).
-    reason : str
-        Why no further round, when ``further`` is all 0.
-    """
-
-    further: xr.DataArray
-    counted: xr.DataArray
-    se: xr.DataArray
-    reason: str = ""
-
-    @property
-    def pilot_only(self) -> bool:
-        return not int(self.counted.sum())
-
-    @property
-    def replicates(self) -> int:
-        return int(self.further.sum())
-
-    @property
-    def pairs(self) -> int:
-        return int((self.further > 0).sum())
-
-    def allocation(self) -> dict[str, dict[str, int]]:
-        """doc -> policy -> replicates, as ``CollectConfig.allocation`` takes it."""
-        f = self.further.transpose("doc", "policy")
-        return {str(d): {str(p): int(r) for p, r in zip(f["policy"].values, row, strict=True)}
-                for d, row in zip(f["doc"].values, f.values, strict=True)}
-
-    def summary(self, spec: AdaptiveSpec) -> str:
-        """SE per metric (median and max over pairs) against the target."""
-        parts = ["pilot (not counted in the estimate)"] if self.pilot_only else []
-        for m in spec.metrics:
-            se = self.se.sel(metric=m)
-            if not bool(se.notnull().any()):
-                continue
-            text = f"{m} SE median {float(se.median()):.3g}, max {float(se.max()):.3g}"
-            if spec.target_se is not None:
-                text += f" (target {spec.target_se[m]:g}, {int((se > spec.target_se[m]).sum())} pairs above)"
-            parts.append(text)
-        return ", ".join(parts)
-
-
-def _counted(data: xr.Dataset) -> xr.DataArray:
-    """Replicates per (doc, policy) that count toward the estimate: rounds >= 1 (0 before round 1)."""
-    from divstats.traces.arrays import layout, present_replicates
-
-    lay = layout(data)
-    if "round" not in data.coords:
-        return lay.wrap(np.zeros(lay.rows, dtype=int)).rename("counted")
-    return lay.wrap(present_replicates(data, lay).sum(-1)).rename("counted")
-
-
 def plan_round(data: xr.Dataset, spec: AdaptiveSpec, round_index: int) -> RoundPlan:
     """The next round's replicates per (document, policy), from everything collected so far.
+
+    The statistics are ``divstats.plan_round``'s; this wraps it for ``kvdiv collect``
+    (a spec, and reasons worded with the command's flags).
 
     Parameters
     ----------
@@ -331,43 +277,33 @@ def plan_round(data: xr.Dataset, spec: AdaptiveSpec, round_index: int) -> RoundP
     RoundPlan
         ``further`` all 0 (with a ``reason``) when the collection should stop.
 
+    Raises
+    ------
+    ConfigError
+        The traces give no Monte Carlo variance of a targeted metric.
+
     Examples
     --------
-    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> from divstats import PolicyEffect, simulate_study
     >>> pilot = simulate_study(3, {"a": PolicyEffect(0.1)}, horizon=5, replicates=4, kind="residual")
     >>> nxt = plan_round(pilot, AdaptiveSpec(("loss",), budget=40), 1)
     >>> nxt.pairs, nxt.replicates >= 40
     (3, True)
     """
-    from divstats.design.allocation import CostModel, allocate
-    from divstats.estimation.components import document_values
+    import divstats
 
-    everything = data.drop_vars("round", errors="ignore")   # the variance: from every replicate collected
-    counted = _counted(data)
-    vals = document_values(everything).sel(metric=list(spec.metrics))
-    w = vals["mc_var"] * vals["replicates"]
-    unknown = [m for m in spec.metrics if not bool(w.sel(metric=m).notnull().any())]
-    if unknown:
-        raise ConfigError(f"the traces give no Monte Carlo variance of {', '.join(unknown)} (post-divergence "
-                          "metrics need W >= T - 1); target other --metrics (the pilot is kept)")
-    at = counted.where(counted > 0) if int(counted.sum()) else vals["replicates"]
-    se = np.sqrt(w / at).rename("se")
-    if round_index > spec.rounds_allowed:
-        if spec.budget is not None:
-            return RoundPlan(xr.zeros_like(counted), counted, se, "the budget is spent")
-        short = sum(int((se.sel(metric=m) > x).sum()) for m, x in spec.target_se.items())
+    try:
+        plan = divstats.plan_round(data, spec.metrics, round_index, target_se=spec.target_se, budget=spec.budget,
+                                   budget_unit=spec.budget_unit, by=spec.by, max_rounds=spec.max_rounds,
+                                   min_replicates=spec.min_replicates)
+    except divstats.NotIdentified as exc:
+        raise ConfigError(f"{exc}; target other --metrics (the pilot is kept)") from None
+    if round_index > spec.rounds_allowed and spec.budget is None:
         why = f"--max-rounds {spec.max_rounds} reached" + (
-            f" with {short} (pair, metric) SEs above the target; rerun with --max-rounds {spec.max_rounds + 1} to "
-            "add a round (later rounds leave a small bias: docs/design.md)" if short else "")
-        return RoundPlan(xr.zeros_like(counted), counted, se, why)
-    cost = CostModel.from_traces(data) if spec.budget is not None and spec.budget_unit == "cost" else None
-    further = allocate(everything, list(spec.metrics), target_se=spec.target_se, budget=spec.budget, cost=cost,
-                       by=spec.by, counted=counted, min_replicates=spec.min_replicates if round_index == 1 else 0)
-    further = further.transpose(*counted.dims)
-    if round_index > 1:  # a pair asked again gets at least the minimum, so its round estimates it on its own
-        further = xr.where(further > 0, np.maximum(further, spec.min_replicates), 0)
-    reason = "" if int(further.sum()) else "the target SE is met on every pair"
-    return RoundPlan(further.astype(int), counted, se, reason)
+            f" with {plan.short} (pair, metric) SEs above the target; rerun with --max-rounds {spec.max_rounds + 1} "
+            "to add a round (later rounds leave a small bias: docs/design.md)" if plan.short else "")
+        plan = dataclasses.replace(plan, reason=why)
+    return plan
 
 
 @dataclass
@@ -489,14 +425,14 @@ def collect_adaptive(cfg: CollectConfig, spec: AdaptiveSpec, *, say: Callable[[s
             out.plans[k] = plan
             if not plan.replicates:
                 out.stopped = plan.reason
-                say(f"after round {k - 1}: {plan.summary(spec)}; stop: {plan.reason}")
+                say(f"after round {k - 1}: {plan.summary(spec.metrics, spec.target_se)}; stop: {plan.reason}")
                 break
             allocation = plan.allocation()
             journal.for_round(k).write_allocation(allocation, {**spec.record(), "round": k,
                                                                "counted_before": int(plan.counted.sum())})
             _record(journal, spec, out.plans, "")
-            say(f"after round {k - 1}: {plan.summary(spec)}; round {k}: {plan.replicates} replicates for "
-                f"{plan.pairs} pairs")
+            say(f"after round {k - 1}: {plan.summary(spec.metrics, spec.target_se)}; round {k}: "
+                f"{plan.replicates} replicates for {plan.pairs} pairs")
         out.results[k] = collect(cfg.for_round(k, allocation), stop_reason)
         k += 1
     if not out.ok:
@@ -555,7 +491,7 @@ def simulate_adaptive(spec: AdaptiveSpec, *, docs: int = 6, effects: Sequence[fl
     """Run the adaptive procedure on simulated documents and compare its estimates with the exact values.
 
     Each (document, policy) is a small Markov pair of kernels
-    (``divstats.truth.studies.markov_kernels``) whose estimands ``divstats.exact``
+    (``divstats.markov_kernels``) whose estimands ``divstats.exact``
     enumerates. A repetition simulates the pilot (residual traces), then, round by
     round, asks :func:`plan_round` (the function ``kvdiv collect`` uses) for the next
     allocation and gives each pair that many fresh replicates, laid out in round
@@ -601,7 +537,7 @@ def simulate_adaptive(spec: AdaptiveSpec, *, docs: int = 6, effects: Sequence[fl
     import divstats
     import protocols
     from collector.rounds import RoundLayout
-    from divstats.truth.studies import PolicyEffect, markov_kernels
+    from divstats import PolicyEffect, markov_kernels
 
     rng = np.random.default_rng(seed)
     policies = [f"p{j}" for j in range(len(effects))]
@@ -635,7 +571,7 @@ def simulate_adaptive(spec: AdaptiveSpec, *, docs: int = 6, effects: Sequence[fl
         est, pooled = divstats.estimate(data), divstats.estimate(data.drop_vars("round", errors="ignore"))
         rows.append(xr.Dataset({**{m: est[m] for m in spec.metrics},
                                 **{f"{m}_pooled": pooled[m] for m in spec.metrics},
-                                "counted": _counted(data), "rounds": k - 1}))
+                                "counted": divstats.counted_replicates(data), "rounds": k - 1}))
     out = xr.concat(rows, dim="repetition", coords="minimal", compat="override")
     out = out.drop_vars([c for c in out.coords if c not in ("doc", "policy")])
     for m in spec.metrics:

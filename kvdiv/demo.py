@@ -268,7 +268,7 @@ def select_balanced(docs: Sequence[D.Document], count: int, plan: Path) -> list[
     Choosing by id alone, before any trace exists, leaves the split and the tests
     as prespecified; within each half the choice is D.select's stable spread.
     """
-    from divstats.plans.format import assign_split, load_plan
+    from divstats import assign_split, load_plan
 
     spec = load_plan(plan)
     ranked = sorted(docs, key=D.select_key)
@@ -314,7 +314,7 @@ def _prepare_documents(cfg: DemoConfig) -> tuple[Path, int]:
 
 def shipped_plan() -> Traversable:
     """The shipped paper plan (package data of divstats, so a wheel install has it too)."""
-    from divstats.plans.format import shipped_plan as packaged
+    from divstats import shipped_plan as packaged
 
     return packaged("paper")
 
@@ -362,14 +362,14 @@ def write_demo_plan(source: Path, target: Path, budget: int, window: int, confir
     alias, see docs/plans.md) and the age windows shrink with W, because a
     late window of ages 16-32 needs T > 32 decoding steps per branch, several
     times what fits in the demo's minutes on 2 cores. With fewer than
-    ``divstats.estimation.resample.MIN_DOCS_MEAN_BOUND`` confirmatory documents the
+    ``divstats.MIN_DOCS_MEAN_BOUND`` confirmatory documents the
     hypotheses become two-sided: a one-sided test of a mean is refused there (its
     size does not hold on skewed differences, docs/plans.md), a two-sided one holds
     it from 5 documents.
     """
     if target.exists():
         return target
-    from divstats.estimation.resample import MIN_DOCS_MEAN_BOUND
+    from divstats import MIN_DOCS_MEAN_BOUND
 
     text = source.read_text(encoding="utf-8")
     windows = demo_windows(window)
@@ -386,7 +386,7 @@ def write_demo_plan(source: Path, target: Path, budget: int, window: int, confir
               + (f"; directions two-sided ({confirmatory_docs} confirmatory documents, one-sided tests "
                  f"of a mean need {MIN_DOCS_MEAN_BOUND})" if two_sided else "") + ".\n")
     text = header + text.rstrip("\n") + f'\n\n[aliases]\n"{PLANNED_BUDGET_POLICY}" = "snapkv#{budget}"\n'
-    from divstats.plans.format import load_plan
+    from divstats import load_plan
 
     load_plan(text)  # refuse to write a plan that does not load
     target.write_text(text, encoding="utf-8")
@@ -394,7 +394,7 @@ def write_demo_plan(source: Path, target: Path, budget: int, window: int, confir
 
 
 def _analyse(cfg: DemoConfig, traces: Path, plan: Path, budget: int) -> Any:
-    from divstats.report.write import analyze
+    from divstats import analyze
 
     # An explicit --plan is run as written, the budget policy substituted post hoc
     # (a recorded deviation); the derived demo plan carries its own alias.

@@ -174,3 +174,20 @@ def test_analysis_modules_never_import_model_stacks():
 def test_number_formatting():
     assert fmt(float("nan")) == "—" and fmt(float("inf")) == "∞" and fmt(-float("inf")) == "−∞"
     assert fmt(-0.25) == "−0.25" and fmt(3) == "3" and fmt(1.23456e-7) == "1.235e-07"
+
+
+def test_the_reproduce_snippet_uses_only_public_names():
+    import ast
+    import re
+
+    import divstats
+    from divstats.report.analysis import compute
+    from divstats.report.render import reproduce_snippet
+    from divstats.truth.studies import PolicyEffect, simulate_study
+
+    ds = simulate_study(4, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2)}, horizon=6, replicates=3)
+    snippet = reproduce_snippet(compute(ds, n_resamples=99, progress=False))
+    imports = [n for n in ast.walk(ast.parse(snippet)) if isinstance(n, ast.ImportFrom)]
+    assert imports and all(n.module == "divstats" for n in imports), snippet
+    assert {a.name for n in imports for a in n.names} <= set(divstats.__all__)
+    assert set(re.findall(r"divstats\.(\w+)", snippet)) <= set(divstats.__all__), snippet

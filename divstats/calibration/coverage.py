@@ -28,7 +28,7 @@ import numpy as np
 
 from divstats.estimation.estimators import INTERVAL_QUANTITIES, aggregate_statistic
 from divstats.estimation.resample import MIN_DOCS_AGGREGATE, MIN_DOCS_INTERVAL, document_interval
-from divstats.inference.decompose import parts_and_shares, split_gap
+from divstats.inference.decompose import PARTS, parts_and_shares, split_gap
 from divstats.inference.paired import mean_difference_interval, paired_test, rejects
 
 __all__ = [
@@ -348,7 +348,8 @@ class DecompositionCoverage:
     shares_refused: float = 0.0   # fraction with the shares refused (gap interval covers 0, or no interval)
 
 
-_QUANTITIES = ("gap", "first", "exposure", "rate", "share_first", "share_exposure", "share_rate")
+#: The decomposition's parts and shares, in ``parts_and_shares`` order (``divstats.inference.decompose.PARTS``).
+_QUANTITIES = (*PARTS, *(f"share_{p}" for p in PARTS[1:]))
 
 
 def decomposition_coverage(*, n_docs: int = 30, n_sims: int = 100, level: float = 0.95,

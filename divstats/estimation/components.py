@@ -34,17 +34,14 @@ from itertools import combinations
 import numpy as np
 import xarray as xr
 
+from divstats.estimands import names
 from divstats.traces.arrays import nanmean
 from divstats.traces.replicates import replicate_values
 
 __all__ = ["METRICS", "document_values", "paired_document_values", "replicate_influence", "variance_components"]
 
 #: Metrics split into components (the scalar estimands of ``divstats.estimate``).
-METRICS: tuple[str, ...] = (
-    "occurrence", "rmtd", "exposure", "post_mismatch", "rate", "loss", "mismatch_fraction",
-    "first_mismatch_contribution", "exposure_contribution", "window_mismatch", "tail_capacity",
-    "loss_lower", "loss_upper",
-)
+METRICS: tuple[str, ...] = names(component=True)
 
 _DESCRIPTIONS = {
     "mean": "mean over documents of the per-document estimates",

@@ -18,10 +18,11 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
+from divstats.estimands import ESTIMANDS, names
 from divstats.estimation.resample import MIN_DOCS_AGGREGATE, document_interval
 from divstats.traces.arrays import cov_of_means, mean_se, ratio_se
 from divstats.traces.chunked import load, map_docs
-from divstats.traces.replicates import Replicates, replicate_values
+from divstats.traces.replicates import REPLICATE_ESTIMANDS, Replicates, replicate_values
 from protocols import Kind
 from protocols.chunks import is_lazy
 
@@ -31,28 +32,8 @@ __all__ = [
     "estimate"
 ]
 
-#: What each reported quantity is (stored in the variable's ``attrs``).
-DESCRIPTIONS: dict[str, str] = {
-    "occurrence": "P(tau <= T): probability that the branches diverge within the horizon",
-    "rmtd": ("sum_{t=0}^{T-1} S(t) = E[min(tau, T)]: restricted mean time to divergence (docs/statistics.md §3 "
-             "definition; its gloss E[min(tau - 1, T)] equals this minus occurrence, see "
-             "docs/statistics.md)"),
-    "agreeing_tokens": ("rmtd - occurrence = E[min(tau - 1, T)]: expected number of agreeing tokens before "
-                        "the divergence (the tokens both models emit identically)"),
-    "exposure": "E[(T - tau)+]: expected post-divergence steps inside the horizon",
-    "post_mismatch": "E[R], R = sum_{t > tau} D_t: expected mismatches after the first one",
-    "rate": "post_mismatch / exposure (ratio of expectations); NaN when exposure = 0",
-    "loss": "E[L] = occurrence + exposure * rate: expected number of mismatched tokens",
-    "mismatch_fraction": "loss / T = first_mismatch_contribution + exposure_contribution",
-    "first_mismatch_contribution": "occurrence / T",
-    "exposure_contribution": "(exposure / T) * rate (0 when exposure = 0, since then R = 0 on every path)",
-    "window_mismatch": ("E[sum_{tau < t <= tau + W} D_t]: mismatches observed in the W-step window "
-                        "after divergence"),
-    "tail_capacity": "E[(T - tau - K) 1[not both ended at tau + K]; tau <= T], K = min(W, T - tau): "
-                     "steps after the window that could still disagree",
-    "loss_lower": "occurrence + window_mismatch: lower end of the sharp interval for loss (docs/statistics.md §6)",
-    "loss_upper": "occurrence + window_mismatch + tail_capacity: upper end of the sharp interval for loss",
-}
+#: What each reported quantity is (stored in the variable's ``attrs``; ``divstats.estimands``).
+DESCRIPTIONS: dict[str, str] = {e.name: e.description for e in ESTIMANDS}
 
 SCALARS = tuple(DESCRIPTIONS)
 
@@ -68,7 +49,7 @@ NOT_IDENTIFIED_POST = ("the post-divergence tail beyond the observed window W = 
 NOT_IDENTIFIED_REF = ("reference traces observe nothing after divergence (W = 0); use loss_lower/loss_upper "
                       "(docs/statistics.md §6-7)")
 
-_POST_DEPENDENT = ("post_mismatch", "rate", "loss", "mismatch_fraction", "exposure_contribution")
+_POST_DEPENDENT = names(post_dependent=True)
 
 
 def derived_quantities(occ: np.ndarray, exposure: np.ndarray, post: np.ndarray, T: int) -> dict[str, np.ndarray]:
@@ -113,7 +94,7 @@ def derived_quantities(occ: np.ndarray, exposure: np.ndarray, post: np.ndarray, 
 def _point_and_se(rep: Replicates) -> dict[str, np.ndarray]:
     v, T = rep.values, rep.horizon
     out: dict[str, np.ndarray] = {}
-    for name in ("occurrence", "exposure", "rmtd", "post_mismatch", "window_mismatch", "tail_capacity"):
+    for name in REPLICATE_ESTIMANDS:
         out[name], out[name + "_se"] = mean_se(v[name])
     # min(tau, T) - 1[tau <= T] = min(tau - 1, T) per replicate: the agreeing tokens
     out["agreeing_tokens"], out["agreeing_tokens_se"] = mean_se(v["rmtd"] - v["occurrence"])
@@ -222,8 +203,7 @@ def estimate(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
 # --------------------------------------------------------------------------- aggregate
 
 #: Quantities ``aggregate`` averages over documents; the rest are derived from them.
-MEAN_OVER_DOCS = ("occurrence", "rmtd", "agreeing_tokens", "exposure", "post_mismatch", "window_mismatch",
-                   "tail_capacity")
+MEAN_OVER_DOCS: tuple[str, ...] = names(aggregate="mean")
 
 
 def _combine_se(se: xr.DataArray, dim: str) -> xr.DataArray:
@@ -312,10 +292,7 @@ def aggregate(estimates: xr.Dataset, dim: str = "doc") -> xr.Dataset:
 # --------------------------------------------------------------------------- document bootstrap
 
 #: Quantities :func:`aggregate_intervals` gives intervals for (the report's estimates table).
-INTERVAL_QUANTITIES: tuple[str, ...] = (
-    "occurrence", "rmtd", "agreeing_tokens", "exposure", "rate", "mismatch_fraction", "first_mismatch_contribution",
-    "exposure_contribution", "loss_lower", "loss_upper",
-)
+INTERVAL_QUANTITIES: tuple[str, ...] = names(interval=True)
 
 
 def aggregate_statistic(T: int):
@@ -369,8 +346,7 @@ def _column_interval(arrays: list[np.ndarray], T: int, level: float, method: str
 def _interval_ranges(T: int) -> tuple[np.ndarray, np.ndarray]:
     """(lower, upper) range of each of INTERVAL_QUANTITIES: probabilities and fractions in [0, 1],
     counts of steps in [0, T]; agreeing_tokens is left unbounded."""
-    upper = {"occurrence": 1.0, "rate": 1.0, "mismatch_fraction": 1.0, "first_mismatch_contribution": 1.0,
-             "exposure_contribution": 1.0, "rmtd": T, "exposure": T, "loss_lower": T, "loss_upper": T}
+    upper = {e.name: {"unit": 1.0, "horizon": T}[e.bounds] for e in ESTIMANDS if e.bounds != "none"}
     lower = np.array([-np.inf if q not in upper else 0.0 for q in INTERVAL_QUANTITIES])
     return lower, np.array([float(upper.get(q, np.inf)) for q in INTERVAL_QUANTITIES])
 

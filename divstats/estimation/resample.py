@@ -55,10 +55,12 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
+from divstats.intervals import ConfidenceInterval
+
 __all__ = [
     "AUTO_JACKKNIFE_DOCS", "COVERAGE_TARGET", "METHODS", "MIN_DOCS_AGGREGATE", "MIN_DOCS_INTERVAL",
     "MIN_DOCS_MEAN_BOUND", "MIN_DOCS_MEAN_DIFFERENCE", "MIN_DOCS_PARTS", "MIN_DOCS_SHARES", "DocumentInterval",
-    "document_interval", "too_few_documents",
+    "bootstrap_t", "document_interval", "too_few_documents",
 ]
 
 METHODS: tuple[str, ...] = ("auto", "hybrid-t", "bootstrap-t", "jackknife-t", "BCa", "percentile")
@@ -105,19 +107,28 @@ MIN_DOCS_INTERVAL = min(MIN_DOCS_AGGREGATE, MIN_DOCS_PARTS, MIN_DOCS_SHARES)
 
 @dataclass(frozen=True)
 class DocumentInterval:
-    """Interval(s) over documents for a vector-valued statistic.
+    """Interval(s) over documents for a vector-valued statistic (like scipy's ``BootstrapResult``).
 
-    ``low``/``high``/``point`` have the statistic's shape; ``reason`` is non-empty
-    when the interval was refused (then ``low``/``high`` are NaN).
+    ``point`` and the ends of ``confidence_interval`` (a
+    :class:`~divstats.intervals.ConfidenceInterval`; ``low``/``high`` read them) have the
+    statistic's shape; ``reason`` is non-empty when the interval was refused (then
+    the ends are NaN).
     """
 
     point: np.ndarray
-    low: np.ndarray
-    high: np.ndarray
+    confidence_interval: ConfidenceInterval
     method: str
     level: float
     n_docs: int
     reason: str = ""
+
+    @property
+    def low(self) -> np.ndarray:
+        return self.confidence_interval.low
+
+    @property
+    def high(self) -> np.ndarray:
+        return self.confidence_interval.high
 
 
 def too_few_documents(n_docs: int, min_docs: int = MIN_DOCS_INTERVAL, what: str = "intervals over documents") -> str:
@@ -200,25 +211,72 @@ def _jackknife_t(arrays: tuple[np.ndarray, ...], statistic: Callable[..., np.nda
     return point - q * se, point + q * se
 
 
-def _studentized_quantiles(arrays: tuple[np.ndarray, ...], statistic: Callable[..., np.ndarray],
-                           point: np.ndarray, level: float, n_resamples: int,
-                           seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(SE_jack, q_{1-a/2}(t*), q_{a/2}(t*)) with t* = (theta* - theta) / SE_jack* from each resample."""
+def bootstrap_t(arrays: tuple[np.ndarray, ...], statistic: Callable[..., np.ndarray], point: np.ndarray,
+                n_resamples: int, seed: int, *,
+                standard_error: Callable[..., np.ndarray] | None = None,
+                batch: int | None = None) -> np.ndarray:
+    """The studentized bootstrap: t* = (θ* − θ̂) / SE* over resamples of the documents.
+
+    The one bootstrap-t of divstats: the intervals over documents
+    (:func:`document_interval`, ``bootstrap-t`` and ``hybrid-t``) take quantiles of
+    t*, the paired ``bootstrap-t`` test (``divstats.inference.paired``) its p-value
+    and dual interval from the order statistics of t*.
+
+    Parameters
+    ----------
+    arrays : tuple of numpy.ndarray
+        Per-document values, documents on the last axis.
+    statistic : callable
+        As for :func:`document_interval`: ``statistic(*arrays)`` → (k, *lead).
+    point : numpy.ndarray
+        θ̂, the statistic on the documents (k values).
+    n_resamples, seed : int
+        Resamples (documents drawn with replacement, the same documents for every
+        array) and the seed of ``numpy.random.default_rng``.
+    standard_error : callable, optional
+        SE* of the statistic from the resampled arrays, (k, B); default the jackknife
+        SE recomputed in every resample.
+    batch : int, optional
+        Resamples drawn at a time (default: enough to keep the jackknife's
+        (batch, n, n − 1) temporaries near 400,000 values).  The draws are made batch
+        by batch, so a caller keeps its batch to keep its resamples.
+
+    Returns
+    -------
+    numpy.ndarray
+        t*, shape (k, n_resamples).  A resample with no spread gives ±inf, or 0 when
+        it is centred (no shift): it is kept, so the number of resamples never shrinks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.arange(12.0)
+    >>> bootstrap_t((x,), lambda a: a.mean(-1)[None], np.array([x.mean()]), 99, 0).shape
+    (1, 99)
+    """
     n = arrays[0].shape[-1]
-    se = _jackknife_se(arrays, statistic).reshape(point.shape)
+    se_of = standard_error or (lambda *xs: _jackknife_se(xs, statistic))
     rng = np.random.default_rng(seed)
     ts = []
-    batch = max(1, 400_000 // (n * n))          # keeps the (batch, n, n - 1) temporaries small
+    batch = batch or max(1, 400_000 // (n * n))   # keeps the (batch, n, n - 1) temporaries small
     for start in range(0, n_resamples, batch):
         idx = rng.integers(0, n, (min(batch, n_resamples - start), n))
         xs = tuple(a[..., idx] for a in arrays)                 # (B, n)
         theta = np.asarray(statistic(*xs), dtype=float)         # (k, B)
-        se_b = _jackknife_se(xs, statistic)                     # (k, B)
+        se_b = se_of(*xs)                                       # (k, B)
         with np.errstate(invalid="ignore", divide="ignore"):
             ts.append((theta - point.reshape(-1, 1)) / se_b)
-    t = np.concatenate(ts, axis=-1)
+    return np.nan_to_num(np.concatenate(ts, axis=-1), nan=0.0, posinf=math.inf, neginf=-math.inf)
+
+
+def _studentized_quantiles(arrays: tuple[np.ndarray, ...], statistic: Callable[..., np.ndarray],
+                           point: np.ndarray, level: float, n_resamples: int,
+                           seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(SE_jack, q_{1-a/2}(t*), q_{a/2}(t*)) with t* from :func:`bootstrap_t`."""
+    se = _jackknife_se(arrays, statistic).reshape(point.shape)
+    t = bootstrap_t(arrays, statistic, point, n_resamples, seed)
     # a resample with no spread: t* = 0 with no shift, else beyond every finite t* (an infinite end)
-    t = np.nan_to_num(t, nan=0.0, posinf=1e150, neginf=-1e150)
+    t = np.nan_to_num(t, posinf=1e150, neginf=-1e150)
     a = (1 - level) / 2
     hi_q, lo_q = np.quantile(t, [1 - a, a], axis=-1)
     return se, hi_q.reshape(point.shape), lo_q.reshape(point.shape)
@@ -307,7 +365,7 @@ def document_interval(arrays: tuple[np.ndarray, ...], statistic: Callable[..., n
     reason = too_few_documents(n, min_docs, what)
     if reason:
         nan = np.full(point.shape, math.nan)
-        return DocumentInterval(point, nan, nan.copy(), method, level, n, reason)
+        return DocumentInterval(point, ConfidenceInterval(nan, nan.copy()), method, level, n, reason)
     if method == "auto":
         method = "hybrid-t" if n < AUTO_JACKKNIFE_DOCS else "jackknife-t"
     if method == "jackknife-t":
@@ -316,4 +374,4 @@ def document_interval(arrays: tuple[np.ndarray, ...], statistic: Callable[..., n
         low, high = _bootstrap_t(arrays, statistic, point, level, n_resamples, seed, method == "hybrid-t")
     else:
         low, high = _scipy_bootstrap(arrays, statistic, point, level, method, n_resamples, seed)
-    return DocumentInterval(point, low, high, method, level, n)
+    return DocumentInterval(point, ConfidenceInterval(low, high), method, level, n)

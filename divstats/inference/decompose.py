@@ -41,6 +41,7 @@ import xarray as xr
 
 from divstats.estimation.estimators import estimate
 from divstats.estimation.resample import MIN_DOCS_PARTS, MIN_DOCS_SHARES, document_interval, too_few_documents
+from divstats.intervals import ConfidenceInterval
 
 __all__ = [
     "ATTRIBUTIONS", "PARTS", "DecompositionInterval", "DecompositionResult", "Parts", "as_estimates",
@@ -81,6 +82,16 @@ class DecompositionInterval:
     share_high: Parts | None = None
     reason: str = ""
     share_reason: str = ""
+
+    @property
+    def interval(self) -> ConfidenceInterval:
+        """The intervals of the gap and its parts, ``ConfidenceInterval(low, high)`` of :class:`Parts`."""
+        return ConfidenceInterval(self.low, self.high)
+
+    @property
+    def share_interval(self) -> ConfidenceInterval | None:
+        """The intervals of the shares part / gap (None when not computed)."""
+        return None if self.share_low is None else ConfidenceInterval(self.share_low, self.share_high)
 
     def to_dataset(self) -> xr.Dataset:
         """The bounds as ``<part>_low`` / ``<part>_high`` and ``share_<part>_low`` / ``_high``

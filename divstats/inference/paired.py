@@ -59,7 +59,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 from scipy import stats
@@ -68,12 +68,14 @@ from divstats.estimation.resample import (
     MIN_DOCS_INTERVAL,
     MIN_DOCS_MEAN_BOUND,
     MIN_DOCS_MEAN_DIFFERENCE,
+    bootstrap_t,
     too_few_documents,
 )
+from divstats.intervals import ConfidenceInterval
 
 __all__ = [
     "ALTERNATIVES", "EXACT_PERMUTATION_MAX_N", "EXACT_SIGNED_RANK_MAX_N", "TESTS", "Alternative",
-    "ESTIMANDS", "MEAN_CIS", "MIN_DOCS_BY_TEST", "PairedTestResult", "TestName", "hodges_lehmann", "holm",
+    "ESTIMANDS", "MEAN_CIS", "MIN_DOCS_BY_TEST", "Effect", "PairedTestResult", "TestName", "hodges_lehmann", "holm",
     "mean_difference_bootstrap", "mean_difference_interval", "mean_difference_t", "not_estimable_reason",
     "paired_test", "rejects",
     "signed_rank_null_cdf", "signed_rank_test"
@@ -103,12 +105,37 @@ EXACT_PERMUTATION_MAX_N = 16
 EXACT_SIGNED_RANK_MAX_N = 200
 
 
+class Effect(NamedTuple):
+    """An effect size and its interval: (estimate, low, high), unpacked as before.
+
+    ``interval`` (or :meth:`confidence_interval`) is the
+    :class:`~divstats.intervals.ConfidenceInterval` (low, high); a one-sided bound has
+    an infinite open end, a refused interval NaN ends.
+    """
+
+    estimate: float
+    low: float
+    high: float
+
+    @property
+    def interval(self) -> ConfidenceInterval:
+        return ConfidenceInterval(self.low, self.high)
+
+    def confidence_interval(self) -> ConfidenceInterval:
+        """The interval, as scipy's results give it."""
+        return self.interval
+
+
 @dataclass(frozen=True)
 class PairedTestResult:
     """Result of :func:`paired_test` (scipy-style named fields).
 
-    ``effect``/``ci_low``/``ci_high`` are the test's own effect size: Hodges–Lehmann
-    for ``wilcoxon``, mean difference otherwise. Both effect sizes are also given.
+    Three effect sizes, each an :class:`Effect` (``.estimate``, ``.interval``):
+    ``test_effect`` is the test's own (Hodges–Lehmann for ``wilcoxon``, mean
+    difference otherwise; :meth:`confidence_interval` returns its interval),
+    ``mean_effect`` the mean difference and ``hl_effect`` the Hodges–Lehmann
+    estimate.  The flat names (``effect``, ``ci_low``, ``ci_high``,
+    ``mean_difference``, ``mean_ci_low``, ..., ``hl_ci_high``) read them.
     ``reason`` is set when the test is not estimable (NaN p-value); ``ci_reason``
     when the mean difference's interval is refused (too few documents) while the
     p-value stands.
@@ -119,21 +146,29 @@ class PairedTestResult:
     n: int
     statistic: float
     pvalue: float
-    effect: float
-    ci_low: float
-    ci_high: float
-    mean_difference: float
-    mean_ci_low: float
-    mean_ci_high: float
-    hodges_lehmann: float
-    hl_ci_low: float
-    hl_ci_high: float
+    test_effect: Effect
+    mean_effect: Effect
+    hl_effect: Effect
     confidence_level: float
     exact: bool
     details: dict[str, object] = field(default_factory=dict)
     reason: str = ""       # non-empty: not estimable (NaN p-value), and why
     estimand: str = ""
     ci_reason: str = ""    # non-empty: the mean difference's interval is refused, and why
+
+    def confidence_interval(self) -> ConfidenceInterval:
+        """The interval of the test's own effect size (:attr:`test_effect`), at ``confidence_level``."""
+        return self.test_effect.interval
+
+    effect = property(lambda self: self.test_effect.estimate, doc="The test's own effect size.")
+    ci_low = property(lambda self: self.test_effect.low)
+    ci_high = property(lambda self: self.test_effect.high)
+    mean_difference = property(lambda self: self.mean_effect.estimate)
+    mean_ci_low = property(lambda self: self.mean_effect.low)
+    mean_ci_high = property(lambda self: self.mean_effect.high)
+    hodges_lehmann = property(lambda self: self.hl_effect.estimate)
+    hl_ci_low = property(lambda self: self.hl_effect.low)
+    hl_ci_high = property(lambda self: self.hl_effect.high)
 
 
 def _clean_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -275,7 +310,7 @@ class _Inversion:
 
 
 def hodges_lehmann(d: np.ndarray, confidence_level: float = 0.95,
-                   alternative: Alternative = "two-sided") -> tuple[float, float, float]:
+                   alternative: Alternative = "two-sided") -> Effect:
     """Hodges–Lehmann location of paired differences with the interval that inverts the Wilcoxon test.
 
     The interval is {theta : the signed-rank test of d - theta, exactly as
@@ -298,8 +333,8 @@ def hodges_lehmann(d: np.ndarray, confidence_level: float = 0.95,
 
     Returns
     -------
-    (float, float, float)
-        Estimate, lower and upper bound.
+    Effect
+        (estimate, low, high); ``.interval`` is the ConfidenceInterval.
 
     Examples
     --------
@@ -310,7 +345,7 @@ def hodges_lehmann(d: np.ndarray, confidence_level: float = 0.95,
     d = np.asarray(d, dtype=float)
     d = d[np.isfinite(d)]
     if d.size == 0:
-        return math.nan, math.nan, math.nan
+        return Effect(math.nan, math.nan, math.nan)
     est = float(np.median(_walsh_averages(d)))
     alpha = 1.0 - confidence_level
     inv = _Inversion(d, alternative, alpha)
@@ -323,11 +358,11 @@ def hodges_lehmann(d: np.ndarray, confidence_level: float = 0.95,
             lo, hi = (float(np.nextafter(0.0, math.inf)), hi) if est > 0 else (lo, float(np.nextafter(0.0, -math.inf)))
     else:
         lo, hi = min(lo, 0.0), max(hi, 0.0)
-    return est, lo, hi
+    return Effect(est, lo, hi)
 
 
 def mean_difference_t(d: np.ndarray, confidence_level: float = 0.95,
-                      alternative: Alternative = "two-sided") -> tuple[float, float, float]:
+                      alternative: Alternative = "two-sided") -> Effect:
     """Mean of paired differences with its t interval (one-sided bound if asked).
 
     With one document the interval is (-inf, inf); with zero spread it is NaN
@@ -344,8 +379,8 @@ def mean_difference_t(d: np.ndarray, confidence_level: float = 0.95,
 
     Returns
     -------
-    (float, float, float)
-        Mean, lower and upper bound.
+    Effect
+        (mean, low, high); ``.interval`` is the ConfidenceInterval.
 
     Examples
     --------
@@ -357,43 +392,36 @@ def mean_difference_t(d: np.ndarray, confidence_level: float = 0.95,
     d = np.asarray(d, dtype=float)
     d = d[np.isfinite(d)]
     if d.size == 0:
-        return math.nan, math.nan, math.nan
+        return Effect(math.nan, math.nan, math.nan)
     mean = float(d.mean())
     if d.size < 2:
-        return mean, -math.inf, math.inf
+        return Effect(mean, -math.inf, math.inf)
     if _zero_spread(d):
-        return mean, math.nan, math.nan
+        return Effect(mean, math.nan, math.nan)
     se = float(d.std(ddof=1) / math.sqrt(d.size))
     alpha = 1.0 - confidence_level
     if alternative == "two-sided":
         q = stats.t.ppf(1 - alpha / 2, d.size - 1)
-        return mean, mean - q * se, mean + q * se
+        return Effect(mean, mean - q * se, mean + q * se)
     q = stats.t.ppf(1 - alpha, d.size - 1)
     if alternative == "less":
-        return mean, -math.inf, mean + q * se
-    return mean, mean - q * se, math.inf
+        return Effect(mean, -math.inf, mean + q * se)
+    return Effect(mean, mean - q * se, math.inf)
 
 
 def _studentized_resamples(d: np.ndarray, n_resamples: int, seed: int) -> np.ndarray:
-    """t* = (mean* - mean) / se* over bootstrap resamples of the documents.
+    """t* = (mean* - mean) / se* over bootstrap resamples of the documents (:func:`bootstrap_t`).
 
-    A resample with zero spread has t* = +-inf (or 0 when centred): it is kept,
-    so the number of resamples never silently shrinks.
+    se* is the plain SD / sqrt(n) of each resample, drawn 2000 at a time.  A resample
+    with zero spread has t* = +-inf (or 0 when centred): it is kept, so the number of
+    resamples never silently shrinks.
     """
-    rng = np.random.default_rng(seed)
-    n, mean = d.size, d.mean()
-    out = np.empty(n_resamples)
-    for start in range(0, n_resamples, 2000):
-        x = d[rng.integers(0, n, (min(2000, n_resamples - start), n))]
-        m = x.mean(axis=1)
-        se = x.std(axis=1, ddof=1) / math.sqrt(n)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            t = (m - mean) / se
-        out[start:start + t.size] = np.nan_to_num(t, nan=0.0, posinf=math.inf, neginf=-math.inf)
-    return out
+    root_n = math.sqrt(d.size)
+    return bootstrap_t((d,), lambda x: x.mean(axis=-1)[None], np.array([d.mean()]), n_resamples, seed,
+                       standard_error=lambda x: (x.std(axis=-1, ddof=1) / root_n)[None], batch=2000)[0]
 
 
-def _bootstrap_t(d: np.ndarray, alternative: str, n_resamples: int, seed: int,
+def _bootstrap_t_test(d: np.ndarray, alternative: str, n_resamples: int, seed: int,
                  confidence_level: float) -> tuple[float, float, bool, float, float]:
     """(t, p, exact, low, high): percentile-t test of mean = 0 and its dual interval.
 
@@ -428,7 +456,7 @@ def _bootstrap_t(d: np.ndarray, alternative: str, n_resamples: int, seed: int,
 
 def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
                               alternative: Alternative = "two-sided", *, n_resamples: int = 9999,
-                              seed: int = 0, min_docs: int = MIN_DOCS_INTERVAL) -> tuple[float, float, float]:
+                              seed: int = 0, min_docs: int = MIN_DOCS_INTERVAL) -> Effect:
     """Mean of paired differences with a BCa bootstrap interval over documents.
 
     Refused (NaN bounds) below ``min_docs`` documents: BCa over few documents
@@ -452,8 +480,8 @@ def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
 
     Returns
     -------
-    (float, float, float)
-        Mean, lower and upper bound.
+    Effect
+        (mean, low, high); ``.interval`` is the ConfidenceInterval.
 
     Examples
     --------
@@ -465,12 +493,12 @@ def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
     d = np.asarray(d, dtype=float)
     d = d[np.isfinite(d)]
     if d.size == 0:
-        return math.nan, math.nan, math.nan
+        return Effect(math.nan, math.nan, math.nan)
     mean = float(d.mean())
     if too_few_documents(d.size, min_docs):
-        return mean, math.nan, math.nan
+        return Effect(mean, math.nan, math.nan)
     if np.ptp(d) == 0:
-        return mean, *mean_difference_t(d, confidence_level, alternative)[1:]
+        return Effect(mean, *mean_difference_t(d, confidence_level, alternative)[1:])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # degenerate resamples: fall back below
         res = stats.bootstrap((d,), np.mean, n_resamples=n_resamples, vectorized=True,
@@ -478,8 +506,8 @@ def mean_difference_bootstrap(d: np.ndarray, confidence_level: float = 0.95,
                               method="BCa", rng=seed)
     lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
     if alternative == "two-sided" and not (np.isfinite(lo) and np.isfinite(hi)):
-        return mean, *mean_difference_t(d, confidence_level, alternative)[1:]
-    return mean, lo, hi
+        return Effect(mean, *mean_difference_t(d, confidence_level, alternative)[1:])
+    return Effect(mean, lo, hi)
 
 
 # ---------------------------------------------------------------------------
@@ -616,9 +644,9 @@ def _not_estimable(test: str, alternative: str, d: np.ndarray, reason: str,
     nan = math.nan
     mean = float(d.mean()) if d.size else nan
     return PairedTestResult(
-        test=test, alternative=alternative, n=int(d.size), statistic=nan, pvalue=nan, effect=nan,
-        ci_low=nan, ci_high=nan, mean_difference=mean, mean_ci_low=nan, mean_ci_high=nan,
-        hodges_lehmann=nan, hl_ci_low=nan, hl_ci_high=nan, confidence_level=confidence_level,
+        test=test, alternative=alternative, n=int(d.size), statistic=nan, pvalue=nan,
+        test_effect=Effect(nan, nan, nan), mean_effect=Effect(mean, nan, nan), hl_effect=Effect(nan, nan, nan),
+        confidence_level=confidence_level,
         exact=False, details={"effect_kind": _effect_kind(test), "n_zero": int(np.sum(d == 0))},
         reason=reason, estimand=ESTIMANDS[test])
 
@@ -701,7 +729,7 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
     elif test == "permutation":
         statistic, pvalue, exact = _permutation(d, alternative, n_resamples, seed)
     else:
-        statistic, pvalue, exact, bt_lo, bt_hi = _bootstrap_t(d, alternative, n_resamples, seed,
+        statistic, pvalue, exact, bt_lo, bt_hi = _bootstrap_t_test(d, alternative, n_resamples, seed,
                                                               confidence_level)
     hl, hl_lo, hl_hi = hodges_lehmann(d, confidence_level, alternative)
     if test == "bootstrap-t":
@@ -718,9 +746,9 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
     effect, lo, hi = (hl, hl_lo, hl_hi) if test == "wilcoxon" else (mean, m_lo, m_hi)
     return PairedTestResult(
         test=test, alternative=alternative, n=int(d.size), statistic=statistic, pvalue=pvalue,
-        effect=float(effect), ci_low=float(lo), ci_high=float(hi), mean_difference=float(mean),
-        mean_ci_low=float(m_lo), mean_ci_high=float(m_hi), hodges_lehmann=float(hl),
-        hl_ci_low=float(hl_lo), hl_ci_high=float(hl_hi),
+        test_effect=Effect(float(effect), float(lo), float(hi)),
+        mean_effect=Effect(float(mean), float(m_lo), float(m_hi)),
+        hl_effect=Effect(float(hl), float(hl_lo), float(hl_hi)),
         confidence_level=confidence_level, exact=exact,
         details={"effect_kind": _effect_kind(test), "mean_ci": mean_ci, "n_zero": int(np.sum(d == 0))},
         estimand=ESTIMANDS[test], ci_reason=ci_reason,
@@ -729,7 +757,7 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
 
 def mean_difference_interval(d: np.ndarray, mean_ci: str = "bootstrap-t", confidence_level: float = 0.95,
                              alternative: Alternative = "two-sided", *, n_resamples: int = 9999,
-                             seed: int = 0) -> tuple[float, float, float]:
+                             seed: int = 0) -> Effect:
     """Mean of paired differences with its interval by one of :data:`MEAN_CIS`, without a threshold.
 
     :func:`paired_test` reports this interval only from
@@ -754,8 +782,8 @@ def mean_difference_interval(d: np.ndarray, mean_ci: str = "bootstrap-t", confid
 
     Returns
     -------
-    (float, float, float)
-        Mean, lower and upper bound.
+    Effect
+        (mean, low, high); ``.interval`` is the ConfidenceInterval.
 
     Raises
     ------
@@ -780,8 +808,8 @@ def mean_difference_interval(d: np.ndarray, mean_ci: str = "bootstrap-t", confid
                                          min_docs=2)
     mean = float(d.mean()) if d.size else math.nan
     if d.size < 2 or _zero_spread(d):
-        return mean, math.nan, math.nan      # t* undefined; a zero-width interval would claim certainty
-    return mean, *_bootstrap_t(d, alternative, n_resamples, seed, confidence_level)[3:]
+        return Effect(mean, math.nan, math.nan)      # t* undefined; a zero-width interval would claim certainty
+    return Effect(mean, *_bootstrap_t_test(d, alternative, n_resamples, seed, confidence_level)[3:])
 
 
 def rejects(pvalue, alpha: float):

@@ -194,7 +194,7 @@ def reproduce_snippet(an: Analysis) -> str:
     win = "None" if w == -1 else str(w)
     o = an.options
     lines = ["import divstats, protocols",
-             "from divstats.inference.decompose import decompose",
+             "from divstats import decompose",
              "ds = protocols.open_traces(TRACES)",
              f"est = divstats.estimate(ds, window={win}); agg = divstats.aggregate(est)"]
     if an.plan is not None:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
-from divstats.estimation.estimators import INTERVAL_QUANTITIES
+from divstats.estimands import names
+from divstats.inference.decompose import PARTS
 from divstats.plans.run import PlanResult
 
 if TYPE_CHECKING:
@@ -23,10 +24,10 @@ __all__ = [
     "decomposition_table", "estimate_rows", "fmt", "fmt_ci", "fmt_p", "plan_rows", "unify", "variance_rows",
 ]
 
-#: Aggregate quantities shown in the report's estimates table (in order).
-SUMMARY_QUANTITIES: tuple[str, ...] = INTERVAL_QUANTITIES
+#: Aggregate quantities shown in the report's estimates table (in order; ``divstats.estimands``).
+SUMMARY_QUANTITIES: tuple[str, ...] = names(summary=True)
 EXPLORATORY = "exploratory: descriptive, not part of the plan"
-_DECOMPOSITION_PARTS = ("gap", "first", "exposure", "rate")
+_DECOMPOSITION_PARTS = PARTS
 
 
 def fmt(x: Any, digits: int = 4) -> str:

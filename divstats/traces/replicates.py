@@ -14,17 +14,20 @@ from dataclasses import dataclass
 import numpy as np
 import xarray as xr
 
+from divstats.estimands import ESTIMANDS
 from divstats.traces.arrays import Layout, core_array, kind_of, layout, present_replicates, row_chunks
 from protocols import Kind
 
 __all__ = [
-    "VALUES", "Replicates", "effective_window", "eos_of", "eos_rows", "first_divergence", "horizon_of",
-    "reference_survival", "replicate_values", "survival_terms",
+    "REPLICATE_ESTIMANDS", "VALUES", "Replicates", "effective_window", "eos_of", "eos_rows", "first_divergence",
+    "horizon_of", "reference_survival", "replicate_values", "survival_terms",
 ]
 
-#: Per-replicate values produced for every kind.
-VALUES = ("occurrence", "exposure", "rmtd", "post_mismatch", "window_mismatch", "tail_capacity",
-          "cost")
+#: Estimands with a per-replicate value (``divstats.estimands.ESTIMANDS``' ``replicate`` slots, in slot order).
+REPLICATE_ESTIMANDS: tuple[str, ...] = tuple(e.name for e in sorted((e for e in ESTIMANDS if e.replicate is not None),
+                                                                    key=lambda e: e.replicate))
+#: Per-replicate values produced for every kind: the estimands' and the cost.
+VALUES = (*REPLICATE_ESTIMANDS, "cost")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,197 @@
+"""The estimand table: one row per scalar estimand of docs/statistics.md §3.
+
+Every list of estimand names in divstats is derived from :data:`ESTIMANDS`
+(the row order is the order of ``divstats.estimate``'s variables):
+
+* ``divstats.traces.replicates.VALUES``: rows with a ``replicate`` slot, by slot (then ``cost``);
+* ``divstats.estimation.estimators.DESCRIPTIONS`` / ``SCALARS``: every row;
+* ``MEAN_OVER_DOCS``: ``aggregate == "mean"``; the ``"ratio"`` and ``"derived"`` rows are
+  computed from those (``aggregate`` and ``aggregate_intervals``);
+* the post-divergence quantities marked not identified when W < T − 1: ``post_dependent``;
+* ``INTERVAL_QUANTITIES`` (``aggregate_intervals``): ``interval``;
+* ``divstats.estimation.components.METRICS``: ``component``;
+* ``divstats.report.tables.SUMMARY_QUANTITIES``: ``summary``.
+
+Adding an estimand is one row here, its per-replicate formula (``traces/replicates``,
+``estimation/components``) and its exact value (``truth/exact``).  docs/statistics.md
+§3 prints this table (:func:`markdown_table`; tests/test_divstats_estimands.py checks
+that the two agree).  This is a base module: every room may import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["AGGREGATIONS", "ESTIMANDS", "Estimand", "by_name", "markdown_table", "names"]
+
+#: How an estimand combines over documents (equal document weights, docs/statistics.md §3).
+AGGREGATIONS: dict[str, str] = {
+    "mean": "mean over documents",
+    "ratio": "ratio of document means",
+    "derived": "derived from the aggregated parts",
+}
+
+
+@dataclass(frozen=True)
+class Estimand:
+    """One scalar estimand and how every part of divstats treats it.
+
+    Attributes
+    ----------
+    name : str
+        The variable name (``divstats.estimate``'s output, plan metrics).
+    description : str
+        What it is (the variable's ``attrs["description"]``).
+    aggregate : {"mean", "ratio", "derived"}
+        How it combines over documents (:data:`AGGREGATIONS`).
+    post_dependent : bool
+        Needs the post-divergence tail (W >= T - 1); not identified otherwise.
+    interval : bool
+        ``aggregate_intervals`` gives it an interval over documents.
+    component : bool
+        A variance-component metric (``variance_components``, ``design``, ``allocate``).
+    summary : bool
+        In the report's summary table.
+    replicate : int or None
+        Its slot among the per-replicate values each trace kind computes
+        (``divstats.traces.replicates.VALUES``); None when computed from others.
+    worse : {"larger", "smaller"}
+        Which direction is worse for the candidate policy.
+    bounds : {"unit", "horizon", "none"}
+        Its range, [0, 1], [0, T] or unbounded (intervals are clipped to it).
+    """
+
+    name: str
+    description: str
+    aggregate: Literal["mean", "ratio", "derived"]
+    post_dependent: bool = False
+    interval: bool = False
+    component: bool = True
+    summary: bool = False
+    replicate: int | None = None
+    worse: Literal["larger", "smaller"] = "larger"
+    bounds: Literal["unit", "horizon", "none"] = "none"
+
+    def __post_init__(self) -> None:
+        if self.aggregate not in AGGREGATIONS:
+            raise ValueError(f"{self.name}: aggregate must be one of {tuple(AGGREGATIONS)}")
+        if self.worse not in ("larger", "smaller"):
+            raise ValueError(f"{self.name}: worse must be 'larger' or 'smaller'")
+        if self.bounds not in ("unit", "horizon", "none"):
+            raise ValueError(f"{self.name}: bounds must be 'unit', 'horizon' or 'none'")
+        if self.summary and not self.interval:
+            raise ValueError(f"{self.name}: the summary table shows an interval, so summary needs interval")
+
+
+_E = Estimand
+
+#: The estimands, in the order of ``divstats.estimate``'s variables.
+ESTIMANDS: tuple[Estimand, ...] = (
+    _E("occurrence", "P(tau <= T): probability that the branches diverge within the horizon",
+       "mean", interval=True, summary=True, replicate=0, bounds="unit"),
+    _E("rmtd", ("sum_{t=0}^{T-1} S(t) = E[min(tau, T)]: restricted mean time to divergence (docs/statistics.md §3 "
+                "definition; its gloss E[min(tau - 1, T)] equals this minus occurrence, see "
+                "docs/statistics.md)"),
+       "mean", interval=True, summary=True, replicate=2, worse="smaller", bounds="horizon"),
+    _E("agreeing_tokens", ("rmtd - occurrence = E[min(tau - 1, T)]: expected number of agreeing tokens before "
+                           "the divergence (the tokens both models emit identically)"),
+       "mean", interval=True, component=False, summary=True, worse="smaller"),
+    _E("exposure", "E[(T - tau)+]: expected post-divergence steps inside the horizon",
+       "mean", interval=True, summary=True, replicate=1, bounds="horizon"),
+    _E("post_mismatch", "E[R], R = sum_{t > tau} D_t: expected mismatches after the first one",
+       "mean", post_dependent=True, replicate=3, bounds="horizon"),
+    _E("rate", "post_mismatch / exposure (ratio of expectations); NaN when exposure = 0",
+       "ratio", post_dependent=True, interval=True, summary=True, bounds="unit"),
+    _E("loss", "E[L] = occurrence + exposure * rate: expected number of mismatched tokens",
+       "derived", post_dependent=True, bounds="horizon"),
+    _E("mismatch_fraction", "loss / T = first_mismatch_contribution + exposure_contribution",
+       "derived", post_dependent=True, interval=True, summary=True, bounds="unit"),
+    _E("first_mismatch_contribution", "occurrence / T",
+       "derived", interval=True, summary=True, bounds="unit"),
+    _E("exposure_contribution", "(exposure / T) * rate (0 when exposure = 0, since then R = 0 on every path)",
+       "derived", post_dependent=True, interval=True, summary=True, bounds="unit"),
+    _E("window_mismatch", ("E[sum_{tau < t <= tau + W} D_t]: mismatches observed in the W-step window "
+                           "after divergence"),
+       "mean", replicate=4, bounds="horizon"),
+    _E("tail_capacity", ("E[(T - tau - K) 1[not both ended at tau + K]; tau <= T], K = min(W, T - tau): "
+                         "steps after the window that could still disagree"),
+       "mean", replicate=5, bounds="horizon"),
+    _E("loss_lower", "occurrence + window_mismatch: lower end of the sharp interval for loss (docs/statistics.md §6)",
+       "derived", interval=True, summary=True, bounds="horizon"),
+    _E("loss_upper", "occurrence + window_mismatch + tail_capacity: upper end of the sharp interval for loss",
+       "derived", interval=True, summary=True, bounds="horizon"),
+)
+
+
+def names(**where: object) -> tuple[str, ...]:
+    """Names of the estimands whose fields equal ``where``, in table order.
+
+    Parameters
+    ----------
+    **where
+        Field name -> required value.
+
+    Returns
+    -------
+    tuple of str
+
+    Examples
+    --------
+    >>> names(aggregate="ratio")
+    ('rate',)
+    """
+    return tuple(e.name for e in ESTIMANDS if all(getattr(e, k) == v for k, v in where.items()))
+
+
+def by_name(name: str) -> Estimand:
+    """The row of estimand ``name``.
+
+    Parameters
+    ----------
+    name : str
+        An estimand name.
+
+    Returns
+    -------
+    Estimand
+
+    Raises
+    ------
+    KeyError
+        For a name not in :data:`ESTIMANDS`.
+
+    Examples
+    --------
+    >>> by_name("rmtd").worse
+    'smaller'
+    """
+    for e in ESTIMANDS:
+        if e.name == name:
+            return e
+    raise KeyError(f"unknown estimand {name!r}; expected one of {names()}")
+
+
+def markdown_table() -> str:
+    """The table as docs/statistics.md prints it (one line per estimand).
+
+    Returns
+    -------
+    str
+        A Markdown table.
+
+    Examples
+    --------
+    >>> markdown_table().splitlines()[0].split(" | ")[:3]
+    ['| name', 'over documents', 'needs post-divergence']
+    """
+    def yes(flag: bool) -> str:
+        return "yes" if flag else ""
+
+    rows = ["| name | over documents | needs post-divergence | interval | component | summary | replicate value "
+            "| worse | range |", "|---|---|---|---|---|---|---|---|---|"]
+    for e in ESTIMANDS:
+        rows.append(f"| `{e.name}` | {AGGREGATIONS[e.aggregate]} | {yes(e.post_dependent)} | {yes(e.interval)} "
+                    f"| {yes(e.component)} | {yes(e.summary)} | {'' if e.replicate is None else e.replicate} "
+                    f"| {e.worse} | {e.bounds} |")
+    return "\n".join(rows)
