@@ -94,6 +94,21 @@ def eos_ids(attrs: Mapping[str, Any]) -> tuple[int, ...]:
     scalar) when present, else ``eos_token_id`` (-1 or None: no EOS), so files
     written before the list existed read as a one-id set.
 
+    Parameters
+    ----------
+    attrs : mapping
+        Dataset attributes or a header record.
+
+    Returns
+    -------
+    tuple of int
+        The EOS ids, empty for none (negative entries are dropped).
+
+    Raises
+    ------
+    TypeError, ValueError
+        An entry that is not an integer.
+
     Examples
     --------
     >>> eos_ids({"eos_token_id": 2, "eos_token_ids": [2, 7, 9]}), eos_ids({"eos_token_id": 2})
@@ -111,6 +126,18 @@ def eos_ids(attrs: Mapping[str, Any]) -> tuple[int, ...]:
 
 def eos_set(eos_token_id: int | None, eos_token_ids: Sequence[int] | None) -> tuple[int, ...]:
     """The EOS set a builder was given: ``eos_token_ids``, else ``eos_token_id`` (None: none).
+
+    Parameters
+    ----------
+    eos_token_id : int or None
+        The (first) EOS id; None or -1 for none.
+    eos_token_ids : sequence of int or None
+        Every EOS id, or None to use ``eos_token_id`` alone.
+
+    Returns
+    -------
+    tuple of int
+        The distinct ids in order.
 
     Raises
     ------
@@ -136,6 +163,21 @@ def eos_table(ds: xr.Dataset) -> np.ndarray:
     Shape ``(k,)``; ``(n_model, k)`` for a dataset combined across models, whose
     per-model coordinates (``eos_token_ids`` on (model, eos), else ``eos_token_id``
     on model) take precedence over the attrs.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset.
+
+    Returns
+    -------
+    numpy.ndarray
+        int64 ids, -1 padded.
+
+    Raises
+    ------
+    TypeError, ValueError
+        An EOS attribute that is not integers.
 
     Examples
     --------
