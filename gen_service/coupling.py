@@ -284,6 +284,11 @@ def ended_on(end: torch.Tensor, tokens: torch.Tensor, eos: torch.Tensor | None) 
         ``end`` with rows that emitted an EOS id now holding it (an ended row
         emits its own id again, so it keeps it).
 
+    Raises
+    ------
+    RuntimeError
+        If the shapes of ``end`` and ``tokens`` differ.
+
     Examples
     --------
     >>> ended_on(torch.tensor([-1, -1, 9]), torch.tensor([7, 3, 9]), torch.tensor([2, 7, 9])).tolist()
