@@ -260,6 +260,45 @@ def test_residual_trace_absorbs_on_each_eos_id(mixed) -> None:
         assert hits.size and (row[hits[0]:] == row[hits[0]]).all()
 
 
+def _eos_leaning(model) -> None:
+    """Context-dependent laws with a steady pull towards <|eom_id|> and <|eot_id|>: hidden
+    dim 0 is a constant 100 that no layer writes to, and those two head rows read it."""
+    model.model.embed_tokens.weight[:, 0] = 100.0
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight[0] = 0.0
+        layer.mlp.down_proj.weight[0] = 0.0
+    model.lm_head.weight[EOM, 0] = 0.6
+    model.lm_head.weight[EOT, 0] = 0.6
+
+
+@pytest.fixture(scope="module")
+def leaning(tmp_path_factory) -> Iterator:
+    d = _save(tmp_path_factory.mktemp("llama31") / "leaning", {**LLAMA31_CONFIG, "initializer_range": 0.1},
+              LLAMA31_GENERATION, _llama_tokenizer(), _eos_leaning)
+    with _client(d) as c:
+        yield c
+
+
+@pytest.mark.parametrize("candidate", ["snapkv@0.5", "quant:kivi@4:residual_length=2,group_size=4"])
+def test_residual_branches_absorb_on_each_eos_id(leaning, candidate: str) -> None:
+    """Branches (prefix branches for a prefill press, replayed ones for a quantized cache)
+    end on either non-first id, each keeping its own; validation checks the rule and TV 0
+    once both branches ended on the same id."""
+    lines = _trace(leaning, {"inputs": PROMPT, "candidate": candidate, "kind": "residual", "replicates": 32,
+                             "window": 6, "parameters": {"max_new_tokens": 8, "seed": 5}})
+    ds = validate(assemble(lines, doc="d"))
+    bs = ds.branch_step.values[0, 0]
+    ends = set()
+    for bx, by in zip(ds.branch_x_token.values[0, 0][bs > 0], ds.branch_y_token.values[0, 0][bs > 0], strict=True):
+        for row in (bx, by):
+            row = row[row >= 0]
+            hits = np.flatnonzero(np.isin(row, LLAMA_EOS))
+            if hits.size:
+                assert (row[hits[0]:] == row[hits[0]]).all(), row
+                ends.add(int(row[hits[0]]))
+    assert {EOM, EOT} <= ends
+
+
 # --------------------------------------------------------------------------- Qwen2.5
 
 
