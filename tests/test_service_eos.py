@@ -207,7 +207,7 @@ def test_generate_stream_stops_at_a_non_first_eos(certain) -> None:
 def test_chat_completions_stop_at_eot(certain) -> None:
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "seed": 2}
     choice = certain.post("/v1/chat/completions", json=body).json()["choices"][0]
-    assert choice["finish_reason"] == "stop"
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == ""   # EOS is not text
     chunks = certain.post("/v1/chat/completions", json={**body, "stream": True}).text
     events = [json.loads(x[5:]) for x in chunks.splitlines() if x.startswith("data:") and "[DONE]" not in x]
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "stop"
