@@ -296,7 +296,7 @@ def ended_on(end: torch.Tensor, tokens: torch.Tensor, eos: torch.Tensor | None) 
     """
     if eos is None or not eos.numel():
         return end
-    hit = torch.isin(tokens, eos.to(tokens.device)) & (end < 0)
+    hit = torch.isin(tokens, eos) & (end < 0)
     return torch.where(hit, tokens, end)
 
 

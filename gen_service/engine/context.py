@@ -8,7 +8,7 @@ functions of it and of their sides, and never run a forward themselves.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,12 @@ class LoopContext:
     eos: tuple[int, ...]
     device: torch.device
     cancelled: Callable[[], bool]
+    #: ``eos`` on the device, made once (not a host-to-device copy every step)
+    eos_ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.eos:
+            object.__setattr__(self, "eos_ids", torch.tensor(self.eos, dtype=torch.long, device=self.device))
 
     def running(self, rows: int) -> torch.Tensor:
         """Per-row EOS ids before any step: -1, every row still running."""
@@ -39,9 +45,7 @@ class LoopContext:
 
     def ended(self, end: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """``end`` after a step's ``tokens``: rows that emitted an EOS id now hold it."""
-        if not self.eos:
-            return end
-        return ended_on(end, tokens, torch.tensor(self.eos, dtype=torch.long, device=tokens.device))
+        return ended_on(end, tokens, self.eos_ids)
 
     def check(self) -> None:
         """Stop between steps once the client has gone."""
