@@ -161,7 +161,21 @@ def header_problems(header: Mapping[str, Any], params: Mapping[str, Any], doc_id
         problems.append(f"prompt_tokens is {n!r}, not a positive count")
     if require_prompt_sha256 and not isinstance(header.get("prompt_sha256"), str):
         problems.append("prompt_sha256 is missing (the server predates docs/contract.md §3's prompt digest)")
+    problems += _eos_problems(header)
     return problems
+
+
+def _eos_problems(header: Mapping[str, Any]) -> list[str]:
+    """``eos_token_ids`` (every EOS id; optional: older servers send ``eos_token_id`` alone)
+    must be a list of ids holding ``eos_token_id``."""
+    ids, eos = header.get("eos_token_ids"), header.get("eos_token_id")
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return [f"eos_token_ids is {ids!r}, not a list of token ids"]
+    if isinstance(eos, int) and eos >= 0 and eos not in ids:
+        return [f"eos_token_id is {eos!r}, not one of eos_token_ids {ids!r}"]
+    return []
 
 
 @dataclass

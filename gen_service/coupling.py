@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Sampling", "History", "penalize", "probs", "absorb_eos", "tv", "CoupledDraw", "maximal_coupling"]
+__all__ = ["Sampling", "History", "penalize", "probs", "absorb_eos", "ended_on", "tv", "CoupledDraw",
+           "maximal_coupling"]
 
 
 @dataclass(frozen=True)
@@ -220,8 +221,12 @@ def _typical_p(logits: torch.Tensor, mass: float) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
-def absorb_eos(p: torch.Tensor, done: torch.Tensor, eos: int | None) -> torch.Tensor:
+def absorb_eos(p: torch.Tensor, done: torch.Tensor, eos: int | torch.Tensor | None) -> torch.Tensor:
     """EOS is absorbing: rows whose branch already emitted EOS get the point mass on EOS.
+
+    A model may have several EOS ids (Llama-3.1: ``<|end_of_text|>``, ``<|eom_id|>``,
+    ``<|eot_id|>``); an ended row then keeps emitting *the id it emitted*, so pass the
+    per-row ids (:func:`ended_on`) and its token arrays stay constant after the end.
 
     Parameters
     ----------
@@ -229,8 +234,8 @@ def absorb_eos(p: torch.Tensor, done: torch.Tensor, eos: int | None) -> torch.Te
         (rows, V) laws.
     done : torch.Tensor
         (rows,) bool, the branch has emitted EOS.
-    eos : int or None
-        The EOS id (None: nothing to do).
+    eos : int, torch.Tensor or None
+        The EOS id, or (rows,) ids: the one each done row emitted (None: nothing to do).
 
     Returns
     -------
@@ -240,19 +245,59 @@ def absorb_eos(p: torch.Tensor, done: torch.Tensor, eos: int | None) -> torch.Te
     Raises
     ------
     IndexError
-        If ``eos`` is outside the vocabulary.
+        If an EOS id is outside the vocabulary.
 
     Examples
     --------
     >>> absorb_eos(torch.tensor([[0.5, 0.5]]), torch.tensor([True]), 1).tolist()
     [[0.0, 1.0]]
+    >>> absorb_eos(torch.full((2, 3), 1 / 3), torch.tensor([True, True]), torch.tensor([2, 0])).tolist()
+    [[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
     """
     if eos is None or not bool(done.any()):
         return p
     p = p.clone()
     p[done] = 0.0
-    p[done, eos] = 1.0
+    if isinstance(eos, torch.Tensor):
+        rows = done.nonzero().squeeze(-1)
+        p[rows, eos.to(p.device)[rows]] = 1.0
+    else:
+        p[done, eos] = 1.0
     return p
+
+
+def ended_on(end: torch.Tensor, tokens: torch.Tensor, eos: torch.Tensor | None) -> torch.Tensor:
+    """Each row's EOS id once it has emitted one of ``eos`` (-1 while it runs).
+
+    Parameters
+    ----------
+    end : torch.Tensor
+        (rows,) long, the ids so far (-1: running).
+    tokens : torch.Tensor
+        (rows,) long, this step's tokens.
+    eos : torch.Tensor or None
+        The model's EOS ids (None or empty: no EOS).
+
+    Returns
+    -------
+    torch.Tensor
+        ``end`` with rows that emitted an EOS id now holding it (an ended row
+        emits its own id again, so it keeps it).
+
+    Raises
+    ------
+    RuntimeError
+        If the shapes of ``end`` and ``tokens`` differ.
+
+    Examples
+    --------
+    >>> ended_on(torch.tensor([-1, -1, 9]), torch.tensor([7, 3, 9]), torch.tensor([2, 7, 9])).tolist()
+    [7, -1, 9]
+    """
+    if eos is None or not eos.numel():
+        return end
+    hit = torch.isin(tokens, eos) & (end < 0)
+    return torch.where(hit, tokens, end)
 
 
 def tv(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -274,7 +274,9 @@ async def info(request: Request) -> Response:
         "kvdiv": {"eviction": cfg.eviction, "max_new_tokens": cfg.max_new_tokens,
                   "max_replicates": cfg.max_replicates, "max_input_bytes": cfg.max_input_bytes,
                   "max_request_seconds": cfg.max_request_seconds, "vocab_size": lm.vocab_size,
-                  "eos_token_id": lm.eos_token_id, "policies": svc.engine.registry.names(),
+                  # every EOS id ends a generation; eos_token_id (the first) for older clients
+                  "eos_token_id": lm.eos_token_id, "eos_token_ids": list(lm.eos_token_ids),
+                  "policies": svc.engine.registry.names(),
                   # /v1/traces takes `candidates` (several policies, one request; docs/service.md)
                   "trace_candidates": cfg.max_candidates > 1, "max_candidates": cfg.max_candidates,
                   "batch_candidates": svc.engine.batch_candidates,

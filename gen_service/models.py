@@ -66,6 +66,8 @@ class LoadedModel:
     max_context: int
     device: torch.device
     dtype: torch.dtype
+    #: every EOS id (``eos_token_id`` is the first); each ends a generation and is absorbing
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def cache_root() -> Path:
@@ -106,15 +108,17 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def _eos_from(model: torch.nn.Module, tokenizer: object) -> int | None:
+def _eos_from(model: torch.nn.Module, tokenizer: object) -> tuple[int, ...]:
+    """Every EOS id, in order: the generation config's list (Llama-3.1 lists
+    ``<|end_of_text|>``, ``<|eom_id|>`` and ``<|eot_id|>``, and ends a chat turn with
+    the last), else the tokenizer's EOS."""
     # The generation config is authoritative: SmolLM2's GGUF tokenizer says eos is
     # <|im_start|> (1) while a chat turn really ends with <|im_end|> (2).
     eos = getattr(model.generation_config, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    if eos is None:
+    if eos is None or (isinstance(eos, (list, tuple)) and not eos):
         eos = getattr(tokenizer, "eos_token_id", None)
-    return None if eos is None else int(eos)
+    ids = eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 def _finish(model: torch.nn.Module, tokenizer: object, name: str, device: torch.device,
@@ -124,8 +128,9 @@ def _finish(model: torch.nn.Module, tokenizer: object, name: str, device: torch.
     cfg = model.config
     max_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
     vocab = int(model.get_output_embeddings().weight.shape[0])
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, eos_token_id=_eos_from(model, tokenizer),
-                       vocab_size=vocab, max_context=max_ctx, device=device, dtype=dtype)
+    eos = _eos_from(model, tokenizer)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, eos_token_id=eos[0] if eos else None,
+                       vocab_size=vocab, max_context=max_ctx, device=device, dtype=dtype, eos_token_ids=eos)
 
 
 # --------------------------------------------------------------------------- tiny

@@ -26,6 +26,7 @@ from protocols.schema import (
     COUPLING,
     SCHEMA,
     coupled_dataset,
+    eos_ids,
     reference_dataset,
     residual_dataset,
     sampling_params,
@@ -57,7 +58,7 @@ __all__ = [
     "prompt_digest", "read_stream",
     "ProtocolError", "StreamError", "StreamWriter", "TV_ZERO_ATOL", "TraceValidationError", "__version__",
     "assemble", "branch_record", "combine", "converters", "coupled_dataset", "dataset_lines", "encode_line",
-    "end_record", "error_record", "from_eval_logs", "from_probabilities", "header_record", "open_traces",
+    "end_record", "eos_ids", "error_record", "from_eval_logs", "from_probabilities", "header_record", "open_traces",
     "parse_policy_id", "policy_coords", "reference_dataset", "residual_dataset", "residual_from_probabilities",
     "sampling_params", "save_traces", "shared_step_record", "step_record", "validate",
 ]

@@ -12,6 +12,8 @@ header                 dataset
 schema, kind, horizon,  attrs of the same names (``coupling`` is always
 window, vocab_size,     ``stepwise-maximal``)
 model, eos_token_id
+eos_token_ids (list)    attr ``eos_token_ids`` when it holds more than one id
+                        (``eos_token_id`` is then its first; absent: the one id)
 sampling (object)       attr ``sampling`` (JSON, sorted keys)
 producer (optional)     attr ``producer`` (default ``"kvdiv.trace/1 stream"``)
 reference.policy        attr ``reference_policy``
@@ -51,7 +53,7 @@ from protocols.validate import validate
 __all__ = ["StreamError", "assemble", "assemble_stream"]
 
 _KNOWN_HEADER = {
-    "type", "schema", "kind", "horizon", "window", "model", "eos_token_id", "sampling", "reference",
+    "type", "schema", "kind", "horizon", "window", "model", "eos_token_id", "eos_token_ids", "sampling", "reference",
     "candidate", "seed", "prompt_tokens", "retained_tokens", "replicates", "vocab_size", "doc",
     "request_id", "producer", "prompt_template", "coupling", "prompt_sha256",
 }
@@ -83,6 +85,20 @@ def _as_int(value: Any, what: str, default: int, lo: int = _INT32[0], hi: int = 
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise StreamError(f"header: {what} = {value!r} is not an integer in {lo}..{hi}")
     return value
+
+
+def _eos_ids(value: Any, eos: int | None) -> list[int] | None:
+    """The header's ``eos_token_ids`` (every EOS id), checked against ``eos_token_id``."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise StreamError(f"header: eos_token_ids = {value!r} is not a list of token ids")
+    ids = [_as_int(v, "eos_token_ids[]", 0, 0) for v in value]
+    if eos is not None and eos >= 0 and eos not in ids:
+        raise StreamError(f"header: eos_token_id {eos} is not one of eos_token_ids {ids}")
+    if not ids and eos is not None and eos >= 0:
+        raise StreamError(f"header: eos_token_ids is empty but eos_token_id is {eos}")
+    return ids
 
 
 def _as_float(value: Any, what: str) -> float:
@@ -145,6 +161,7 @@ def _meta(h: dict[str, Any], doc: str | None, end: dict[str, Any]) -> dict[str, 
     )
     eos = h.get("eos_token_id")
     kwargs["eos_token_id"] = None if eos is None else _as_int(eos, "eos_token_id", -1)
+    kwargs["eos_token_ids"] = _eos_ids(h.get("eos_token_ids"), kwargs["eos_token_id"])
     seed = _as_int(h.get("seed"), "seed", -1, -1, 2**63 - 1)
     retained = _as_int(h.get("retained_tokens"), "retained_tokens", 0, 0)
     coords = {

@@ -16,6 +16,7 @@ from protocols.assemble import StreamError, assemble
 from protocols.chunks import cluster_options, dask_client, read_chunks
 from protocols.io import SUFFIXES, open_traces
 from protocols.kinds import Kind
+from protocols.schema import eos_ids
 from protocols.validate import TraceValidationError
 from protocols.validate import validate as _validate
 
@@ -155,7 +156,8 @@ def info(path: Path) -> None:
         ("schema", str(a.get("schema", "?"))),
         ("kind", f"{a.get('kind', '?')} (coupling {a.get('coupling', '?')})"),
         ("horizon", f"T={a.get('horizon', '?')}, window W={a.get('window', '?')}"),
-        ("vocab", f"{a.get('vocab_size', '?')} tokens, eos_token_id {a.get('eos_token_id', '?')}"),
+        ("vocab", f"{a.get('vocab_size', '?')} tokens, eos_token_id {a.get('eos_token_id', '?')}"
+                  + (f" (eos_token_ids {list(eos_ids(a))})" if "eos_token_ids" in a else "")),
         ("model", str(a.get("model", "?")) + (f" ({ds.sizes['model']} models: {_ids(ds.model.values)})"
                                                if "model" in ds.dims else "")),
         ("sampling", str(a.get("sampling", "?"))),

@@ -13,9 +13,11 @@ agree and dropped otherwise; ``producer`` lists every distinct producer.
 
 Across models (``dim="model"``) a ``model`` dimension is prepended, with the
 models' names as its coordinate (from ``models=`` or each input's ``model``
-attr) and per-model coordinates ``vocab_size`` and ``eos_token_id``; the global
-attrs then hold the largest vocab_size, the common eos_token_id (-1 if they
-differ) and the model names joined by ``", "``.
+attr) and per-model coordinates ``vocab_size`` and ``eos_token_id``, plus
+``eos_token_ids`` on (model, eos) (each model's EOS set, padded with -1) when a
+model has several EOS ids; the global attrs then hold the largest vocab_size,
+the common eos_token_id (-1 if they differ), the common ``eos_token_ids`` (only
+when every model has the same set) and the model names joined by ``", "``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 import xarray as xr
 
 from protocols.errors import ProtocolError
+from protocols.schema import eos_ids
 from protocols.validate import validate as _validate
 
 __all__ = ["DIMS", "CombineError", "combine"]
@@ -51,6 +54,9 @@ def _check_attrs(datasets: Sequence[xr.Dataset], dim: str) -> None:
             if ds.attrs.get(key) != first.get(key):
                 raise CombineError(f"dataset {i}: attribute {key!r} = {ds.attrs.get(key)!r} differs from "
                                    f"dataset 0's {first.get(key)!r}; only comparable traces can be combined")
+        if dim != "model" and eos_ids(ds.attrs) != eos_ids(first):
+            raise CombineError(f"dataset {i}: EOS ids {list(eos_ids(ds.attrs))} differ from dataset 0's "
+                               f"{list(eos_ids(first))}; only comparable traces can be combined")
         if ds.sizes.get("replicate") != datasets[0].sizes.get("replicate"):
             raise CombineError(f"dataset {i}: {ds.sizes.get('replicate')} replicates, dataset 0 has "
                                f"{datasets[0].sizes.get('replicate')}")
@@ -128,6 +134,12 @@ def _by_model(datasets: list[xr.Dataset], models: Sequence[str] | None) -> xr.Da
     out = out.assign_coords(model=("model", np.array(names, dtype=object)),
                             vocab_size=("model", np.array(vocab, dtype=np.int32)),
                             eos_token_id=("model", np.array(eos, dtype=np.int32)))
+    sets = [eos_ids(ds.attrs) for ds in datasets]
+    if max(len(e) for e in sets) > 1:  # each model's EOS set, padded with -1
+        table = np.full((len(sets), max(len(e) for e in sets)), -1, dtype=np.int32)
+        for i, e in enumerate(sets):
+            table[i, :len(e)] = e
+        out = out.assign_coords(eos_token_ids=(("model", "eos"), table))
     attrs = _merged_attrs(datasets)
     attrs.update(vocab_size=max(vocab), eos_token_id=eos[0] if len(set(eos)) == 1 else -1, model=", ".join(names))
     out.attrs = {k: attrs[k] for k in list(datasets[0].attrs) if k in attrs}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import numpy as np
 import xarray as xr
 
 from protocols.errors import ProtocolError
-from protocols.schema import MISSING_TOKEN, coupled_dataset, reference_dataset, residual_dataset
+from protocols.schema import MISSING_TOKEN, coupled_dataset, eos_set, reference_dataset, residual_dataset
 from protocols.validate import LOGP_ATOL, TraceValidationError, validate
 
 __all__ = [
@@ -339,32 +339,39 @@ def _row_arrays(label: str, rec: dict[str, Any], V: int) -> tuple[np.ndarray, np
     return tok.astype(np.int64), lp, lq
 
 
-def _fit(label: str, doc: str, arrays: tuple[np.ndarray, ...], T: int, eos: int) -> tuple[np.ndarray, ...]:
-    """Cut a row to the horizon or pad a row that ended at EOS (EOS absorbing, log 1 = 0)."""
+def _fit(label: str, doc: str, arrays: tuple[np.ndarray, ...], T: int,
+         eos: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """Cut a row to the horizon or pad a row that ended at EOS (EOS absorbing: the id it
+    ended on, at log 1 = 0). ``eos`` holds every EOS id (empty: none)."""
     tok, lp, lq = (a[:T] for a in arrays)
-    if eos >= 0:
-        hits = np.flatnonzero(tok == eos)
-        if hits.size and (tok[hits[0]:] != eos).any():
-            j = hits[0] + int(np.argmax(tok[hits[0]:] != eos))
-            raise ConversionError(f"{label} (doc {doc!r}): token {j} = {tok[j]} follows EOS at token {hits[0]}; "
-                                  "EOS is absorbing")
+    hits = np.flatnonzero(np.isin(tok, eos)) if eos else np.array([], dtype=np.int64)
+    if hits.size:
+        end = tok[hits[0]]
+        if (tok[hits[0]:] != end).any():
+            j = hits[0] + int(np.argmax(tok[hits[0]:] != end))
+            raise ConversionError(f"{label} (doc {doc!r}): token {j} = {tok[j]} follows EOS {end} at token "
+                                  f"{hits[0]}; EOS is absorbing (the same id)")
         after = np.zeros(tok.size, dtype=bool)
-        if hits.size:
-            after[hits[0] + 1:] = True
+        after[hits[0] + 1:] = True
         if (lp[after] != 0).any() or (lq[after] != 0).any():
             raise ConversionError(f"{label} (doc {doc!r}): log-probs after EOS must be 0 (EOS is absorbing)")
     n = tok.size
     if n == T:
         return tok, lp, lq
-    if eos < 0:
+    if not eos:
         raise ConversionError(f"{label} (doc {doc!r}): {n} tokens, fewer than the horizon {T}; a short row means "
                               "the text ended at EOS, so pass eos_token_id= (or horizon=) to pad it")
-    if tok[-1] != eos:
+    if n == 0 or tok[-1] not in eos:
+        last = tok[-1] if n else None
         raise ConversionError(f"{label} (doc {doc!r}): {n} tokens, fewer than the horizon {T}, and the last is "
-                              f"{tok[-1]}, not EOS {eos}; only rows that ended at EOS can be padded")
+                              f"{last}, not EOS {_eos_text(eos)}; only rows that ended at EOS can be padded")
     pad = T - n
-    return (np.concatenate([tok, np.full(pad, eos)]), np.concatenate([lp, np.zeros(pad)]),
+    return (np.concatenate([tok, np.full(pad, tok[-1])]), np.concatenate([lp, np.zeros(pad)]),
             np.concatenate([lq, np.zeros(pad)]))
+
+
+def _eos_text(eos: tuple[int, ...]) -> str:
+    return str(eos[0]) if len(eos) == 1 else f"(one of {list(eos)})"
 
 
 def from_eval_logs(
@@ -374,6 +381,7 @@ def from_eval_logs(
     eos_token_id: int | None = None,
     horizon: int | None = None,
     policy: str = "candidate",
+    eos_token_ids: Sequence[int] | None = None,
     model: str = "",
     sampling: Mapping[str, Any] | str | None = None,
     producer: str = "eval logs (protocols.converters.from_eval_logs)",
@@ -401,6 +409,9 @@ def from_eval_logs(
         The vocabulary size (token ids must lie in ``[0, vocab_size)``).
     eos_token_id : int, optional
         The EOS token; needed to pad rows shorter than the horizon.
+    eos_token_ids : sequence of int, optional
+        Every EOS id, for a model with several (``eos_token_id`` then defaults
+        to the first); a row ending at any of them is padded with that id.
     horizon : int, optional
         T; default the longest row.
     policy : str, default "candidate"
@@ -430,7 +441,10 @@ def from_eval_logs(
     >>> ds.attrs["kind"], ds.x_logq.values.ravel().tolist()
     ('reference', [-0.30000001192092896, -inf])
     """
-    eos = -1 if eos_token_id is None else int(eos_token_id)
+    try:
+        eos = eos_set(eos_token_id, eos_token_ids)
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from None
     rows = []
     for label, raw in _records(source):
         rec = _parse_row(label, raw)
@@ -441,11 +455,11 @@ def from_eval_logs(
     if not rows:
         raise ConversionError("no rows in the evaluation log")
     T = horizon if horizon is not None else max(r[4][0].size for r in rows)
-    return _build_reference(rows, T, eos, vocab_size=vocab_size, eos_token_id=eos_token_id, model=model,
-                            sampling=sampling, producer=producer)
+    return _build_reference(rows, T, eos, vocab_size=vocab_size, eos_token_id=eos_token_id,
+                            eos_token_ids=eos_token_ids, model=model, sampling=sampling, producer=producer)
 
 
-def _build_reference(rows: list[tuple], T: int, eos: int, **kw: Any) -> xr.Dataset:
+def _build_reference(rows: list[tuple], T: int, eos: tuple[int, ...], **kw: Any) -> xr.Dataset:
     docs = list(dict.fromkeys(r[1] for r in rows))
     pols = list(dict.fromkeys(r[2] for r in rows))
     groups: dict[tuple[str, str], dict[int, tuple]] = {}

@@ -22,8 +22,8 @@ from protocols.version import __version__
 
 __all__ = [
     "COUPLING", "KINDS", "MISSING_TOKEN", "OPTIONAL_VARS", "PROB_DTYPE", "REQUIRED_ATTRS", "REQUIRED_VARS",
-    "SCHEMA", "SPLITS", "TOKEN_DTYPE", "VARIABLE_DOCS", "coupled_dataset", "reference_dataset",
-    "residual_dataset", "sampling_params",
+    "SCHEMA", "SPLITS", "TOKEN_DTYPE", "VARIABLE_DOCS", "coupled_dataset", "eos_ids", "eos_set", "eos_table",
+    "reference_dataset", "residual_dataset", "sampling_params",
 ]
 
 SCHEMA = "kvdiv.trace/1"
@@ -85,6 +85,112 @@ VARIABLE_DOCS: dict[str, str] = {
     "branch_x_token": "P-branch token at age k; -1 where unobserved",
     "branch_y_token": "Q-branch token at age k; -1 where unobserved",
 }
+
+
+def eos_ids(attrs: Mapping[str, Any]) -> tuple[int, ...]:
+    """Every EOS id declared by a dataset's attrs or a wire header, in order.
+
+    ``eos_token_ids`` (an int list; netCDF hands a one-element list back as a
+    scalar) when present, else ``eos_token_id`` (-1 or None: no EOS), so files
+    written before the list existed read as a one-id set.
+
+    Parameters
+    ----------
+    attrs : mapping
+        Dataset attributes or a header record.
+
+    Returns
+    -------
+    tuple of int
+        The EOS ids, empty for none (negative entries are dropped).
+
+    Raises
+    ------
+    TypeError, ValueError
+        An entry that is not an integer.
+
+    Examples
+    --------
+    >>> eos_ids({"eos_token_id": 2, "eos_token_ids": [2, 7, 9]}), eos_ids({"eos_token_id": 2})
+    ((2, 7, 9), (2,))
+    >>> eos_ids({"eos_token_id": -1})
+    ()
+    """
+    ids = attrs.get("eos_token_ids")
+    if ids is None:
+        ids = attrs.get("eos_token_id")
+    if ids is None:
+        return ()
+    return tuple(int(i) for i in np.atleast_1d(np.asarray(ids)).ravel() if int(i) >= 0)
+
+
+def eos_set(eos_token_id: int | None, eos_token_ids: Sequence[int] | None) -> tuple[int, ...]:
+    """The EOS set a builder was given: ``eos_token_ids``, else ``eos_token_id`` (None: none).
+
+    Parameters
+    ----------
+    eos_token_id : int or None
+        The (first) EOS id; None or -1 for none.
+    eos_token_ids : sequence of int or None
+        Every EOS id, or None to use ``eos_token_id`` alone.
+
+    Returns
+    -------
+    tuple of int
+        The distinct ids in order.
+
+    Raises
+    ------
+    ValueError
+        ``eos_token_id`` is given, is not -1 and is not in ``eos_token_ids``.
+
+    Examples
+    --------
+    >>> eos_set(None, [9, 2, 9]), eos_set(2, None), eos_set(None, None)
+    ((9, 2), (2,), ())
+    """
+    if eos_token_ids is None:
+        return () if eos_token_id is None or int(eos_token_id) < 0 else (int(eos_token_id),)
+    ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+    if eos_token_id is not None and int(eos_token_id) >= 0 and int(eos_token_id) not in ids:
+        raise ValueError(f"eos_token_id {eos_token_id} is not one of eos_token_ids {list(ids)}")
+    return ids
+
+
+def eos_table(ds: xr.Dataset) -> np.ndarray:
+    """A dataset's EOS ids as int64, padded with -1 (no EOS: ``[-1]``).
+
+    Shape ``(k,)``; ``(n_model, k)`` for a dataset combined across models, whose
+    per-model coordinates (``eos_token_ids`` on (model, eos), else ``eos_token_id``
+    on model) take precedence over the attrs.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        A trace dataset.
+
+    Returns
+    -------
+    numpy.ndarray
+        int64 ids, -1 padded.
+
+    Raises
+    ------
+    TypeError, ValueError
+        An EOS attribute that is not integers.
+
+    Examples
+    --------
+    >>> eos_table(xr.Dataset(attrs={"eos_token_id": 2, "eos_token_ids": [2, 9]})).tolist()
+    [2, 9]
+    """
+    if "model" in ds.dims:
+        for name in ("eos_token_ids", "eos_token_id"):
+            if name in ds.coords and ds.coords[name].dims[:1] == ("model",) and ds.coords[name].ndim <= 2:
+                v = np.asarray(ds.coords[name].values, dtype=np.int64)
+                return v.reshape(v.shape[0], -1)
+    ids = eos_ids(ds.attrs)
+    return np.array(ids or (-1,), dtype=np.int64)
 
 
 def _producer() -> str:
@@ -158,7 +264,9 @@ def _attrs(
     sampling: Mapping[str, Any] | str | None,
     producer: str | None,
     extra: Mapping[str, Any] | None,
+    eos_token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
+    eos = eos_set(eos_token_id, eos_token_ids)
     attrs = {
         "schema": SCHEMA,
         "kind": kind,
@@ -166,11 +274,13 @@ def _attrs(
         "vocab_size": int(vocab_size),
         "window": int(window),
         "coupling": COUPLING,
-        "eos_token_id": int(-1 if eos_token_id is None else eos_token_id),
+        "eos_token_id": eos[0] if eos else -1,
         "model": str(model),
         "sampling": _sampling_json(sampling),
         "producer": producer or _producer(),
     }
+    if len(eos) > 1:  # one id stays the old layout: eos_token_id alone
+        attrs["eos_token_ids"] = list(eos)
     attrs.update(extra or {})
     return attrs
 
@@ -188,6 +298,7 @@ def coupled_dataset(
     docs: Sequence[str] | None = None,
     policies: Sequence[str] | None = None,
     eos_token_id: int | None = None,
+    eos_token_ids: Sequence[int] | None = None,
     model: str = "",
     sampling: Mapping[str, Any] | str | None = None,
     producer: str | None = None,
@@ -216,6 +327,10 @@ def coupled_dataset(
         ``budget`` coordinates through :func:`protocols.policies.policy_coords`.
     eos_token_id : int, optional
         The EOS token, or None (stored as -1) when EOS is not absorbing.
+    eos_token_ids : sequence of int, optional
+        Every EOS id when the model has several (each absorbing: a side that
+        emits one keeps emitting it); stored as attr ``eos_token_ids`` when
+        there are more than one, with ``eos_token_id`` = the first.
     model, producer : str, optional
         Attrs naming the model and the program that produced the traces.
     sampling : mapping or JSON str, optional
@@ -263,7 +378,7 @@ def coupled_dataset(
     coords = _coords(n_doc, n_pol, n_rep, docs, policies, split, prompt_tokens, press, retention, budget)
     coords["step"] = ("step", np.arange(1, horizon + 1, dtype=np.int32))
     return xr.Dataset(data, coords=coords, attrs=_attrs(
-        "coupled", horizon, vocab_size, horizon, eos_token_id, model, sampling, producer, attrs))
+        "coupled", horizon, vocab_size, horizon, eos_token_id, model, sampling, producer, attrs, eos_token_ids))
 
 
 def residual_dataset(
@@ -279,6 +394,7 @@ def residual_dataset(
     docs: Sequence[str] | None = None,
     policies: Sequence[str] | None = None,
     eos_token_id: int | None = None,
+    eos_token_ids: Sequence[int] | None = None,
     model: str = "",
     sampling: Mapping[str, Any] | str | None = None,
     producer: str | None = None,
@@ -313,6 +429,10 @@ def residual_dataset(
         ``budget`` coordinates through :func:`protocols.policies.policy_coords`.
     eos_token_id : int, optional
         The EOS token, or None (stored as -1) when EOS is not absorbing.
+    eos_token_ids : sequence of int, optional
+        Every EOS id when the model has several (each absorbing: a side that
+        emits one keeps emitting it); stored as attr ``eos_token_ids`` when
+        there are more than one, with ``eos_token_id`` = the first.
     model, producer : str, optional
         Attrs naming the model and the program that produced the traces.
     sampling : mapping or JSON str, optional
@@ -370,7 +490,7 @@ def residual_dataset(
     coords["age"] = ("age", np.arange(btv.shape[-1], dtype=np.int32))
     window = horizon if window is None else int(window)
     return xr.Dataset(data, coords=coords, attrs=_attrs(
-        "residual", horizon, vocab_size, window, eos_token_id, model, sampling, producer, attrs))
+        "residual", horizon, vocab_size, window, eos_token_id, model, sampling, producer, attrs, eos_token_ids))
 
 
 def reference_dataset(
@@ -382,6 +502,7 @@ def reference_dataset(
     docs: Sequence[str] | None = None,
     policies: Sequence[str] | None = None,
     eos_token_id: int | None = None,
+    eos_token_ids: Sequence[int] | None = None,
     model: str = "",
     sampling: Mapping[str, Any] | str | None = None,
     producer: str | None = None,
@@ -409,6 +530,10 @@ def reference_dataset(
         ``budget`` coordinates through :func:`protocols.policies.policy_coords`.
     eos_token_id : int, optional
         The EOS token, or None (stored as -1) when EOS is not absorbing.
+    eos_token_ids : sequence of int, optional
+        Every EOS id when the model has several (each absorbing: a side that
+        emits one keeps emitting it); stored as attr ``eos_token_ids`` when
+        there are more than one, with ``eos_token_id`` = the first.
     model, producer : str, optional
         Attrs naming the model and the program that produced the traces.
     sampling : mapping or JSON str, optional
@@ -447,7 +572,7 @@ def reference_dataset(
     coords = _coords(n_doc, n_pol, n_rep, docs, policies, split, prompt_tokens, press, retention, budget)
     coords["step"] = ("step", np.arange(1, horizon + 1, dtype=np.int32))
     return xr.Dataset(data, coords=coords, attrs=_attrs(
-        "reference", horizon, vocab_size, 0, eos_token_id, model, sampling, producer, attrs))
+        "reference", horizon, vocab_size, 0, eos_token_id, model, sampling, producer, attrs, eos_token_ids))
 
 
 def sampling_params(ds: xr.Dataset) -> dict[str, Any]:

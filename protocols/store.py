@@ -37,6 +37,7 @@ import xarray as xr
 
 from protocols.errors import ProtocolError
 from protocols.io import open_traces, prepare_write, replace_output, written_by_kvdiv
+from protocols.schema import eos_ids
 from protocols.validate import TV_ZERO_ATOL
 from protocols.validate import validate as _validate
 
@@ -254,6 +255,9 @@ class TraceStoreWriter:
             if ds.attrs.get(key) != first.attrs.get(key):
                 raise StoreError(f"{where}: attribute {key!r} = {ds.attrs.get(key)!r} differs from the store's "
                                  f"{first.attrs.get(key)!r}")
+        if eos_ids(ds.attrs) != eos_ids(first.attrs):
+            raise StoreError(f"{where}: EOS ids {list(eos_ids(ds.attrs))} differ from the store's "
+                             f"{list(eos_ids(first.attrs))}")
         if set(ds.data_vars) != set(first.data_vars):
             raise StoreError(f"{where}: variables {sorted(ds.data_vars)} differ from the store's "
                              f"{sorted(first.data_vars)}")

@@ -15,8 +15,11 @@ chunk by chunk in bounded memory (as dask tasks, so on a cluster when one is
 active) and the per-chunk findings are merged: counts add up and the example is
 the first offending value of the whole dataset, exactly as for one chunk. An optional leading ``model`` dim (datasets
 combined across models) is allowed on every data variable; per-model
-``vocab_size`` / ``eos_token_id`` coordinates on that dim, when present, take
-precedence over the global attributes.
+``vocab_size`` / ``eos_token_id`` (or ``eos_token_ids`` on (model, eos)) coordinates
+on that dim, when present, take precedence over the global attributes.
+
+EOS is a set (attr ``eos_token_ids`` when a model has several, else ``eos_token_id``):
+any of its ids ends a side, and an ended side keeps emitting the id it ended on.
 
 Float tolerance: where the two tokens of a coupled step differ the TV there must
 exceed :data:`TV_ZERO_ATOL` (1e-7, about one float32 ulp at 1). The coupling
@@ -52,6 +55,7 @@ from protocols.schema import (
     SCHEMA,
     SPLITS,
     TOKEN_DTYPE,
+    eos_table,
 )
 
 __all__ = [
@@ -105,7 +109,7 @@ class _Ctx:
     horizon: int | None
     window: int | None
     vocab: Any                    # int or array broadcastable to the data (per model)
-    eos: Any                      # int or array; -1 = no EOS
+    eos: Any                      # EOS ids on the last axis, -1 padded: (k,) or (n_model, k)
     lead: tuple[str, ...]         # ("model",) or ()
     tv_atol: float = TV_ZERO_ATOL
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
@@ -189,8 +193,11 @@ def _lead(value: Any, ndim: int) -> np.ndarray:
 
 
 def _eos_mask(ctx: _Ctx, tokens: np.ndarray) -> np.ndarray:
-    eos = _lead(ctx.eos, tokens.ndim)
-    return (tokens == eos) & (eos >= 0)
+    """Tokens that are one of the (per-model) EOS ids."""
+    eos = np.asarray(ctx.eos)
+    if eos.ndim == 2:  # (n_model, k): lead the data, the set on a trailing axis
+        eos = eos.reshape((eos.shape[0],) + (1,) * (tokens.ndim - 1) + (eos.shape[1],))
+    return ((tokens[..., None] == eos) & (eos >= 0)).any(axis=-1)
 
 
 # ----------------------------------------------------------------------------- attrs and layout
@@ -209,7 +216,26 @@ def _check_attrs(ds: xr.Dataset) -> Iterator[str]:
     v, e = a.get("vocab_size"), a.get("eos_token_id")
     if _is_int(v) and _is_int(e) and e >= v:
         yield f"attribute 'eos_token_id' = {e} is outside [0, vocab_size={v}) (use -1 for none)"
+    yield from _check_eos_ids(a)
     yield from _check_window(a)
+
+
+def _check_eos_ids(a: dict[str, Any]) -> Iterator[str]:
+    """``eos_token_ids`` (optional): distinct ids in the vocabulary, holding ``eos_token_id``."""
+    if "eos_token_ids" not in a:
+        return
+    ids = np.atleast_1d(np.asarray(a["eos_token_ids"]))  # netCDF reads a 1-list back as a scalar
+    if ids.ndim != 1 or not ids.size or not np.issubdtype(ids.dtype, np.integer):
+        yield f"attribute 'eos_token_ids' = {a['eos_token_ids']!r} is not a non-empty list of integers"
+        return
+    v, e = a.get("vocab_size"), a.get("eos_token_id")
+    bad = [int(i) for i in ids if i < 0 or (_is_int(v) and i >= v)]
+    if bad:
+        yield f"attribute 'eos_token_ids': {bad} outside [0, vocab_size={v})"
+    if len(set(ids.tolist())) != ids.size:
+        yield f"attribute 'eos_token_ids' = {ids.tolist()} repeats an id"
+    if _is_int(e) and int(e) not in ids.tolist():
+        yield f"attribute 'eos_token_id' = {e} is not one of eos_token_ids {ids.tolist()}"
 
 
 def _check_attr_types(a: dict[str, Any]) -> Iterator[str]:
@@ -369,16 +395,26 @@ def _age0(ctx: _Ctx, mask: np.ndarray) -> np.ndarray:
     return out
 
 
-def _absorbing(ctx: _Ctx, name: str, problems: list[_Finding], observed: np.ndarray | None = None) -> np.ndarray:
-    """Check EOS is absorbing along the last axis of ``name``; return 'strictly after the first EOS'."""
+def _absorbing(ctx: _Ctx, name: str, problems: list[_Finding],
+               observed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Check EOS is absorbing along the last axis of ``name`` (after the first EOS id,
+    that same id); return 'strictly after the first EOS' and the id ended on (-1: none)."""
     a = ctx.arrays[name]
     is_eos = _eos_mask(ctx, a)
     after = _after(is_eos)
-    bad = after & ~is_eos
+    first = np.take_along_axis(a, is_eos.argmax(axis=-1)[..., None], -1)
+    end = np.where(is_eos.any(axis=-1, keepdims=True), first, -1)
+    bad = after & (a != end)
     if observed is not None:
         bad &= observed
-    problems += _report(ctx, name, bad, "not EOS after an earlier EOS (EOS is absorbing)")
-    return after
+    problems += _report(ctx, name, bad, "not EOS after an earlier EOS (EOS is absorbing: the id of the first)")
+    return after, end
+
+
+def _both_same(x: tuple[np.ndarray, np.ndarray], y: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """After both sides ended on the same EOS id (both laws its point mass, so TV 0); sides
+    ended on different ids keep emitting two different tokens (TV 1)."""
+    return x[0] & y[0] & (x[1] == y[1])
 
 
 def _rule_eos(ctx: _Ctx) -> Iterator[str]:
@@ -388,12 +424,12 @@ def _rule_eos(ctx: _Ctx) -> Iterator[str]:
     out: list[_Finding] = []
     arr = ctx.arrays
     if ctx.kind == Kind.COUPLED and {"x_token", "y_token"} <= arr.keys():
-        both = _absorbing(ctx, "x_token", out) & _absorbing(ctx, "y_token", out)
+        both = _both_same(_absorbing(ctx, "x_token", out), _absorbing(ctx, "y_token", out))
         if "tv" in arr:
             out += _report(ctx, "tv", both & (arr["tv"] != 0),
-                           "nonzero after both sides emitted EOS (both laws are the EOS point mass)")
+                           "nonzero after both sides emitted the same EOS (both laws are its point mass)")
     elif ctx.kind == Kind.REFERENCE and "x_token" in arr:
-        after = _absorbing(ctx, "x_token", out)
+        after, _ = _absorbing(ctx, "x_token", out)
         for name in ("x_logp", "x_logq"):
             if name in arr:
                 out += _report(ctx, name, after & (arr[name] != 0),
@@ -402,17 +438,18 @@ def _rule_eos(ctx: _Ctx) -> Iterator[str]:
         # The branches continue the shared history z_<t*; that prefix holds no EOS because
         # TV is 0 after a shared EOS and t* needs TV > 0 (checked with the branch masks).
         if "shared_token" in arr:
-            after = _absorbing(ctx, "shared_token", out)
+            after, _ = _absorbing(ctx, "shared_token", out)
             if "shared_tv" in arr:
                 out += _report(ctx, "shared_tv", after & (arr["shared_tv"] != 0),
                                "nonzero after the shared path emitted EOS")
         if {"branch_x_token", "branch_y_token"} <= arr.keys():
             bx, by = arr["branch_x_token"], arr["branch_y_token"]
-            both = _absorbing(ctx, "branch_x_token", out, bx >= 0) & _absorbing(ctx, "branch_y_token", out, by >= 0)
+            both = _both_same(_absorbing(ctx, "branch_x_token", out, bx >= 0),
+                              _absorbing(ctx, "branch_y_token", out, by >= 0))
             if "branch_tv" in arr:
                 bt = arr["branch_tv"]
                 out += _report(ctx, "branch_tv", both & ~np.isnan(bt) & (bt != 0),
-                               "nonzero after both branches emitted EOS")
+                               "nonzero after both branches emitted the same EOS")
     yield from out
 
 
@@ -558,6 +595,15 @@ def _per_model(ds: xr.Dataset, name: str, default: Any) -> Any:
     return default
 
 
+def _eos_of(ds: xr.Dataset) -> np.ndarray:
+    """The EOS table (``protocols.schema.eos_table``); no EOS where the attrs are malformed
+    (those are reported by the attribute checks)."""
+    try:
+        return eos_table(ds)
+    except (TypeError, ValueError):
+        return np.array([-1], dtype=np.int64)
+
+
 def validate(ds: xr.Dataset, *, source: str | None = None, tv_atol: float = TV_ZERO_ATOL) -> xr.Dataset:
     """Check ``ds`` against ``kvdiv.trace/1`` (docs/contract.md §1) and return it unchanged.
 
@@ -609,7 +655,7 @@ def validate(ds: xr.Dataset, *, source: str | None = None, tv_atol: float = TV_Z
             horizon=int(a["horizon"]) if _is_int(a.get("horizon")) else None,
             window=int(a["window"]) if _is_int(a.get("window")) else None,
             vocab=_per_model(ds, "vocab_size", a.get("vocab_size") if _is_int(a.get("vocab_size")) else np.inf),
-            eos=_per_model(ds, "eos_token_id", a.get("eos_token_id") if _is_int(a.get("eos_token_id")) else -1),
+            eos=_eos_of(ds),
             lead=("model",) if "model" in ds.dims else (), tv_atol=float(tv_atol),
         )
         problems += list(_check_coords(ds, ctx))

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from protocols.kinds import Kind
-from protocols.schema import SCHEMA
+from protocols.schema import SCHEMA, eos_ids, eos_set
 
 __all__ = [
     "prompt_digest",
@@ -92,6 +92,7 @@ def header_record(
     request_id: str = "",
     reference: Mapping[str, Any] | None = None,
     prompt_sha256: str | None = None,
+    eos_token_ids: Sequence[int] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """The stream's first record: everything needed to build the dataset's attrs.
@@ -106,6 +107,10 @@ def header_record(
         The model name.
     eos_token_id : int or None
         The EOS token (None is sent as -1).
+    eos_token_ids : sequence of int, optional
+        Every EOS id of the model (each ends a side and is absorbing);
+        ``eos_token_id`` must be one of them and the header carries the list
+        (default: ``[eos_token_id]``, or ``[]`` for none).
     sampling : mapping
         Sampling parameters.
     candidate : mapping
@@ -146,10 +151,12 @@ def header_record(
     >>> rec["type"], rec["eos_token_id"], rec["reference"]
     ('header', -1, {'policy': 'full'})
     """
+    eos = eos_set(eos_token_id, eos_token_ids)
     rec = {
         "type": "header", "schema": SCHEMA, "kind": kind, "horizon": int(horizon),
         "window": int(window), "model": model,
-        "eos_token_id": -1 if eos_token_id is None else int(eos_token_id),
+        "eos_token_id": int(eos_token_id) if eos_token_id is not None and eos_token_id >= 0 else (eos or (-1,))[0],
+        "eos_token_ids": list(eos),
         "sampling": dict(sampling), "reference": dict(reference or {"policy": "full"}),
         "candidate": dict(candidate), "seed": seed, "prompt_tokens": int(prompt_tokens),
         "retained_tokens": int(retained_tokens), "replicates": int(replicates),
@@ -439,6 +446,7 @@ def dataset_lines(
     w = StreamWriter()
     lines = [w.line(header_record(
         kind=kind, horizon=T, window=int(a["window"]), model=a["model"], eos_token_id=int(a["eos_token_id"]),
+        eos_token_ids=eos_ids(a),
         sampling=json.loads(a["sampling"]),
         candidate={"policy": policy, "press": str(cell.press.values),
                    "retention": None if np.isnan(cell.retention.values) else float(cell.retention.values),

@@ -16,7 +16,7 @@ import xarray as xr
 
 from divstats.estimands import ESTIMANDS
 from divstats.traces.arrays import Layout, core_array, kind_of, layout, present_replicates, row_chunks
-from protocols import Kind
+from protocols import Kind, eos_ids
 
 __all__ = [
     "REPLICATE_ESTIMANDS", "VALUES", "Replicates", "effective_window", "eos_of", "eos_rows", "first_divergence",
@@ -72,7 +72,10 @@ def horizon_of(ds: xr.Dataset) -> int:
 
 
 def eos_of(ds: xr.Dataset) -> int:
-    """The dataset-wide EOS token id, -1 when there is none.
+    """The dataset-wide EOS token id (the first of the EOS ids), -1 when there is none.
+
+    A model may have several EOS ids (attr ``eos_token_ids``); :func:`eos_rows` holds
+    them all and decides what counts as ended.
 
     Parameters
     ----------
@@ -95,10 +98,12 @@ def eos_of(ds: xr.Dataset) -> int:
 
 
 def eos_rows(ds: xr.Dataset, lay: Layout) -> np.ndarray:
-    """EOS id per row (flattened leading dims), -1 where there is none.
+    """Every EOS id per row (flattened leading dims), padded with -1 (-1 alone: no EOS).
 
-    Datasets combined across models carry a per-model ``eos_token_id`` coordinate
-    (the global attr is then -1 when the models differ); it takes precedence.
+    The set is the ``eos_token_ids`` attr (a model with several EOS ids), else
+    ``eos_token_id``. Datasets combined across models carry per-model coordinates
+    (``eos_token_ids`` on (model, eos), else ``eos_token_id`` on model; the global
+    attrs are then -1 / absent when the models differ); they take precedence.
 
     Parameters
     ----------
@@ -110,7 +115,7 @@ def eos_rows(ds: xr.Dataset, lay: Layout) -> np.ndarray:
     Returns
     -------
     numpy.ndarray
-        int64, shape ``(lay.rows,)``.
+        int64, shape ``(lay.rows, k)``: k EOS ids per row.
 
     Examples
     --------
@@ -118,14 +123,23 @@ def eos_rows(ds: xr.Dataset, lay: Layout) -> np.ndarray:
     >>> ds = simulate_study(2, {"a": PolicyEffect(0.1)}, horizon=4, replicates=3)
     >>> from divstats.traces.arrays import layout
     >>> eos_rows(ds, layout(ds)).shape
-    (2,)
+    (2, 1)
+    >>> eos_rows(ds.assign_attrs(eos_token_ids=[2, 7, 9]), layout(ds)).tolist()
+    [[2, 7, 9], [2, 7, 9]]
     """
-    # membership, not ds.coords.get: a missing key costs xarray a 'did you mean' search
-    coord = ds.variables["eos_token_id"] if "eos_token_id" in ds.coords else None
-    if coord is None or not coord.dims or not set(coord.dims) <= set(lay.dims):
-        return np.full(lay.rows, eos_of(ds))
-    var = coord.set_dims(dict(zip(lay.dims, lay.shape, strict=True)))
-    return var.transpose(*lay.dims).values.reshape(-1).astype(np.int64)
+    for name in ("eos_token_ids", "eos_token_id"):
+        # membership, not ds.coords.get: a missing key costs xarray a 'did you mean' search
+        coord = ds.variables[name] if name in ds.coords else None
+        if coord is None:
+            continue
+        lead = [d for d in coord.dims if d in lay.dims]
+        rest = [d for d in coord.dims if d not in lay.dims]
+        if not lead or len(rest) > 1:
+            continue
+        var = coord.set_dims({**dict(zip(lay.dims, lay.shape, strict=True)), **{d: coord.sizes[d] for d in rest}})
+        return var.transpose(*lay.dims, *rest).values.reshape(lay.rows, -1).astype(np.int64)
+    ids = eos_ids(ds.attrs) or (-1,)
+    return np.tile(np.asarray(ids, dtype=np.int64), (lay.rows, 1))
 
 
 def effective_window(ds: xr.Dataset, window: int | None) -> int:
@@ -197,16 +211,19 @@ def first_divergence(x: np.ndarray, y: np.ndarray, T: int) -> tuple[np.ndarray, 
 
 
 def _both_ended(x: np.ndarray, y: np.ndarray, idx: np.ndarray, eos: np.ndarray) -> np.ndarray:
-    """Both branches show EOS at position idx (absorbing, so: both have ended by then).
+    """Both branches show the same EOS id at position idx (absorbing, so: both have ended
+    by then and agree at every later step).
 
-    ``eos`` holds one id per row (-1: no EOS), broadcast over replicates.
+    ``eos`` holds each row's EOS ids, (rows, k) padded with -1, broadcast over replicates.
+    Branches ended on *different* EOS ids keep emitting two tokens (a mismatch at TV 1
+    every step), so they do not count as ended here.
     """
     if (eos < 0).all():
         return np.zeros(idx.shape, dtype=bool)
-    e = eos.reshape(eos.shape + (1,) * (idx.ndim - 1))
+    e = eos.reshape(eos.shape[:1] + (1,) * (idx.ndim - 1) + eos.shape[1:])
     i = np.clip(idx, 0, x.shape[-1] - 1)[..., None]
     xe, ye = np.take_along_axis(x, i, -1)[..., 0], np.take_along_axis(y, i, -1)[..., 0]
-    return (e >= 0) & (xe == e) & (ye == e)
+    return ((xe[..., None] == e) & (e >= 0)).any(axis=-1) & (xe == ye)
 
 
 def _coupled_chunk(x: np.ndarray, y: np.ndarray, T: int, W: int, eos: np.ndarray) -> dict[str, np.ndarray]:

@@ -59,8 +59,9 @@ class Branches:
             yield branch_record(r, self.ts[r], tvs, xs, ys)
 
 
-def _done(ctx: LoopContext, x: torch.Tensor) -> torch.Tensor:
-    return (x == ctx.eos) if ctx.eos is not None else torch.zeros_like(x, dtype=torch.bool)
+def _end(ctx: LoopContext, x: torch.Tensor) -> torch.Tensor:
+    """The EOS id each branch's first token ended it on (-1: running)."""
+    return ctx.ended(ctx.running(len(x)), x)
 
 
 def prefix_branches(ctx: LoopContext, ps: Side, qs: Side, p_kept: list[int], q_kept: list[int], br: Branches,
@@ -92,9 +93,9 @@ def prefix_branches(ctx: LoopContext, ps: Side, qs: Side, p_kept: list[int], q_k
 def _branch_loop(ctx: LoopContext, sides: tuple[Side, Side], rows: list[int], br: Branches, tstar: torch.Tensor,
                  masks: list[torch.Tensor], xy: tuple[torch.Tensor, torch.Tensor],
                  hists: tuple[History | None, History | None], eager: bool) -> Iterator[list[Forward]]:
-    dev, eos, sampling = ctx.device, ctx.eos, ctx.job.sampling
+    dev, sampling = ctx.device, ctx.job.sampling
     (ps, qs), (pmask, qmask), (x, y), (hp, hq) = sides, masks, xy, hists
-    x_done, y_done = _done(ctx, x), _done(ctx, y)
+    x_end, y_end = _end(ctx, x), _end(ctx, y)
     k = 0
     while rows:
         k += 1
@@ -103,15 +104,13 @@ def _branch_loop(ctx: LoopContext, sides: tuple[Side, Side], rows: list[int], br
         pmask, qmask = torch.cat([pmask, ones], 1), torch.cat([qmask, ones], 1)
         lp, lq = yield [Forward(ps, x, ps.next_pos + tstar + k - 2, pmask, eager),
                         Forward(qs, y, qs.next_pos + tstar + k - 2, qmask, eager)]
-        d = maximal_coupling(absorb_eos(probs(lp, sampling, hp), x_done, eos),
-                             absorb_eos(probs(lq, sampling, hq), y_done, eos), ctx.gen)
+        d = maximal_coupling(absorb_eos(probs(lp, sampling, hp), x_end >= 0, x_end),
+                             absorb_eos(probs(lq, sampling, hq), y_end >= 0, y_end), ctx.gen)
         if hp is not None:
             hp, hq = hp.add(d.x), hq.add(d.y)
         br.add(rows, d)
         x, y = d.x, d.y
-        if eos is not None:
-            x_done |= x == eos
-            y_done |= y == eos
+        x_end, y_end = ctx.ended(x_end, x), ctx.ended(y_end, y)
         # Drop rows whose branch reached K = min(W, T − t*): the batch shrinks as
         # branches end instead of carrying finished rows to the longest one.
         live = [i for i, r in enumerate(rows) if br.K[r] > k]
@@ -122,7 +121,7 @@ def _branch_loop(ctx: LoopContext, sides: tuple[Side, Side], rows: list[int], br
                 ps.select(sel)
                 qs.select(sel)
                 pmask, qmask, tstar = pmask[sel], qmask[sel], tstar[sel]
-                x, y, x_done, y_done = x[sel], y[sel], x_done[sel], y_done[sel]
+                x, y, x_end, y_end = x[sel], y[sel], x_end[sel], y_end[sel]
                 if hp is not None:
                     hp, hq = hp.select(sel), hq.select(sel)
 
@@ -136,7 +135,7 @@ def replay_branches(ctx: LoopContext, start: tuple[Side, Side], shared: torch.Te
     counts per replicate) starts each side's penalty history, which then grows by
     exactly the tokens that side is fed: prompt + z_<t* + its own branch, as on the
     non-replayed path."""
-    dev, eos, sampling = ctx.device, ctx.eos, ctx.job.sampling
+    dev, sampling = ctx.device, ctx.job.sampling
     rows = br.rows
     idx = torch.tensor(rows, dtype=torch.long, device=dev)
     ts = torch.tensor([br.ts[r] for r in rows], dtype=torch.long, device=dev)
@@ -146,7 +145,7 @@ def replay_branches(ctx: LoopContext, start: tuple[Side, Side], shared: torch.Te
     ps.rows(len(rows))
     qs.rows(len(rows))
     x, y = br.x0[idx], br.y0[idx]
-    x_done, y_done = _done(ctx, x), _done(ctx, y)
+    x_end, y_end = _end(ctx, x), _end(ctx, y)
     hp = hq = None if h0 is None else h0.select(idx)
     for s in range(1, int(last.max()) + 1):
         ctx.check()
@@ -157,12 +156,10 @@ def replay_branches(ctx: LoopContext, start: tuple[Side, Side], shared: torch.Te
         lp, lq = yield [Forward(ps, xin, ctx.pos(ps, n, s)), Forward(qs, yin, ctx.pos(qs, n, s))]
         if hp is not None:
             hp, hq = hp.add(xin), hq.add(yin)
-        d = maximal_coupling(absorb_eos(probs(lp, sampling, hp), x_done, eos),
-                             absorb_eos(probs(lq, sampling, hq), y_done, eos), ctx.gen)
+        d = maximal_coupling(absorb_eos(probs(lp, sampling, hp), x_end >= 0, x_end),
+                             absorb_eos(probs(lq, sampling, hq), y_end >= 0, y_end), ctx.gen)
         active = ((s >= ts) & (s <= last)).tolist()
         br.add([r for r, a in zip(rows, active, strict=True) if a], d, [i for i, a in enumerate(active) if a])
         on = (s >= ts)
         x, y = torch.where(on, d.x, x), torch.where(on, d.y, y)
-        if eos is not None:
-            x_done |= on & (x == eos)
-            y_done |= on & (y == eos)
+        x_end, y_end = torch.where(on, ctx.ended(x_end, x), x_end), torch.where(on, ctx.ended(y_end, y), y_end)

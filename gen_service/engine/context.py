@@ -8,11 +8,11 @@ functions of it and of their sides, and never run a forward themselves.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from gen_service.coupling import History, Sampling
+from gen_service.coupling import History, Sampling, ended_on
 from gen_service.engine.jobs import TraceJob, check
 from gen_service.engine.sides import Side
 
@@ -21,13 +21,31 @@ __all__ = ["LoopContext", "history"]
 
 @dataclass(frozen=True)
 class LoopContext:
-    """One candidate's decoding: its job, generator, EOS id, device and cancellation."""
+    """One candidate's decoding: its job, generator, EOS ids, device and cancellation.
+
+    ``eos`` holds every EOS id of the model (empty: none); each is absorbing, and an
+    ended row keeps emitting the id it ended on (:func:`~gen_service.coupling.ended_on`).
+    """
 
     job: TraceJob
     gen: torch.Generator
-    eos: int | None
+    eos: tuple[int, ...]
     device: torch.device
     cancelled: Callable[[], bool]
+    #: ``eos`` on the device, made once (not a host-to-device copy every step)
+    eos_ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.eos:
+            object.__setattr__(self, "eos_ids", torch.tensor(self.eos, dtype=torch.long, device=self.device))
+
+    def running(self, rows: int) -> torch.Tensor:
+        """Per-row EOS ids before any step: -1, every row still running."""
+        return torch.full((rows,), -1, dtype=torch.long, device=self.device)
+
+    def ended(self, end: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """``end`` after a step's ``tokens``: rows that emitted an EOS id now hold it."""
+        return ended_on(end, tokens, self.eos_ids)
 
     def check(self) -> None:
         """Stop between steps once the client has gone."""

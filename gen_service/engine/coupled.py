@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from gen_service.coupling import absorb_eos, maximal_coupling, probs
 from gen_service.engine.context import LoopContext
 from gen_service.engine.sides import Forward, Prefilled
@@ -18,26 +16,23 @@ __all__ = ["coupled"]
 
 def coupled(ctx: LoopContext, p0: Prefilled, q0: Prefilled) -> Iterator[dict[str, Any] | list[Forward]]:
     """Yield step records, and the P and Q forwards each next step needs (send back their logits)."""
-    job, eos = ctx.job, ctx.eos
+    job = ctx.job
     R, T = job.replicates, job.horizon
     ps, qs = p0.side, q0.side
     ps.rows(R)
     qs.rows(R)
     lp, lq = p0.logits.expand(R, -1), q0.logits.expand(R, -1)
-    x_done = torch.zeros(R, dtype=torch.bool, device=ctx.device)
-    y_done = torch.zeros_like(x_done)
+    x_end, y_end = ctx.running(R), ctx.running(R)   # the EOS id each row ended on, -1 while running
     # P and Q are penalised by their own histories (prompt + x_<t, prompt + y_<t)
     hp = hq = ctx.history(job.prompt_ids + job.question_ids, R, lp.shape[-1])
     for t in range(1, T + 1):
         ctx.check()
-        p = absorb_eos(probs(lp, job.sampling, hp), x_done, eos)
-        q = absorb_eos(probs(lq, job.sampling, hq), y_done, eos)
+        p = absorb_eos(probs(lp, job.sampling, hp), x_end >= 0, x_end)
+        q = absorb_eos(probs(lq, job.sampling, hq), y_end >= 0, y_end)
         d = maximal_coupling(p, q, ctx.gen)
         if hp is not None:
             hp, hq = hp.add(d.x), hq.add(d.y)
         yield step_record(t, d.tv.tolist(), d.x.tolist(), d.y.tolist())
-        if eos is not None:
-            x_done |= d.x == eos
-            y_done |= d.y == eos
+        x_end, y_end = ctx.ended(x_end, d.x), ctx.ended(y_end, d.y)
         if t < T:
             lp, lq = yield [Forward(ps, d.x, ctx.pos(ps, R, t)), Forward(qs, d.y, ctx.pos(qs, R, t))]

@@ -143,7 +143,7 @@ class Engine:
         return self._residual(job, p0, q0, gen, cancelled)
 
     def _context(self, job: TraceJob, gen: torch.Generator, cancelled: Callable[[], bool]) -> LoopContext:
-        return LoopContext(job, gen, self.lm.eos_token_id, self.device, cancelled)
+        return LoopContext(job, gen, self.lm.eos_token_ids, self.device, cancelled)
 
     def _coupled(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
                  cancelled: Callable[[], bool]) -> Iterator[Any]:
@@ -220,7 +220,7 @@ class Engine:
         policy = self.registry.build(policy_id, ModelInfo.of(self.lm))
         pre = self.prefill(policy, prompt_ids)
         gen = self.generator(seed if seed is not None else draw_seed())
-        yield from generate(pre, self.step, gen, self.lm.eos_token_id, self.device, prompt_ids, max_new_tokens,
+        yield from generate(pre, self.step, gen, self.lm.eos_token_ids, self.device, prompt_ids, max_new_tokens,
                                 sampling, top_n, stop_check, cancelled)
 
     def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:

@@ -24,6 +24,7 @@ def header(lm: LoadedModel, job: TraceJob, seed: int, cand: Policy, ref: Policy,
     return header_record(
         kind=job.kind, horizon=job.horizon, window=job.window or job.horizon, model=lm.name,
         eos_token_id=lm.eos_token_id, sampling=job.sampling.as_dict(), candidate=candidate,
+        eos_token_ids=list(lm.eos_token_ids),
         reference=reference, seed=seed, prompt_tokens=job.prompt_len,
         prompt_sha256=prompt_digest([*job.prompt_ids, *job.question_ids]), retained_tokens=q0.kept + nq,
         replicates=job.replicates, vocab_size=lm.vocab_size, doc=job.doc, request_id=job.request_id,

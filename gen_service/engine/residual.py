@@ -85,7 +85,7 @@ def _record(t: int, d: CoupledDraw, alive: torch.Tensor) -> dict[str, Any]:
 def residual(ctx: LoopContext, p0: Prefilled, q0: Prefilled,
              force_replay: bool = False) -> Iterator[dict[str, Any] | list[Forward]]:
     """Yield shared-step records, then branch records, and the forwards each step needs."""
-    job, eos, gen = ctx.job, ctx.eos, ctx.gen
+    job, gen = ctx.job, ctx.gen
     R, T = job.replicates, job.horizon
     replay = force_replay or needs_replay(p0, q0)
     start = (p0.side.snapshot(), q0.side.snapshot()) if replay else None
@@ -93,7 +93,7 @@ def residual(ctx: LoopContext, p0: Prefilled, q0: Prefilled,
     ps.rows(R)
     qs.rows(R)
     lp, lq = p0.logits.expand(R, -1), q0.logits.expand(R, -1)
-    z_done = torch.zeros(R, dtype=torch.bool, device=ctx.device)
+    z_end = ctx.running(R)                                  # the EOS id the shared path ended on
     shared: list[torch.Tensor] = []                          # z_t, kept for replayed branches
     # history penalties: both sides share prompt + z_<t; each row keeps its counts
     # at t* so its two branches continue from their own histories
@@ -101,16 +101,15 @@ def residual(ctx: LoopContext, p0: Prefilled, q0: Prefilled,
     state = _Survival.start(R, ctx.device, hz)
     for t in range(1, T + 1):
         ctx.check()
-        p = absorb_eos(probs(lp, job.sampling, hz), z_done, eos)
-        q = absorb_eos(probs(lq, job.sampling, hz), z_done, eos)
+        p = absorb_eos(probs(lp, job.sampling, hz), z_end >= 0, z_end)
+        q = absorb_eos(probs(lq, job.sampling, hz), z_end >= 0, z_end)
         d = maximal_coupling(p, q, gen)
         record = _record(t, d, state.alive)
         state = state.after(t, d, gen, hz)
         if hz is not None:
             hz = hz.add(d.overlap)
         yield record
-        if eos is not None:
-            z_done |= d.overlap == eos
+        z_end = ctx.ended(z_end, d.overlap)
         shared.append(d.overlap)
         if t < T:
             lp, lq = yield [Forward(ps, d.overlap, ctx.pos(ps, R, t)), Forward(qs, d.overlap, ctx.pos(qs, R, t))]

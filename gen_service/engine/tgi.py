@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -17,13 +17,14 @@ __all__ = ["generate", "prompt_logprobs"]
 Step = Callable[[Side, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def generate(pre: Prefilled, step: Step, gen: torch.Generator, eos: int | None, device: torch.device,
+def generate(pre: Prefilled, step: Step, gen: torch.Generator, eos: Collection[int], device: torch.device,
              prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, top_n: int = 0,
              stop_check: Callable[[list[int]], bool] | None = None,
              cancelled: Callable[[], bool] = lambda: False) -> Iterator[dict[str, Any]]:
     """Sample from a prefilled state: one dict per token with id, logprob (the model's, as
     TGI reports it) and top tokens, and finally a dict with the finish reason. ``step``
-    runs one decoding forward of the side."""
+    runs one decoding forward of the side; any id in ``eos`` (the model's EOS ids)
+    ends the generation with ``eos_token``."""
     logits, side = pre.logits, pre.side
     out: list[int] = []
     hist = history(sampling, prompt_ids, 1, logits.shape[-1], device)
@@ -36,7 +37,7 @@ def generate(pre: Prefilled, step: Step, gen: torch.Generator, eos: int | None, 
             hist = hist.add(tok.reshape(1))
         out.append(tid)
         yield _item(logits, tid, top_n)
-        if eos is not None and tid == eos:
+        if tid in eos:
             yield {"finish_reason": "eos_token"}
             return
         if stop_check is not None and stop_check(out):
