@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# GPU check for gen_service (under 8 minutes on one CUDA device; nothing to download).
+# GPU check for gen_service (about 10 minutes at most on one CUDA device; nothing to download).
 #
 #   1. the GPU-marked tests (tests/test_shared_prompt_gpu.py): bf16 full-vs-full TV = 0,
 #      cascade attention and shared-prompt traces equal to the plain path, coupled and
 #      residual traces agreeing through divstats;
 #   2. benchmarks/bench_service.py on random:llama-1b and on the Llama-3.1-8B-shaped
 #      random:llama-8b in bf16: row-steps/s and the fraction of the memory-bandwidth floor;
-#   3. benchmarks/bench_shared_prompt.py on random:llama-1b: shared prompt vs per-row copies.
+#   3. benchmarks/bench_shared_prompt.py on random:llama-1b: shared prompt vs per-row copies;
+#   4. benchmarks/bench_logits.py on random:llama-8b in bf16: what the float32 logits cost
+#      (bf16 head vs cached float32 head vs per-step cast) and how far bf16 logits are off.
 #
 # Usage: benchmarks/gpu_check.sh [OUTDIR]     (PYTHON=... to pick the interpreter;
 #        BANDWIDTH=4800 to give the device's GB/s instead of measuring a copy)
@@ -53,9 +55,12 @@ if [ "$HAVE_CUDA" = 1 ]; then
     --rows 64 --steps 16 --request-steps 32 --prompt-tokens 2000 --skip-generate "${BW[@]}"
   step shared-vs-copies-1b 60 "$PY" benchmarks/bench_shared_prompt.py --model random:llama-1b --device cuda \
     --rows 64 256 --steps 32 --prompt-tokens 2000 --repeats 1 --no-requests
+  step logits-fp32-8b 150 "$PY" benchmarks/bench_logits.py --model random:llama-8b --device cuda \
+    --dtype bfloat16 --rows 64 --steps 16 --prompt-tokens 2000 --repeats 3
   echo "=== summary"
   grep -h -E "^model=|coupled row-steps/s|bandwidth floor" "$OUT"/bench-*.log
   grep -h -A3 "copies rs/s" "$OUT"/shared-vs-copies-1b.log
+  grep -h -E '"(step_ms|median_paired_time_ratio|max_abs_dlogit|mean_tv|max_tv)"' "$OUT"/logits-fp32-8b.log
 fi
 echo "=== done in $(($(date +%s) - START))s, logs in $OUT/, status $STATUS"
 exit $STATUS
