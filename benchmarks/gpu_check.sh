@@ -14,7 +14,8 @@
 #      with 4 grouped candidates plus the control `full`;
 #   c. coupled vs residual occurrence on the same documents (|z| < 4.5);
 #   d. the memory estimate against torch's measured peak, per mechanism;
-#   e. row-steps/s of a Llama-3.1-8B-shaped random model, and the bandwidth floor.
+#   e. row-steps/s of a Llama-3.1-8B-shaped random model, and the bandwidth floor;
+#   f. what the float32 logits cost against a bf16 head (benchmarks/bench_logits.py; its log).
 # Prints one table and writes it to $OUT/gpu_check.md ($OUT set) or runs/gpu_check/.
 # PYTHON picks the interpreter (default python3); BANDWIDTH=GB/s the device's peak.
 set -uo pipefail
@@ -94,6 +95,12 @@ step gpu-tests 140 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider --junitxml=
 step study 140 "$PY" benchmarks/gpu_check.py study --out "$WORK" "${DRYFLAG[@]}"
 step memory 70 "$PY" benchmarks/gpu_check.py memory --out "$WORK" "${DRYFLAG[@]}"
 step throughput 80 "$PY" benchmarks/gpu_check.py throughput --out "$WORK" "${DRYFLAG[@]}"
+if [ "$DRY" = 1 ]; then
+  LOGITS=(--model tiny:llama --device cpu --rows 4 --steps 2 --prompt-tokens 32 --repeats 1 --head-calls 5)
+else
+  LOGITS=(--model random:llama-8b --device cuda --rows 64 --steps 8 --prompt-tokens 2000 --repeats 2 --head-calls 20)
+fi
+step logits 40 "$PY" benchmarks/bench_logits.py --dtype bfloat16 "${LOGITS[@]}"
 
 echo "=== table ($(($(date +%s) - START))s elapsed)"
 "$PY" benchmarks/gpu_check.py table --out "$WORK" --junit "$WORK/gpu-tests.xml" --dest "$DEST/gpu_check.md" \

@@ -83,13 +83,16 @@ def _stop_check(svc: Service, stop: tuple[str, ...]) -> Callable[[list[int]], bo
 
 
 async def start_generation(svc: Service, ticket: Ticket, ids: list[int], dec: Decoding, field: str,
-                           eviction_field: str) -> Started:
-    """Check the context and the policy, start decoding, and wait for the first token."""
+                           eviction_field: str, prompt_logprobs: bool = False) -> Started:
+    """Check the context, the policy and the memory (``prompt_logprobs``: the prompt's
+    log-probabilities will be computed afterwards), start decoding, and wait for the first token."""
     room = svc.engine.lm.max_context - len(ids)
     n = dec.max_new_tokens or max(1, min(svc.limits.max_new_tokens, room))
     svc.check_context(ids, n, field)
     # off the loop: the first press of a kind imports kvpress and builds the press
     await svc.off_loop(svc.check_policy, eviction_field, dec.eviction, len(ids))
+    await svc.off_loop(svc.check_generate_memory, len(ids), n, dec.eviction, prompt_logprobs,
+                       "parameters.decoder_input_details" if prompt_logprobs else field)
     seed = dec.seed if dec.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
     stop = _stop_check(svc, dec.stop)
     work = svc.start(lambda cancelled: svc.engine.generate(ids, dec.eviction, n, dec.sampling, seed,
@@ -155,7 +158,8 @@ async def _tgi_started(request: Request, *, stream: bool | None) -> tuple[Servic
         ids = await svc.off_loop(svc.encode, req.inputs)
         if req.truncate:
             ids = ids[-req.truncate:]
-        started = await start_generation(svc, ticket, ids, req.decoding, "inputs", "parameters.eviction")
+        started = await start_generation(svc, ticket, ids, req.decoding, "inputs", "parameters.eviction",
+                                         prompt_logprobs=req.details and req.decoder_input_details)
     return svc, req, started
 
 

@@ -14,11 +14,16 @@ weights (both sides, P and Q, whatever the candidate keeps):
 - ``row_kv``: each row's own tokens, T slots per side (2T for residual traces, whose
   branches continue past the survival slots);
 - ``activations``: the larger of prefill (batch 1 over the prompt: hidden states, MLP,
-  a tiled attention block) and one decoding step over R rows (hidden states and MLP
+  a tiled attention block, or under eager attention one layer's every score at once,
+  :func:`eager_attention_bytes`) and one decoding step over R rows (hidden states and MLP
   for 2R rows, P's and Q's in one forward when fused, one layer's attention scores over
   the prompt, the (R, vocab) float32 tensors of the logits and the coupling, and the
   transient copies of one layer's cache a per-row side makes); a multi-candidate
-  request counts every candidate's rows;
+  request counts every candidate's rows.
+
+:func:`estimate_generate` does the same for a plain generation (TGI ``/generate``,
+OpenAI completions), with TGI's prompt log-probabilities (:func:`prompt_logprobs_bytes`:
+the (L, V) float32 logits and their log-softmax) when asked for.
 
 :class:`MemoryGate` admits a request whose estimate fits the budget (default 80 % of
 the device's free memory, or of available RAM on CPU, measured at start) and refuses
@@ -36,10 +41,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from gen_service.errors import ServiceError
+from gen_service.press_traits import wants_eager
 from protocols import WIRE_KINDS, Kind
 
 __all__ = ["CandidateMemory", "MemoryEstimate", "MemoryGate", "ModelShape", "RequestTooLarge", "SideMemory",
-           "available_memory", "estimate", "parse_budget"]
+           "available_memory", "eager_attention_bytes", "estimate", "estimate_generate", "parse_budget",
+           "prefill_bytes", "prompt_logprobs_bytes"]
 
 DEFAULT_FRACTION = 0.8
 # (R, vocab) float32 tensors alive at once in a coupled step: P's and Q's logits and
@@ -135,6 +142,10 @@ class SideMemory:
         layer at once (:data:`FLUSH_TRANSIENT`).
     decoding : bool
         A press acting while decoding (DecodingPress, DMS with ``decoding=true`` ...).
+    eager : bool
+        Prefilled under eager attention (a press scoring with the attention weights:
+        ObservedAttention/H2O, KVCompose), whose L × L scores are held at once
+        (:func:`eager_attention_bytes`).
 
     Examples
     --------
@@ -149,6 +160,7 @@ class SideMemory:
     prompt_tokens: int | None = None
     quantized: bool = False
     decoding: bool = False
+    eager: bool = False
 
     def kept(self, prompt_tokens: int) -> int:
         """The slots it keeps of a ``prompt_tokens``-token prompt."""
@@ -174,6 +186,52 @@ class SideMemory:
 # the path that repeats the keys and values for every query head: q_heads / kv_heads more.
 APPEND_TRANSIENT = 1
 FLUSH_TRANSIENT = 3
+
+
+def eager_attention_bytes(shape: ModelShape, tokens: int) -> int:
+    """One layer's eager attention over ``tokens`` queries and keys at once, at its peak
+    (transformers' ``eager_attention_forward``, which kvpress's attention-scoring presses
+    need): the masked scores in the model's dtype, their float32 copy and softmax
+    (``softmax(dtype=float32)`` casts a bf16 input first, on CUDA as on CPU), every query
+    head, plus the (L, L) causal mask and its boolean form, shared by the layers. Only
+    one layer's scores are alive at a time.
+
+    Examples
+    --------
+    >>> s = ModelShape(layers=32, q_heads=32, kv_heads=8, head_dim=128, hidden=4096, intermediate=14336,
+    ...                vocab=128256, dtype_bytes=2)
+    >>> round(eager_attention_bytes(s, 4096) / 1e9, 1), round(eager_attention_bytes(s, 16384) / 1e9)
+    (5.4, 87)
+    """
+    b = shape.dtype_bytes
+    per_score = b + 4 + (4 if b < 4 else 0)
+    return shape.q_heads * tokens * tokens * per_score + tokens * tokens * (b + 1)
+
+
+def prefill_bytes(shape: ModelShape, tokens: int, eager: bool = False) -> int:
+    """Activations of one batch-1 prefill over ``tokens`` tokens: hidden states and MLP,
+    the float32 final hidden state (gen_service/logits.py), and one layer's attention:
+    a tiled block (SDPA's fused kernels) or, under eager attention, every score at once."""
+    mlp = shape.hidden * 6 + shape.intermediate * 3
+    attention = (eager_attention_bytes(shape, tokens) if eager
+                 else shape.q_heads * tokens * min(tokens, PREFILL_TILE) * 4)
+    return tokens * (mlp * shape.dtype_bytes + shape.hidden * 4) + attention
+
+
+def prompt_logprobs_bytes(shape: ModelShape, tokens: int) -> int:
+    """TGI's ``decoder_input_details`` (:func:`gen_service.engine.tgi.prompt_logprobs`): a
+    full-model forward over the prompt, no cache kept, then the (L, V) float32 logits
+    and their log-softmax, both alive at once, besides the float32 final hidden state.
+
+    Examples
+    --------
+    >>> s = ModelShape(layers=32, q_heads=32, kv_heads=8, head_dim=128, hidden=4096, intermediate=14336,
+    ...                vocab=128256, dtype_bytes=2)
+    >>> round(prompt_logprobs_bytes(s, 4096) / 1e9, 1)
+    4.3
+    """
+    head = 2 * tokens * shape.vocab * 4 + tokens * shape.hidden * (4 + shape.dtype_bytes)
+    return max(prefill_bytes(shape, tokens), head)
 
 
 @dataclass(frozen=True)
@@ -290,14 +348,43 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
     row_kv = 2 * rows * slots * token
     b = shape.dtype_bytes
     mlp = shape.hidden * 6 + shape.intermediate * 3
-    prefill = (prompt_tokens * mlp * b
-               + shape.q_heads * prompt_tokens * min(prompt_tokens, PREFILL_TILE) * 4)
+    # prefills run one at a time (the question after it is short): the largest counts
+    eager = any(side.eager for cand in sides for side in (cand.p, cand.q))
+    prefill = prefill_bytes(shape, prompt_tokens, eager)
     keys = prompt_tokens + slots
     decode = (2 * rows * mlp * b                       # P's and Q's rows in one forward when fused
               + 2 * shape.q_heads * rows * keys * 4         # one layer's scores and weights, float32
               + COUPLING_TENSORS * rows * shape.vocab * 4
               + transient)
     return MemoryEstimate(prompt_kv=prompt_kv, row_kv=row_kv, activations=max(prefill, decode), rows=rows)
+
+
+def estimate_generate(shape: ModelShape, prompt_tokens: int, new_tokens: int, eager: bool = False,
+                      prompt_logprobs: bool = False) -> MemoryEstimate:
+    """Peak memory of one plain generation (TGI ``/generate``, OpenAI completions) beyond
+    the weights: one batch-1 cache of the whole prompt and the new tokens, and the larger
+    of its prefill (:func:`prefill_bytes`; eager attention for presses scoring with the
+    attention weights), a decoding step and, with ``prompt_logprobs``, the full-model
+    forward of :func:`prompt_logprobs_bytes` (run after the generation's cache is freed).
+
+    Examples
+    --------
+    >>> s = ModelShape(layers=32, q_heads=32, kv_heads=8, head_dim=128, hidden=4096, intermediate=14336,
+    ...                vocab=128256, dtype_bytes=2)
+    >>> plain, details = estimate_generate(s, 4096, 16), estimate_generate(s, 4096, 16, prompt_logprobs=True)
+    >>> round(plain.total / 1e9, 1), round(details.total / 1e9, 1)
+    (1.7, 4.8)
+    """
+    if min(prompt_tokens, new_tokens) < 1:
+        raise ValueError(f"prompt_tokens and new_tokens must be >= 1, got {prompt_tokens}, {new_tokens}")
+    token = shape.kv_bytes_per_token
+    mlp = shape.hidden * 6 + shape.intermediate * 3
+    decode = mlp * shape.dtype_bytes + 2 * shape.q_heads * (prompt_tokens + new_tokens) * 4 \
+        + COUPLING_TENSORS * shape.vocab * 4
+    activations = max(prefill_bytes(shape, prompt_tokens, eager), decode,
+                      prompt_logprobs_bytes(shape, prompt_tokens) if prompt_logprobs else 0)
+    return MemoryEstimate(prompt_kv=prompt_tokens * token, row_kv=new_tokens * token, activations=activations,
+                          rows=1)
 
 
 def available_memory(device: Any = "cpu") -> int:
@@ -340,18 +427,22 @@ class MemoryGate:
     True
     """
 
-    def __init__(self, shape: ModelShape, budget: int, shared_prompt: bool = True):
+    def __init__(self, shape: ModelShape, budget: int, shared_prompt: bool = True, head_bytes: int = 0):
         self.shape, self.budget, self.shared_prompt = shape, int(budget), shared_prompt
+        self.head_bytes = int(head_bytes)   # the float32 head copy, held since loading (outside the budget)
 
     @classmethod
     def for_engine(cls, engine: Any, budget: float | None = None) -> MemoryGate:
         """For an engine's model; ``budget`` in bytes, a fraction (<= 1) of the memory
         free now, or None for :data:`DEFAULT_FRACTION` of it."""
+        from gen_service.logits import extra_bytes  # lazily: this module does not import torch
+
         lm = engine.lm
         shape = ModelShape.of(lm.model.config, dtype_bytes=lm.dtype.itemsize)
+        head = extra_bytes(lm.model)   # made at load (gen_service/models.py): already out of the free memory
         if budget is None or budget <= 1:
             budget = (budget or DEFAULT_FRACTION) * available_memory(lm.device)
-        return cls(shape, int(budget), getattr(engine, "shared_prompt", True))
+        return cls(shape, int(budget), getattr(engine, "shared_prompt", True), head)
 
     def describe(self, policy: str, reference: Any, candidate: Any, kind: str = "coupled") -> CandidateMemory:
         """How the engine will hold one candidate's sides, from the two policies' plans.
@@ -378,7 +469,7 @@ class MemoryGate:
         def side(plan: Any) -> SideMemory:
             quantized = plan.quant is not None
             return SideMemory(self.shared_prompt and not plan.decoding and not quantized, quantized=quantized,
-                              decoding=plan.decoding)
+                              decoding=plan.decoding, eager=wants_eager(plan.press))
 
         p, q = side(reference), side(candidate)
         # the engine replays when a press acts while decoding or a cache is quantized (and for
@@ -415,8 +506,44 @@ class MemoryGate:
                 f"needs an estimated {est.describe()} for R={rows}{many}, a {prompt_tokens}-token prompt and "
                 f"T={horizon} ({kind}); the memory budget is {self.budget / (1 << 20):.0f} MiB: "
                 + (f"at most R={fit} fits" if fit else "no R fits; shorten the prompt or T")
-                + self._per_row_note(rows, prompt_tokens, kind, sides))
+                + self._per_row_note(rows, prompt_tokens, kind, sides)
+                + self._eager_note(prompt_tokens, sides))
         return est
+
+    def _eager_note(self, prompt_tokens: int, sides: Sequence[CandidateMemory] | None) -> str:
+        """Which candidates prefill under eager attention, and what one layer's scores cost."""
+        names = [c.policy for c in sides or () if c.p.eager or c.q.eager]
+        if not names:
+            return ""
+        cost = eager_attention_bytes(self.shape, prompt_tokens) / (1 << 20)
+        return (f"; {', '.join(names)} prefill{'s' if len(names) == 1 else ''} under eager attention: one "
+                f"layer's {prompt_tokens} x {prompt_tokens} attention scores take {cost:.0f} MiB")
+
+    def admit_generate(self, prompt_tokens: int, new_tokens: int, eager: bool = False,
+                       prompt_logprobs: bool = False) -> MemoryEstimate:
+        """A plain generation's estimate (:func:`estimate_generate`) if it fits the budget.
+
+        Raises
+        ------
+        RequestTooLarge
+            Naming what does not fit: the eager-attention prefill, the prompt
+            log-probabilities (``decoder_input_details``), or the generation itself.
+        """
+        est = estimate_generate(self.shape, prompt_tokens, new_tokens, eager, prompt_logprobs)
+        if est.total <= self.budget:
+            return est
+        mib = 1 << 20
+        parts = [f"needs an estimated {est.describe()} for a {prompt_tokens}-token prompt and {new_tokens} new "
+                 f"tokens; the memory budget is {self.budget / mib:.0f} MiB"]
+        if prompt_logprobs:
+            parts.append(f"the prompt log-probabilities (decoder_input_details) alone take "
+                         f"{prompt_logprobs_bytes(self.shape, prompt_tokens) / mib:.0f} MiB ({prompt_tokens} x "
+                         f"{self.shape.vocab} float32 logits and their log-softmax)")
+        if eager:
+            parts.append(f"the policy prefills under eager attention: one layer's {prompt_tokens} x "
+                         f"{prompt_tokens} attention scores take "
+                         f"{eager_attention_bytes(self.shape, prompt_tokens) / mib:.0f} MiB")
+        raise RequestTooLarge("; ".join(parts) + "; shorten the prompt")
 
     def _per_row_note(self, rows: int, prompt_tokens: int, kind: str,
                       sides: Sequence[CandidateMemory] | None) -> str:
@@ -447,7 +574,7 @@ class MemoryGate:
     def info(self) -> dict[str, Any]:
         """What /info reports: the budget and the shapes it sizes requests with."""
         return {"memory_budget": self.budget, "kv_bytes_per_token": self.shape.kv_bytes_per_token,
-                "shared_prompt": self.shared_prompt}
+                "shared_prompt": self.shared_prompt, "fp32_head_bytes": self.head_bytes}
 
 
 def parse_budget(text: str | float | None) -> float | None:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from gen_service.logits import head32
+
 log = logging.getLogger("kvdiv.service")
 
 EMBEDDED_ID = "embedded"
@@ -103,9 +105,18 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype and dtype != "auto":
         return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
-    # bf16 on GPU halves memory at no measurable cost to the distributions' TV; CPU bf16
-    # matmuls are slow, so CPU stays fp32.
+    # bf16 on GPU halves the weights' memory; the logits are computed in float32 whatever
+    # the weights' dtype (gen_service/logits.py), so TV is never taken from bf16-rounded
+    # logits. What bf16 weights do to the distributions themselves is not measured here.
+    # CPU bf16 matmuls are slow, so CPU stays fp32.
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def pretrained_kwargs(device: torch.device, dtype: torch.dtype) -> dict[str, object]:
+    """What ``from_pretrained`` is asked for: the weights straight onto ``device`` in
+    ``dtype`` (``device_map``), never a whole float32 copy in host memory first (16 GB
+    of RAM for an 8B model before ``.to(device)``)."""
+    return {"dtype": dtype, "device_map": device, "low_cpu_mem_usage": True}
 
 
 def _eos_from(model: torch.nn.Module, tokenizer: object) -> tuple[int, ...]:
@@ -123,8 +134,9 @@ def _eos_from(model: torch.nn.Module, tokenizer: object) -> tuple[int, ...]:
 
 def _finish(model: torch.nn.Module, tokenizer: object, name: str, device: torch.device,
             dtype: torch.dtype) -> LoadedModel:
-    model = model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()   # a no-op for weights loaded there already
     model.requires_grad_(False)
+    head32(model)   # the float32 head, made now: the memory budget, measured after loading, leaves it out
     cfg = model.config
     max_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
     vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -216,15 +228,16 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "models" / f"{gguf.stem}-{key}"
 
 
-def _load_gguf(gguf: Path):
+def _load_gguf(gguf: Path, device: torch.device, dtype: torch.dtype):
     """Dequantise a GGUF once (slow: ~20 s for SmolLM2 on 2 cores), then load the
-    cached safetensors copy on later starts."""
+    cached safetensors copy on later starts, straight onto ``device`` in ``dtype``
+    (the first start dequantises on the CPU in float32, as the cache stores it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = _gguf_cache_dir(gguf)
     if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
         try:
-            model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(target, **pretrained_kwargs(device, dtype))
             return model, AutoTokenizer.from_pretrained(target)
         except Exception as exc:  # a corrupt cache must not brick the server
             log.warning("cached model at %s unusable (%s); re-dequantising", target, exc)
@@ -305,10 +318,10 @@ def load_model(model_id: str | None = None, *, gguf: str | None = None, device: 
     model_id = model_id or EMBEDDED_ID
     if gguf:
         path = Path(gguf)
-        model, tok = _load_gguf(path)
+        model, tok = _load_gguf(path, dev, dt)
         return _finish(model, tok, model_id if model_id != EMBEDDED_ID else path.stem, dev, dt)
     if model_id == EMBEDDED_ID:
-        model, tok = _load_gguf(embedded_gguf_path())
+        model, tok = _load_gguf(embedded_gguf_path(), dev, dt)
         return _finish(model, _with_chatml(tok), EMBEDDED_NAME, dev, dt)
     if model_id in TINY_IDS:
         model, tok = tiny_model(model_id.split(":", 1)[1]), byte_tokenizer()
@@ -318,5 +331,5 @@ def load_model(model_id: str | None = None, *, gguf: str | None = None, device: 
         return _finish(random_model(model_id, dev, dt), load_tokenizer(EMBEDDED_ID), model_id, dev, dt)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dt)
+    model = AutoModelForCausalLM.from_pretrained(model_id, **pretrained_kwargs(dev, dt))
     return _finish(model, AutoTokenizer.from_pretrained(model_id), model_id, dev, dt)

@@ -30,6 +30,7 @@ from gen_service.engine import Cancelled, Engine
 from gen_service.errors import ApiError, ConfigError, RequestTimeout, invalid
 from gen_service.memory import MemoryGate, RequestTooLarge
 from gen_service.models import context_question_ids
+from gen_service.press_traits import wants_eager
 from gen_service.presses import ModelInfo, PolicyError
 from gen_service.requests import MAX_CANDIDATES, Message, RequestLimits
 
@@ -407,6 +408,19 @@ class Service:
             self.memory.admit(rows, prompt_tokens, horizon, kind, candidates, sides)
         except RequestTooLarge as exc:
             raise invalid("replicates", str(exc)) from exc
+
+    def check_generate_memory(self, prompt_tokens: int, new_tokens: int, policy_id: str,
+                              prompt_logprobs: bool = False, field: str = "inputs") -> None:
+        """422 on ``field`` when a plain generation can never fit the memory budget: its
+        cache, its prefill (eager attention for a press scoring with the attention
+        weights) and, with ``prompt_logprobs``, the prompt's (L, V) float32 logits
+        (gen_service/memory.py :func:`~gen_service.memory.estimate_generate`). The policy
+        is already checked by :meth:`check_policy`."""
+        plan = self.engine.registry.build(policy_id, self.model_info).plan(prompt_tokens)
+        try:
+            self.memory.admit_generate(prompt_tokens, new_tokens, wants_eager(plan.press), prompt_logprobs)
+        except RequestTooLarge as exc:
+            raise invalid(field, str(exc)) from exc
 
     def check_policy(self, field: str, policy_id: str, prompt_len: int) -> None:
         """Build the policy for this prompt through the registry so a bad id is a 422

@@ -222,3 +222,100 @@ def test_http_refuses_a_per_row_candidate_the_old_estimate_admitted():
         r = client.post("/v1/traces", json={**body, "kind": "coupled", "candidate": DECODING})
         assert r.status_code == 422
         assert f"candidate ({DECODING}) keeps per-row copies" in r.json()["error"]
+
+
+# ------------------------------------------------- eager prefill, prompt log-probabilities
+
+def _wide_vocab_model(path) -> str:
+    """A 2-layer model with an 8192-token untied head, saved where load_model reads it:
+    its (L, V) logits dominate a prompt_logprobs request."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from gen_service.models import byte_tokenizer
+
+    config = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_estimate_bounds_the_measured_peak_of_an_eager_prefill(dtype):
+    """h2o (ObservedAttention) prefills under eager attention: one layer's L x L float32
+    scores at once, which the old estimate (a tiled block) left out."""
+    engine = Engine(load_model("tiny:llama", dtype=dtype))
+    gate = MemoryGate.for_engine(engine, 1 << 40)
+    R, T, ids = 4, 4, [10 + i % 300 for i in range(1024)]
+    job = TraceJob(prompt_ids=ids, candidate="h2o@0.5", horizon=T, replicates=R, seed=0)
+    peak = _peak_bytes(lambda: list(engine.trace(job)))
+    side = _describe(gate, engine, "h2o@0.5", len(ids), "coupled")
+    assert side.q.eager and not side.p.eager
+    est = gate.estimate(R, len(ids), T, sides=[side])
+    assert peak <= est.total, f"measured {peak} B > estimate {est.describe()}"
+    assert peak > gate.estimate(R, len(ids), T).total     # SDPA's tiled block did not bound it
+
+
+def test_eager_and_prompt_logprobs_terms_scale_as_l2_and_lv():
+    from gen_service.memory import eager_attention_bytes, prompt_logprobs_bytes
+
+    big = ModelShape(layers=32, q_heads=32, kv_heads=8, head_dim=128, hidden=4096, intermediate=14336,
+                     vocab=128256, dtype_bytes=2)
+    for L in (2048, 4096):
+        assert eager_attention_bytes(big, 2 * L) == 4 * eager_attention_bytes(big, L)
+        assert prompt_logprobs_bytes(big, 2 * L) == 2 * prompt_logprobs_bytes(big, L)
+    assert eager_attention_bytes(big, 4096) >= 32 * 4096 ** 2 * 4                 # the float32 softmax
+    assert prompt_logprobs_bytes(big, 4096) >= 2 * 4096 * 128256 * 4              # logits + log-softmax
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_estimate_bounds_the_measured_peak_of_prompt_logprobs(tmp_path, dtype):
+    from gen_service.memory import estimate_generate, prompt_logprobs_bytes
+
+    engine = Engine(load_model(_wide_vocab_model(tmp_path), device="cpu", dtype=dtype))
+    gate = MemoryGate.for_engine(engine, 1 << 40)
+    peaks = {}
+    for L in (256, 512):
+        ids = [10 + i % 200 for i in range(L)]
+        peaks[L] = _peak_bytes(lambda ids=ids: engine.prompt_logprobs(ids))
+        assert peaks[L] <= prompt_logprobs_bytes(gate.shape, L) <= estimate_generate(
+            gate.shape, L, 1, prompt_logprobs=True).total
+        assert peaks[L] >= 2 * L * gate.shape.vocab * 4                    # the term is really there
+    assert 1.9 < peaks[512] / peaks[256] < 2.1                             # linear in L
+
+
+def test_http_refuses_prompt_logprobs_and_eager_prefill_that_never_fit(tmp_path):
+    from starlette.testclient import TestClient
+
+    from gen_service.memory import estimate_generate
+    from gen_service.server_cli import build_service
+
+    app, service = build_service(_wide_vocab_model(tmp_path), memory_budget=1 << 30)
+    text = "hello there, " * 25
+    L = len(service.encode(text))
+    shape = service.memory.shape
+    service.memory.budget = estimate_generate(shape, L, 4).total
+    assert estimate_generate(shape, L, 4, prompt_logprobs=True).total > service.memory.budget
+    body = {"inputs": text, "parameters": {"max_new_tokens": 4, "details": True}}
+    with TestClient(app) as client:
+        assert client.post("/generate", json=body).status_code == 200
+        body["parameters"]["decoder_input_details"] = True
+        r = client.post("/generate", json=body)
+        assert r.status_code == 422
+        msg = r.json()["error"]
+        assert "decoder_input_details" in msg and "log-probabilities" in msg and f"{shape.vocab} float32" in msg
+        # a trace whose candidate prefills under eager attention, refused naming it
+        # a trace whose candidate prefills under eager attention, at a budget the estimate
+        # without eager attention admits: refused, naming it
+        long = text * 4
+        gate, L = service.memory, len(service.encode(long))
+        gate.budget = gate.estimate(2, L, 4).total
+        trace = {"inputs": long, "replicates": 2, "parameters": {"max_new_tokens": 4}}
+        assert client.post("/v1/traces", json={**trace, "candidate": "snapkv@0.5"}).status_code == 200
+        r = client.post("/v1/traces", json={**trace, "candidate": "h2o@0.5"})
+        assert r.status_code == 422
+        assert "h2o@0.5 prefills under eager attention" in r.json()["error"]

@@ -31,8 +31,12 @@ def _trace(engine, **kw):
 
 
 def test_bf16_full_against_full_has_zero_tv():
+    # P's and Q's forwards apart: the same computation twice. Fused into one batch they
+    # may round differently (other kernel shapes), and the float32 logits show it.
     for shared in (True, False):
-        recs = _trace(_engine("random:llama-1b", shared=shared), candidate="full", horizon=16, replicates=32)
+        engine = _engine("random:llama-1b", shared=shared)
+        engine.fuse = "off"
+        recs = _trace(engine, candidate="full", horizon=16, replicates=32)
         steps = [r for r in recs if r["type"] == "step"]
         assert all(tv == 0.0 for r in steps for tv in r["tv"])
         assert all(r["x_token"] == r["y_token"] for r in steps)

@@ -15,6 +15,7 @@ import torch
 
 from gen_service.engine.sides import Forward, Side, cache_lengths
 from gen_service.head_masks import HIDDEN_ATTR, indices_to_mask, pad
+from gen_service.logits import logits as fp32_logits
 from gen_service.shared_cache import StackedPromptCache, attention_route
 
 __all__ = ["attention_layers", "eager_attention", "masked_attention", "run_side", "run_stacked", "side_applied"]
@@ -28,12 +29,13 @@ def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 @torch.inference_mode()
 def run_side(model: torch.nn.Module, side: Side, tokens: torch.Tensor, positions: torch.Tensor,
              mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
-    """One forward of ``side`` over (rows, n) tokens -> (rows, V) float logits of the
-    last one, with that side's head masks and decoding hooks in place."""
+    """One forward of ``side`` over (rows, n) tokens -> (rows, V) float32 logits of the
+    last one (:func:`gen_service.logits.logits`: the final norm and the head in float32),
+    with that side's head masks and decoding hooks in place."""
     with side_applied(model, side, tokens.shape[1]), attention_route(model, side.cache, mask) as (mask, kw):
-        out = model(input_ids=tokens, past_key_values=side.cache, position_ids=positions,
-                    attention_mask=mask, use_cache=True, logits_to_keep=logits_to_keep, **kw)
-    return out.logits[:, -1].float()
+        out = fp32_logits(model, logits_to_keep, input_ids=tokens, past_key_values=side.cache,
+                          position_ids=positions, attention_mask=mask, use_cache=True, **kw)
+    return out[:, -1]
 
 
 @torch.inference_mode()
@@ -43,9 +45,9 @@ def run_stacked(model: torch.nn.Module, forwards: list[Forward]) -> list[torch.T
     tokens = torch.cat([f.tokens for f in forwards])[:, None]
     positions = torch.cat([f.positions for f in forwards])[:, None]
     with attention_route(model, stack, None) as (_, kw):
-        out = model(input_ids=tokens, past_key_values=stack, position_ids=positions, use_cache=True,
-                    logits_to_keep=0, **kw)
-    return list(out.logits[:, -1].float().split([f.tokens.shape[0] for f in forwards]))
+        out = fp32_logits(model, 0, input_ids=tokens, past_key_values=stack, position_ids=positions,
+                          use_cache=True, **kw)
+    return list(out[:, -1].split([f.tokens.shape[0] for f in forwards]))
 
 
 @contextmanager

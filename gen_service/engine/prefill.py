@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from gen_service.engine.forwards import attention_layers, eager_attention, run_side
 from gen_service.engine.sides import Prefilled, Side, cache_lengths
 from gen_service.head_masks import indices_to_mask
+from gen_service.logits import logits as fp32_logits
 from gen_service.press_traits import wants_eager
 from gen_service.presses import Policy, PressPlan
 
@@ -36,8 +37,8 @@ def prefill(model: torch.nn.Module, policy: Policy, prompt_ids: list[int],
     positions = torch.arange(len(prompt_ids), device=device)[None]
     press = plan.press  # a decoding-only press's hooks do nothing during prefill
     with eager_attention(model, wants_eager(press)), (press(model) if press is not None else nullcontext()):
-        out = model(input_ids=ids, past_key_values=cache, position_ids=positions, logits_to_keep=1)
-    return _finish(model, plan, cache, out.logits[:, -1].float(), len(prompt_ids), question_ids)
+        out = fp32_logits(model, 1, input_ids=ids, past_key_values=cache, position_ids=positions)
+    return _finish(model, plan, cache, out[:, -1], len(prompt_ids), question_ids)
 
 
 def _finish(model: torch.nn.Module, plan: PressPlan, cache: DynamicCache, logits: torch.Tensor, context_len: int,

@@ -11,6 +11,7 @@ from gen_service.coupling import Sampling, probs
 from gen_service.engine.context import history
 from gen_service.engine.jobs import check
 from gen_service.engine.sides import Prefilled, Side
+from gen_service.logits import logits as fp32_logits
 
 __all__ = ["generate", "prompt_logprobs"]
 
@@ -60,10 +61,13 @@ def _item(logits: torch.Tensor, tid: int, top_n: int) -> dict[str, Any]:
 
 @torch.inference_mode()
 def prompt_logprobs(model: torch.nn.Module, prompt_ids: list[int]) -> list[float | None]:
-    """Log-probabilities of each prompt token under the full model (TGI prefill details)."""
+    """Log-probabilities of each prompt token under the full model (TGI prefill details), from
+    float32 logits (:func:`gen_service.logits.logits`); no cache is kept. Its peak memory,
+    the (L, V) float32 logits and their log-softmax, is admitted by
+    :func:`gen_service.memory.prompt_logprobs_bytes`."""
     ids = torch.tensor([prompt_ids], device=model.device)
-    logits = model(input_ids=ids).logits[0].float().log_softmax(-1)
+    lp = fp32_logits(model, 0, input_ids=ids, use_cache=False)[0].log_softmax(-1)
     lps: list[float | None] = [None]
-    lps += logits[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+    lps += lp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
     return lps
 

@@ -1,0 +1,121 @@
+"""Logits in float32 whatever the weights' dtype (gen_service/logits.py), and weights
+loaded straight onto the device in the serving dtype (gen_service/models.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gen_service.coupling import Sampling
+from gen_service.engine import Engine, TraceJob
+from gen_service.logits import extra_bytes, head32, logits
+from gen_service.models import byte_tokenizer, load_model, pretrained_kwargs, tiny_model
+
+IDS = [1, 40, 77, 3, 100, 200, 13, 9, 250, 31, 64, 2, 120, 18]
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    return load_model("tiny:llama", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    return load_model("tiny:llama", device="cpu", dtype="bfloat16")
+
+
+def _prenorm(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the final norm's input, the model's own logits) of one forward, bf16 as the model computes them."""
+    seen = {}
+    hook = model.model.norm.register_forward_hook(lambda m, a, o: seen.setdefault("h", a[0]))
+    try:
+        with torch.inference_mode():
+            out = model(**inputs).logits
+    finally:
+        hook.remove()
+    return seen["h"], out
+
+
+def _reference(model: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The last layer (RMSNorm + head) of the same weights in float64."""
+    norm, head = model.model.norm, model.lm_head
+    x = h.double()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight.double()
+    return x @ head.weight.double().T
+
+
+def test_fp32_model_logits_bit_identical_to_the_models_own(fp32):
+    model, x = fp32.model, torch.tensor([IDS])
+    with torch.inference_mode():
+        for keep in (0, 1, 3):
+            assert torch.equal(logits(model, keep, input_ids=x), model(input_ids=x, logits_to_keep=keep).logits)
+    assert extra_bytes(model) == 0
+    assert head32(model).weight.data_ptr() == model.lm_head.weight.data_ptr()   # no copy
+    assert head32(model).norm is None
+
+
+def test_bf16_logits_are_the_float32_last_layer_of_the_same_weights(bf16):
+    model, x = bf16.model, torch.tensor([IDS])
+    h, own = _prenorm(model, input_ids=x)
+    ref = _reference(model, h)
+    with torch.inference_mode():
+        ours = logits(model, 0, input_ids=x)
+    assert ours.dtype == torch.float32 and h.dtype == torch.bfloat16
+    err = (ours.double() - ref).abs().max().item()
+    bf16_err = (own.double() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= 1e-5 * scale                     # float32 rounding
+    assert bf16_err > 100 * err                    # the model's own bf16 logits are rounded
+    # TV from the rounded logits is not zero; from ours it is float32 noise
+    p = ref.softmax(-1)
+    assert 0.5 * (own.double().softmax(-1) - p).abs().sum(-1).max() > 1e-4
+    assert 0.5 * (ours.double().softmax(-1) - p).abs().sum(-1).max() < 1e-6
+
+
+def test_bf16_head_is_copied_once_and_counted(bf16):
+    model = bf16.model
+    made = head32(model)
+    assert made is head32(model)                   # cached, built when the model was loaded
+    V, H = model.lm_head.weight.shape
+    assert made.weight.dtype == torch.float32 and torch.equal(made.weight, model.lm_head.weight.float())
+    assert extra_bytes(model) == V * H * 4 + H * 4  # the head and the final norm's weight
+
+
+def test_engine_paths_give_float32_logits_in_bf16(bf16):
+    """Prefill, a decoding step, stacked and fused forwards and prompt log-probabilities:
+    all from the float32 last layer."""
+    engine = Engine(bf16)
+    reg = engine.registry
+    model, x = bf16.model, torch.tensor([IDS])
+    h, _ = _prenorm(model, input_ids=x)
+    ref = _reference(model, h)[0]
+    pre = engine.prefill(reg.build("full"), IDS)
+    assert pre.logits.dtype == torch.float32
+    assert (pre.logits[0].double() - ref[-1]).abs().max() <= 1e-5 * ref.abs().max()
+    lps = engine.prompt_logprobs(IDS)
+    want = ref.log_softmax(-1)[:-1].gather(-1, torch.tensor(IDS[1:])[:, None]).squeeze(-1)
+    assert max(abs(a - b) for a, b in zip(lps[1:], want.tolist(), strict=True)) < 1e-5
+    # full vs full on bf16 weights: exactly 0 with P's and Q's forwards apart; fused into
+    # one batch, float32 rounding (as for a float32 model, docs/service.md)
+    for fuse, tol in (("off", 0.0), ("on", 1e-5)):
+        job = TraceJob(prompt_ids=IDS, candidate="full", horizon=4, replicates=3, seed=0, sampling=Sampling())
+        engine.fuse = fuse
+        recs = [r for r in engine.trace(job) if r.get("type") == "step"]
+        assert recs and all(tv <= tol for r in recs for tv in r["tv"])
+    job = TraceJob(prompt_ids=IDS, candidate="snapkv@0.5", candidates=["snapkv@0.5", "streaming@0.5"], horizon=3,
+                   replicates=2, seed=0, seeds=[1, 2], sampling=Sampling())   # stacked candidates' forwards
+    assert any(r.get("type") == "step" for r in engine.trace(job))
+
+
+def test_pretrained_weights_go_straight_to_the_device_in_the_serving_dtype(tmp_path, fp32):
+    kw = pretrained_kwargs(torch.device("cpu"), torch.bfloat16)
+    assert kw["device_map"] == torch.device("cpu") and kw["dtype"] is torch.bfloat16
+    tiny_model("llama").save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), device="cpu", dtype="bfloat16")
+    assert {(p.dtype, p.device.type) for p in lm.model.parameters()} == {(torch.bfloat16, "cpu")}
+    assert lm.dtype is torch.bfloat16 and head32(lm.model).weight.dtype == torch.float32
+    # CPU float32 as before: the same weights bit for bit as the model built in memory
+    again = load_model(str(tmp_path), device="cpu", dtype="float32")
+    for (name, a), b in zip(again.model.state_dict().items(), fp32.model.state_dict().values(), strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b), name
