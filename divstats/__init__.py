@@ -19,6 +19,7 @@ from divstats.estimation.components import variance_components
 from divstats.estimation.curves import branch_tv, branch_tv_window, survival
 from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
 from divstats.estimation.interval import interval_by_window, sharp_interval
+from divstats.estimation.noise_floor import noise_floor
 from divstats.estimation.variance import variance_check
 from divstats.inference.decompose import DecompositionResult, decompose
 from divstats.inference.paired import holm, paired_test
@@ -32,8 +33,8 @@ __all__ = [
     "DecompositionResult", "DivstatsError", "ExactResult", "NotIdentified", "OutputError", "Plan", "PlanError",
     "PlanResult", "aggregate", "aggregate_intervals", "analyze", "assign_split", "branch_tv", "branch_tv_window",
     "decompose", "design", "estimate", "exact", "extremal_kernels", "holm", "interval_by_window", "load_plan",
-    "paired_test", "power", "run_plan", "shipped_plan", "shipped_plans", "sharp_interval", "simulate", "survival",
-    "variance_check", "variance_components",
+    "noise_floor", "paired_test", "power", "run_plan", "shipped_plan", "shipped_plans", "sharp_interval", "simulate",
+    "survival", "variance_check", "variance_components",
 ]
 
 
