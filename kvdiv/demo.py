@@ -72,7 +72,7 @@ class DemoConfig:
     progress: bool = True
     server_timeout_s: float = 900.0
     #: Collect the numerical control (``full`` as a candidate, ``kvdiv collect --control``): one more
-    #: candidate in each document's request, about +15% collection time (docs/report.md, "Noise floor").
+    #: candidate in each document's request, about +25% collection time (docs/collector.md, "The control").
     control: bool = True
 
     def sizes(self) -> dict[str, Any]:

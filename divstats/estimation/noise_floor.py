@@ -48,7 +48,25 @@ _TV_VARS = ("tv", "shared_tv")
 
 
 def control_policy(ds: xr.Dataset) -> str | None:
-    """The traces' control policy: the ``control_policy`` attr (``kvdiv pack``), else ``full`` if present."""
+    """The traces' control policy: the ``control_policy`` attr (``kvdiv pack``), else ``full`` if present.
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Trace dataset.
+
+    Returns
+    -------
+    str or None
+        The control's policy id; None when the traces hold no control.
+
+    Examples
+    --------
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(3, {"full": PolicyEffect(0.0), "a": PolicyEffect(0.3)}, horizon=6, replicates=3)
+    >>> control_policy(ds), control_policy(ds.sel(policy=["a"]))
+    ('full', None)
+    """
     policies = {str(p) for p in ds["policy"].values} if "policy" in ds.coords else set()
     named = ds.attrs.get("control_policy")
     if isinstance(named, str) and named in policies:
@@ -61,6 +79,23 @@ def max_tv(ds: xr.Dataset) -> xr.DataArray:
 
     Over replicates and steps of ``tv`` (coupled) or ``shared_tv`` (residual: the survival
     path, up to divergence); NaN where none is observed (reference traces).
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Trace dataset (any kind).
+
+    Returns
+    -------
+    xarray.DataArray
+        ``max_tv`` over (doc, policy[, model]).
+
+    Examples
+    --------
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(3, {"full": PolicyEffect(0.0), "a": PolicyEffect(0.3)}, horizon=6, replicates=3)
+    >>> float(max_tv(ds).sel(policy="full").max())
+    0.0
     """
     parts = [ds[v].max([d for d in ds[v].dims if d not in ("doc", "policy", "model")], skipna=True)
              for v in _TV_VARS if v in ds.data_vars]
@@ -148,7 +183,27 @@ def noise_floor(ds: xr.Dataset, *, control: str | None = None, window: int | Non
 
 def floor_level(nf: xr.Dataset, metric: str) -> xr.DataArray:
     """One noise-floor unit of ``metric``: the control's upper interval end where there is one, else its
-    aggregate + 1.96 SE (below the interval's minimum number of documents), and for ``max_tv`` the max."""
+    aggregate + 1.96 SE (below the interval's minimum number of documents), and for ``max_tv`` the max.
+
+    Parameters
+    ----------
+    nf : xarray.Dataset
+        :func:`noise_floor`'s output (with a control).
+    metric : str
+        One of :data:`NOISE_FLOOR_METRICS`.
+
+    Returns
+    -------
+    xarray.DataArray
+        The floor (a scalar, or over ``model``).
+
+    Examples
+    --------
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(3, {"full": PolicyEffect(0.0), "a": PolicyEffect(0.3)}, horizon=6, replicates=3)
+    >>> float(floor_level(noise_floor(ds, n_resamples=99), "occurrence"))
+    0.0
+    """
     point = nf["aggregate_" + metric]
     if metric == "max_tv":
         return point
@@ -176,6 +231,15 @@ def compare_to_floor(agg: xr.Dataset, nf: xr.Dataset) -> list[dict]:
         the floor is 0 and the value is not) and ``<m>_within`` (value <= factor × floor;
         False where the value is NaN, e.g. not identified). ``within`` lists the metrics
         within the floor. Empty without a control.
+
+    Examples
+    --------
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(3, {"full": PolicyEffect(0.0), "a": PolicyEffect(0.3)}, horizon=6, replicates=3)
+    >>> from divstats.estimation.estimators import aggregate, estimate
+    >>> rows = compare_to_floor(aggregate(estimate(ds)), noise_floor(ds, n_resamples=99))
+    >>> [r["policy"] for r in rows], rows[0]["occurrence_floor"]
+    (['a'], 0.0)
     """
     control = nf.attrs.get("control") or None
     if control is None:
@@ -207,7 +271,25 @@ def compare_to_floor(agg: xr.Dataset, nf: xr.Dataset) -> list[dict]:
 
 
 def floor_warnings(rows: Sequence[dict], factor: float = NOISE_FLOOR_FACTOR) -> list[str]:
-    """One warning per policy (and model) whose divergence is within ``factor`` noise-floor units."""
+    """One warning per policy (and model) whose divergence is within ``factor`` noise-floor units.
+
+    Parameters
+    ----------
+    rows : sequence of dict
+        :func:`compare_to_floor`'s rows.
+    factor : float
+        The factor the rows were compared with (named in the text).
+
+    Returns
+    -------
+    list of str
+        The warnings (the report's notes).
+
+    Examples
+    --------
+    >>> floor_warnings([{"policy": "b", "model": None, "within": ["occurrence"]}])[0][:40]
+    "Noise floor: b's occurrence within 3× th"
+    """
     out = []
     for r in rows:
         if r["within"]:

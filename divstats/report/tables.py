@@ -412,7 +412,28 @@ __all__ += ["noise_floor_rows", "noise_floor_status"]  # noqa: PLE0605
 
 
 def noise_floor_status(an: Analysis) -> str:
-    """The noise-floor section's first line: which control, how the floor is read, or that there is none."""
+    """The noise-floor section's first line: which control, how the floor is read, or that there is none.
+
+    Parameters
+    ----------
+    an : Analysis
+        A computed analysis.
+
+    Returns
+    -------
+    str
+        The sentence (:data:`~divstats.estimation.noise_floor.NO_CONTROL` without a control).
+
+    Examples
+    --------
+    >>> from divstats.report.analysis import compute
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "full": PolicyEffect(0.0)}, horizon=6, replicates=3)
+    >>> an = compute(ds, n_resamples=99, progress=False)
+    >>> noise_floor_status(an)[:16], noise_floor_status(compute(ds.sel(policy=["a"]), n_resamples=99,
+    ...                                                          progress=False))[:21]
+    ("The control 'ful", 'no control collected ')
+    """
     nf = an.noise_floor
     if nf is None or not nf.attrs.get("control"):
         return NO_CONTROL
@@ -427,7 +448,26 @@ def noise_floor_status(an: Analysis) -> str:
 def noise_floor_rows(an: Analysis) -> list[dict[str, str]]:
     """The control's floor (first row) and each policy beside it, in noise-floor units, with ⚠ where within.
 
-    Empty when the traces hold no control (:func:`noise_floor_status` says so).
+    Parameters
+    ----------
+    an : Analysis
+        A computed analysis.
+
+    Returns
+    -------
+    list of dict
+        ``model`` (when several), ``policy``, occurrence, max_tv, mismatch_fraction and
+        ``within the floor``; empty when the traces hold no control (:func:`noise_floor_status`
+        says so).
+
+    Examples
+    --------
+    >>> from divstats.report.analysis import compute
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "full": PolicyEffect(0.0)}, horizon=6, replicates=3)
+    >>> an = compute(ds, n_resamples=99, progress=False)
+    >>> [r["policy"] for r in noise_floor_rows(an)]
+    ['full (control)', 'a']
     """
     nf = an.noise_floor
     if nf is None or not nf.attrs.get("control"):
