@@ -354,6 +354,8 @@ def pack_to(run_dir: str | Path, out: str | Path, *, append: bool = False, overw
     kept = _existing_documents(out, run) if append else set()
     pieces = run.pieces(drop_incomplete=drop_incomplete, progress=progress, skip=kept)
     first = next(pieces, None)  # checks and gaps fail here, before any file is touched
+    if first is not None and append:
+        _check_appended_numerics(out, run, first.attrs.get("numerics"), allow_mixed_numerics)
     written = 0
     if first is not None:
         try:
@@ -426,6 +428,7 @@ def _existing_documents(out: Path, run: _Run) -> set[str]:
     try:
         ids = {str(d) for d in existing["doc"].values} if "doc" in existing.coords else set()
         theirs = existing.attrs.get("collection")
+        run.existing_numerics = existing.attrs.get("numerics")
     finally:
         existing.close()
     if not isinstance(theirs, str) or not ids:
@@ -436,6 +439,16 @@ def _existing_documents(out: Path, run: _Run) -> set[str]:
         raise PackError(f"{out} holds another collection's traces ({'; '.join(diffs) or 'different parameters'}); "
                         "--append adds documents of the run it was packed from only")
     return ids
+
+
+def _check_appended_numerics(out: Path, run: _Run, ours: Any, allow_mixed: bool) -> None:
+    """Documents appended to a file packed earlier must have its numerics (unless allowed to mix)."""
+    theirs = getattr(run, "existing_numerics", None)
+    if allow_mixed or theirs is None or theirs == ours:
+        return
+    raise PackError(f"{out} holds traces with numerics {theirs}, the documents to append {ours}; divergences "
+                    "under different numerics are not comparable. Pack into a new file, or pass "
+                    "--allow-mixed-numerics")
 
 
 def _param_diffs(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:

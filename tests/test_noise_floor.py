@@ -189,3 +189,27 @@ def test_plan_may_not_name_the_control() -> None:
     plan = {"plan": {"name": "p", "salt": "s"}, "hypothesis": [hyp]}
     with pytest.raises(PlanError, match="numerical control"):
         compute(ds, plan, n_resamples=99, progress=False)
+
+
+@pytest.mark.service
+def test_append_refuses_documents_with_other_numerics(server, docs_file: Path, tmp_path: Path) -> None:
+    from collector.collect import collect
+    from collector.pack import pack_to
+
+    run, out = tmp_path / "run", tmp_path / "t.nc"
+    try:
+        server.service.engine.fuse = "off"
+        assert collect(_cfg(server.url, docs_file, run)).ok
+        files = sorted((run / "requests").glob("*.ndjson"))
+        last_doc = [p for p in files if p.name.startswith(files[-1].name.split("--")[0] + "--")]
+        assert 0 < len(last_doc) < len(files)
+        for p in last_doc:
+            p.unlink()
+        assert pack_to(run, out, drop_incomplete=True, progress=False).written == 1
+        server.service.engine.fuse = "on"
+        assert collect(_cfg(server.url, docs_file, run)).ok
+    finally:
+        server.service.engine.fuse = "auto"
+    with pytest.raises(PackError, match="numerics"):
+        pack_to(run, out, append=True, progress=False)
+    assert pack_to(run, out, append=True, progress=False, allow_mixed_numerics=True).written == 1
