@@ -32,8 +32,8 @@ CONTROL_POLICY = "full"
 #: What a report says when the traces hold no control.
 NO_CONTROL = "no control collected (run `kvdiv collect --control` to measure the numerical noise floor)"
 
-#: A policy's effect within this many noise-floor units is flagged: the control's upper
-#: interval end (or its point + 1.96 SE) is itself an estimate, and batch-shape noise
+#: A policy's effect within this many noise-floor units is flagged: the unit (the control's
+#: estimate + 1.96 SE over documents, :func:`floor_level`) is itself an estimate, and batch-shape noise
 #: differs between the control's rows and a candidate's, so an effect must clear the
 #: floor by a margin, not just exceed it, before it is read as the policy's.
 NOISE_FLOOR_FACTOR = 3.0
@@ -169,6 +169,7 @@ def noise_floor(ds: xr.Dataset, *, control: str | None = None, window: int | Non
         out[m + "_se"] = est[m + "_se"].sel(policy=control, drop=True)
         out["aggregate_" + m] = agg[m].sel(policy=control, drop=True)
         out["aggregate_" + m + "_se"] = agg[m + "_se"].sel(policy=control, drop=True)
+        out["aggregate_" + m + "_sd_docs"] = agg[m + "_sd_docs"].sel(policy=control, drop=True)
         out["aggregate_" + m + "_low"] = ci[m + "_low"].sel(policy=control, drop=True)
         out["aggregate_" + m + "_high"] = ci[m + "_high"].sel(policy=control, drop=True)
     out["max_tv"] = tv
@@ -177,13 +178,18 @@ def noise_floor(ds: xr.Dataset, *, control: str | None = None, window: int | Non
     out["policy_max_tv"] = all_tv.sel(policy=keep).rename({"policy": "compared_policy"})
     for m in NOISE_FLOOR_METRICS:
         out["floor_" + m] = floor_level(out, m).assign_attrs(
-            description=f"the noise floor of {m}: the control's upper interval end, else point + 1.96 SE")
+            description=f"one noise-floor unit of {m}: the control's aggregate + 1.96 SE over documents")
     return out.drop_vars([c for c in out.coords if c not in out.dims])
 
 
 def floor_level(nf: xr.Dataset, metric: str) -> xr.DataArray:
-    """One noise-floor unit of ``metric``: the control's upper interval end where there is one, else its
-    aggregate + 1.96 SE (below the interval's minimum number of documents), and for ``max_tv`` the max.
+    """One noise-floor unit of ``metric``: the control's aggregate + 1.96 × its standard error over
+    documents (SD across documents / √n; the Monte Carlo SE with one document), and for ``max_tv``
+    its max.
+
+    The bootstrap interval is not used: on a control that is 0 on most documents it is
+    unstable (a hybrid-t interval can span [0, 1]), while the normal upper bound stays
+    near the estimate and is 0 exactly when the control never diverged.
 
     Parameters
     ----------
@@ -207,9 +213,9 @@ def floor_level(nf: xr.Dataset, metric: str) -> xr.DataArray:
     point = nf["aggregate_" + metric]
     if metric == "max_tv":
         return point
-    high = nf["aggregate_" + metric + "_high"]
-    fallback = point + 1.96 * nf["aggregate_" + metric + "_se"].fillna(0.0)
-    return high.where(np.isfinite(high), fallback)
+    n = nf.sizes.get("doc", 1)
+    se = nf["aggregate_" + metric + "_sd_docs"] / np.sqrt(n) if n > 1 else nf["aggregate_" + metric + "_se"]
+    return point + 1.96 * se.fillna(0.0)
 
 
 def compare_to_floor(agg: xr.Dataset, nf: xr.Dataset) -> list[dict]:

@@ -437,11 +437,10 @@ def noise_floor_status(an: Analysis) -> str:
     nf = an.noise_floor
     if nf is None or not nf.attrs.get("control"):
         return NO_CONTROL
-    reason = nf.attrs.get("interval_reason") or ""
-    how = "its upper interval end" if not reason else "its estimate + 1.96 SE (intervals refused: too few documents)"
     return (f"The control {nf.attrs['control']!r} is the full-cache model as a candidate, run in the same requests, "
             "batches and fused forwards as the others: every divergence it shows is numerical. One noise-floor "
-            f"unit is {how} (max TV: its largest); a policy within {NOISE_FLOOR_FACTOR:g} units "
+            "unit is its estimate + 1.96 × its standard error over documents (max TV: its largest); a policy "
+            f"within {NOISE_FLOOR_FACTOR:g} units "
             "(NOISE_FLOOR_FACTOR) is flagged ⚠, since its effect cannot be told from numerics.")
 
 
@@ -467,7 +466,7 @@ def noise_floor_rows(an: Analysis) -> list[dict[str, str]]:
     >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "full": PolicyEffect(0.0)}, horizon=6, replicates=3)
     >>> an = compute(ds, n_resamples=99, progress=False)
     >>> [r["policy"] for r in noise_floor_rows(an)]
-    ['full (control)', 'a']
+    ['full (control)', 'one floor unit', 'a']
     """
     nf = an.noise_floor
     if nf is None or not nf.attrs.get("control"):
@@ -486,6 +485,11 @@ def noise_floor_rows(an: Analysis) -> list[dict[str, str]]:
                           f"{fmt_ci(nf['aggregate_' + q + '_low'].sel(sel), nf['aggregate_' + q + '_high'].sel(sel))}")
         row["within the floor"] = "(the floor)"
         rows.append(row)
+        unit = {"model": m} if m is not None else {}
+        unit["policy"] = "one floor unit"
+        unit.update({q: fmt(nf["floor_" + q].sel(sel)) for q in NOISE_FLOOR_METRICS})
+        unit["within the floor"] = f"(×{NOISE_FLOOR_FACTOR:g} flags)"
+        rows.append(unit)
     for r in compare_to_floor(an.aggregate, nf):
         row = {"model": r["model"]} if r["model"] is not None else {}
         row["policy"] = r["policy"]
