@@ -71,12 +71,16 @@ def _split_policies(value: str) -> list[str]:
 @click.option("--group-candidates/--no-group-candidates", default=True, show_default=True,
               help="Send a document's policies as one multi-candidate request to servers that support it "
                    "(same journal files).")
+@click.option("--control/--no-control", default=False, show_default=True,
+              help="Add the numerical control: the policy `full` (candidate = reference) in every document's "
+                   "request, batched and fused like the others; its divergence is the noise floor "
+                   "(docs/report.md).")
 def collect(servers: tuple[str, ...], servers_file: Path | None, wait_for_servers: float, docs_file: Path,
             policies: str, kind: str, replicates: int,
             max_new_tokens: int, window: int | None, temperature: float, top_k: int | None,
             top_p: float | None, seed: int, crn: bool, out: Path, api_key: str | None, concurrency: int,
             template: str, max_attempts: int, request_timeout: float, progress: bool,
-            group_candidates: bool) -> None:
+            group_candidates: bool, control: bool) -> None:
     """Collect traces for every (document, policy) into a resumable journal."""
     options = dict(locals())  # the command's options, before anything else is bound
     from collector.collect import collect as run_collect
@@ -100,13 +104,15 @@ def collect_config(*, servers: tuple[str, ...], servers_file: Path | None, wait_
                    policies: str, kind: str, replicates: int, max_new_tokens: int, window: int | None,
                    temperature: float, top_k: int | None, top_p: float | None, seed: int, crn: bool, out: Path,
                    api_key: str | None, concurrency: int, template: str, max_attempts: int, request_timeout: float,
-                   progress: bool, group_candidates: bool = True, **_: object) -> CollectConfig:
+                   progress: bool, group_candidates: bool = True, control: bool = False,
+                   **_: object) -> CollectConfig:
     """The :class:`collector.collect.CollectConfig` of ``kvdiv collect``'s options (also for ``kvdiv.adaptive``)."""
     from collector.config import CollectConfig, PoolConfig, RetryConfig, Sampling
 
     return CollectConfig(
         servers=list(servers), docs_file=docs_file, policies=_split_policies(policies), out=out, kind=kind,
         replicates=replicates, max_new_tokens=max_new_tokens, window=window, template=template, progress=progress,
+        control=control,
         sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, common_random_numbers=crn),
         retry=RetryConfig(max_attempts=max_attempts, request_timeout_s=request_timeout),
         pool=PoolConfig(servers_file=servers_file, concurrency=concurrency, api_key=api_key,
@@ -121,7 +127,11 @@ def collect_config(*, servers: tuple[str, ...], servers_file: Path | None, wait_
               help="Replace an existing --out, but only a traces file or store that kvdiv wrote.")
 @click.option("--append", is_flag=True,
               help="Add the run's documents that --out does not hold yet (packed earlier from the same run).")
-def pack(run_dir: Path, out: Path, drop_incomplete: bool, overwrite: bool, append: bool) -> None:
+@click.option("--allow-mixed-numerics", is_flag=True,
+              help="Pack traces whose numerics (dtype, fused or separate P+Q forwards, device) differ; "
+                   "refused by default, since their divergences are not comparable.")
+def pack(run_dir: Path, out: Path, drop_incomplete: bool, overwrite: bool, append: bool,
+         allow_mixed_numerics: bool) -> None:
     """Assemble a collection's complete requests into one validated traces file, document by document."""
     from collector.errors import CollectorError
     from collector.pack import pack_to
@@ -131,7 +141,8 @@ def pack(run_dir: Path, out: Path, drop_incomplete: bool, overwrite: bool, appen
             raise click.ClickException(f"{out}: the output must end in .nc or .zarr")
         if append and overwrite:
             raise click.ClickException("--append adds to --out and --overwrite replaces it: choose one")
-        result = pack_to(run_dir, out, append=append, overwrite=overwrite, drop_incomplete=drop_incomplete)
+        result = pack_to(run_dir, out, append=append, overwrite=overwrite, drop_incomplete=drop_incomplete,
+                         allow_mixed_numerics=allow_mixed_numerics)
     except CollectorError as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:

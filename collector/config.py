@@ -41,7 +41,10 @@ from collector.documents import TEMPLATES
 from collector.errors import ConfigError
 from protocols import WIRE_KINDS, Kind
 
-__all__ = ["CollectConfig", "PoolConfig", "RetryConfig", "RoundConfig", "Sampling"]
+__all__ = ["CONTROL_POLICY", "CollectConfig", "PoolConfig", "RetryConfig", "RoundConfig", "Sampling"]
+
+#: The numerical control's policy id: the candidate that is the reference (``collect --control``).
+CONTROL_POLICY = "full"
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,12 @@ class CollectConfig:
         Slots per server, authentication, the servers file, outages, grouping.
     round : RoundConfig
         The round of an adaptive collection (0: the first or only one).
+    control : bool
+        Also collect the numerical control: the policy ``full`` (candidate = reference)
+        is appended to ``policies``, so it runs in every document's grouped request
+        through the same batching, fusion and stacking as the real candidates. Its
+        divergence is the numerical noise floor (``divstats.noise_floor``); the
+        journal records ``control`` in its parameters.
 
     Raises
     ------
@@ -248,9 +257,13 @@ class CollectConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     round: RoundConfig = field(default_factory=RoundConfig)
+    control: bool = False
 
     def __post_init__(self) -> None:
         self.servers = [s.rstrip("/") for s in self.servers]
+        self.policies = list(self.policies)
+        if self.control and CONTROL_POLICY not in self.policies:
+            self.policies.append(CONTROL_POLICY)
         self.docs_file, self.out = Path(self.docs_file), Path(self.out)
         problems = self._problems()
         if problems:
@@ -337,6 +350,7 @@ class CollectConfig:
             "reference": "full",
             # only when on, so journals written before the option existed still resume
             **({"common_random_numbers": True} if s.common_random_numbers else {}),
+            **({"control": CONTROL_POLICY} if self.control else {}),
         }
 
     @property

@@ -15,6 +15,16 @@ A file that fails is named, with its problem, and nothing is written; rerunning
 
 An adaptive collection's later rounds (``rounds/<k>/``) are packed with round 0 along
 ``replicate``, with a ``round`` coordinate (``collector.rounds``).
+
+Traces are packed together only when their numerics agree: every header's
+:data:`NUMERICS` fields (weights dtype, fused or separate P+Q forwards, the fusion
+mode, the device type; docs/contract.md §3) must be the same, since a divergence
+measured under one set of numerics is not comparable with another's noise floor.
+A mix is refused naming the requests and fields that differ, unless
+``allow_mixed_numerics`` (``kvdiv pack --allow-mixed-numerics``). The dataset records
+them in the ``numerics`` attribute (JSON; ``"mixed"`` when allowed to differ) and,
+per (document, policy), in ``header_extra``. A run collected with ``--control`` gets
+the attribute ``control_policy = "full"``.
 """
 
 from __future__ import annotations
@@ -33,7 +43,42 @@ from collector.errors import CollectorError, PackError
 from collector.journal import DOCUMENTS, Journal
 from collector.rounds import RoundLayout, stack_rounds
 
-__all__ = ["PackError", "PackResult", "missing_requests", "pack_run", "pack_to", "save_dataset"]
+__all__ = ["NUMERICS", "PackError", "PackResult", "missing_requests", "numerics_of", "pack_run", "pack_to",
+           "save_dataset"]
+
+#: The header fields that decide a trace's floating-point numerics; pack refuses a mix.
+NUMERICS: tuple[str, ...] = ("dtype", "fused", "fuse", "device")
+
+
+def numerics_of(header: Mapping[str, Any]) -> dict[str, Any]:
+    """A header's :data:`NUMERICS` fields (absent ones as None)."""
+    return {k: header.get(k) for k in NUMERICS}
+
+
+class _NumericsCheck:
+    """The first request seen with each set of numerics; a second set is refused (unless allowed)."""
+
+    def __init__(self, allow_mixed: bool) -> None:
+        self.allow_mixed = allow_mixed
+        self.seen: dict[str, tuple[str, dict[str, Any]]] = {}   # JSON of numerics -> (first request, numerics)
+
+    def add(self, where: str, header: Mapping[str, Any]) -> None:
+        num = numerics_of(header)
+        key = json.dumps(num, sort_keys=True)
+        if key in self.seen:
+            return
+        self.seen[key] = (where, num)
+        if len(self.seen) > 1 and not self.allow_mixed:
+            (first, a), (second, b) = list(self.seen.values())[:2]
+            fields = ", ".join(f"{k}: {a[k]!r} in {first} vs {b[k]!r} in {second}" for k in NUMERICS if a[k] != b[k])
+            raise PackError(f"the traces' numerics differ ({fields}); divergences computed under different "
+                            "numerics are not comparable (docs/collector.md). Collect again with one server "
+                            "setting (e.g. `kvdiv serve --fuse off`), or pass --allow-mixed-numerics")
+
+    def attr(self) -> str:
+        """The dataset's ``numerics`` attribute: the one set (JSON), or ``"mixed"`` when allowed to differ
+        (the same in every document's piece, whatever the later documents hold)."""
+        return "mixed" if self.allow_mixed else next(iter(self.seen), "{}")
 
 
 def missing_requests(journal: Journal, docs: Sequence[Document], policies: Sequence[str],
@@ -97,7 +142,8 @@ def _documents(journal: Journal, manifest: Mapping[str, Any]) -> list[Document]:
     return docs
 
 
-def pack_run(run_dir: str | Path, *, drop_incomplete: bool = False, progress: bool = True) -> Any:
+def pack_run(run_dir: str | Path, *, drop_incomplete: bool = False, progress: bool = True,
+             allow_mixed_numerics: bool = False) -> Any:
     """Assemble every complete request of a run into one validated dataset, in memory.
 
     Each request's stream becomes a one-doc one-policy dataset
@@ -113,6 +159,8 @@ def pack_run(run_dir: str | Path, *, drop_incomplete: bool = False, progress: bo
         Leave out documents lacking a policy instead of failing.
     progress : bool
         Show a progress bar on stderr.
+    allow_mixed_numerics : bool
+        Pack requests whose numerics (:data:`NUMERICS`) differ instead of refusing them.
 
     Returns
     -------
@@ -128,7 +176,7 @@ def pack_run(run_dir: str | Path, *, drop_incomplete: bool = False, progress: bo
     """
     import protocols
 
-    run = _Run(run_dir)
+    run = _Run(run_dir, allow_mixed_numerics=allow_mixed_numerics)
     per_doc = list(run.pieces(drop_incomplete=drop_incomplete, progress=progress))
     try:
         ds = protocols.combine(per_doc, dim="doc")
@@ -140,8 +188,9 @@ def pack_run(run_dir: str | Path, *, drop_incomplete: bool = False, progress: bo
 class _Run:
     """A run to pack: its manifest, checked documents, and its requests read back one document at a time."""
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, allow_mixed_numerics: bool = False) -> None:
         self.dir = Path(run_dir)
+        self.numerics = _NumericsCheck(allow_mixed_numerics)
         self.journal = Journal(run_dir)
         self.manifest = _manifest(self.journal)
         self.params = self.manifest["params"]
@@ -175,8 +224,12 @@ class _Run:
             refused += rejected
             if refused or sum(map(len, streams.values())) < self._asked(doc.id):
                 continue  # once anything is refused nothing will be written: only check the rest
+            for k, by_policy in streams.items():
+                for policy, stream in by_policy.items():
+                    self.numerics.add(f"{doc.id} × {policy}" + (f" (round {k})" if k else ""), stream.header)
             piece = _assemble_doc(self.journal, doc.id, self.policies, streams, self.layout)
             piece.attrs.update(self.attrs)
+            piece.attrs["numerics"] = self.numerics.attr()
             yielded += 1
             yield piece
         if refused:
@@ -242,7 +295,8 @@ class PackResult:
 
 
 def pack_to(run_dir: str | Path, out: str | Path, *, append: bool = False, overwrite: bool = False,
-            drop_incomplete: bool = False, batch_mib: float = 4.0, progress: bool = True) -> PackResult:
+            drop_incomplete: bool = False, batch_mib: float = 4.0, progress: bool = True,
+            allow_mixed_numerics: bool = False) -> PackResult:
     """Pack a run into a ``.zarr`` or ``.nc`` traces file, document by document, in bounded memory.
 
     Every request file is checked as in :func:`pack_run`; each complete document is
@@ -272,6 +326,8 @@ def pack_to(run_dir: str | Path, out: str | Path, *, append: bool = False, overw
         least memory.
     progress : bool
         Show a progress bar on stderr.
+    allow_mixed_numerics : bool
+        As :func:`pack_run`.
 
     Returns
     -------
@@ -294,10 +350,12 @@ def pack_to(run_dir: str | Path, out: str | Path, *, append: bool = False, overw
     out = Path(out)
     if not append:  # an output that may not be replaced is refused before any reading
         _check_new_output(out, overwrite)
-    run = _Run(run_dir)
+    run = _Run(run_dir, allow_mixed_numerics=allow_mixed_numerics)
     kept = _existing_documents(out, run) if append else set()
     pieces = run.pieces(drop_incomplete=drop_incomplete, progress=progress, skip=kept)
     first = next(pieces, None)  # checks and gaps fail here, before any file is touched
+    if first is not None and append:
+        _check_appended_numerics(out, run, first.attrs.get("numerics"), allow_mixed_numerics)
     written = 0
     if first is not None:
         try:
@@ -370,6 +428,7 @@ def _existing_documents(out: Path, run: _Run) -> set[str]:
     try:
         ids = {str(d) for d in existing["doc"].values} if "doc" in existing.coords else set()
         theirs = existing.attrs.get("collection")
+        run.existing_numerics = existing.attrs.get("numerics")
     finally:
         existing.close()
     if not isinstance(theirs, str) or not ids:
@@ -380,6 +439,16 @@ def _existing_documents(out: Path, run: _Run) -> set[str]:
         raise PackError(f"{out} holds another collection's traces ({'; '.join(diffs) or 'different parameters'}); "
                         "--append adds documents of the run it was packed from only")
     return ids
+
+
+def _check_appended_numerics(out: Path, run: _Run, ours: Any, allow_mixed: bool) -> None:
+    """Documents appended to a file packed earlier must have its numerics (unless allowed to mix)."""
+    theirs = getattr(run, "existing_numerics", None)
+    if allow_mixed or theirs is None or theirs == ours:
+        return
+    raise PackError(f"{out} holds traces with numerics {theirs}, the documents to append {ours}; divergences "
+                    "under different numerics are not comparable. Pack into a new file, or pass "
+                    "--allow-mixed-numerics")
 
 
 def _param_diffs(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
@@ -437,6 +506,8 @@ def _collection_attrs(manifest: Mapping[str, Any], layout: RoundLayout) -> dict[
         "documents_sha256": str(params["docs_sha256"]),
         "collection_seed": int(params["seed"]),
     }
+    if params.get("control"):
+        attrs["control_policy"] = str(params["control"])
     if layout.adaptive:
         params["round_replicates"] = list(layout.widths)
         attrs["adaptive"] = json.dumps(manifest.get("adaptive") or {}, sort_keys=True)

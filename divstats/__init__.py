@@ -23,6 +23,7 @@ from divstats.estimation.components import variance_components
 from divstats.estimation.curves import branch_tv, branch_tv_window, survival
 from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
 from divstats.estimation.interval import interval_by_window, sharp_interval
+from divstats.estimation.noise_floor import noise_floor
 from divstats.estimation.resample import MIN_DOCS_MEAN_BOUND
 from divstats.estimation.variance import variance_check
 from divstats.inference.decompose import DecompositionResult, decompose
@@ -40,8 +41,8 @@ __all__ = [
     "MIN_DOCS_MEAN_BOUND", "NotIdentified", "OutputError", "PairedTestResult", "Plan", "PlanError", "PlanResult",
     "PolicyEffect", "RoundPlan", "aggregate", "aggregate_intervals", "analyze", "assign_split", "branch_tv",
     "branch_tv_window", "counted_replicates", "decompose", "design", "estimate", "exact", "extremal_kernels", "holm",
-    "interval_by_window", "load_plan", "markov_kernels", "paired_test", "plan_round", "power", "run_plan",
-    "sharp_interval", "shipped_plan", "shipped_plans", "simulate", "simulate_study", "survival", "variance_check",
+    "interval_by_window", "load_plan", "markov_kernels", "noise_floor", "paired_test", "plan_round", "power",
+    "run_plan", "sharp_interval", "shipped_plan", "shipped_plans", "simulate", "simulate_study", "survival", "variance_check",
     "variance_components",
 ]
 

@@ -93,9 +93,11 @@ def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: b
 @click.option("--api-key", default=None, envvar="KVDIV_API_KEY")
 @click.option("--plan", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Run this plan as written (snapkv#512 substituted post hoc) instead of the derived demo plan.")
+@click.option("--control/--no-control", default=_DEMO.control, show_default=True,
+              help="Collect the numerical control (`full` as a candidate) and report the noise floor.")
 def demo(out: Path, docs_count: int | None, replicates: int | None, max_new_tokens: int | None,
          window: int | None, target_tokens: int | None, seed: int, servers: tuple[str, ...], model: str,
-         concurrency: int | None, api_key: str | None, plan: Path | None) -> None:
+         concurrency: int | None, api_key: str | None, plan: Path | None, control: bool) -> None:
     """The paper's study end to end: documents, server, traces, plan, report."""
     from kvdiv.demo import DemoConfig, DemoError, run_demo
 
@@ -103,7 +105,7 @@ def demo(out: Path, docs_count: int | None, replicates: int | None, max_new_toke
                                        window=window, target_tokens=target_tokens,
                                        concurrency=concurrency).items() if v is not None}
     cfg = DemoConfig(out=out, seed=seed, servers=list(servers), model=model, api_key=api_key, plan=plan,
-                     **overrides)
+                     control=control, **overrides)
     try:
         run_demo(cfg)
     except DemoError as exc:

@@ -71,6 +71,9 @@ class DemoConfig:
     n_resamples: int = 2000
     progress: bool = True
     server_timeout_s: float = 900.0
+    #: Collect the numerical control (``full`` as a candidate, ``kvdiv collect --control``): one more
+    #: candidate in each document's request, about +25% collection time (docs/collector.md, "The control").
+    control: bool = True
 
     def sizes(self) -> dict[str, Any]:
         """The settings that decide the traces (compared on resume)."""
@@ -335,8 +338,26 @@ def headline(an: Any) -> str:
         lines.append("")
         lines.append(f"  {'policy':<14}" + "".join(f"{q:>12}" for q in shown) + "   (all docs, descriptive)")
         for pol in agg["policy"].values:
-            lines.append(f"  {str(pol):<14}" + "".join(f"{_num(float(agg[q].sel(policy=pol))):>12}" for q in shown))
+            lines.append(f"  {str(pol):<14}" + "".join(f"{_num(float(agg[q].sel(policy=pol))):>12}" for q in shown)
+                         + ("   (control: the noise floor)" if pol == _control(an) else ""))
+    lines.append(_floor_line(an))
     return "\n".join(lines)
+
+
+def _control(an: Any) -> str | None:
+    floor = getattr(an, "noise_floor", None)
+    return (floor.attrs.get("control") or None) if floor is not None else None
+
+
+def _floor_line(an: Any) -> str:
+    """The noise floor in one line: the control's occurrence and max TV, or that none was collected."""
+    floor = getattr(an, "noise_floor", None)
+    if floor is None or not floor.attrs.get("control"):
+        return "\n  noise floor: no control collected"
+    if "model" in floor.dims:
+        return f"\n  noise floor ({floor.attrs['control']} vs full): per model, see the report"
+    return (f"\n  noise floor ({floor.attrs['control']} vs full): occurrence "
+            f"{_num(float(floor['aggregate_occurrence']))}, max TV {float(floor['aggregate_max_tv']):.3g}")
 
 
 def _num(x: Any) -> str:
@@ -434,12 +455,12 @@ def _run(cfg: DemoConfig) -> Any:
         plan = cfg.plan or write_demo_plan(shipped_plan(), cfg.out / "plan.toml", budget, cfg.window,
                                            confirmatory_docs=(cfg.docs_count + 1) // 2)
         _say(f"      plan: {plan}")
-        _say(f"[3/5] collecting traces: {', '.join(policies)}")
+        _say(f"[3/5] collecting traces: {', '.join(policies)}" + (" + the control full" if cfg.control else ""))
         result = collect(CollectConfig.flat(
             servers=urls, docs_file=docs_path, policies=policies, out=cfg.out / "journal", kind="residual",
             replicates=cfg.replicates, max_new_tokens=cfg.max_new_tokens, window=cfg.window,
             temperature=1.0, seed=cfg.seed, template=cfg.template, api_key=cfg.api_key,
-            concurrency=cfg.concurrency, progress=cfg.progress),
+            concurrency=cfg.concurrency, progress=cfg.progress, control=cfg.control),
             stop_reason=server.exit_reason if server is not None else None)
         _say(f"      {result.summary()}")
         if not result.ok:

@@ -93,6 +93,10 @@ def header_record(
     reference: Mapping[str, Any] | None = None,
     prompt_sha256: str | None = None,
     eos_token_ids: Sequence[int] | None = None,
+    dtype: str | None = None,
+    fused: bool | None = None,
+    device: str | None = None,
+    fuse: str | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """The stream's first record: everything needed to build the dataset's attrs.
@@ -129,6 +133,12 @@ def header_record(
         :func:`prompt_digest` of the prompt's token ids (null when the producer
         does not know them); a client checks it against the other requests for
         the same document.
+    dtype, fused, device, fuse : optional
+        The numerics (docs/contract.md §3, optional; left out when None): the dtype of
+        the model's weights (``"float32"``, ``"bfloat16"``), whether P's and Q's
+        forwards ran as one fused forward (None: decided per step), the device type
+        (``"cpu"``, ``"cuda"``) and the server's fusion mode (``"on"``, ``"off"``,
+        ``"auto"``). ``kvdiv pack`` refuses to mix traces whose numerics differ.
     **extra
         Further header keys (kept by :func:`protocols.assemble.assemble` in
         the ``header_extra`` coordinate).
@@ -162,6 +172,8 @@ def header_record(
         "retained_tokens": int(retained_tokens), "replicates": int(replicates),
         "vocab_size": int(vocab_size), "doc": doc, "request_id": request_id, "prompt_sha256": prompt_sha256,
     }
+    numerics = {"dtype": dtype, "fused": None if fused is None else bool(fused), "device": device, "fuse": fuse}
+    rec.update({k: v for k, v in numerics.items() if v is not None})
     rec.update(extra)
     return rec
 

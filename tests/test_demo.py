@@ -34,18 +34,19 @@ def test_demo_with_a_running_server_resumes_and_refuses_other_sizes(tmp_path: Pa
         cfg = _small(tmp_path / "demo", servers=[server.url], model="approx")
         an = run_demo(cfg)
         assert all((tmp_path / "demo" / name).exists() for name in OUTPUTS)
-        assert len(server.requests) == 8 * 4
+        assert len(server.requests) == 8 * 5   # 4 policies and the control (on by default)
         out = capsys.readouterr().out
         assert "F1-occ-budget" in out and "report: " in out and "snapkv@0.9" in out
+        assert "noise floor (full vs full)" in out and "(control: the noise floor)" in out
         assert an.plan.name == "kvdiv-paper-demo" and not an.plan_result.deviations
         policies = {r["candidate"] for r in server.requests}
         budget = int(next(p for p in policies if "#" in p).split("#")[1])
-        assert policies == set(demo_policies(budget))
+        assert policies == {*demo_policies(budget), "full"}
         import protocols
 
         first = protocols.open_traces(tmp_path / "demo" / "traces.nc").load()
         run_demo(cfg)  # everything is complete: nothing is asked again
-        assert len(server.requests) == 8 * 4
+        assert len(server.requests) == 8 * 5
         assert protocols.open_traces(tmp_path / "demo" / "traces.nc").identical(first)
         with pytest.raises(DemoError, match="replicates: 2 there, 3 now"):
             run_demo(_small(tmp_path / "demo", servers=[server.url], model="approx", replicates=3))

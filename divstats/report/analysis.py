@@ -22,9 +22,11 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from divstats.errors import PlanError
 from divstats.estimation.curves import branch_tv, survival
 from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
 from divstats.estimation.interval import interval_by_window
+from divstats.estimation.noise_floor import compare_to_floor, control_policy, floor_warnings, noise_floor
 from divstats.estimation.variance import variance_check
 from divstats.inference.decompose import DecompositionInterval, DecompositionResult, decompose
 from divstats.plans.format import Plan, PlanSource, load_plan
@@ -66,6 +68,8 @@ class Analysis:
     notes: list[str]
     options: dict[str, Any]
     paths: Mapping[str, Path] = field(default_factory=dict)
+    #: :func:`divstats.estimation.noise_floor.noise_floor` (its ``note`` says when no control was collected).
+    noise_floor: xr.Dataset | None = None
 
 
 def default_interval_windows(ds: xr.Dataset) -> list[int]:
@@ -209,6 +213,16 @@ def _decompositions(est: xr.Dataset, pairs: Sequence[tuple[str, str]], level: fl
     return decs
 
 
+def _refuse_control_hypotheses(plan: Plan | None, aliases: Mapping[str, str] | None, control: str | None) -> None:
+    """The control (full vs full) is the noise floor, never a hypothesis's policy (planned or aliased)."""
+    if plan is None or control is None:
+        return
+    named = {(aliases or {}).get(p, p) for p in plan.policies()}
+    if control in named:
+        raise PlanError(f"the plan's hypotheses name {control!r}, the numerical control: it measures the noise "
+                        "floor (the report's noise-floor section) and cannot be a hypothesis; compare candidates")
+
+
 def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int | None = None,
             policy_aliases: Mapping[str, str] | None = None, seed: int = 0, n_resamples: int = 9999,
             level: float = 0.95, interval_windows: Sequence[int] | None = None,
@@ -257,6 +271,7 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
     plan = None if plan is None else load_plan(plan)
     if plan is None and policy_aliases:
         raise ValueError("policy aliases substitute planned policies; without a plan there is nothing to alias")
+    _refuse_control_hypotheses(plan, policy_aliases, control_policy(traces))
     notes: list[str] = []
     bar = _progress(len(STEPS), progress)
     windows = list(interval_windows) if interval_windows is not None else default_interval_windows(traces)
@@ -269,14 +284,19 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
         pres = run_plan(traces, plan, aliases=policy_aliases, window=window, estimates=est, branch=bt,
                         n_resamples=n_resamples, seed=seed)
     bar.update()
-    pairs = decomposition_pairs(pres, [str(p) for p in traces["policy"].values])
+    control = control_policy(traces)
+    # the control is shown (estimates, the noise-floor section) but is no comparison of its own
+    pairs = decomposition_pairs(pres, [str(p) for p in traces["policy"].values if str(p) != control])
     decs = _decompositions(est, pairs, level, n_resamples, seed, notes)
     bar.update()
     bar.close()
+    floor = noise_floor(traces, control=control, window=window, estimates=est, level=level,
+                        n_resamples=n_resamples, seed=seed)
+    notes += floor_warnings(compare_to_floor(agg, floor))
     options = {"window": -1 if window is None else int(window), "seed": int(seed),
                "n_resamples": int(n_resamples), "level": float(level),
                "policy_aliases": json.dumps(dict(policy_aliases or {}), sort_keys=True),
                "interval_windows": json.dumps(windows)}
     return Analysis(traces=traces, plan=plan, estimates=est, aggregate=agg, aggregate_ci=agg_ci, survival=surv,
                     branch_tv=bt, interval=ivw, variance=vc, plan_result=pres, decompositions=decs,
-                    notes=notes + (pres.notes if pres is not None else []), options=options)
+                    notes=notes + (pres.notes if pres is not None else []), options=options, noise_floor=floor)

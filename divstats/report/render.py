@@ -22,6 +22,8 @@ from divstats.report.tables import (
     decomposition_rows,
     decomposition_table,
     estimate_rows,
+    noise_floor_rows,
+    noise_floor_status,
     plan_rows,
     variance_rows,
 )
@@ -145,6 +147,7 @@ def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
         decomposition_rows=decomposition_table(an), branch_rows=branch_tv_rows(an.branch_tv),
         interval_method=str(an.aggregate_ci.attrs.get("methods_used", "")),
         variance_rows=variance_rows(an.variance) if an.variance is not None else [],
+        noise_floor_status=noise_floor_status(an), noise_floor_rows=noise_floor_rows(an),
         images={k: base64.b64encode(v).decode() for k, v in figs.items()}, reproduce=reproduce_snippet(an))
 
 
@@ -238,10 +241,18 @@ def render_markdown(an: Analysis) -> str:
     if an.plan is not None:
         lines += ["", "## Plan results", "", _md_table(plan_rows(an.plan_result))]
     lines += ["", f"## Aggregate estimates — {EXPLORATORY}", "", _md_table(estimate_rows(an)), ""]
+    lines += _noise_floor_markdown(an)
     dec = decomposition_table(an, shares=False)
     if dec:
         lines += [f"## Gap decomposition — {EXPLORATORY}", "", _md_table(dec), ""]
     return "\n".join(lines)
+
+
+def _noise_floor_markdown(an: Analysis) -> list[str]:
+    """The summary's noise-floor section: the status line and, with a control, its table."""
+    rows = noise_floor_rows(an)
+    return [f"## Noise floor — {EXPLORATORY}", "", noise_floor_status(an), "",
+            *([_md_table(rows), ""] if rows else [])]
 
 
 def _md_table(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -139,11 +139,16 @@ def results_dataset(an: Analysis) -> xr.Dataset:
         parts.append(_prefixed(an.variance.drop_attrs(), "variance_"))
     parts.append(_decomposition_dataset(an.decompositions))
     parts += _plan_parts(an)
+    floor = an.noise_floor
+    if floor is not None and floor.data_vars:
+        parts.append(_prefixed(floor.drop_attrs(), "noise_floor_"))
     out = xr.merge(parts, compat="override", join="outer", combine_attrs="drop")
     for name, var in out.data_vars.items():
         var.attrs["status"] = ("plan result: see plan_label for confirmatory/exploratory"
                                if name.startswith("plan_") else EXPLORATORY_STATUS)
     out.attrs = _global_attrs(an)
+    if floor is not None:  # the control's policy id, or the sentence saying there was none
+        out.attrs["noise_floor"] = str(floor.attrs.get("control") or floor.attrs.get("note", ""))
     return out
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import xarray as xr
 
 from divstats.estimands import names
+from divstats.estimation.noise_floor import NO_CONTROL, NOISE_FLOOR_FACTOR, NOISE_FLOOR_METRICS, compare_to_floor
 from divstats.inference.decompose import PARTS
 from divstats.plans.run import PlanResult
 
@@ -404,3 +405,97 @@ def data_summary(ds: xr.Dataset) -> dict[str, str]:
         "replicates per (doc, policy)": str(ds.sizes.get("replicate", 0)),
         "sampling": str(a.get("sampling", "")), "producer": str(a.get("producer", "")),
     }
+
+
+# --------------------------------------------------------------------------- noise floor
+
+__all__ += ["noise_floor_rows", "noise_floor_status"]  # noqa: PLE0605
+
+
+def noise_floor_status(an: Analysis) -> str:
+    """The noise-floor section's first line: which control, how the floor is read, or that there is none.
+
+    Parameters
+    ----------
+    an : Analysis
+        A computed analysis.
+
+    Returns
+    -------
+    str
+        The sentence (:data:`~divstats.estimation.noise_floor.NO_CONTROL` without a control).
+
+    Examples
+    --------
+    >>> from divstats.report.analysis import compute
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "full": PolicyEffect(0.0)}, horizon=6, replicates=3)
+    >>> an = compute(ds, n_resamples=99, progress=False)
+    >>> noise_floor_status(an)[:16], noise_floor_status(compute(ds.sel(policy=["a"]), n_resamples=99,
+    ...                                                          progress=False))[:21]
+    ("The control 'ful", 'no control collected ')
+    """
+    nf = an.noise_floor
+    if nf is None or not nf.attrs.get("control"):
+        return NO_CONTROL
+    return (f"The control {nf.attrs['control']!r} is the full-cache model as a candidate, run in the same requests, "
+            "batches and fused forwards as the others: every divergence it shows is numerical. One noise-floor "
+            "unit is its estimate + 1.96 × its standard error over documents (max TV: its largest); a policy "
+            f"within {NOISE_FLOOR_FACTOR:g} units "
+            "(NOISE_FLOOR_FACTOR) is flagged ⚠, since its effect cannot be told from numerics.")
+
+
+def noise_floor_rows(an: Analysis) -> list[dict[str, str]]:
+    """The control's floor (first row) and each policy beside it, in noise-floor units, with ⚠ where within.
+
+    Parameters
+    ----------
+    an : Analysis
+        A computed analysis.
+
+    Returns
+    -------
+    list of dict
+        ``model`` (when several), ``policy``, occurrence, max_tv, mismatch_fraction and
+        ``within the floor``; empty when the traces hold no control (:func:`noise_floor_status`
+        says so).
+
+    Examples
+    --------
+    >>> from divstats.report.analysis import compute
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "full": PolicyEffect(0.0)}, horizon=6, replicates=3)
+    >>> an = compute(ds, n_resamples=99, progress=False)
+    >>> [r["policy"] for r in noise_floor_rows(an)]
+    ['full (control)', 'one floor unit', 'a']
+    """
+    nf = an.noise_floor
+    if nf is None or not nf.attrs.get("control"):
+        return []
+    models = [str(m) for m in nf["model"].values] if "model" in nf.dims else [None]
+    rows = []
+    for m in models:
+        sel = {} if m is None else {"model": m}
+        row = {"model": m} if m is not None else {}
+        row["policy"] = f"{nf.attrs['control']} (control)"
+        for q in NOISE_FLOOR_METRICS:
+            if q == "max_tv":
+                row[q] = fmt(nf["aggregate_max_tv"].sel(sel))
+            else:
+                row[q] = (f"{fmt(nf['aggregate_' + q].sel(sel))} "
+                          f"{fmt_ci(nf['aggregate_' + q + '_low'].sel(sel), nf['aggregate_' + q + '_high'].sel(sel))}")
+        row["within the floor"] = "(the floor)"
+        rows.append(row)
+        unit = {"model": m} if m is not None else {}
+        unit["policy"] = "one floor unit"
+        unit.update({q: fmt(nf["floor_" + q].sel(sel)) for q in NOISE_FLOOR_METRICS})
+        unit["within the floor"] = f"(×{NOISE_FLOOR_FACTOR:g} flags)"
+        rows.append(unit)
+    for r in compare_to_floor(an.aggregate, nf):
+        row = {"model": r["model"]} if r["model"] is not None else {}
+        row["policy"] = r["policy"]
+        for q in NOISE_FLOOR_METRICS:
+            row[q] = f"{fmt(r[q])} ({fmt(r[q + '_units'], 3)}× floor)"
+        row["within the floor"] = ("⚠ " + ", ".join(r["within"])) if r["within"] else ""
+        rows.append(row)
+    return unify(rows)

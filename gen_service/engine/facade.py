@@ -110,7 +110,7 @@ class Engine:
 
     def header(self, job: TraceJob, seed: int, cand: Policy, ref: Policy, p0: Prefilled,
                q0: Prefilled) -> dict[str, Any]:
-        return header(self.lm, job, seed, cand, ref, p0, q0)
+        return header(self.lm, job, seed, cand, ref, p0, q0, fuse=self.fuse)
 
     def trace(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Any]:
         """Yield the stream's records (header, steps / shared steps + branches); the

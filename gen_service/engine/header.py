@@ -10,12 +10,27 @@ from gen_service.models import LoadedModel
 from gen_service.presses import Policy
 from protocols import header_record, prompt_digest
 
-__all__ = ["header"]
+__all__ = ["header", "numerics"]
+
+
+def numerics(lm: LoadedModel, fuse: str | None) -> dict[str, Any]:
+    """The header's numerics fields: weights dtype, device type, fusion mode and whether P+Q are fused.
+
+    ``fused`` is known before decoding only when the mode fixes it (``on`` / ``off``);
+    under ``auto`` it is decided per step shape by timing, after the header, and is left out.
+    """
+    out: dict[str, Any] = {"dtype": str(lm.dtype).removeprefix("torch."), "device": lm.device.type}
+    if fuse is not None:
+        out["fuse"] = str(fuse)
+        if fuse in ("on", "off"):
+            out["fused"] = fuse == "on"
+    return out
 
 
 def header(lm: LoadedModel, job: TraceJob, seed: int, cand: Policy, ref: Policy, p0: Prefilled,
-           q0: Prefilled) -> dict[str, Any]:
-    """The ``header`` record of one candidate's stream (``kvdiv.trace/1``)."""
+           q0: Prefilled, fuse: str | None = None) -> dict[str, Any]:
+    """The ``header`` record of one candidate's stream (``kvdiv.trace/1``); ``fuse`` is the server's
+    P+Q fusion mode (recorded with the numerics)."""
     candidate = cand.describe()
     candidate.update(params=q0.plan.params, note=q0.plan.note)
     reference = ref.describe()
@@ -28,5 +43,6 @@ def header(lm: LoadedModel, job: TraceJob, seed: int, cand: Policy, ref: Policy,
         reference=reference, seed=seed, prompt_tokens=job.prompt_len,
         prompt_sha256=prompt_digest([*job.prompt_ids, *job.question_ids]), retained_tokens=q0.kept + nq,
         replicates=job.replicates, vocab_size=lm.vocab_size, doc=job.doc, request_id=job.request_id,
-        coupling="stepwise-maximal", producer=PRODUCER, reference_retained_tokens=p0.kept + nq, **extra,
+        coupling="stepwise-maximal", producer=PRODUCER, reference_retained_tokens=p0.kept + nq,
+        **numerics(lm, fuse), **extra,
     )
