@@ -42,8 +42,8 @@ __all__ = [
     "PolicyEffect", "RoundPlan", "aggregate", "aggregate_intervals", "analyze", "assign_split", "branch_tv",
     "branch_tv_window", "counted_replicates", "decompose", "design", "estimate", "exact", "extremal_kernels", "holm",
     "interval_by_window", "load_plan", "markov_kernels", "noise_floor", "paired_test", "plan_round", "power",
-    "run_plan", "sharp_interval", "shipped_plan", "shipped_plans", "simulate", "simulate_study", "survival", "variance_check",
-    "variance_components",
+    "run_plan", "sharp_interval", "shipped_plan", "shipped_plans", "simulate", "simulate_study", "survival",
+    "variance_check", "variance_components",
 ]
 
 
