@@ -71,6 +71,14 @@ class LoadedModel:
     #: every EOS id (``eos_token_id`` is the first); each ends a generation and is absorbing
     eos_token_ids: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        # A record built with only ``eos_token_id`` (a caller's own model, older code)
+        # means that one id; a set must contain the first, so the header's check holds.
+        if self.eos_token_id is not None and not self.eos_token_ids:
+            self.eos_token_ids = (int(self.eos_token_id),)
+        elif self.eos_token_ids and self.eos_token_id is None:
+            self.eos_token_id = int(self.eos_token_ids[0])
+
 
 def cache_root() -> Path:
     """Where dequantised weights live; ``KVDIV_CACHE_DIR`` overrides (tests, CI)."""

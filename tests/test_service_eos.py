@@ -328,3 +328,14 @@ def test_qwen_shaped_model_loads_and_traces(qwen_dir) -> None:
                                                                                          "seed": 7}})
             ds = validate(assemble(lines, doc="q"))
             assert list(ds.attrs["eos_token_ids"]) == [IM_END, ENDOFTEXT] and ds.attrs["kind"] == kind
+
+
+def test_a_record_with_one_eos_id_means_that_set() -> None:
+    from gen_service.models import LoadedModel
+
+    one = LoadedModel(model=torch.nn.Identity(), tokenizer=None, name="m", eos_token_id=2, vocab_size=8,
+                      max_context=16, device=torch.device("cpu"), dtype=torch.float32)
+    assert one.eos_token_ids == (2,)
+    many = LoadedModel(model=torch.nn.Identity(), tokenizer=None, name="m", eos_token_id=None, vocab_size=8,
+                       max_context=16, device=torch.device("cpu"), dtype=torch.float32, eos_token_ids=(5, 7))
+    assert many.eos_token_id == 5
