@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXPLORATORY", "SUMMARY_QUANTITIES", "branch_tv_rows", "data_summary", "decomposition_rows",
-    "decomposition_table", "estimate_rows", "fmt", "fmt_ci", "fmt_p", "plan_rows", "unify", "variance_rows",
+    "decomposition_table", "estimate_rows", "fmt", "fmt_ci", "fmt_p", "noise_floor_rows", "noise_floor_status",
+    "plan_rows", "unify", "variance_rows",
 ]
 
 #: Aggregate quantities shown in the report's estimates table (in order; ``divstats.estimands``).
@@ -408,8 +409,6 @@ def data_summary(ds: xr.Dataset) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- noise floor
-
-__all__ += ["noise_floor_rows", "noise_floor_status"]  # noqa: PLE0605
 
 
 def noise_floor_status(an: Analysis) -> str:
