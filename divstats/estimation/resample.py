@@ -59,6 +59,7 @@ from divstats.intervals import ConfidenceInterval
 
 __all__ = [
     "AUTO_JACKKNIFE_DOCS", "COVERAGE_TARGET", "METHODS", "MIN_DOCS_AGGREGATE", "MIN_DOCS_INTERVAL",
+    "MIN_DOCS_MARGIN", "MIN_DOCS_MARGIN_T",
     "MIN_DOCS_MEAN_BOUND", "MIN_DOCS_MEAN_DIFFERENCE", "MIN_DOCS_PARTS", "MIN_DOCS_SHARES", "DocumentInterval",
     "bootstrap_t", "document_interval", "too_few_documents",
 ]
@@ -101,6 +102,12 @@ MIN_DOCS_MEAN_DIFFERENCE = 5
 #: Hall's skewness-corrected t, double bootstrap) held below 50 (docs/plans.md,
 #: "One-sided tests of a mean").
 MIN_DOCS_MEAN_BOUND = 50
+#: Tests at a margin (equivalence by TOST, non-inferiority), bootstrap-t: their size at
+#: the margin (true mean difference = +-delta, the worst case) must be <= alpha + 2 SE on
+#: skewed differences; measured in docs/plans.md, "Tests at a margin".
+MIN_DOCS_MARGIN = 50
+#: The same for the t versions (``ttest`` at a margin).
+MIN_DOCS_MARGIN_T = 50
 #: Default threshold of :func:`document_interval` (the smallest of the kinds above).
 MIN_DOCS_INTERVAL = min(MIN_DOCS_AGGREGATE, MIN_DOCS_PARTS, MIN_DOCS_SHARES)
 

@@ -1,0 +1,133 @@
+"""Tests at a margin: equivalence (TOST) and non-inferiority in divstats.paired_test (docs/statistics.md §8)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from divstats.calibration.coverage import margin_calibration
+from divstats.estimation.resample import MIN_DOCS_MARGIN, MIN_DOCS_MARGIN_T
+from divstats.inference.paired import margin_test, margin_verdict, paired_test
+
+
+def _diffs(n: int, mean: float, sd: float = 0.05, seed: int = 0) -> np.ndarray:
+    return mean + sd * np.random.default_rng(seed).standard_normal(n)
+
+
+@pytest.mark.parametrize("mean", [0.0, 0.02, -0.03, 0.05])
+def test_tost_t_matches_a_hand_computation(mean):
+    d = _diffs(60, mean)
+    delta, alpha = 0.05, 0.05
+    res = paired_test(d, 0.0, "ttest", "equivalence", margin=delta, confidence_level=1 - alpha)
+    p_lo = stats.ttest_1samp(d, -delta, alternative="greater").pvalue
+    p_hi = stats.ttest_1samp(d, delta, alternative="less").pvalue
+    assert res.pvalue == pytest.approx(max(p_lo, p_hi), rel=1e-12)
+    se = d.std(ddof=1) / math.sqrt(d.size)
+    q = stats.t.ppf(1 - alpha, d.size - 1)
+    ci = res.confidence_interval()
+    assert (ci.low, ci.high) == pytest.approx((d.mean() - q * se, d.mean() + q * se), rel=1e-12)
+    assert res.confidence_level == pytest.approx(0.90)
+    assert res.margin == delta and res.alternative == "equivalence"
+    inside = -delta < ci.low and ci.high < delta
+    assert (res.pvalue <= alpha) == inside
+    assert res.verdict == ("equivalent within ±0.05" if inside else "not shown equivalent at this size")
+
+
+@pytest.mark.parametrize("test", ["ttest", "bootstrap-t"])
+def test_tost_rejects_exactly_when_the_interval_is_inside_the_margins(test):
+    seen = set()
+    for seed in range(12):
+        d = _diffs(60, (seed % 4 - 1.5) * 0.03, seed=seed)
+        res = paired_test(d + 1.0, np.full(d.size, 1.0), test, "equivalence", margin=0.05, n_resamples=999,
+                          seed=seed)
+        inside = -0.05 < res.ci_low and res.ci_high < 0.05
+        assert (res.pvalue <= 0.05) == inside
+        assert res.details["p_lower"] <= res.pvalue and res.details["p_upper"] <= res.pvalue
+        seen.add(inside)
+    assert seen == {True, False}   # both outcomes exercised
+
+
+def test_bootstrap_t_tost_is_its_two_one_sided_tests():
+    d = _diffs(55, 0.01, seed=3)
+    res = paired_test(d, 0.0, "bootstrap-t", "equivalence", margin=0.04, n_resamples=999, seed=7)
+    lower = paired_test(d + 0.04, 0.0, "bootstrap-t", "greater", n_resamples=999, seed=7)
+    upper = paired_test(d - 0.04, 0.0, "bootstrap-t", "less", n_resamples=999, seed=7)
+    assert res.pvalue == max(lower.pvalue, upper.pvalue)
+    assert res.ci_low == pytest.approx(lower.ci_low - 0.04) and res.ci_high == pytest.approx(upper.ci_high + 0.04)
+
+
+def test_noninferiority_direction_follows_worse():
+    d = _diffs(60, 0.01, seed=1)
+    larger = paired_test(d, 0.0, "ttest", "noninferiority", margin=0.05, worse="larger")
+    assert larger.pvalue == pytest.approx(stats.ttest_1samp(d, 0.05, alternative="less").pvalue, rel=1e-12)
+    assert larger.ci_low == -math.inf and larger.ci_high < 0.05 and larger.verdict == "non-inferior at margin 0.05"
+    smaller = paired_test(-d, 0.0, "ttest", "noninferiority", margin=-0.05, worse="smaller")
+    assert smaller.pvalue == pytest.approx(stats.ttest_1samp(-d, -0.05, alternative="greater").pvalue, rel=1e-12)
+    assert smaller.ci_high == math.inf and smaller.verdict == "non-inferior at margin -0.05"
+    # the same margin written as a magnitude
+    assert paired_test(-d, 0.0, "ttest", "noninferiority", margin=0.05, worse="smaller").pvalue == smaller.pvalue
+    # a policy clearly worse is not shown non-inferior
+    worse = paired_test(d + 0.06, 0.0, "ttest", "noninferiority", margin=0.05)
+    assert worse.pvalue > 0.05 and worse.verdict == "not shown non-inferior at margin 0.05 at this size"
+
+
+def test_scalar_b_is_a_known_reference_value():
+    d = _diffs(60, 0.3, seed=2)
+    assert paired_test(d, 0.25, "ttest", "equivalence", margin=0.1).pvalue == pytest.approx(
+        paired_test(d, np.full(60, 0.25), "ttest", "equivalence", margin=0.1).pvalue)
+
+
+@pytest.mark.parametrize(("test", "need"), [("bootstrap-t", MIN_DOCS_MARGIN), ("ttest", MIN_DOCS_MARGIN_T)])
+def test_refused_below_the_threshold_with_a_reason(test, need):
+    d = _diffs(need - 1, 0.0)
+    res = paired_test(d, 0.0, test, "equivalence", margin=0.05)
+    assert math.isnan(res.pvalue) and math.isnan(res.ci_low) and f"need ≥ {need}" in res.reason
+    assert res.verdict.startswith("not estimable")
+    ok = paired_test(_diffs(need, 0.0), 0.0, test, "equivalence", margin=0.05, n_resamples=999)
+    assert not ok.reason and np.isfinite(ok.pvalue)
+    constant = paired_test(np.full(need, 0.01), 0.0, test, "noninferiority", margin=0.05)
+    assert math.isnan(constant.pvalue) and "spread is 0" in constant.reason
+
+
+def test_bad_arguments_raise():
+    d = _diffs(60, 0.0)
+    with pytest.raises(ValueError, match="test must be one of"):
+        paired_test(d, 0.0, "wilcoxon", "equivalence", margin=0.05)
+    with pytest.raises(ValueError, match="margin"):
+        paired_test(d, 0.0, "ttest", "equivalence")
+    with pytest.raises(ValueError, match="margin must be > 0"):
+        paired_test(d, 0.0, "ttest", "equivalence", margin=-0.05)
+    with pytest.raises(ValueError, match="margin must be > 0"):
+        paired_test(d, 0.0, "ttest", "noninferiority", margin=-0.05, worse="larger")
+    with pytest.raises(ValueError, match="worse"):
+        paired_test(d, 0.0, "ttest", "noninferiority", margin=0.05, worse="higher")
+
+
+def test_verdict_words():
+    assert margin_verdict("equivalence", False, 0.05) == "not shown equivalent at this size"
+    assert margin_verdict("noninferiority", True, 1.0, "smaller") == "non-inferior at margin -1"
+    assert margin_verdict("equivalence", False, 0.05, estimable=False).startswith("not estimable")
+
+
+def test_t_size_at_the_margin_within_a_binomial_bound():
+    # normal differences: the t TOST is exact, size at the margin = alpha (here <= its 0.999 binomial quantile);
+    # a TOST at 2 alpha (0.10) or an interval at 1 - alpha would fail it.
+    n_sims, rej = 1000, 0
+    rng = np.random.default_rng(11)
+    for _ in range(n_sims):
+        d = 0.05 + 0.1 * rng.standard_normal(60)
+        rej += margin_test(d, "ttest", "equivalence", 0.05).pvalue <= 0.05
+    assert 25 <= rej <= stats.binom.ppf(0.999, n_sims, 0.05)
+
+
+def test_bootstrap_t_size_at_the_margin_and_power_at_zero_on_skewed_differences():
+    # at the threshold, on the skewed population: size at the margin within alpha + 3 SE, power at 0 well above alpha
+    size = margin_calibration("bootstrap-t", "noninferiority", n_docs=MIN_DOCS_MARGIN, margin=0.05,
+                              population="skewed", n_sims=300, n_resamples=499, seed=5)
+    assert size.shift == 0.05 and size.rejection_rate <= stats.binom.ppf(0.999, 300, 0.05) / 300
+    power = margin_calibration("bootstrap-t", "equivalence", n_docs=MIN_DOCS_MARGIN, margin=0.05,
+                               population="skewed", shift=0.0, n_sims=100, n_resamples=499, seed=6)
+    assert power.rejection_rate >= 0.6 and power.coverage >= 0.8
