@@ -131,3 +131,86 @@ def test_bootstrap_t_size_at_the_margin_and_power_at_zero_on_skewed_differences(
     power = margin_calibration("bootstrap-t", "equivalence", n_docs=MIN_DOCS_MARGIN, margin=0.05,
                                population="skewed", shift=0.0, n_sims=100, n_resamples=499, seed=6)
     assert power.rejection_rate >= 0.6 and power.coverage >= 0.8
+
+
+# ---------------------------------------------------------------------------
+# Plans: direction = "equivalence" / "noninferiority", margin, worse, compare = [A, "full"]
+# ---------------------------------------------------------------------------
+
+def _plan(*hyps):
+    return {"plan": {"name": "m", "salt": "s"}, "hypothesis": list(hyps)}
+
+
+def test_plan_validation_names_every_problem_at_once():
+    from divstats.errors import PlanError
+    from divstats.plans.format import load_plan
+    bad = _plan(
+        {"id": "no-margin", "family": "f", "metric": "occurrence", "compare": ["a", "full"],
+         "direction": "equivalence", "test": "bootstrap-t"},
+        {"id": "rank", "family": "f", "metric": "occurrence", "compare": ["a", "b"],
+         "direction": "noninferiority", "margin": 0.05, "test": "wilcoxon"},
+        {"id": "full-first", "family": "f", "metric": "occurrence", "compare": ["full", "a"],
+         "direction": "equivalence", "margin": 0.05, "test": "ttest"},
+        {"id": "stray", "family": "f", "metric": "occurrence", "compare": ["a", "b"], "margin": 0.05},
+        {"id": "sign", "family": "f", "metric": "mismatch_fraction", "compare": ["a", "full"],
+         "direction": "noninferiority", "margin": -0.05, "test": "ttest", "worse": "sideways"})
+    with pytest.raises(PlanError) as exc:
+        load_plan(bad)
+    msg = str(exc.value)
+    for needle in ("'no-margin'", "needs a finite non-zero 'margin'", "'rank'", "'test' must be one of",
+                   "'full-first'", "side B", "'stray'", "'margin' applies only", "'sign'",
+                   "'worse' must be one of", "'margin' must be > 0"):
+        assert needle in msg, needle
+
+
+def test_plan_worse_defaults_from_the_estimand_table():
+    from divstats.plans.format import load_plan
+    plan = load_plan(_plan(
+        {"id": "r", "family": "f", "metric": "rmtd", "compare": ["a", "full"], "direction": "noninferiority",
+         "margin": -1, "test": "bootstrap-t"},
+        {"id": "m", "family": "f", "metric": "mismatch_fraction", "compare": ["a", "full"],
+         "direction": "noninferiority", "margin": 0.05, "test": "bootstrap-t"}))
+    assert [(h.worse, h.margin) for h in plan.hypotheses] == [("smaller", 1.0), ("larger", 0.05)]
+
+
+def test_deployment_plan_ships_and_validates():
+    from divstats.plans.format import load_plan, shipped_plans
+    assert "deployment" in shipped_plans()
+    plan = load_plan("deployment")
+    assert {h.direction for h in plan.hypotheses} == {"noninferiority", "equivalence"}
+    assert all(h.compare[1] == "full" for h in plan.hypotheses if h.direction == "noninferiority")
+    assert {h.metric: h.worse for h in plan.hypotheses if h.direction == "noninferiority"} == {
+        "mismatch_fraction": "larger", "rmtd": "smaller"}
+
+
+def test_run_plan_against_the_full_model_known_value():
+    from divstats.estimation.estimators import estimate
+    from divstats.plans.run import run_plan
+    from divstats.truth.studies import PolicyEffect, simulate_study
+    ds = simulate_study(MIN_DOCS_MARGIN, {"good": PolicyEffect(0.02), "bad": PolicyEffect(0.6)},
+                        horizon=6, replicates=2, seed=1)
+    hyp = dict(family="ni", metric="occurrence", direction="noninferiority", margin=0.1, test="ttest",
+               split="all")
+    res = run_plan(ds, _plan({"id": "good", "compare": ["good", "full"], **hyp},
+                             {"id": "bad", "compare": ["bad", "full"], **hyp},
+                             {"id": "eq", "family": "eq", "metric": "occurrence", "compare": ["good", "bad"],
+                              "direction": "equivalence", "margin": 0.05, "test": "ttest", "split": "all"}),
+                   n_resamples=99).table.set_index("id")
+    occ = estimate(ds)["occurrence"].sel(policy="good").values
+    direct = paired_test(occ, 0.0, "ttest", "noninferiority", margin=0.1)
+    assert res.loc["good", "p_value"] == pytest.approx(direct.pvalue) and res.loc["good", "mean_b"] == 0.0
+    assert res.loc["good", "verdict"] == "non-inferior at margin 0.1"
+    assert res.loc["bad", "verdict"] == "not shown non-inferior at margin 0.1 at this size"
+    assert res.loc["eq", "verdict"] == "not shown equivalent at this size"
+    assert res.loc["good", "margin"] == 0.1 and res.loc["good", "worse"] == "larger"
+
+
+def test_run_plan_refuses_below_the_threshold_with_the_reason():
+    from divstats.plans.run import run_plan
+    from divstats.truth.studies import PolicyEffect, simulate_study
+    ds = simulate_study(12, {"p": PolicyEffect(0.05)}, horizon=6, replicates=2, seed=2)
+    row = run_plan(ds, _plan({"id": "r", "family": "f", "metric": "rmtd", "compare": ["p", "full"],
+                              "direction": "noninferiority", "margin": -1, "test": "bootstrap-t",
+                              "split": "all"}), n_resamples=99).table.iloc[0]
+    assert math.isnan(row["p_value"]) and "need ≥ 50" in row["note"] and row["verdict"].startswith("not estimable")
+    assert row["mean_b"] == 6.0      # the full model's rmtd is the horizon

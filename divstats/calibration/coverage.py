@@ -295,7 +295,7 @@ def margin_calibration(test: str = "bootstrap-t", alternative: str = "equivalenc
     for i in range(n_sims):
         d = draw_differences(population, n_docs, shift, rng)
         res = margin_test(d, test, alternative, margin, worse, 1 - alpha, n_resamples=n_resamples, seed=i,
-                          min_docs=2)
+                          min_docs=2, hodges_lehmann_effect=False)
         bad += bool(res.reason)
         rej += rejects(res.pvalue, alpha)
         cov += bool(res.ci_low <= shift <= res.ci_high)

@@ -790,7 +790,7 @@ def _margin_sides(d: np.ndarray, test: str, shift: float, side: str, n_resamples
 
 def margin_test(d: np.ndarray, test: str, alternative: str, margin: float, worse: str = "larger",
                 confidence_level: float = 0.95, *, n_resamples: int = 9999, seed: int = 0,
-                min_docs: int | None = None) -> PairedTestResult:
+                min_docs: int | None = None, hodges_lehmann_effect: bool = True) -> PairedTestResult:
     """TOST (equivalence) or the one-sided test at the margin (non-inferiority) of the mean of ``d``.
 
     :func:`paired_test` with a margin alternative runs this on ``a - b``; ``min_docs``
@@ -816,6 +816,8 @@ def margin_test(d: np.ndarray, test: str, alternative: str, margin: float, worse
         Seed of the resampling (both one-sided tests use the same resamples).
     min_docs : int, optional
         Refusal threshold override.
+    hodges_lehmann_effect : bool
+        Also compute the Hodges–Lehmann effect (False: NaN; the calibration skips it).
 
     Returns
     -------
@@ -856,8 +858,9 @@ def margin_test(d: np.ndarray, test: str, alternative: str, margin: float, worse
         sides.append((p_hi, t_hi))
         details.update(p_upper=p_hi, t_upper=t_hi)
     pvalue, statistic = max(sides)       # TOST: the larger of the two one-sided p-values
-    hl = hodges_lehmann(d, level, "two-sided" if alternative == "equivalence" else
-                        ("less" if worse == "larger" else "greater"))
+    hl = (hodges_lehmann(d, level, "two-sided" if alternative == "equivalence" else
+                         ("less" if worse == "larger" else "greater"))
+          if hodges_lehmann_effect else (math.nan, math.nan, math.nan))
     effect = Effect(mean, float(lo), float(hi))
     return PairedTestResult(
         test=test, alternative=alternative, n=int(d.size), statistic=float(statistic), pvalue=float(pvalue),
