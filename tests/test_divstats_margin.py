@@ -214,3 +214,29 @@ def test_run_plan_refuses_below_the_threshold_with_the_reason():
                               "split": "all"}), n_resamples=99).table.iloc[0]
     assert math.isnan(row["p_value"]) and "need ≥ 50" in row["note"] and row["verdict"].startswith("not estimable")
     assert row["mean_b"] == 6.0      # the full model's rmtd is the horizon
+
+
+def test_report_gives_verdicts_and_the_margin_figure():
+    from divstats.report.analysis import compute
+    from divstats.report.figures import margin_figure
+    from divstats.report.render import make_figures, render_markdown
+    from divstats.report.tables import plan_rows
+    from divstats.truth.studies import PolicyEffect, simulate_study
+    ds = simulate_study(12, {"p": PolicyEffect(0.05), "q": PolicyEffect(0.06)}, horizon=6, replicates=2, seed=3)
+    plan = _plan({"id": "NI", "family": "f", "metric": "mismatch_fraction", "compare": ["p", "full"],
+                  "direction": "noninferiority", "margin": 0.05, "test": "bootstrap-t", "split": "all"},
+                 {"id": "EQ", "family": "g", "metric": "mismatch_fraction", "compare": ["p", "q"],
+                  "direction": "equivalence", "margin": 0.05, "test": "ttest", "split": "all"},
+                 {"id": "D", "family": "h", "metric": "occurrence", "compare": ["p", "q"], "test": "ttest",
+                  "split": "all"})
+    an = compute(ds, plan, n_resamples=99, progress=False)
+    rows = {r["id"]: r for r in plan_rows(an.plan_result)}
+    assert rows["NI"]["H1"] == "A − B < 0.05" and rows["EQ"]["H1"] == "|A − B| < 0.05"
+    assert rows["NI"]["verdict"].startswith("not estimable") and rows["D"]["verdict"] == ""
+    assert "margins" in make_figures(an)
+    md = render_markdown(an)
+    assert "## Verdicts at a margin" in md and "- EQ (mismatch_fraction, p − q): not estimable" in md
+    # an estimable row draws its interval
+    t = an.plan_result.table[an.plan_result.table["id"] == "EQ"].assign(
+        ci_low=-0.01, ci_high=0.02, mean_difference=0.005, verdict="equivalent within ±0.05")
+    assert len(margin_figure(t).axes[0].lines) >= 3
