@@ -240,3 +240,28 @@ def test_report_gives_verdicts_and_the_margin_figure():
     t = an.plan_result.table[an.plan_result.table["id"] == "EQ"].assign(
         ci_low=-0.01, ci_high=0.02, mean_difference=0.005, verdict="equivalent within ±0.05")
     assert len(margin_figure(t).axes[0].lines) >= 3
+
+
+# ---------------------------------------------------------------------------
+# Design: power of tests at a margin from a pilot
+# ---------------------------------------------------------------------------
+
+def test_power_of_margin_tests_at_zero_and_at_a_stated_difference():
+    from divstats.design.power import hypothesis_pilots, power, power_at, refused_reason
+    from divstats.truth.studies import PolicyEffect, simulate_study
+    pilot = simulate_study(12, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.06)}, horizon=6, replicates=4, seed=4)
+    plan = _plan({"id": "eq", "family": "f", "metric": "occurrence", "compare": ["a", "b"],
+                  "direction": "equivalence", "margin": 0.1, "test": "bootstrap-t", "split": "all"},
+                 {"id": "ni", "family": "g", "metric": "occurrence", "compare": ["a", "full"],
+                  "direction": "noninferiority", "margin": 0.1, "test": "ttest", "split": "all"})
+    eq, ni = hypothesis_pilots(plan, pilot)
+    assert ni.b == "full" and ni.effect == pytest.approx(float(np.mean(ni.d)))   # B = 0 for occurrence
+    assert refused_reason(eq.hypothesis, MIN_DOCS_MARGIN - 1) and not refused_reason(eq.hypothesis, MIN_DOCS_MARGIN)
+    assert power_at(eq, MIN_DOCS_MARGIN - 1, 4, n_sims=200) == 0.0
+    p0, p200 = (power_at(eq, n, 4, n_sims=400) for n in (MIN_DOCS_MARGIN, 200))
+    assert 0 <= p0 <= p200 and p200 > 0.5
+    # at the margin the power is the size (about alpha), below power at 0
+    at_margin = power_at(eq, 200, 4, n_sims=2000, difference=0.1)
+    assert at_margin <= stats.binom.ppf(0.999, 2000, 0.05) / 2000 and at_margin < p200
+    table = power(plan, pilot, docs=[200], replicates=4, n_sims=200).table
+    assert table["power_low"].isna().all() and "true difference of 0" in table.loc[0, "note"]
