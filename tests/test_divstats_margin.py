@@ -21,7 +21,7 @@ def _diffs(n: int, mean: float, sd: float = 0.05, seed: int = 0) -> np.ndarray:
 def test_tost_t_matches_a_hand_computation(mean):
     d = _diffs(60, mean)
     delta, alpha = 0.05, 0.05
-    res = paired_test(d, 0.0, "ttest", "equivalence", margin=delta, confidence_level=1 - alpha)
+    res = margin_test(d, "ttest", "equivalence", delta, confidence_level=1 - alpha, min_docs=2)
     p_lo = stats.ttest_1samp(d, -delta, alternative="greater").pvalue
     p_hi = stats.ttest_1samp(d, delta, alternative="less").pvalue
     assert res.pvalue == pytest.approx(max(p_lo, p_hi), rel=1e-12)
@@ -41,8 +41,8 @@ def test_tost_rejects_exactly_when_the_interval_is_inside_the_margins(test):
     seen = set()
     for seed in range(12):
         d = _diffs(60, (seed % 4 - 1.5) * 0.03, seed=seed)
-        res = paired_test(d + 1.0, np.full(d.size, 1.0), test, "equivalence", margin=0.05, n_resamples=999,
-                          seed=seed)
+        res = margin_test((d + 1.0) - np.full(d.size, 1.0), test, "equivalence", 0.05, n_resamples=999,
+                          seed=seed, min_docs=2)
         inside = -0.05 < res.ci_low and res.ci_high < 0.05
         assert (res.pvalue <= 0.05) == inside
         assert res.details["p_lower"] <= res.pvalue and res.details["p_upper"] <= res.pvalue
@@ -61,23 +61,23 @@ def test_bootstrap_t_tost_is_its_two_one_sided_tests():
 
 def test_noninferiority_direction_follows_worse():
     d = _diffs(60, 0.01, seed=1)
-    larger = paired_test(d, 0.0, "ttest", "noninferiority", margin=0.05, worse="larger")
+    larger = margin_test(d, "ttest", "noninferiority", 0.05, "larger", min_docs=2)
     assert larger.pvalue == pytest.approx(stats.ttest_1samp(d, 0.05, alternative="less").pvalue, rel=1e-12)
     assert larger.ci_low == -math.inf and larger.ci_high < 0.05 and larger.verdict == "non-inferior at margin 0.05"
-    smaller = paired_test(-d, 0.0, "ttest", "noninferiority", margin=-0.05, worse="smaller")
+    smaller = margin_test(-d, "ttest", "noninferiority", -0.05, "smaller", min_docs=2)
     assert smaller.pvalue == pytest.approx(stats.ttest_1samp(-d, -0.05, alternative="greater").pvalue, rel=1e-12)
     assert smaller.ci_high == math.inf and smaller.verdict == "non-inferior at margin -0.05"
     # the same margin written as a magnitude
-    assert paired_test(-d, 0.0, "ttest", "noninferiority", margin=0.05, worse="smaller").pvalue == smaller.pvalue
+    assert margin_test(-d, "ttest", "noninferiority", 0.05, "smaller", min_docs=2).pvalue == smaller.pvalue
     # a policy clearly worse is not shown non-inferior
-    worse = paired_test(d + 0.06, 0.0, "ttest", "noninferiority", margin=0.05)
+    worse = margin_test(d + 0.06, "ttest", "noninferiority", 0.05, min_docs=2)
     assert worse.pvalue > 0.05 and worse.verdict == "not shown non-inferior at margin 0.05 at this size"
 
 
 def test_scalar_b_is_a_known_reference_value():
     d = _diffs(60, 0.3, seed=2)
-    assert paired_test(d, 0.25, "ttest", "equivalence", margin=0.1).pvalue == pytest.approx(
-        paired_test(d, np.full(60, 0.25), "ttest", "equivalence", margin=0.1).pvalue)
+    assert paired_test(d, 0.25, "bootstrap-t", "equivalence", margin=0.1, n_resamples=499).pvalue == pytest.approx(
+        paired_test(d, np.full(60, 0.25), "bootstrap-t", "equivalence", margin=0.1, n_resamples=499).pvalue)
 
 
 @pytest.mark.parametrize(("test", "need"), [("bootstrap-t", MIN_DOCS_MARGIN), ("ttest", MIN_DOCS_MARGIN_T)])
@@ -119,7 +119,7 @@ def test_t_size_at_the_margin_within_a_binomial_bound():
     rng = np.random.default_rng(11)
     for _ in range(n_sims):
         d = 0.05 + 0.1 * rng.standard_normal(60)
-        rej += margin_test(d, "ttest", "equivalence", 0.05).pvalue <= 0.05
+        rej += margin_test(d, "ttest", "equivalence", 0.05, min_docs=2).pvalue <= 0.05
     assert 25 <= rej <= stats.binom.ppf(0.999, n_sims, 0.05)
 
 
@@ -187,22 +187,22 @@ def test_run_plan_against_the_full_model_known_value():
     from divstats.estimation.estimators import estimate
     from divstats.plans.run import run_plan
     from divstats.truth.studies import PolicyEffect, simulate_study
-    ds = simulate_study(MIN_DOCS_MARGIN, {"good": PolicyEffect(0.02), "bad": PolicyEffect(0.6)},
+    ds = simulate_study(MIN_DOCS_MARGIN, {"good": PolicyEffect(0.15), "bad": PolicyEffect(0.9)},
                         horizon=6, replicates=2, seed=1)
-    hyp = dict(family="ni", metric="occurrence", direction="noninferiority", margin=0.1, test="ttest",
+    hyp = dict(family="ni", metric="occurrence", direction="noninferiority", margin=0.4, test="bootstrap-t",
                split="all")
     res = run_plan(ds, _plan({"id": "good", "compare": ["good", "full"], **hyp},
                              {"id": "bad", "compare": ["bad", "full"], **hyp},
                              {"id": "eq", "family": "eq", "metric": "occurrence", "compare": ["good", "bad"],
-                              "direction": "equivalence", "margin": 0.05, "test": "ttest", "split": "all"}),
-                   n_resamples=99).table.set_index("id")
+                              "direction": "equivalence", "margin": 0.05, "test": "bootstrap-t", "split": "all"}),
+                   n_resamples=499).table.set_index("id")
     occ = estimate(ds)["occurrence"].sel(policy="good").values
-    direct = paired_test(occ, 0.0, "ttest", "noninferiority", margin=0.1)
+    direct = paired_test(occ, 0.0, "bootstrap-t", "noninferiority", margin=0.4, n_resamples=499)
     assert res.loc["good", "p_value"] == pytest.approx(direct.pvalue) and res.loc["good", "mean_b"] == 0.0
-    assert res.loc["good", "verdict"] == "non-inferior at margin 0.1"
-    assert res.loc["bad", "verdict"] == "not shown non-inferior at margin 0.1 at this size"
+    assert res.loc["good", "verdict"] == "non-inferior at margin 0.4"
+    assert res.loc["bad", "verdict"] == "not shown non-inferior at margin 0.4 at this size"
     assert res.loc["eq", "verdict"] == "not shown equivalent at this size"
-    assert res.loc["good", "margin"] == 0.1 and res.loc["good", "worse"] == "larger"
+    assert res.loc["good", "margin"] == 0.4 and res.loc["good", "worse"] == "larger"
 
 
 def test_run_plan_refuses_below_the_threshold_with_the_reason():

@@ -948,7 +948,8 @@ def paired_test(a: np.ndarray, b: np.ndarray | float, test: TestName = "wilcoxon
     >>> res.n, res.pvalue < 0.05
     (6, True)
     >>> rng = np.random.default_rng(0)
-    >>> eq = paired_test(0.01 + 0.02 * rng.standard_normal(60), 0.0, "ttest", "equivalence", margin=0.05)
+    >>> eq = paired_test(0.01 + 0.02 * rng.standard_normal(60), 0.0, "bootstrap-t", "equivalence", margin=0.05,
+    ...                  n_resamples=999)
     >>> eq.verdict, eq.confidence_level
     ('equivalent within ±0.05', 0.9)
     """
