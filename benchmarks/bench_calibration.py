@@ -21,13 +21,18 @@ against a method's own output.
    (greater, less, two-sided) x n x population, and power at a shift towards
    each side; bootstrap-t also without its refusal of one-sided tests below
    resample.MIN_DOCS_MEAN_BOUND (the behaviour before it).
+6. (--margin) Tests at a margin (equivalence by TOST; non-inferiority, worse = larger
+   and smaller) for bootstrap-t and t: size at the margin (true difference = +-delta,
+   the worst case) and power at 0, by n x population x margin, measured without the
+   refusal threshold (resample.MIN_DOCS_MARGIN, MIN_DOCS_MARGIN_T).
 
-Usage: python benchmarks/bench_calibration.py [--quick] [--sims N] [--one-sided]
+Usage: python benchmarks/bench_calibration.py [--quick] [--sims N] [--one-sided] [--margin]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import time
@@ -36,6 +41,7 @@ from divstats.calibration.coverage import (
     POPULATIONS,
     aggregate_coverage,
     decomposition_coverage,
+    margin_calibration,
     mean_interval_coverage,
     paired_calibration,
 )
@@ -120,6 +126,26 @@ def document_tables(n_sims: int, sizes: list[int], n_resamples: int) -> None:
               f"{parts:.3f} | {cell(shares)} | {c.shares_refused:.2f} |", flush=True)
 
 
+def margin_table(n_sims: int, sizes: list[int], margins: list[float], tests: list[str]) -> None:
+    print(f"\n## Tests at a margin (alpha = 0.05; {n_sims} studies per cell, without the refusal threshold; "
+          "size at +delta / -delta = rejection rate at a true difference on the boundary of H0; power at 0; "
+          "cov = coverage of the test's interval (1 - 2 alpha for equivalence) at that difference)")
+    print("\n| test | alternative | population | delta | n | size at +delta | size at -delta | power at 0 | "
+          "cov at 0 |\n|---|---|---|---|---|---|---|---|---|")
+    cases = [("equivalence", "larger"), ("noninferiority", "larger"), ("noninferiority", "smaller")]
+    for test, (alt, worse), pop, delta, n in itertools.product(tests, cases, POPULATIONS, margins, sizes):
+        run = functools.partial(margin_calibration, test, alt, n_docs=n, margin=delta, population=pop,
+                                worse=worse, n_sims=n_sims, seed=n)
+        plus = run(shift=delta).rejection_rate if not (alt == "noninferiority" and worse == "smaller") else math.nan
+        minus = run(shift=-delta).rejection_rate if not (alt == "noninferiority" and worse == "larger") else math.nan
+        zero = run(shift=0.0)
+        name = alt if alt == "equivalence" else f"noninferiority ({worse} worse)"
+        fmt = lambda x: "–" if math.isnan(x) else f"{x:.3f}"  # noqa: E731
+        print(f"| {test} | {name} | {pop} | {delta:g} | {n} | {fmt(plus)} | {fmt(minus)} | "
+              f"{zero.rejection_rate:.3f} | {zero.coverage:.3f} |", flush=True)
+    print(f"\nalpha + 2 SE with {n_sims} studies: {0.05 + 2 * mc_se(0.05, n_sims):.4f}")
+
+
 def plan_null_table(n_studies: int) -> None:
     print(f"\n## Whole plan under the null on simulated traces ({n_studies} studies; 30 docs, T = 10, "
           "12 replicates; four identical policies; six pairwise occurrence hypotheses, bootstrap-t, one Holm "
@@ -147,9 +173,19 @@ def main() -> None:
     ap.add_argument("--skip-plan", action="store_true", help="leave out the whole-plan null study")
     ap.add_argument("--one-sided", action="store_true",
                     help="only the size-by-side table (5) with --sims studies per cell")
+    ap.add_argument("--margin", action="store_true",
+                    help="only the tests-at-a-margin table (6) with --sims studies per cell")
+    ap.add_argument("--tests", default="bootstrap-t,ttest", help="--margin: the tests (comma-separated)")
+    ap.add_argument("--sizes", default="10,20,30,50,100", help="--margin: the document counts")
+    ap.add_argument("--margins", default="0.05,0.1", help="--margin: the margins delta")
     args = ap.parse_args()
     t0 = time.time()
     sizes = [3, 5, 10, 20, 50]
+    if args.margin:
+        margin_table(args.sims, [int(x) for x in args.sizes.split(",")],
+                     [float(x) for x in args.margins.split(",")], args.tests.split(","))
+        print(f"\n(total {time.time() - t0:.0f} s)")
+        return
     if args.one_sided:
         one_sided_table(args.sims, [5, 10, 20, 30, 40, 50], shift=0.05)
         print(f"\nMonte Carlo SE of a rate near 0.05 with {args.sims} studies: {mc_se(0.05, args.sims):.4f}")

@@ -176,5 +176,5 @@ def test_the_shipped_plan_is_package_data(tmp_path, monkeypatch):
     assert divstats.load_plan("paper").sha256 == plan.sha256
     with pytest.raises(PlanError, match="not valid TOML"):
         divstats.load_plan("./paper")
-    with pytest.raises(PlanError, match="shipped plans: \\['paper'"):
+    with pytest.raises(PlanError, match="shipped plans: \\[.*'paper'"):
         divstats.load_plan("papr")

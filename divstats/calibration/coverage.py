@@ -29,13 +29,13 @@ import numpy as np
 from divstats.estimation.estimators import INTERVAL_QUANTITIES, aggregate_statistic
 from divstats.estimation.resample import MIN_DOCS_AGGREGATE, MIN_DOCS_INTERVAL, document_interval
 from divstats.inference.decompose import PARTS, parts_and_shares, split_gap
-from divstats.inference.paired import mean_difference_interval, paired_test, rejects
+from divstats.inference.paired import margin_test, mean_difference_interval, paired_test, rejects
 
 __all__ = [
     "POPULATIONS", "AggregateCoverage", "DecompositionCoverage", "MeanIntervalCoverage", "PairedCalibration",
     "aggregate_coverage", "decomposition_coverage", "mean_interval_coverage",
     "document_population", "draw_differences", "policy_documents", "pseudo_median",
-    "paired_calibration",
+    "paired_calibration", "MarginCalibration", "margin_calibration",
 ]
 
 # ---------------------------------------------------------------------------
@@ -216,6 +216,91 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
                              rate(cov, shown), rate(cov_m, shown_m), float(cov_hl / n_sims),
                              population, float(bad / n_sims), float(1 - shown / n_sims),
                              float(rej_u / n_sims) if unrefused else float("nan"))
+
+
+@dataclass(frozen=True)
+class MarginCalibration:
+    """Outcome of :func:`margin_calibration`: rejection rate of a test at a margin at one true difference."""
+
+    test: str
+    alternative: str
+    n_docs: int
+    n_sims: int
+    margin: float
+    shift: float
+    population: str
+    worse: str
+    rejection_rate: float       # over all studies, without the refusal threshold
+    coverage: float             # the test's interval (1 - 2 alpha for equivalence) covers the shift
+    not_estimable: float        # fraction of studies the test could not run (zero spread), threshold aside
+
+    @property
+    def se(self) -> float:
+        """Binomial standard error of :attr:`rejection_rate`."""
+        r = self.rejection_rate
+        return float(np.sqrt(max(r * (1 - r), 1e-12) / self.n_sims))
+
+
+def margin_calibration(test: str = "bootstrap-t", alternative: str = "equivalence", *, n_docs: int = 50,
+                       margin: float = 0.05, population: str = "skewed", shift: float | None = None,
+                       worse: str = "larger", n_sims: int = 400, alpha: float = 0.05, n_resamples: int = 999,
+                       seed: int = 0) -> MarginCalibration:
+    """Size at the margin or power of an equivalence / non-inferiority test, by simulation.
+
+    Differences are drawn from ``population`` (:func:`draw_differences`, SD 0.1 for
+    ``skewed``, 0.129 for ``symmetric``) with mean ``shift``; the test runs without its
+    refusal threshold (``min_docs=2``), so the table shows what it would do below it.
+    ``shift = ±margin`` (the boundary of H0, the worst case) gives the size;
+    ``shift = 0`` the power.  The default shift is the boundary: ``+margin`` for
+    equivalence and for non-inferiority with ``worse="larger"``, ``-margin`` otherwise.
+
+    Parameters
+    ----------
+    test : {"bootstrap-t", "ttest"}
+        The test.
+    alternative : {"equivalence", "noninferiority"}
+        The test at a margin.
+    n_docs, n_sims : int
+        Documents per study and studies.
+    margin : float
+        delta.
+    population : {"symmetric", "skewed"}
+        Law of the differences.
+    shift : float, optional
+        True mean difference.
+    worse : {"larger", "smaller"}
+        Non-inferiority direction.
+    alpha : float
+        Level.
+    n_resamples : int
+        Bootstrap resamples.
+    seed : int
+        Seed of the simulation.
+
+    Returns
+    -------
+    MarginCalibration
+        The rejection rate (``.se`` its binomial SE) and the interval's coverage.
+
+    Examples
+    --------
+    >>> r = margin_calibration("ttest", n_docs=10, n_sims=20)
+    >>> 0 <= r.rejection_rate <= 1
+    True
+    """
+    if shift is None:
+        shift = -margin if (alternative == "noninferiority" and worse == "smaller") else margin
+    rng = np.random.default_rng(seed)
+    rej = cov = bad = 0
+    for i in range(n_sims):
+        d = draw_differences(population, n_docs, shift, rng)
+        res = margin_test(d, test, alternative, margin, worse, 1 - alpha, n_resamples=n_resamples, seed=i,
+                          min_docs=2, hodges_lehmann_effect=False)
+        bad += bool(res.reason)
+        rej += rejects(res.pvalue, alpha)
+        cov += bool(res.ci_low <= shift <= res.ci_high)
+    return MarginCalibration(test, alternative, n_docs, n_sims, float(margin), float(shift), population, worse,
+                             float(rej / n_sims), float(cov / n_sims), float(bad / n_sims))
 
 
 @dataclass(frozen=True)

@@ -85,9 +85,12 @@ def format_design_table(table, target: float) -> list[str]:
 @click.option("--sims", type=click.IntRange(min=100), default=2000, show_default=True,
               help="Simulated studies per power value.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--difference", type=float, default=None,
+              help="Power at this true mean difference A - B (raw units) for every hypothesis; tests at a "
+                   "margin (equivalence, non-inferiority) default to 0.")
 def power_command(traces: Path, plan_source: str, docs: tuple[int, ...], replicates: tuple[int, ...],
                   target: float | None, conservative: bool, level: float, window: int | None,
-                  aliases: tuple[str, ...], sims: int, seed: int) -> None:
+                  aliases: tuple[str, ...], sims: int, seed: int, difference: float | None) -> None:
     """Power of each hypothesis of a plan, from pilot TRACES, at a number of documents and replicates.
 
     The effect and the between-document and Monte Carlo variance of each hypothesis
@@ -100,7 +103,7 @@ def power_command(traces: Path, plan_source: str, docs: tuple[int, ...], replica
         alias_map = parse_aliases(aliases)
         pilot = open_traces(traces)
         res = power(plan, pilot, docs=list(docs) or None, replicates=list(replicates) or None, level=level,
-                    aliases=alias_map, window=window, n_sims=sims, seed=seed)
+                    aliases=alias_map, window=window, n_sims=sims, seed=seed, difference=difference)
         click.echo(f"plan {plan.name} sha256={plan.sha256}")
         click.echo(f"pilot {traces}: {res.pilot_docs} documents, {res.pilot_replicates:g} replicates; "
                    f"range: {level:g} bootstrap interval of the standardised effect")

@@ -48,9 +48,10 @@ from scipy import stats
 from divstats.errors import PlanError
 from divstats.estimation.components import document_values, paired_document_values, replicate_influence
 from divstats.estimation.curves import branch_tv_window
-from divstats.estimation.resample import MIN_DOCS_MEAN_BOUND, too_few_documents
-from divstats.inference.paired import paired_test, signed_rank_null_cdf
-from divstats.plans.format import WINDOW_METRICS, Hypothesis, Plan, load_plan
+from divstats.estimation.resample import MIN_DOCS_MARGIN, MIN_DOCS_MARGIN_T, MIN_DOCS_MEAN_BOUND, too_few_documents
+from divstats.inference.paired import MARGIN_ALTERNATIVES, paired_test, signed_rank_null_cdf
+from divstats.plans.format import FULL, WINDOW_METRICS, Hypothesis, Plan, load_plan
+from divstats.plans.run import full_model_value
 from divstats.traces.arrays import layout, present_replicates
 from divstats.truth.studies import PolicyEffect, simulate_study
 
@@ -209,6 +210,12 @@ def _hypothesis_values(h: Hypothesis, plan: Plan, pilot: xr.Dataset, vals: xr.Da
         return diff, a, b, "Monte Carlo covariance between policies taken as 0"
     if vals is None or h.metric not in vals["metric"].values:
         raise PlanError(f"hypothesis {h.id!r}: metric {h.metric!r} has no variance components")
+    if b == FULL and FULL not in [str(p) for p in pilot["policy"].values]:
+        # B is the full model's known value: no variance of its own
+        va = vals.sel(policy=a, metric=h.metric, drop=True)
+        full = full_model_value(h.metric, pilot.attrs.get("horizon"))
+        diff = xr.Dataset({"value": va["value"] - full, "mc_var": va["mc_var"], "replicates": va["replicates"]})
+        return diff, a, b, f"B = the full model's known {h.metric} ({full:g})"
     return paired_document_values(vals, a, b).sel(metric=h.metric, drop=True), a, b, ""
 
 
@@ -257,6 +264,8 @@ def hypothesis_pilots(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, *
 
     def resolve(pid: str) -> str:
         out = mapping.get(pid, pid)
+        if out == FULL and FULL not in policies:
+            return out              # the full model's known value (no measured control in the pilot)
         if out not in policies:
             raise PlanError(f"policy {out!r} (planned {pid!r}) is not in the pilot; available: {policies}")
         return out
@@ -308,8 +317,9 @@ class _Model:
         return np.where(self.fixed_zero[idx], 0.0, d)
 
 
-def _model(hp: HypothesisPilot, theta: float | None, R: float) -> _Model:
-    """The model at the pilot's effect (theta None) or at standardised effect theta at R."""
+def _model(hp: HypothesisPilot, theta: float | None, R: float, difference: float | None = None) -> _Model:
+    """The model at the pilot's effect (theta None), at standardised effect theta at R, or at a true
+    mean ``difference`` (tests at a margin: default 0, the design question "if they are truly the same")."""
     d, w = hp.d, hp.w
     between = hp.between
     total = float(np.var(d, ddof=1))
@@ -317,7 +327,24 @@ def _model(hp: HypothesisPilot, theta: float | None, R: float) -> _Model:
     dev = (d - d.mean()) * shrink
     zero = (d == 0) & (w == 0)
     shift = d.mean() if theta is None else theta * math.sqrt(between + w.mean() / R)
+    target = difference if difference is not None else (
+        0.0 if theta is None and hp.hypothesis.direction in MARGIN_ALTERNATIVES else None)
+    if target is not None:
+        # the model's mean is shift * P(not fixed at 0) + mean of the others' deviations: solve for target
+        live = float(np.mean(~zero)) if zero.size else 1.0
+        shift = (target - float(np.mean(np.where(zero, 0.0, dev)))) / live if live > 0 else target
     return _Model(float(shift), dev, w, zero)
+
+
+def _pvalues_margin(d: np.ndarray, h: Hypothesis) -> np.ndarray:
+    """TOST / non-inferiority p-values per row (the t versions; bootstrap-t is powered as t)."""
+    delta = float(h.margin or 0.0)
+    sides = []
+    if h.direction == "equivalence" or h.worse == "smaller":
+        sides.append(_pvalues_t(d + delta, "greater"))
+    if h.direction == "equivalence" or h.worse == "larger":
+        sides.append(_pvalues_t(d - delta, "less"))
+    return np.maximum.reduce(sides)
 
 
 def _pvalues_t(d: np.ndarray, direction: str) -> np.ndarray:
@@ -413,7 +440,7 @@ def _nct_sf(x: float, df: int, ncp: float) -> float:
 
 
 def power_at(hp: HypothesisPilot, n: int, R: float, *, theta: float | None = None, n_sims: int = 2000,
-             seed: int = 0) -> float:
+             seed: int = 0, difference: float | None = None) -> float:
     """Power of ``hp``'s test on ``n`` documents with ``R`` replicates each.
 
     Parameters
@@ -428,7 +455,10 @@ def power_at(hp: HypothesisPilot, n: int, R: float, *, theta: float | None = Non
         Replace the pilot's effect by this standardised effect
         delta / sqrt(sigma_B^2 + w / R); None uses the pilot's mean difference.
     n_sims, seed : int
-        Simulated studies (for n <= ``SIMULATE_MAX_N``) and their seed.
+        Simulated studies (for n <= ``SIMULATE_MAX_N``; always for tests at a margin) and their seed.
+    difference : float, optional
+        The true mean difference A − B in the study (raw units); for tests at a margin
+        (equivalence, non-inferiority) it defaults to 0 (the pilot gives the spread).
 
     Returns
     -------
@@ -453,7 +483,10 @@ def power_at(hp: HypothesisPilot, n: int, R: float, *, theta: float | None = Non
         return math.nan
     if refused_reason(h, n):
         return 0.0                  # the test is not run, so it never rejects
-    model = _model(hp, theta, R)
+    model = _model(hp, theta, R, difference)
+    if h.direction in MARGIN_ALTERNATIVES:
+        d = model.draw(np.random.default_rng(seed), (n_sims, n), R)
+        return float(np.mean(_pvalues_margin(d, h) <= hp.alpha))
     if n <= SIMULATE_MAX_N:
         return _simulated_power(model, n, R, h.test, h.direction, hp.alpha, n_sims, seed)
     if h.test == "wilcoxon":
@@ -487,6 +520,9 @@ def refused_reason(h: Hypothesis, n: int) -> str:
     >>> refused_reason(plan.hypotheses[0], 20)[:31]
     'not estimable: n = 20 documents'
     """
+    if h.direction in MARGIN_ALTERNATIVES:
+        need = MIN_DOCS_MARGIN if h.test == "bootstrap-t" else MIN_DOCS_MARGIN_T
+        return too_few_documents(n, need, f"{h.test} tests at a margin (equivalence, non-inferiority)")
     if h.test == "bootstrap-t" and h.direction != "two-sided":
         return too_few_documents(n, MIN_DOCS_MEAN_BOUND, "one-sided bootstrap-t tests of a mean difference")
     return ""
@@ -534,12 +570,12 @@ def effect_range(hp: HypothesisPilot, R: float, level: float = 0.8, n_boot: int 
 
 
 def power_range(hp: HypothesisPilot, n: int, R: float, *, level: float = 0.8, n_sims: int = 2000,
-                seed: int = 0) -> tuple[float, float, float]:
+                seed: int = 0, difference: float | None = None) -> tuple[float, float, float]:
     """Power at the pilot's effect and its range over the effect's bootstrap interval.
 
     Parameters
     ----------
-    hp, n, R, n_sims, seed
+    hp, n, R, n_sims, seed, difference
         As in :func:`power_at`.
     level : float
         Coverage of the effect's interval (:func:`effect_range`).
@@ -549,6 +585,8 @@ def power_range(hp: HypothesisPilot, n: int, R: float, *, level: float = 0.8, n_
     tuple of float
         ``(low, point, high)``: the smallest and largest power at the interval's ends
         (and at 0 when the interval straddles it), and the power at the pilot's effect.
+        At a stated ``difference`` and for tests at a margin (power at a true difference,
+        0 by default) there is no effect range: ``low`` and ``high`` are NaN.
 
     Examples
     --------
@@ -560,9 +598,11 @@ def power_range(hp: HypothesisPilot, n: int, R: float, *, level: float = 0.8, n_
     >>> low <= point <= high
     True
     """
-    point = power_at(hp, n, R, n_sims=n_sims, seed=seed)
+    point = power_at(hp, n, R, n_sims=n_sims, seed=seed, difference=difference)
     if not np.isfinite(point):
         return math.nan, math.nan, math.nan
+    if hp.hypothesis.direction in MARGIN_ALTERNATIVES or difference is not None:
+        return math.nan, point, math.nan     # at a stated difference: no effect range (docs/design.md)
     lo, _, hi = effect_range(hp, R, level, seed=seed)
     thetas = [lo, hi] + ([0.0] if lo < 0 < hi else [])
     ends = [power_at(hp, n, R, theta=t, n_sims=n_sims, seed=seed) for t in thetas]
@@ -605,22 +645,35 @@ def _as_list(x: int | Iterable[int] | None, default: int) -> list[int]:
     return [int(v) for v in x]
 
 
-def _row(hp: HypothesisPilot, docs: int, R: int, level: float, n_sims: int, seed: int) -> dict[str, Any]:
+def _row(hp: HypothesisPilot, docs: int, R: int, level: float, n_sims: int, seed: int,
+         difference: float | None = None) -> dict[str, Any]:
     h = hp.hypothesis
     n = hp.docs_used(docs)
-    low, point, high = power_range(hp, n, R, level=level, n_sims=n_sims, seed=seed)
+    low, point, high = power_range(hp, n, R, level=level, n_sims=n_sims, seed=seed, difference=difference)
     return {"id": hp.label, "family": h.family, "metric": h.metric, "a": hp.a, "b": hp.b, "test": h.test,
             "direction": h.direction, "alpha_used": hp.alpha, "docs": docs, "replicates": R, "n_docs": n,
             "effect": hp.effect, "sd_between": math.sqrt(hp.between) if hp.n_pilot >= 2 else math.nan,
             "sd_replicate": math.sqrt(hp.replicate_var) if hp.n_pilot else math.nan,
             "power": point, "power_low": low, "power_high": high,
-            "note": "; ".join(x for x in (hp.note, refused_reason(h, n)) if x)}
+            "note": "; ".join(x for x in (hp.note, refused_reason(h, n), _margin_note(hp, difference)) if x)}
+
+
+def _margin_note(hp: HypothesisPilot, difference: float | None) -> str:
+    """Tests at a margin: at which true difference the power is, and whether the pilot is already past the margin."""
+    h = hp.hypothesis
+    if h.direction not in MARGIN_ALTERNATIVES:
+        return ""
+    at = 0.0 if difference is None else difference
+    text = f"power at a true difference of {at:g} (margin {h.margin:g})"
+    past = (abs(hp.effect) >= h.margin if h.direction == "equivalence" else
+            (hp.effect >= h.margin if h.worse == "larger" else hp.effect <= -h.margin))
+    return text + (f"; the pilot's mean difference {hp.effect:.3g} is past the margin" if past else "")
 
 
 def power(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, docs: int | Sequence[int] | None = None,
           replicates: int | Sequence[int] | None = None, *, level: float = 0.8,
           aliases: Mapping[str, str] | None = None, window: int | None = None, n_sims: int = 2000,
-          seed: int = 0) -> PowerResult:
+          seed: int = 0, difference: float | None = None) -> PowerResult:
     """Power of every hypothesis of ``plan`` at ``docs`` documents and ``replicates`` per document.
 
     Parameters
@@ -642,6 +695,10 @@ def power(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, docs: int | S
         Window truncation as in ``divstats.estimate``.
     n_sims, seed : int
         Simulated studies per power value (up to ``SIMULATE_MAX_N`` documents) and their seed.
+    difference : float, optional
+        A stated true mean difference A − B for every hypothesis (raw units).  Tests at
+        a margin (equivalence, non-inferiority) are powered at 0 by default: "if the
+        candidate is truly as good, how often does the study show it?".
 
     Returns
     -------
@@ -666,7 +723,7 @@ def power(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, docs: int | S
     pilots = hypothesis_pilots(plan, pilot, aliases=aliases, window=window)
     n_pilot = int(pilot.sizes["doc"])
     r_pilot = _typical_replicates(pilot)
-    rows = [_row(hp, n, R, level, n_sims, seed) for hp in pilots
+    rows = [_row(hp, n, R, level, n_sims, seed, difference) for hp in pilots
             for n in _as_list(docs, n_pilot) for R in _as_list(replicates, r_pilot)]
     notes = sorted({hp.note for hp in pilots if hp.note})
     table = pd.DataFrame(rows, columns=list(POWER_COLUMNS))

@@ -66,6 +66,8 @@ from scipy import stats
 
 from divstats.estimation.resample import (
     MIN_DOCS_INTERVAL,
+    MIN_DOCS_MARGIN,
+    MIN_DOCS_MARGIN_T,
     MIN_DOCS_MEAN_BOUND,
     MIN_DOCS_MEAN_DIFFERENCE,
     bootstrap_t,
@@ -74,14 +76,15 @@ from divstats.estimation.resample import (
 from divstats.intervals import ConfidenceInterval
 
 __all__ = [
-    "ALTERNATIVES", "EXACT_PERMUTATION_MAX_N", "EXACT_SIGNED_RANK_MAX_N", "TESTS", "Alternative",
+    "ALTERNATIVES", "MARGIN_ALTERNATIVES", "MARGIN_TESTS", "WORSE", "margin_verdict",
+    "EXACT_PERMUTATION_MAX_N", "EXACT_SIGNED_RANK_MAX_N", "TESTS", "Alternative",
     "ESTIMANDS", "MEAN_CIS", "MIN_DOCS_BY_TEST", "Effect", "PairedTestResult", "TestName", "hodges_lehmann", "holm",
     "mean_difference_bootstrap", "mean_difference_interval", "mean_difference_t", "not_estimable_reason",
-    "paired_test", "rejects",
+    "margin_not_estimable_reason", "margin_test", "paired_test", "rejects",
     "signed_rank_null_cdf", "signed_rank_test"
 ]
 
-Alternative = Literal["two-sided", "less", "greater"]
+Alternative = Literal["two-sided", "less", "greater", "equivalence", "noninferiority"]
 TestName = Literal["wilcoxon", "ttest", "permutation"]
 
 TESTS: tuple[str, ...] = ("wilcoxon", "ttest", "permutation", "bootstrap-t")
@@ -96,6 +99,12 @@ ESTIMANDS: dict[str, str] = {
 #: Relative spread below which the differences count as constant (t undefined).
 ZERO_SPREAD = 1e-12
 ALTERNATIVES: tuple[str, ...] = ("two-sided", "less", "greater")
+#: Tests at a margin (``paired_test(..., alternative=..., margin=delta)``; docs/statistics.md §8).
+MARGIN_ALTERNATIVES: tuple[str, ...] = ("equivalence", "noninferiority")
+#: The tests that run at a margin (they are about the mean difference).
+MARGIN_TESTS: tuple[str, ...] = ("bootstrap-t", "ttest")
+#: Which direction of A - B is worse for A (``paired_test(..., worse=...)``; the estimand table's ``worse``).
+WORSE: tuple[str, ...] = ("larger", "smaller")
 #: Intervals for the mean difference (``paired_test(..., mean_ci=...)``); the first is the default.
 MEAN_CIS: tuple[str, ...] = ("bootstrap-t", "t", "bootstrap")
 
@@ -155,9 +164,17 @@ class PairedTestResult:
     reason: str = ""       # non-empty: not estimable (NaN p-value), and why
     estimand: str = ""
     ci_reason: str = ""    # non-empty: the mean difference's interval is refused, and why
+    margin: float = math.nan   # tests at a margin: delta (> 0); NaN for difference tests
+    worse: str = ""            # non-inferiority: which direction of A - B is worse ("larger"/"smaller")
+    verdict: str = ""          # tests at a margin: the unadjusted verdict in words (:func:`margin_verdict`)
 
     def confidence_interval(self) -> ConfidenceInterval:
-        """The interval of the test's own effect size (:attr:`test_effect`), at ``confidence_level``."""
+        """The interval of the test's own effect size (:attr:`test_effect`), at ``confidence_level``.
+
+        For ``alternative="equivalence"`` it is the (1 − 2α) interval of the mean
+        difference (``confidence_level`` = 1 − 2α), inside (−margin, margin) exactly
+        when equivalence is declared; for ``"noninferiority"`` the one-sided (1 − α) bound.
+        """
         return self.test_effect.interval
 
     effect = property(lambda self: self.test_effect.estimate, doc="The test's own effect size.")
@@ -171,9 +188,11 @@ class PairedTestResult:
     hl_ci_high = property(lambda self: self.hl_effect.high)
 
 
-def _clean_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _clean_pairs(a: np.ndarray, b: np.ndarray | float) -> np.ndarray:
     a = np.asarray(a, dtype=float).ravel()
-    b = np.asarray(b, dtype=float).ravel()
+    b = np.asarray(b, dtype=float)
+    # a scalar b is a known reference value (the full model's: 0 for mismatch-type metrics)
+    b = np.full(a.shape, float(b)) if b.ndim == 0 else b.ravel()
     if a.shape != b.shape:
         raise ValueError(f"paired samples differ in length: {a.size} vs {b.size}")
     d = a - b
@@ -658,15 +677,203 @@ def _effect_kind(test: str) -> str:
 def _check_args(test: str, alternative: str, mean_ci: str) -> None:
     if test not in TESTS:
         raise ValueError(f"unknown test {test!r}; expected one of {TESTS}")
-    if alternative not in ALTERNATIVES:
-        raise ValueError(f"unknown alternative {alternative!r}; expected one of {ALTERNATIVES}")
+    if alternative not in ALTERNATIVES + MARGIN_ALTERNATIVES:
+        raise ValueError(f"unknown alternative {alternative!r}; expected one of {ALTERNATIVES + MARGIN_ALTERNATIVES}")
     if mean_ci not in MEAN_CIS:
         raise ValueError(f"mean_ci must be one of {MEAN_CIS}, got {mean_ci!r}")
 
 
-def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
+def _check_margin(test: str, alternative: str, margin: float | None, worse: str) -> float:
+    """The margin's magnitude delta (> 0), checking the arguments of a test at a margin."""
+    if test not in MARGIN_TESTS:
+        raise ValueError(f"alternative {alternative!r} tests the mean difference: test must be one of "
+                         f"{MARGIN_TESTS}, got {test!r}")
+    if worse not in WORSE:
+        raise ValueError(f"worse must be one of {WORSE}, got {worse!r}")
+    if margin is None or not np.isfinite(margin) or margin == 0:
+        raise ValueError(f"alternative {alternative!r} needs a finite non-zero margin, got {margin!r}")
+    if margin < 0 and not (alternative == "noninferiority" and worse == "smaller"):
+        raise ValueError(f"margin must be > 0 (a negative margin is the signed form of a non-inferiority "
+                         f"margin when worse='smaller'), got {margin!r}")
+    return abs(float(margin))
+
+
+def margin_not_estimable_reason(d: np.ndarray, test: str, min_docs: int | None = None) -> str:
+    """Why a test at a margin cannot be run on ``d`` ("" when it can).
+
+    Besides the test's own conditions (:func:`not_estimable_reason`) it needs
+    ``divstats.estimation.resample.MIN_DOCS_MARGIN`` documents for ``bootstrap-t`` and
+    ``MIN_DOCS_MARGIN_T`` for ``ttest``: below them its size at the margin exceeded
+    alpha + 2 SE on skewed differences (docs/plans.md, "Tests at a margin").
+
+    Parameters
+    ----------
+    d : numpy.ndarray
+        Paired differences (NaN-free).
+    test : {"bootstrap-t", "ttest"}
+        The test.
+    min_docs : int, optional
+        Override of the threshold (lower it only to measure the size, as the calibration does).
+
+    Returns
+    -------
+    str
+        The reason, or "".
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> margin_not_estimable_reason(np.arange(12.0), "bootstrap-t")[:44]
+    'not estimable: n = 12 documents, bootstrap-t'
+    """
+    reason = not_estimable_reason(d, test)
+    if reason:
+        return reason
+    need = min_docs if min_docs is not None else (MIN_DOCS_MARGIN if test == "bootstrap-t" else MIN_DOCS_MARGIN_T)
+    return too_few_documents(d.size, need, f"{test} tests at a margin (equivalence, non-inferiority)")
+
+
+def margin_verdict(alternative: str, reject: bool, margin: float, worse: str = "larger",
+                   estimable: bool = True) -> str:
+    """The verdict of a test at a margin, in words.
+
+    Parameters
+    ----------
+    alternative : {"equivalence", "noninferiority"}
+        The test.
+    reject : bool
+        Whether its (adjusted) p-value is <= alpha.
+    margin : float
+        Its margin delta (> 0).
+    worse : {"larger", "smaller"}
+        Non-inferiority: which direction is worse (the margin is written with that sign).
+    estimable : bool
+        False: the test was refused.
+
+    Returns
+    -------
+    str
+        E.g. "equivalent within ±0.05", "non-inferior at margin 0.05",
+        "not shown equivalent at this size".
+
+    Examples
+    --------
+    >>> margin_verdict("equivalence", True, 0.05)
+    'equivalent within ±0.05'
+    >>> margin_verdict("noninferiority", False, 1, "smaller")
+    'not shown non-inferior at margin -1 at this size'
+    """
+    if alternative == "equivalence":
+        words, where = "equivalent", f"within ±{margin:g}"
+    else:
+        words, where = "non-inferior", f"at margin {margin if worse == 'larger' else -margin:g}"
+    if not estimable:
+        return f"not estimable ({words} {where} not tested)"
+    if reject:
+        return f"{words} {where}"
+    if alternative == "equivalence":
+        return f"not shown {words} at this size"
+    return f"not shown {words} {where} at this size"
+
+
+def _margin_sides(d: np.ndarray, test: str, shift: float, side: str, n_resamples: int, seed: int,
+                  level: float) -> tuple[float, float, float]:
+    """(t, p, bound) of the one-sided test of mean(d) vs ``-shift`` (``side`` = H1) and its dual (1 - alpha) bound."""
+    e = d + shift
+    if test == "ttest":
+        t, p, _ = _ttest(e, side)
+        _, lo, hi = mean_difference_t(e, level, side)
+    else:
+        t, p, _, lo, hi = _bootstrap_t_test(e, side, n_resamples, seed, level)
+    return t, p, (lo if side == "greater" else hi) - shift
+
+
+def margin_test(d: np.ndarray, test: str, alternative: str, margin: float, worse: str = "larger",
+                confidence_level: float = 0.95, *, n_resamples: int = 9999, seed: int = 0,
+                min_docs: int | None = None, hodges_lehmann_effect: bool = True) -> PairedTestResult:
+    """TOST (equivalence) or the one-sided test at the margin (non-inferiority) of the mean of ``d``.
+
+    :func:`paired_test` with a margin alternative runs this on ``a - b``; ``min_docs``
+    overrides the refusal threshold (the calibration measures below it).
+
+    Parameters
+    ----------
+    d : numpy.ndarray
+        Paired differences (NaN-free).
+    test : {"bootstrap-t", "ttest"}
+        The test.
+    alternative : {"equivalence", "noninferiority"}
+        The null: |mean| >= margin, or A worse by at least margin.
+    margin : float
+        delta (> 0; a negative value only for non-inferiority with worse="smaller").
+    worse : {"larger", "smaller"}
+        Non-inferiority: the direction of A − B that is worse for A.
+    confidence_level : float
+        1 − alpha.
+    n_resamples : int
+        Bootstrap resamples.
+    seed : int
+        Seed of the resampling (both one-sided tests use the same resamples).
+    min_docs : int, optional
+        Refusal threshold override.
+    hodges_lehmann_effect : bool
+        Also compute the Hodges–Lehmann effect (False: NaN; the calibration skips it).
+
+    Returns
+    -------
+    PairedTestResult
+        With ``margin``, ``worse``, ``verdict`` and, in ``details``, both one-sided p-values.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> margin_test(np.full(3, 0.1) + [0, 0.01, -0.01], "ttest", "equivalence", 0.05, min_docs=2).verdict
+    'not shown equivalent at this size'
+    """
+    margin = _check_margin(test, alternative, margin, worse)
+    d = np.asarray(d, dtype=float)
+    d = d[np.isfinite(d)]
+    alpha = 1.0 - confidence_level
+    level = round(1.0 - 2.0 * alpha, 12) if alternative == "equivalence" else confidence_level
+    reason = margin_not_estimable_reason(d, test, min_docs)
+    details: dict[str, object] = {"effect_kind": "mean_difference", "mean_ci": test, "n_zero": int(np.sum(d == 0)),
+                                  "alpha": alpha}
+    mean, nan = (float(d.mean()) if d.size else math.nan), math.nan
+    if reason:
+        return PairedTestResult(
+            test=test, alternative=alternative, n=int(d.size), statistic=nan, pvalue=nan,
+            test_effect=Effect(mean, nan, nan), mean_effect=Effect(mean, nan, nan), hl_effect=Effect(nan, nan, nan),
+            confidence_level=level, exact=False, details=details, reason=reason, estimand=ESTIMANDS[test],
+            margin=margin, worse=worse if alternative == "noninferiority" else "",
+            verdict=margin_verdict(alternative, False, margin, worse, estimable=False))
+    lo, hi = -math.inf, math.inf
+    sides = []
+    # H0 mean <= -delta (rejected: "greater" on d + delta); H0 mean >= delta ("less" on d - delta)
+    if alternative == "equivalence" or worse == "smaller":
+        t_lo, p_lo, lo = _margin_sides(d, test, margin, "greater", n_resamples, seed, confidence_level)
+        sides.append((p_lo, t_lo))
+        details.update(p_lower=p_lo, t_lower=t_lo)
+    if alternative == "equivalence" or worse == "larger":
+        t_hi, p_hi, hi = _margin_sides(d, test, -margin, "less", n_resamples, seed, confidence_level)
+        sides.append((p_hi, t_hi))
+        details.update(p_upper=p_hi, t_upper=t_hi)
+    pvalue, statistic = max(sides)       # TOST: the larger of the two one-sided p-values
+    hl = (hodges_lehmann(d, level, "two-sided" if alternative == "equivalence" else
+                         ("less" if worse == "larger" else "greater"))
+          if hodges_lehmann_effect else (math.nan, math.nan, math.nan))
+    effect = Effect(mean, float(lo), float(hi))
+    return PairedTestResult(
+        test=test, alternative=alternative, n=int(d.size), statistic=float(statistic), pvalue=float(pvalue),
+        test_effect=effect, mean_effect=effect, hl_effect=Effect(*(float(x) for x in hl)),
+        confidence_level=level, exact=test == "ttest", details=details, estimand=ESTIMANDS[test],
+        margin=margin, worse=worse if alternative == "noninferiority" else "",
+        verdict=margin_verdict(alternative, rejects(pvalue, alpha), margin, worse))
+
+
+def paired_test(a: np.ndarray, b: np.ndarray | float, test: TestName = "wilcoxon",
                 alternative: Alternative = "two-sided", *, confidence_level: float = 0.95,
-                n_resamples: int = 9999, seed: int = 0, mean_ci: str = "bootstrap-t") -> PairedTestResult:
+                n_resamples: int = 9999, seed: int = 0, mean_ci: str = "bootstrap-t",
+                margin: float | None = None, worse: str = "larger") -> PairedTestResult:
     """Test the paired difference ``a - b`` across documents.
 
     ``alternative`` is about A − B: ``less`` means H1: A < B. Pairs with a missing
@@ -675,16 +882,33 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
     in ``reason`` (see :func:`not_estimable_reason`); ``estimand`` says what the
     test is about.
 
+    Tests at a margin delta (docs/statistics.md §8), for ``ttest`` and ``bootstrap-t``
+    (the mean difference): ``alternative="equivalence"`` tests H0: |mean(A − B)| >= delta
+    by two one-sided tests (TOST) at level alpha = 1 − ``confidence_level``; p is the
+    larger of the two one-sided p-values, and equivalence is declared (p <= alpha)
+    exactly when the (1 − 2 alpha) interval (``confidence_interval()``, whose
+    ``confidence_level`` the result states) lies inside (−delta, delta).
+    ``"noninferiority"`` tests H0: A is worse than B by at least delta, in the
+    direction ``worse`` (``"larger"``: H0 mean(A − B) >= delta; ``"smaller"``:
+    H0 mean(A − B) <= −delta), with its one-sided (1 − alpha) bound.  Both are refused
+    (NaN p-value, ``reason``) below ``MIN_DOCS_MARGIN`` (bootstrap-t) or
+    ``MIN_DOCS_MARGIN_T`` (t) documents (:func:`margin_not_estimable_reason`), and the
+    result carries ``margin``, ``worse`` and ``verdict``.
+
     Parameters
     ----------
-    a, b : numpy.ndarray
-        Per-document values of the two sides (same length).
+    a : numpy.ndarray
+        Per-document values of side A.
+    b : numpy.ndarray or float
+        Per-document values of side B (same length), or one known value (e.g. the
+        full model's: 0 for mismatch-type metrics).
     test : {"wilcoxon", "ttest", "permutation", "bootstrap-t"}
         The test (docs/plans.md).
-    alternative : {"two-sided", "less", "greater"}
-        H1 about A − B.
+    alternative : {"two-sided", "less", "greater", "equivalence", "noninferiority"}
+        H1 about A − B (the last two: tests at ``margin``).
     confidence_level : float
-        Level of the effect-size intervals (one-sided bounds for one-sided H1).
+        Level of the effect-size intervals (one-sided bounds for one-sided H1); for
+        tests at a margin, 1 − alpha (the equivalence interval is at 1 − 2 alpha).
     n_resamples : int
         Monte Carlo permutations (beyond exact enumeration) and bootstrap resamples.
     seed : int
@@ -697,6 +921,13 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
         ``bootstrap-t`` tests always use their own (dual) interval, and a one-sided
         ``bootstrap-t`` test is itself refused below ``MIN_DOCS_MEAN_BOUND``
         (``reason``; :func:`not_estimable_reason`).
+    margin : float, optional
+        The margin delta (> 0) of an equivalence or non-inferiority test (required
+        there; a negative value is accepted for non-inferiority with ``worse="smaller"``,
+        meaning the same bound −|delta|).
+    worse : {"larger", "smaller"}
+        Non-inferiority: the direction of A − B that is worse for A (the estimand
+        table's ``worse``; "larger" for mismatch-type metrics, "smaller" for rmtd).
 
     Returns
     -------
@@ -716,9 +947,17 @@ def paired_test(a: np.ndarray, b: np.ndarray, test: TestName = "wilcoxon",
     >>> res = paired_test(a, b, "ttest", "less")
     >>> res.n, res.pvalue < 0.05
     (6, True)
+    >>> rng = np.random.default_rng(0)
+    >>> eq = paired_test(0.01 + 0.02 * rng.standard_normal(60), 0.0, "bootstrap-t", "equivalence", margin=0.05,
+    ...                  n_resamples=999)
+    >>> eq.verdict, eq.confidence_level
+    ('equivalent within ±0.05', 0.9)
     """
     _check_args(test, alternative, mean_ci)
     d = _clean_pairs(a, b)
+    if alternative in MARGIN_ALTERNATIVES:
+        return margin_test(d, test, alternative, margin, worse, confidence_level, n_resamples=n_resamples,
+                           seed=seed)
     reason = not_estimable_reason(d, test, alternative)
     if reason:
         return _not_estimable(test, alternative, d, reason, confidence_level)

@@ -29,10 +29,11 @@ from typing import Any
 import pandas as pd
 
 from divstats.errors import PlanError
-from divstats.inference.paired import ALTERNATIVES, TESTS
+from divstats.estimands import by_name
+from divstats.inference.paired import ALTERNATIVES, MARGIN_ALTERNATIVES, MARGIN_TESTS, TESTS, WORSE
 
 __all__ = [
-    "CORRECTIONS", "SPLITS", "WINDOW_METRICS", "Hypothesis", "Plan", "PlanError", "PlanSource",
+    "CORRECTIONS", "FULL", "SPLITS", "WINDOW_METRICS", "Hypothesis", "Plan", "PlanError", "PlanSource",
     "assign_split", "load_plan", "parse_aliases", "shipped_plan", "shipped_plans", "split_disagreement_note",
     "split_table", "split_uniform",
 ]
@@ -40,10 +41,13 @@ __all__ = [
 SPLITS: tuple[str, ...] = ("confirmatory", "exploratory", "all")
 CORRECTIONS: tuple[str, ...] = ("holm", "none")
 WINDOW_METRICS: tuple[str, ...] = ("branch_tv",)
+#: The full-cache model as side B of ``compare`` (tests at a margin against the full model):
+#: a policy of this name in the data (a measured control) or else the full model's known value.
+FULL = "full"
 
 _PLAN_KEYS = {"name", "description", "alpha", "salt", "confirmatory_fraction"}
 _HYP_KEYS = {"id", "family", "metric", "compare", "policy", "window", "direction", "test",
-             "correction", "split", "alpha", "model", "description"}
+             "correction", "split", "alpha", "model", "description", "margin", "worse"}
 _TOP_KEYS = {"plan", "windows", "aliases", "hypothesis"}
 #: Where the shipped plans live inside the divstats package.
 _SHIPPED_DIR = "shipped_plans"
@@ -70,6 +74,8 @@ class Hypothesis:
     alpha: float = 0.05
     model: str | None = None    # restrict to one model; default: each model separately
     description: str = ""
+    margin: float | None = None  # direction "equivalence" / "noninferiority": delta (> 0)
+    worse: str = "larger"        # which direction of A - B is worse (default: the estimand table's)
 
     @property
     def compares_windows(self) -> bool:
@@ -330,7 +336,8 @@ def _validate_hypothesis(h: Mapping[str, Any], where: str, windows: Mapping[str,
             problems.append(f"{where}: duplicate id {h['id']!r}")
         seen.add(h["id"])
     compare = _validate_compare(h.get("compare"), where, problems)
-    _check_choice(h, "direction", ALTERNATIVES, "two-sided", where, problems)
+    _check_choice(h, "direction", ALTERNATIVES + MARGIN_ALTERNATIVES, "two-sided", where, problems)
+    margin, worse = _check_margin(h, compare, where, problems)
     _check_choice(h, "test", TESTS, "wilcoxon", where, problems)
     _check_choice(h, "correction", CORRECTIONS, "holm", where, problems)
     _check_choice(h, "split", SPLITS, "confirmatory", where, problems)
@@ -348,7 +355,41 @@ def _validate_hypothesis(h: Mapping[str, Any], where: str, windows: Mapping[str,
         direction=h.get("direction", "two-sided"), test=h.get("test", "wilcoxon"),
         correction=h.get("correction", "holm"), split=h.get("split", "confirmatory"),
         policy=h.get("policy"), window=h.get("window"), alpha=float(h_alpha), model=model,
-        description=str(h.get("description", "")))
+        description=str(h.get("description", "")), margin=margin, worse=worse)
+
+
+def _default_worse(metric: Any) -> str:
+    """The estimand table's ``worse`` for ``metric`` ("larger" for metrics it does not list, e.g. branch_tv)."""
+    try:
+        return by_name(str(metric)).worse
+    except KeyError:
+        return "larger"
+
+
+def _check_margin(h: Mapping[str, Any], compare: list[str] | None, where: str,
+                  problems: list[str]) -> tuple[float | None, str]:
+    """``margin`` / ``worse`` of a test at a margin, and ``full`` as side B (problems appended)."""
+    direction, margin, worse = h.get("direction", "two-sided"), h.get("margin"), h.get("worse")
+    if worse is not None and worse not in WORSE:
+        problems.append(f"{where}: 'worse' must be one of {list(WORSE)}, got {worse!r}")
+    worse = worse if worse in WORSE else _default_worse(h.get("metric"))
+    if compare is not None and compare[0] == FULL:
+        problems.append(f"{where}: {FULL!r} (the full model) can only be side B of 'compare' [A, {FULL!r}]")
+    if direction not in MARGIN_ALTERNATIVES:
+        for key in ("margin", "worse"):
+            if key in h:
+                problems.append(f"{where}: {key!r} applies only to direction {list(MARGIN_ALTERNATIVES)}")
+        return None, worse
+    if h.get("test", "wilcoxon") not in MARGIN_TESTS:
+        problems.append(f"{where}: direction {direction!r} tests the mean difference: 'test' must be one of "
+                        f"{list(MARGIN_TESTS)}, got {h.get('test', 'wilcoxon')!r}")
+    if not _is_number(margin) or not math.isfinite(margin) or margin == 0:
+        problems.append(f"{where}: direction {direction!r} needs a finite non-zero 'margin', got {margin!r}")
+        return None, worse
+    if margin < 0 and not (direction == "noninferiority" and worse == "smaller"):
+        problems.append(f"{where}: 'margin' must be > 0 (negative only for a non-inferiority margin where "
+                        f"smaller is worse), got {margin!r}")
+    return abs(float(margin)), worse
 
 
 def _validate_compare(compare: Any, where: str, problems: list[str]) -> list[str] | None:

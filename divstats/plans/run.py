@@ -25,8 +25,9 @@ import xarray as xr
 from divstats.errors import NotIdentified, PlanError
 from divstats.estimation.curves import branch_tv
 from divstats.estimation.estimators import estimate
-from divstats.inference.paired import ESTIMANDS, holm, paired_test, rejects
+from divstats.inference.paired import ESTIMANDS, MARGIN_ALTERNATIVES, holm, margin_verdict, paired_test, rejects
 from divstats.plans.format import (
+    FULL,
     WINDOW_METRICS,
     Hypothesis,
     Plan,
@@ -37,7 +38,8 @@ from divstats.plans.format import (
 )
 from protocols import Kind
 
-__all__ = ["EXTRA_COLUMNS", "TABLE_COLUMNS", "PlanResult", "run_plan", "window_mean"]
+__all__ = ["EXTRA_COLUMNS", "FULL_MODEL_VALUES", "TABLE_COLUMNS", "PlanResult", "full_model_value", "run_plan",
+           "window_mean"]
 
 TABLE_COLUMNS: tuple[str, ...] = (
     "id", "family", "metric", "n_docs", "statistic", "p_value", "p_adjusted", "reject",
@@ -47,7 +49,50 @@ EXTRA_COLUMNS: tuple[str, ...] = (
     "label", "model", "a", "b", "policy", "window", "direction", "test", "correction", "split",
     "alpha", "effect_kind", "mean_a", "mean_b", "mean_difference", "mean_ci_low", "mean_ci_high",
     "hodges_lehmann", "hl_ci_low", "hl_ci_high", "estimand", "n_dropped", "deviation", "note",
+    "margin", "worse", "verdict",
 )
+#: The full model's own value of each metric, compared with itself (it never diverges): 0 for
+#: the mismatch-type metrics, the horizon T for rmtd and agreeing_tokens (E[min(tau, T)] with tau > T).
+#: Used for ``compare = [A, "full"]`` when the data hold no measured ``full`` control policy.
+FULL_MODEL_VALUES: dict[str, str | float] = {
+    **{m: 0.0 for m in ("occurrence", "exposure", "post_mismatch", "loss", "mismatch_fraction",
+                        "first_mismatch_contribution", "exposure_contribution", "window_mismatch",
+                        "loss_lower", "loss_upper", "branch_tv")},
+    "rmtd": "horizon", "agreeing_tokens": "horizon",
+}
+
+
+def full_model_value(metric: str, horizon: int | None) -> float:
+    """The full model's known value of ``metric`` (:data:`FULL_MODEL_VALUES`).
+
+    Parameters
+    ----------
+    metric : str
+        The metric.
+    horizon : int or None
+        The traces' horizon T.
+
+    Returns
+    -------
+    float
+        The value.
+
+    Raises
+    ------
+    PlanError
+        For a metric with no known full-model value (e.g. rate, undefined without divergence).
+
+    Examples
+    --------
+    >>> full_model_value("mismatch_fraction", 10), full_model_value("rmtd", 10)
+    (0.0, 10.0)
+    """
+    value = FULL_MODEL_VALUES.get(metric)
+    if value is None or (value == "horizon" and horizon is None):
+        raise PlanError(f"metric {metric!r} has no known value for the full model; collect a {FULL!r} control "
+                        "policy to compare with")
+    return float(horizon) if value == "horizon" else float(value)
+
 
 
 @dataclass
@@ -294,7 +339,8 @@ def _run_hypothesis(h: Hypothesis, plan: Plan, data: _Data, split: pd.DataFrame,
         pa, dev_a = _resolve(h.compare[0], plan.aliases, aliases)
         pb, dev_b = _resolve(h.compare[1], plan.aliases, aliases)
         for pid, planned in ((pa, h.compare[0]), (pb, h.compare[1])):
-            _check_policy(pid, planned, data, h.id)
+            if not _known_full(pid, data):
+                _check_policy(pid, planned, data, h.id)
         devs += [d for d in (dev_a, dev_b) if d]
         sides, labels = (pa, pb), (pa, pb, "")
         windows = (h.window, h.window)
@@ -302,7 +348,8 @@ def _run_hypothesis(h: Hypothesis, plan: Plan, data: _Data, split: pd.DataFrame,
     models = _models_for(data, h)
     try:
         va = _metric(data, h, plan, sides[0], windows[0])
-        vb = _metric(data, h, plan, sides[1], windows[1])
+        vb = (xr.full_like(va, full_model_value(h.metric, data.ds.attrs.get("horizon")), dtype=float)
+              if _known_full(sides[1], data) else _metric(data, h, plan, sides[1], windows[1]))
     except NotIdentified as exc:
         data.notes.append(str(exc))
         return [_row(h, m, data, labels, devs, None, np.array([]), np.array([]), str(exc)) for m in models]
@@ -322,8 +369,9 @@ def _run_hypothesis(h: Hypothesis, plan: Plan, data: _Data, split: pd.DataFrame,
             data.notes.append(note)
             rows.append(_row(h, m, data, labels, devs, None, xa, xb, note))
             continue
+        margin = {"margin": h.margin, "worse": h.worse} if h.direction in MARGIN_ALTERNATIVES else {}
         res = paired_test(xa, xb, h.test, h.direction, confidence_level=1 - h.alpha,
-                          n_resamples=n_resamples, seed=seed)
+                          n_resamples=n_resamples, seed=seed, **margin)
         # a refused mean-difference interval (too few documents) is said where the test is not
         why = res.reason or res.ci_reason
         note = "; ".join(x for x in (dropped, f"{h.id}: {why}" if why else "") if x)
@@ -331,6 +379,11 @@ def _run_hypothesis(h: Hypothesis, plan: Plan, data: _Data, split: pd.DataFrame,
             data.notes.append(f"hypothesis {h.id!r}{'' if m is None else f' (model {m})'}: {why}")
         rows.append(_row(h, m, data, labels, devs, res, xa, xb, note))
     return rows
+
+
+def _known_full(pid: str, data: _Data) -> bool:
+    """``full`` as side B with no measured control in the data: its known value is used."""
+    return pid == FULL and FULL not in [str(p) for p in data.ds["policy"].values]
 
 
 def _dropped_note(h: Hypothesis, m: Any, xa: np.ndarray, xb: np.ndarray) -> str:
@@ -368,6 +421,8 @@ def _row(h: Hypothesis, m: Any, data: _Data, labels: tuple[str, str, str], devs:
         "hl_ci_low": get("hl_ci_low"), "hl_ci_high": get("hl_ci_high"), "estimand": ESTIMANDS[h.test],
         "n_dropped": int((~both).sum()), "deviation": "; ".join(devs),
         "note": note,
+        "margin": h.margin if h.margin is not None else nan,
+        "worse": h.worse if h.direction == "noninferiority" else "", "verdict": "",
     }
 
 
@@ -387,5 +442,10 @@ def _correct(table: pd.DataFrame, plan: Plan) -> pd.DataFrame:
     table["reject"] = table["reject"].astype(bool)
     table["confirmatory"] = table["confirmatory"].astype(bool)
     table["label"] = np.where(table["confirmatory"], "confirmatory", "exploratory")
+    # tests at a margin: the verdict in words, from the (adjusted) decision
+    for i in table.index[table["direction"].isin(MARGIN_ALTERNATIVES)]:
+        r = table.loc[i]
+        table.loc[i, "verdict"] = margin_verdict(r["direction"], bool(r["reject"]), float(r["margin"]),
+                                                 r["worse"] or "larger", bool(np.isfinite(r["p_value"])))
     return table[list(TABLE_COLUMNS) + list(EXTRA_COLUMNS)]
 

@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 from scipy import stats
 
 __all__ = [
+    "margin_figure",
     "branch_tv_figure", "decomposition_figure", "doc_band", "gap_figure", "interval_figure", "policy_colors",
     "survival_figure", "variance_figure"
 ]
@@ -433,4 +434,65 @@ def variance_figure(vc: xr.Dataset, *, residual: str = "var_residual",
     ax.grid(alpha=0.3, which="both")
     ax.set_title("Variance check: residual branch vs crude", fontsize=11)
     _legend(ax, vc.sizes.get("policy", 0))
+    return fig
+
+
+def margin_figure(table: Any) -> Figure:
+    """Each test at a margin: the mean difference's interval against its margins, one row per hypothesis.
+
+    The interval is the one the test decides by — (1 − 2α) for equivalence (inside
+    the dashed margins ±δ exactly when equivalence is declared), the one-sided
+    (1 − α) bound for non-inferiority (an arrow on the open side; the margin on the
+    worse side).  Refused rows show the point estimate hollow, with the reason.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        ``run_plan(...).table`` rows with direction "equivalence" or "noninferiority".
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One panel per row, each on its own scale.
+
+    Examples
+    --------
+    >>> import pandas as pd
+    >>> t = pd.DataFrame([{"id": "E", "a": "x", "b": "full", "metric": "occurrence", "direction": "equivalence",
+    ...                    "margin": 0.05, "worse": "", "mean_difference": 0.01, "ci_low": -0.02,
+    ...                    "ci_high": 0.03, "verdict": "equivalent within ±0.05", "n_docs": 60}])
+    >>> len(margin_figure(t).axes)
+    1
+    """
+    rows = list(table.itertuples(index=False))
+    fig = _figure(7.2, 0.85 * max(len(rows), 1) + 1.0)
+    axes = fig.subplots(max(len(rows), 1), 1, squeeze=False)[:, 0]
+    for ax, r in zip(axes, rows, strict=False):
+        d, lo, hi = float(r.mean_difference), float(r.ci_low), float(r.ci_high)
+        if r.direction == "equivalence":
+            lines = [-r.margin, r.margin]
+        else:
+            lines = [r.margin if r.worse == "larger" else -r.margin]
+        span = max([abs(x) for x in lines + [d, lo, hi] if np.isfinite(x)] + [1e-9]) * 1.3
+        for x in lines:
+            ax.axvline(x, color="#c44e52", ls="--", lw=1)
+        ax.axvline(0, color="black", lw=0.6)
+        refused = not (np.isfinite(r.ci_low) or np.isfinite(r.ci_high)) or np.isnan(lo) or np.isnan(hi)
+        if refused:
+            if np.isfinite(d):
+                ax.plot([d], [0], "o", mfc="white", mec="#555555")
+        else:
+            a, b = (lo if np.isfinite(lo) else -span), (hi if np.isfinite(hi) else span)
+            ax.plot([a, b], [0, 0], color="#4c72b0", lw=3, solid_capstyle="butt")
+            if not np.isfinite(lo):
+                ax.annotate("", (-span, 0), (-span * 0.8, 0), arrowprops={"arrowstyle": "->", "color": "#4c72b0"})
+            if not np.isfinite(hi):
+                ax.annotate("", (span, 0), (span * 0.8, 0), arrowprops={"arrowstyle": "->", "color": "#4c72b0"})
+            ax.plot([d], [0], "o", color="#4c72b0")
+        ax.set_xlim(-span, span)
+        ax.set_yticks([])
+        ax.set_title(f"{r.id}: {r.metric}, {r.a} − {r.b} — "
+                     f"{r.verdict if not refused else f'refused (n = {r.n_docs})'}", fontsize=8, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1].set_xlabel("mean difference A − B with the test's interval; dashed: the margin(s)")
     return fig

@@ -14,6 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from divstats.inference.paired import MARGIN_ALTERNATIVES
 from divstats.report import figures as F
 from divstats.report.tables import (
     EXPLORATORY,
@@ -75,7 +76,18 @@ def make_figures(an: Analysis) -> dict[str, Figure]:
         figs["interval"] = F.interval_figure(an.interval, an.aggregate)
     if an.variance is not None:
         figs["variance"] = F.variance_figure(an.variance)
+    margins = _margin_table(an)
+    if margins is not None:
+        figs["margins"] = F.margin_figure(margins)
     return figs
+
+
+def _margin_table(an: Analysis) -> Any:
+    """The plan rows of tests at a margin (None when there are none)."""
+    t = an.plan_result.table if an.plan_result is not None else None
+    if t is None or "verdict" not in t or not t["direction"].isin(MARGIN_ALTERNATIVES).any():
+        return None
+    return t[t["direction"].isin(MARGIN_ALTERNATIVES)]
 
 
 def figure_png(fig: Figure, dpi: int = 110) -> bytes:
@@ -240,6 +252,10 @@ def render_markdown(an: Analysis) -> str:
     lines += [f"- note: {n}" for n in an.notes + _interval_notes(an)] + [f"- deviation: {d}" for d in devs]
     if an.plan is not None:
         lines += ["", "## Plan results", "", _md_table(plan_rows(an.plan_result))]
+        margins = _margin_table(an)
+        if margins is not None:
+            lines += ["", "## Verdicts at a margin", ""] + [
+                f"- {r.id} ({r.metric}, {r.a} − {r.b}): {r.verdict}" for r in margins.itertuples(index=False)]
     lines += ["", f"## Aggregate estimates — {EXPLORATORY}", "", _md_table(estimate_rows(an)), ""]
     lines += _noise_floor_markdown(an)
     dec = decomposition_table(an, shares=False)

@@ -142,7 +142,7 @@ def plan_rows(pr: PlanResult | None) -> list[dict[str, str]]:
         comp = f"{r.a} − {r.b}" + (f" ({r.policy})" if r.policy else "") + (f" [{r.window}]" if r.window else "")
         rows.append({
             "id": r.id, "family": r.family, "label": r.label, "metric": r.metric, "comparison": comp,
-            "H1": {"less": "A − B < 0", "greater": "A − B > 0"}.get(r.direction, "A − B ≠ 0"),
+            "H1": _h1(r),
             "test": r.test, "estimand": "pseudo-median" if r.test == "wilcoxon" else "mean",
             "n docs": str(r.n_docs) + (f" ({r.n_dropped} dropped)" if r.n_dropped else ""),
             "statistic": fmt(r.statistic), "p": fmt_p(r.p_value),
@@ -152,8 +152,19 @@ def plan_rows(pr: PlanResult | None) -> list[dict[str, str]]:
             f"{int(round((1 - r.alpha) * 100))}% CI": fmt_ci(r.ci_low, r.ci_high),
             "mean diff [CI]": f"{fmt(r.mean_difference)} {fmt_ci(r.mean_ci_low, r.mean_ci_high)}",
             "deviation": r.deviation or "", "note": r.note or "",
+            **({"verdict": r.verdict} if getattr(r, "verdict", "") else {}),
         })
     return unify(rows)
+
+
+def _h1(r: Any) -> str:
+    """The row's alternative in symbols (tests at a margin: the region shown, with the margin)."""
+    margin = getattr(r, "margin", float("nan"))
+    if r.direction == "equivalence":
+        return f"|A − B| < {margin:g}"
+    if r.direction == "noninferiority":
+        return f"A − B < {margin:g}" if r.worse == "larger" else f"A − B > {-margin:g}"
+    return {"less": "A − B < 0", "greater": "A − B > 0"}.get(r.direction, "A − B ≠ 0")
 
 
 def unify(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
