@@ -213,3 +213,14 @@ def test_append_refuses_documents_with_other_numerics(server, docs_file: Path, t
     with pytest.raises(PackError, match="numerics"):
         pack_to(run, out, append=True, progress=False)
     assert pack_to(run, out, append=True, progress=False, allow_mixed_numerics=True).written == 1
+
+
+def test_the_control_may_be_side_b_of_a_test_at_a_margin() -> None:
+    ds = _study(n=4)
+    hyp = {"id": "ni", "family": "f", "metric": "occurrence", "compare": ["b", "full"], "split": "all",
+           "test": "bootstrap-t", "direction": "noninferiority", "margin": 0.05}
+    plan = {"plan": {"name": "p", "salt": "s"}, "hypothesis": [hyp]}
+    an = compute(ds, plan, n_resamples=99, progress=False)
+    assert an.plan_result is not None and list(an.plan_result.table["id"]) == ["ni"]
+    with pytest.raises(PlanError, match="side B"):   # but never side A
+        compute(ds, {**plan, "hypothesis": [{**hyp, "compare": ["full", "b"]}]}, n_resamples=99, progress=False)

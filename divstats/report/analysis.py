@@ -29,6 +29,7 @@ from divstats.estimation.interval import interval_by_window
 from divstats.estimation.noise_floor import compare_to_floor, control_policy, floor_warnings, noise_floor
 from divstats.estimation.variance import variance_check
 from divstats.inference.decompose import DecompositionInterval, DecompositionResult, decompose
+from divstats.inference.paired import MARGIN_ALTERNATIVES
 from divstats.plans.format import Plan, PlanSource, load_plan
 from divstats.plans.run import PlanResult, run_plan
 from divstats.traces.chunked import map_docs_many
@@ -214,13 +215,23 @@ def _decompositions(est: xr.Dataset, pairs: Sequence[tuple[str, str]], level: fl
 
 
 def _refuse_control_hypotheses(plan: Plan | None, aliases: Mapping[str, str] | None, control: str | None) -> None:
-    """The control (full vs full) is the noise floor, never a hypothesis's policy (planned or aliased)."""
+    """The control (full vs full) is the noise floor, never a hypothesis's policy (planned or aliased),
+    except as the reference side B of a test at a margin: "A is non-inferior to (or equivalent with)
+    the full model" is then tested against the full model as measured, floor included."""
     if plan is None or control is None:
         return
-    named = {(aliases or {}).get(p, p) for p in plan.policies()}
-    if control in named:
-        raise PlanError(f"the plan's hypotheses name {control!r}, the numerical control: it measures the noise "
-                        "floor (the report's noise-floor section) and cannot be a hypothesis; compare candidates")
+
+    def named(h: Any) -> set[str]:
+        sides = [h.policy] if h.compares_windows else list(h.compare)
+        if h.direction in MARGIN_ALTERNATIVES and not h.compares_windows:
+            sides = sides[:1]   # B may be the control
+        return {(aliases or {}).get(p, p) for p in sides}
+
+    bad = [h.id for h in plan.hypotheses if control in named(h)]
+    if bad:
+        raise PlanError(f"hypotheses {', '.join(bad)} name {control!r}, the numerical control: it measures the noise "
+                        "floor (the report's noise-floor section) and can only be side B of a test at a margin; "
+                        "compare candidates")
 
 
 def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int | None = None,
