@@ -244,7 +244,9 @@ class Policy:
             return PressPlan(None, prompt_len, note or "nothing to evict")
         press = self.root.make(prompt_len, self.info.num_layers)
         params: dict[str, Any] = {} if math.isnan(ratio) else {"compression_ratio": ratio}
-        shown = {k: self.root.kwargs[k] for k in self.root.shown}
+        # in the constructor's keyword order, not the set's: a set of strings iterates in
+        # PYTHONHASHSEED's order, and the header (and its digest) must not vary by process
+        shown = {k: v for k, v in self.root.kwargs.items() if k in self.root.shown}
         shown.update((k, v) for k, v in self.spec.params.items() if "." not in k)
         params.update({k: _plain(getattr(press, k, v)) for k, v in shown.items()})
         kept = prompt_len if math.isnan(ratio) else expected_kept(prompt_len, ratio)

@@ -132,3 +132,24 @@ def test_custom_press_registration_and_names() -> None:
     reg = PolicyRegistry({"knorm2": KnormPress}, entry_points_group=None)
     assert reg.build("knorm2@0.5").press_name == "KnormPress"
     assert "knorm2" in reg.names() and "adakv" in reg.names()
+
+
+def test_reported_params_do_not_depend_on_the_hash_seed() -> None:
+    """The header reports a plan's params and its digest covers them: their order must
+    be the same in every process (it once followed a set's PYTHONHASHSEED order)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from gen_service.presses import ModelInfo, PolicyRegistry\n"
+            "r = PolicyRegistry(entry_points_group=None)\n"
+            "info = ModelInfo(max_context=2048, num_layers=2)\n"
+            "for pid in ('kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=64',\n"
+            "            'snapkv@0.5:window_size=8,kernel_size=3'):\n"
+            "    print(list(r.build(pid, info).plan(64).params))\n")
+    outs = set()
+    for seed in (1, 2):   # two seeds that ordered these params differently before the fix
+        env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                check=True).stdout)
+    assert len(outs) == 1, outs
