@@ -23,6 +23,9 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,10 +225,29 @@ def _name_by_tokenizer_dir(model: torch.nn.Module, tokenizer: object, model_id: 
     target = cache_root() / "tokenizers" / model_id.replace(":", "-")
     try:
         if not (target / "tokenizer_config.json").exists():
-            tokenizer.save_pretrained(target)
+            _publish(target, tokenizer.save_pretrained)
         model.config.name_or_path = str(target)
     except OSError as exc:  # read-only cache: those presses then fail with their own error
         log.warning("could not save the tokenizer at %s: %s", target, exc)
+
+
+def _publish(target: Path, write: Callable[[Path], object]) -> None:
+    """Write a cache directory whole or not at all: into a private temporary directory,
+    then renamed into place. Several processes may fill the same cache at once (the
+    test suite's workers, two servers starting together); a reader never sees half a
+    directory, and the process that loses the race drops its copy."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
+    try:
+        write(tmp)
+        if not target.exists():
+            os.replace(tmp, target)
+    except OSError:
+        if not target.exists():
+            raise
+        # another process published it between the check and the rename: use theirs
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- gguf
@@ -249,15 +271,16 @@ def _load_gguf(gguf: Path, device: torch.device, dtype: torch.dtype):
             return model, AutoTokenizer.from_pretrained(target)
         except Exception as exc:  # a corrupt cache must not brick the server
             log.warning("cached model at %s unusable (%s); re-dequantising", target, exc)
+            shutil.rmtree(target, ignore_errors=True)   # so the fresh copy can take its place
     log.info("dequantising %s (first start only)", gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    try:
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if not target.exists():
-            os.replace(tmp, target)
+
+    try:
+        _publish(target, write)
     except OSError as exc:
         log.warning("could not cache dequantised weights at %s: %s", target, exc)
     return model, tokenizer
