@@ -149,9 +149,9 @@ def map_errors(server: str, timeout: str) -> Iterator[None]:
         raise RetryableError(f"no complete answer within {timeout} from {server}") from None
     except httpx.HTTPError as exc:  # refused, reset, dropped mid-stream, timed out, undecodable body
         # A refused connection never reached the server; a silent one may be down: both take the
-        # server out of rotation for a while.
+        # server out of rotation for a while. (str(exc), not exc: an exception is always truthy.)
         unreachable = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadTimeout))
-        raise RetryableError(f"{type(exc).__name__} from {server}: {exc or 'connection lost'}",
+        raise RetryableError(f"{type(exc).__name__} from {server}: {str(exc) or 'connection lost'}",
                              unreachable=unreachable, sent=not isinstance(exc, httpx.ConnectError)) from None
     except OSError as exc:  # the journal's disk (full, removed): worth another attempt
         raise RetryableError(f"{type(exc).__name__}: {exc}") from None

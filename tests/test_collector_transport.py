@@ -45,6 +45,8 @@ def test_transport_failures_map_to_retryable_errors() -> None:
     dropped = _mapped(httpx.RemoteProtocolError("peer closed connection", request=request))
     assert not dropped.unreachable and dropped.sent
     assert str(dropped) == "RemoteProtocolError from http://s: peer closed connection"
+    silent = _mapped(httpx.ReadError("", request=request))   # httpx gives some errors no text
+    assert str(silent) == "ReadError from http://s: connection lost"
     assert str(_mapped(TimeoutError())) == "no complete answer within --request-timeout 5 s from http://s"
     assert str(_mapped(OSError(28, "No space left on device"))) == "OSError: [Errno 28] No space left on device"
 
