@@ -81,7 +81,8 @@ class DemoConfig:
     control: bool = True
     #: Reference traces (paths from P with log p and log q, for speculative decoding) on the first
     #: ``reference_docs`` documents × :data:`REFERENCE_POLICIES`, R = ``reference_replicates``, the same T;
-    #: 0 documents skips them. Small on purpose: one request per document, a few seconds in all.
+    #: 0 documents skips them. Small on purpose: one grouped request per document, 27 s in all on 2 busy
+    #: cores with the embedded model (docs/collector.md, "The demo").
     reference_docs: int = 4
     reference_replicates: int = 4
 
