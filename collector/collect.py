@@ -60,6 +60,7 @@ from collector.grouped import CandidateSplitter, group_body, groupable, max_cand
 from collector.journal import DOCUMENTS, Journal, RequestWriter
 from collector.servers import Server, ServerPool, ServerStats, read_servers_file
 from collector.transport import Refused, map_errors, ndjson_lines, refusal
+from protocols.kinds import Kind
 from protocols.stream import StreamError, StreamReader
 
 __all__ = [
@@ -176,11 +177,14 @@ def request_body(cfg: CollectConfig, doc: Document, policy: str) -> dict[str, An
         parameters["top_k"] = s.top_k
     if s.top_p is not None:
         parameters["top_p"] = s.top_p
-    return {
+    body = {
         "messages": render_messages(doc, cfg.template), "parameters": parameters,
         "candidate": policy, "reference": "full", "kind": cfg.kind,
         "replicates": cfg.replicates_for(doc.id, policy), "window": cfg.effective_window, "doc_id": doc.id,
     }
+    if cfg.kind == Kind.REFERENCE:
+        del body["window"]   # a server refuses a window for reference traces (they have none)
+    return body
 
 
 
@@ -592,7 +596,7 @@ class Collector:
             record = stream.reader.feed(raw)
         except StreamError as exc:
             raise _stream_failure(exc) from None
-        if record is not None and record["type"] in ("step", "shared_step", "branch"):
+        if record is not None and record["type"] in ("step", "shared_step", "branch", "reference_step"):
             n = _tokens_in(record)
             stream.job.tokens += n
             self.progress.add_tokens(n)

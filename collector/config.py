@@ -207,7 +207,7 @@ class CollectConfig:
     policies : list of str
         Candidate policy ids (the reference is ``full``).
     kind, replicates, max_new_tokens, window : str, int, int, int or None
-        Trace kind, R, T and W (W defaults to T).
+        Trace kind, R, T and W (W defaults to T; reference traces have none: W = 0).
     template : str
         The prompt template.
     progress : bool
@@ -322,6 +322,9 @@ class CollectConfig:
             problems.append(f"--window must be in 1..{self.max_new_tokens}, not {self.window}")
         if self.kind == Kind.COUPLED and self.window not in (None, self.max_new_tokens):
             problems.append("--window applies to residual traces (coupled traces run to the horizon)")
+        if self.kind == Kind.REFERENCE and self.window is not None:
+            problems.append("--window applies to residual traces (reference traces observe nothing after "
+                            "divergence)")
         return (problems + self.sampling.problems() + self.retry.problems() + self.round.problems(self.policies)
                 + self.pool.problems())
 
@@ -355,4 +358,7 @@ class CollectConfig:
 
     @property
     def effective_window(self) -> int:
+        """W as the headers carry it: 0 for reference traces, else ``window`` or T."""
+        if self.kind == Kind.REFERENCE:
+            return 0
         return self.max_new_tokens if self.window is None else self.window

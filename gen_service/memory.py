@@ -12,7 +12,9 @@ weights (both sides, P and Q, whatever the candidate keeps):
   keeps one more batch-1 copy (the snapshot), and a per-row side whose branches are
   replayed up to R more for the branch rows;
 - ``row_kv``: each row's own tokens, T slots per side (2T for residual traces, whose
-  branches continue past the survival slots);
+  branches continue past the survival slots); a reference request holds what a
+  coupled one does (Q is fed P's tokens instead of its own: the same caches, no
+  snapshot, fewer (R, vocab) tensors per step than the coupling's);
 - ``activations``: the larger of prefill (batch 1 over the prompt: hidden states, MLP,
   a tiled attention block, or under eager attention one layer's every score at once,
   :func:`eager_attention_bytes`) and one decoding step over R rows (hidden states and MLP
@@ -288,7 +290,7 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
     rows, prompt_tokens, horizon : int
         R, the prompt's length (context + question) and T.
     kind : str
-        ``"coupled"`` or ``"residual"``.
+        ``"coupled"``, ``"residual"`` or ``"reference"`` (sized as coupled).
     shared_prompt : bool
         Whether the engine stores the prompt once (default) or once per row; used for
         every side when ``sides`` is not given.

@@ -494,6 +494,9 @@ def parse_trace(data: dict[str, Any], limits: RequestLimits) -> TraceRequest:
         raise invalid("window", f"window {window} > horizon (max_new_tokens) {horizon}")
     if window is not None and kind == Kind.COUPLED and window != horizon:
         raise invalid("window", "coupled traces run to the horizon; window applies to residual traces")
+    if window is not None and kind == Kind.REFERENCE:
+        raise invalid("window", "reference traces observe nothing after divergence; window applies to residual "
+                                "traces")
     candidates, seeds = _candidates(r, limits.max_candidates)
     doc = r.get("doc_id")
     if doc is not None and (isinstance(doc, bool) or not isinstance(doc, (str, int))):

@@ -95,15 +95,20 @@ def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: b
               help="Run this plan as written (snapkv#512 substituted post hoc) instead of the derived demo plan.")
 @click.option("--control/--no-control", default=_DEMO.control, show_default=True,
               help="Collect the numerical control (`full` as a candidate) and report the noise floor.")
+@click.option("--reference-docs", type=click.IntRange(min=0), default=None,
+              help="Documents of the small reference set (speculative decoding; 0 skips it).  "
+                   f"[default: {_DEMO.reference_docs}]")
 def demo(out: Path, docs_count: int | None, replicates: int | None, max_new_tokens: int | None,
          window: int | None, target_tokens: int | None, seed: int, servers: tuple[str, ...], model: str,
-         concurrency: int | None, api_key: str | None, plan: Path | None, control: bool) -> None:
+         concurrency: int | None, api_key: str | None, plan: Path | None, control: bool,
+         reference_docs: int | None) -> None:
     """The paper's study end to end: documents, server, traces, plan, report."""
     from kvdiv.demo import DemoConfig, DemoError, run_demo
 
     overrides = {k: v for k, v in dict(docs_count=docs_count, replicates=replicates, max_new_tokens=max_new_tokens,
                                        window=window, target_tokens=target_tokens,
-                                       concurrency=concurrency).items() if v is not None}
+                                       concurrency=concurrency, reference_docs=reference_docs).items()
+                 if v is not None}
     cfg = DemoConfig(out=out, seed=seed, servers=list(servers), model=model, api_key=api_key, plan=plan,
                      control=control, **overrides)
     try:

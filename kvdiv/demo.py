@@ -8,7 +8,10 @@ Steps (each shown on stderr as it runs):
    model's tokenizer) while the server loads;
 3. collect residual-branch traces for the paper's policies: ``snapkv@0.5``,
    ``snapkv#N`` with N about half the median prompt, ``recent@0.5`` and ``snapkv@0.9``;
-4. stop the server, pack ``traces.nc``;
+   then a small reference set for the speculative-decoding section: paths from the
+   full model scored by ``snapkv@0.5`` and ``recent@0.5`` on the first few documents
+   (``kvdiv collect --kind reference``, in ``reference/``);
+4. stop the server, pack ``traces.nc`` (and ``reference.nc``);
 5. run the shipped plan (``paper``, divstats package data) with ``snapkv#512`` substituted by
    ``snapkv#N`` (a recorded deviation: the two budget rows are labelled
    exploratory), writing ``results.nc``, ``report.html`` and ``summary.md``.
@@ -42,6 +45,8 @@ from collector.collect import CollectConfig, collect
 from collector.pack import pack_run, save_dataset
 
 PLANNED_BUDGET_POLICY = "snapkv#512"
+#: The drafts the demo's reference traces score (docs/collector.md, "The demo").
+REFERENCE_POLICIES = ("snapkv@0.5", "recent@0.5")
 SERVER_READY = "kvdiv serve ready: "
 # Tokens the chat template adds around the user turn (ChatML: role markers, newlines).
 CHAT_OVERHEAD_TOKENS = 8
@@ -74,6 +79,12 @@ class DemoConfig:
     #: Collect the numerical control (``full`` as a candidate, ``kvdiv collect --control``): one more
     #: candidate in each document's request, about +25% collection time (docs/collector.md, "The control").
     control: bool = True
+    #: Reference traces (paths from P with log p and log q, for speculative decoding) on the first
+    #: ``reference_docs`` documents × :data:`REFERENCE_POLICIES`, R = ``reference_replicates``, the same T;
+    #: 0 documents skips them. Small on purpose: one grouped request per document, 27 s in all on 2 busy
+    #: cores with the embedded model (docs/collector.md, "The demo").
+    reference_docs: int = 4
+    reference_replicates: int = 4
 
     def sizes(self) -> dict[str, Any]:
         """The settings that decide the traces (compared on resume)."""
@@ -467,12 +478,42 @@ def _run(cfg: DemoConfig) -> Any:
             gone = server.exit_reason() if server is not None else None
             raise DemoError(gone or f"{len(result.failed)} requests failed; rerun the same command to retry "
                             f"them ({cfg.out / 'journal'} keeps every complete request)")
-    _say("[4/5] packing traces.nc")
+        if cfg.reference_docs:
+            _collect_reference(cfg, urls, docs_path, server)
+    _say("[4/5] packing traces.nc" + (" and reference.nc" if cfg.reference_docs else ""))
     traces = save_dataset(pack_run(cfg.out / "journal", progress=False), cfg.out / "traces.nc", overwrite=True)
+    if cfg.reference_docs:
+        save_dataset(pack_run(cfg.out / "reference" / "journal", progress=False), cfg.out / "reference.nc",
+                     overwrite=True)
     _say(f"[5/5] analysing with {plan}")
     an = _analyse(cfg, traces, plan, budget)
     elapsed = time.monotonic() - t0
     print(headline(an))
     print(f"\nreport: {cfg.out / 'report.html'}   summary: {cfg.out / 'summary.md'}")
     print(f"traces: {traces}   results: {cfg.out / 'results.nc'}   ({elapsed:.0f} s)")
+    if cfg.reference_docs:
+        print(f"reference traces (speculative decoding): {cfg.out / 'reference.nc'}")
     return an
+
+
+def _collect_reference(cfg: DemoConfig, urls: list[str], docs_path: Path, server: ServerProcess | None) -> None:
+    """The reference set: the first ``cfg.reference_docs`` documents, each scored by :data:`REFERENCE_POLICIES`.
+
+    Its own journal (``reference/journal``), so that a rerun resumes it like the main one.
+    """
+    root = cfg.out / "reference"
+    docs = D.read_jsonl(docs_path)[:cfg.reference_docs]
+    ref_docs = D.write_jsonl(docs, root / "documents.jsonl")
+    _say(f"      reference traces: {len(docs)} docs × {', '.join(REFERENCE_POLICIES)}, "
+         f"R={cfg.reference_replicates}, T={cfg.max_new_tokens}")
+    result = collect(CollectConfig.flat(
+        servers=urls, docs_file=ref_docs, policies=list(REFERENCE_POLICIES), out=root / "journal",
+        kind="reference", replicates=cfg.reference_replicates, max_new_tokens=cfg.max_new_tokens,
+        temperature=1.0, seed=cfg.seed, template=cfg.template, api_key=cfg.api_key,
+        concurrency=cfg.concurrency, progress=cfg.progress, control=False),
+        stop_reason=server.exit_reason if server is not None else None)
+    _say(f"      {result.summary()}")
+    if not result.ok:
+        gone = server.exit_reason() if server is not None else None
+        raise DemoError(gone or f"{len(result.failed)} reference requests failed; rerun the same command to "
+                        f"retry them ({root / 'journal'} keeps every complete request)")

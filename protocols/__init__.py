@@ -44,6 +44,7 @@ from protocols.wire import (
     error_record,
     header_record,
     prompt_digest,
+    reference_step_record,
     shared_step_record,
     step_record,
 )
@@ -60,5 +61,6 @@ __all__ = [
     "assemble", "branch_record", "combine", "converters", "coupled_dataset", "dataset_lines", "encode_line",
     "end_record", "eos_ids", "error_record", "from_eval_logs", "from_probabilities", "header_record", "open_traces",
     "parse_policy_id", "policy_coords", "reference_dataset", "residual_dataset", "residual_from_probabilities",
+    "reference_step_record",
     "sampling_params", "save_traces", "shared_step_record", "step_record", "validate",
 ]

@@ -46,7 +46,15 @@ import xarray as xr
 
 from protocols.kinds import Kind
 from protocols.policies import policy_coords
-from protocols.schema import MISSING_TOKEN, PROB_DTYPE, TOKEN_DTYPE, coupled_dataset, residual_dataset
+from protocols.schema import (
+    MISSING_TOKEN,
+    PROB_DTYPE,
+    REQUIRED_VARS,
+    TOKEN_DTYPE,
+    coupled_dataset,
+    reference_dataset,
+    residual_dataset,
+)
 from protocols.stream import Stream, StreamError, read_stream
 from protocols.validate import validate
 
@@ -128,6 +136,17 @@ def _branches(records: tuple[dict[str, Any], ...], T: int, W: int, R: int) -> di
         btv[r, :n] = _floats([rec["tv"]])[0]
         bx[r, :n], by[r, :n] = _tokens([rec["x_token"], rec["y_token"]])
     return {"branch_step": bstep, "branch_tv": btv, "branch_x_token": bx, "branch_y_token": by}
+
+
+def _reference(records: tuple[dict[str, Any], ...], kwargs: dict[str, Any]) -> xr.Dataset:
+    """The reference records as a dataset with its optional ``tv``; a null log q is -inf
+    (q gave the sampled token no mass), a null log p stays NaN for validation to name."""
+    logq = _floats([r["x_logq"] for r in records]).T
+    ds = reference_dataset(_tokens([r["x_token"] for r in records]).T,
+                           _floats([r["x_logp"] for r in records]).T.astype(PROB_DTYPE),
+                           np.where(np.isnan(logq), -np.inf, logq).astype(PROB_DTYPE), **kwargs)
+    tv = _floats([r["tv"] for r in records]).T.astype(PROB_DTYPE)
+    return ds.assign(tv=(REQUIRED_VARS["reference"]["x_token"], tv[None, None]))
 
 
 def _meta(h: dict[str, Any], doc: str | None, end: dict[str, Any]) -> dict[str, Any]:
@@ -246,6 +265,8 @@ def assemble_stream(stream: Stream, doc: str | None = None) -> xr.Dataset:
     meta = _meta(h, doc, stream.end)
     if h["kind"] == Kind.COUPLED:
         ds = coupled_dataset(*_coupled_arrays(records), **meta["kwargs"])
+    elif h["kind"] == Kind.REFERENCE:
+        ds = _reference(records, meta["kwargs"])
     else:
         shared, branches = records[:T], records[T:]
         br = _branches(branches, T, W, R)

@@ -30,7 +30,7 @@ class Kind(StrEnum):
 #: Every kind a dataset may declare, as plain strings (for messages and choices).
 KINDS: tuple[str, ...] = tuple(k.value for k in Kind)
 
-#: Kinds with a streamed wire format (header, step or shared-step and branch records,
-#: end); a server streams these on ``/v1/traces`` and the collector collects them.
-#: Reference traces enter through the converters.
-WIRE_KINDS: tuple[str, ...] = (Kind.COUPLED.value, Kind.RESIDUAL.value)
+#: Kinds with a streamed wire format (header, step, shared-step and branch, or
+#: reference-step records, end); a server streams these on ``/v1/traces`` and the
+#: collector collects them. Reference traces also enter through the converters.
+WIRE_KINDS: tuple[str, ...] = (Kind.COUPLED.value, Kind.RESIDUAL.value, Kind.REFERENCE.value)

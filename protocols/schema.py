@@ -63,7 +63,8 @@ OPTIONAL_VARS: dict[str, dict[str, tuple[str, ...]]] = {
         "y_logp": ("doc", "policy", "replicate", "step"),
     },
     "residual": {},
-    "reference": {},
+    # the step's TV between P's and Q's laws on the sampled history (streamed by the server)
+    "reference": {"tv": ("doc", "policy", "replicate", "step")},
 }
 
 REQUIRED_ATTRS = (

@@ -6,9 +6,9 @@ or from a journal file, and checks everything that does not need the whole strea
 - each line is parsed with limits (:class:`StreamLimits`: bytes per line, nesting depth,
   integer digits), so a hostile line raises :class:`StreamError` instead of a
   ``RecursionError`` or a ``ValueError`` from deep inside ``json``;
-- the header comes first and is well formed; ``step`` (coupled) or ``shared_step``
-  then ``branch`` (residual) records follow in order, each array of the length the
-  header implies; nothing follows ``end``;
+- the header comes first and is well formed; ``step`` (coupled), ``shared_step``
+  then ``branch`` (residual) or ``reference_step`` (reference) records follow in
+  order, each array of the length the header implies; nothing follows ``end``;
 - the running sha256 of every line before ``end`` equals ``end.sha256``, and
   ``end`` repeats the header's T and R;
 - a record that names its ``candidate`` (a multi-candidate response, docs/contract.md
@@ -183,6 +183,8 @@ def check_header(rec: Mapping[str, Any]) -> None:
     W = _int_field(rec, "window", 0, 2**20, "header")
     if rec["kind"] == Kind.RESIDUAL and W > T:
         raise StreamError(f"header: window {W} exceeds horizon {T}")
+    if rec["kind"] == Kind.REFERENCE and W != 0:
+        raise StreamError(f"header: window {W} for a reference stream (nothing after divergence is observed: 0)")
     if rec.get("coupling", COUPLING) != COUPLING:
         raise StreamError(f"header: coupling {rec['coupling']!r} is not {COUPLING!r}")
     cand = rec.get("candidate")
@@ -205,6 +207,14 @@ class Stream:
     @property
     def kind(self) -> str:
         return str(self.header["kind"])
+
+
+#: The per-step record of each kind and the arrays (length R) it carries.
+STEP_RECORDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    Kind.COUPLED: ("step", ("tv", "x_token", "y_token")),
+    Kind.RESIDUAL: ("shared_step", ("tv", "token")),
+    Kind.REFERENCE: ("reference_step", ("tv", "x_token", "x_logp", "x_logq")),
+}
 
 
 @dataclass
@@ -294,13 +304,12 @@ class StreamReader:
         h = self.header
         assert h is not None
         T, R = h["horizon"], h["replicates"]
-        step_type = "step" if h["kind"] == Kind.COUPLED else "shared_step"
+        step_type, keys = STEP_RECORDS[h["kind"]]
         if self._order.step < T:
             t = self._order.step + 1
             if rec["type"] != step_type or rec.get("step") != t:
                 raise StreamError(f"line {n}: expected {step_type} record for step {t}, got {rec['type']!r} "
                                   f"step {rec.get('step')!r} (records out of order or missing)")
-            keys = ("tv", "x_token", "y_token") if step_type == "step" else ("tv", "token")
             for key in keys:
                 _array(rec, key, R, f"line {n} ({step_type} {t})")
             self._order.step = t
@@ -326,7 +335,7 @@ class StreamReader:
         assert h is not None
         T, R = h["horizon"], h["replicates"]
         if self._order.step < T:
-            step_type = "step" if h["kind"] == Kind.COUPLED else "shared_step"
+            step_type = STEP_RECORDS[h["kind"]][0]
             raise StreamError(f"line {n}: 'end' after step {self._order.step} of {T} (expected {step_type} "
                               f"record for step {self._order.step + 1}; records out of order or missing)")
         if rec.get("steps") != T or rec.get("replicates") != R:

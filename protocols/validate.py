@@ -336,12 +336,12 @@ def _check_vars(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
 # ----------------------------------------------------------------------------- value rules
 
 def _rule_tv_range(ctx: _Ctx) -> Iterator[str]:
-    complete = ctx.kind == Kind.COUPLED
+    complete = ctx.kind in (Kind.COUPLED, Kind.REFERENCE)   # a reference trace's optional tv is every step
     for name in sorted(_TV_VARS & ctx.arrays.keys()):
         a = ctx.arrays[name]
         yield from _report(ctx, name, np.isinf(a) | (np.isfinite(a) & ((a < 0) | (a > 1))), "outside [0, 1]")
         if complete:
-            yield from _report(ctx, name, np.isnan(a), "missing (NaN): coupled trajectories are complete")
+            yield from _report(ctx, name, np.isnan(a), f"missing (NaN): {ctx.kind} trajectories are complete")
 
 
 def _rule_token_range(ctx: _Ctx) -> Iterator[str]:
@@ -430,7 +430,7 @@ def _rule_eos(ctx: _Ctx) -> Iterator[str]:
                            "nonzero after both sides emitted the same EOS (both laws are its point mass)")
     elif ctx.kind == Kind.REFERENCE and "x_token" in arr:
         after, _ = _absorbing(ctx, "x_token", out)
-        for name in ("x_logp", "x_logq"):
+        for name in ("x_logp", "x_logq", "tv"):
             if name in arr:
                 out += _report(ctx, name, after & (arr[name] != 0),
                                "nonzero after EOS (both laws are then the EOS point mass, log 1 = 0)")

@@ -1,7 +1,8 @@
 """Wire records of ``kvdiv.trace/1`` (docs/contract.md §3): one serialiser per record type.
 
 A stream is NDJSON: one JSON object per line, ``header``, then ``step`` records
-(coupled) or ``shared_step`` then ``branch`` records (residual), then ``end``,
+(coupled), ``shared_step`` then ``branch`` records (residual) or ``reference_step``
+records (reference), then ``end``,
 whose ``sha256`` is the hex digest of the exact UTF-8 bytes of every preceding
 line including its newline. :class:`StreamWriter` keeps that digest as lines are
 produced; :func:`protocols.assemble` checks it on the way back in.
@@ -21,10 +22,10 @@ from protocols.schema import SCHEMA, eos_ids, eos_set
 __all__ = [
     "prompt_digest",
     "RECORD_TYPES", "StreamWriter", "branch_record", "dataset_lines", "encode_line", "end_record",
-    "error_record", "header_record", "shared_step_record", "step_record",
+    "error_record", "header_record", "reference_step_record", "shared_step_record", "step_record",
 ]
 
-RECORD_TYPES = ("header", "step", "shared_step", "branch", "end", "error")
+RECORD_TYPES = ("header", "step", "shared_step", "branch", "reference_step", "end", "error")
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:
@@ -103,10 +104,10 @@ def header_record(
 
     Parameters
     ----------
-    kind : {"coupled", "residual"}
-        The trace kind (reference traces have no wire format).
+    kind : {"coupled", "residual", "reference"}
+        The trace kind.
     horizon, window, replicates, vocab_size : int
-        T, W, R and V.
+        T, W, R and V (W is 0 for reference traces: nothing after divergence is observed).
     model : str
         The model name.
     eos_token_id : int or None
@@ -238,6 +239,46 @@ def shared_step_record(step: int, tv: Sequence[float | None], token: Sequence[in
     """
     return {"type": "shared_step", "step": int(step), "tv": _clean(tv, floats=True),
             "token": _clean(token, floats=False)}
+
+
+def reference_step_record(step: int, tv: Sequence[float], x_token: Sequence[int], x_logp: Sequence[float],
+                          x_logq: Sequence[float]) -> dict[str, Any]:
+    """Reference kind: one step over all replicates of paths sampled from P.
+
+    Q scores the token P sampled, on the same history, so the record holds the token,
+    its log-probability under both laws and the TV between them.
+
+    Parameters
+    ----------
+    step : int
+        t, 1-based.
+    tv : sequence of float
+        TV(p_t, q_t) per replicate, both laws on the history x_<t.
+    x_token : sequence of int
+        x_t per replicate, drawn from p_t.
+    x_logp, x_logq : sequence of float
+        log p_t(x_t) and log q_t(x_t); a log q of -inf (q gave the token no mass:
+        top-k, top-p) is sent as null, the only null the record may hold.
+
+    Returns
+    -------
+    dict
+        The ``reference_step`` record.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A value that is not a number.
+
+    Examples
+    --------
+    >>> reference_step_record(1, [0.25], [3], [-0.5], [float("-inf")])
+    {'type': 'reference_step', 'step': 1, 'tv': [0.25], 'x_token': [3], 'x_logp': [-0.5], 'x_logq': [None]}
+    """
+    logq = [None if math.isinf(f := float(v)) and f < 0 else f for v in x_logq]
+    return {"type": "reference_step", "step": int(step), "tv": _clean(tv, floats=True),
+            "x_token": _clean(x_token, floats=False), "x_logp": _clean(x_logp, floats=True),
+            "x_logq": _clean(logq, floats=True)}
 
 
 def branch_record(
@@ -414,7 +455,7 @@ def dataset_lines(
     request_id: str = "",
     elapsed_s: float = 0.0,
 ) -> list[bytes]:
-    """Serialise one (doc, policy) cell of a coupled or residual dataset as a wire stream.
+    """Serialise one (doc, policy) cell of a trace dataset as a wire stream.
 
     The inverse of :func:`protocols.assemble` (used by tests and by anyone replaying
     stored traces through the wire path). ``doc`` / ``policy`` pick the cell;
@@ -423,7 +464,8 @@ def dataset_lines(
     Parameters
     ----------
     ds : xarray.Dataset
-        A ``coupled`` or ``residual`` dataset.
+        A ``coupled``, ``residual`` or ``reference`` dataset (a reference dataset
+        without ``tv`` is sent with null TVs, which :func:`protocols.assemble` refuses).
     doc, policy : str, optional
         The cell to send; default the first doc and the first policy.
     seed, retained_tokens, request_id, elapsed_s : optional
@@ -437,7 +479,7 @@ def dataset_lines(
     Raises
     ------
     ValueError
-        A ``reference`` dataset (it has no wire format).
+        A dataset whose kind has no wire format.
     KeyError
         ``doc`` or ``policy`` is not in the dataset.
 
@@ -480,7 +522,11 @@ def dataset_lines(
             if bs[r] > 0:
                 n = min(int(a["window"]), T - int(bs[r])) + 1
                 lines.append(w.line(branch_record(r, int(bs[r]), btv[r, :n], bx[r, :n], by[r, :n])))
+    elif kind == Kind.REFERENCE:
+        x, lp, lq = (cell[v].transpose("replicate", "step").values for v in ("x_token", "x_logp", "x_logq"))
+        tv = cell["tv"].transpose("replicate", "step").values if "tv" in cell else np.full(x.shape, np.nan)
+        lines += [w.line(reference_step_record(t + 1, tv[:, t], x[:, t], lp[:, t], lq[:, t])) for t in range(T)]
     else:
-        raise ValueError(f"kind {kind!r} has no wire format (coupled or residual)")
+        raise ValueError(f"kind {kind!r} has no wire format (coupled, residual or reference)")
     lines.append(w.end(T, R, elapsed_s))
     return lines

@@ -45,6 +45,7 @@ from protocols import (
     error_record,
     header_record,
     prompt_digest,
+    reference_step_record,
     shared_step_record,
     step_record,
 )
@@ -82,7 +83,7 @@ def trace_records(body: dict[str, Any], model: str = "fake-model") -> Iterator[d
     """Header and data records of a valid stream for a /v1/traces request body."""
     params = body["parameters"]
     horizon, reps, kind = int(params["max_new_tokens"]), int(body.get("replicates", 1)), body.get("kind", "coupled")
-    window = int(body.get("window") or horizon)
+    window = 0 if kind == "reference" else int(body.get("window") or horizon)
     rng = _rng(body)
     text = "".join(m["content"] for m in body.get("messages", [])) or body.get("inputs", "")
     prompt_ids = list(text.encode())[::4]  # a stand-in tokenizer: deterministic in the prompt
@@ -100,6 +101,12 @@ def trace_records(body: dict[str, Any], model: str = "fake-model") -> Iterator[d
             x = rng.integers(0, VOCAB, reps)
             y = np.where(rng.random(reps) < 0.5, x, (x + 1) % VOCAB)
             yield step_record(t, tv, x, y)
+        return
+    if kind == "reference":
+        for t in range(1, horizon + 1):
+            logp = rng.uniform(-4.0, -0.1, reps)
+            yield reference_step_record(t, rng.uniform(0.05, 0.5, reps), rng.integers(0, VOCAB, reps), logp,
+                                        np.minimum(logp + rng.normal(0.0, 0.5, reps), 0.0))
         return
     shared_tv = rng.uniform(0.01, 0.2, (reps, horizon))
     shared_tok = rng.integers(0, VOCAB, (reps, horizon))

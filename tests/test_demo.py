@@ -19,7 +19,7 @@ from kvdiv.demo import (
     write_demo_plan,
 )
 
-OUTPUTS = ("traces.nc", "results.nc", "report.html", "summary.md", "plan.toml", "documents.jsonl")
+OUTPUTS = ("traces.nc", "results.nc", "report.html", "summary.md", "plan.toml", "documents.jsonl", "reference.nc")
 
 
 def _small(out: Path, **kw) -> DemoConfig:
@@ -34,7 +34,9 @@ def test_demo_with_a_running_server_resumes_and_refuses_other_sizes(tmp_path: Pa
         cfg = _small(tmp_path / "demo", servers=[server.url], model="approx")
         an = run_demo(cfg)
         assert all((tmp_path / "demo" / name).exists() for name in OUTPUTS)
-        assert len(server.requests) == 8 * 5   # 4 policies and the control (on by default)
+        # 4 policies and the control (on by default), and the reference set: 4 docs x 2 drafts
+        assert len(server.requests) == 8 * 5 + 4 * 2
+        assert sum(r["kind"] == "reference" for r in server.requests) == 4 * 2
         out = capsys.readouterr().out
         assert "F1-occ-budget" in out and "report: " in out and "snapkv@0.9" in out
         assert "noise floor (full vs full)" in out and "(control: the noise floor)" in out
@@ -45,8 +47,11 @@ def test_demo_with_a_running_server_resumes_and_refuses_other_sizes(tmp_path: Pa
         import protocols
 
         first = protocols.open_traces(tmp_path / "demo" / "traces.nc").load()
+        reference = protocols.open_traces(tmp_path / "demo" / "reference.nc")
+        assert reference.attrs["kind"] == "reference" and reference.sizes["doc"] == 4
+        assert list(reference.policy.values) == ["snapkv@0.5", "recent@0.5"]
         run_demo(cfg)  # everything is complete: nothing is asked again
-        assert len(server.requests) == 8 * 5
+        assert len(server.requests) == 8 * 5 + 4 * 2
         assert protocols.open_traces(tmp_path / "demo" / "traces.nc").identical(first)
         with pytest.raises(DemoError, match="replicates: 2 there, 3 now"):
             run_demo(_small(tmp_path / "demo", servers=[server.url], model="approx", replicates=3))

@@ -182,9 +182,9 @@ def test_other_coupling_refused():
     expect([encode_line(h)] + lines[1:], "coupling 'independent'")
 
 
-def test_reference_kind_has_no_wire_format():
+def test_unknown_kind_has_no_wire_format():
     w = StreamWriter()
-    head = header_record(kind="reference", horizon=2, window=0, model="m", eos_token_id=None, sampling={},
+    head = header_record(kind="independent", horizon=2, window=0, model="m", eos_token_id=None, sampling={},
                          candidate={"policy": "snapkv@0.5"}, seed=1, prompt_tokens=3, retained_tokens=2,
                          replicates=1, vocab_size=5, doc="d")
     expect([w.line(head)], "no wire format")

@@ -1,4 +1,4 @@
-"""Batched coupled and residual-branch decoding producing ``kvdiv.trace/1`` records.
+"""Batched coupled, residual-branch and reference decoding producing ``kvdiv.trace/1`` records.
 
 One request = one prompt, a reference policy (P, default ``full``) and a candidate
 policy (Q). The prompt is prefilled once per policy (P full, Q compressed by its
@@ -24,6 +24,7 @@ module            what it holds
 ``context``       :class:`~gen_service.engine.context.LoopContext`, what a loop reads
 ``coupled``       the coupled loop
 ``residual``      the residual loop's survival phase and the online branch point
+``reference``     the reference loop: P samples, Q scores P's token on the same history
 ``branches``      the residual branches: prefixes of the survival caches, or replayed
 ``scheduler``     runs the forwards the loops ask for: alone, or stacked over candidates
 ``fusion``        whether P's and Q's stacks run as one forward (measured per shape)

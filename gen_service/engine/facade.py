@@ -5,7 +5,7 @@ scheduler, TGI generate): it holds the model, the policy registry and the settin
 operator and the benchmarks change on a live engine (``shared_prompt``,
 ``force_replay``, ``batch_candidates``, ``fuse``). Its underscored methods are the
 seams the tests and benchmarks patch or call (``_decode``, ``_coupled``,
-``_residual``, ``_drive``, ``_run_forward``, ``_forward_stacked``): the facade routes
+``_residual``, ``_reference``, ``_drive``, ``_run_forward``, ``_forward_stacked``): the facade routes
 through them so a patch on an instance takes effect.
 """
 
@@ -26,6 +26,7 @@ from gen_service.engine.forwards import masked_attention, run_side, run_stacked
 from gen_service.engine.header import header
 from gen_service.engine.jobs import Cancelled, CandidateError, TraceJob, check, draw_seed
 from gen_service.engine.prefill import prefill, prefill_pair
+from gen_service.engine.reference import reference
 from gen_service.engine.residual import residual
 from gen_service.engine.scheduler import Runner, drive, drive_many
 from gen_service.engine.sides import Forward, Prefilled, Side
@@ -113,8 +114,8 @@ class Engine:
         return header(self.lm, job, seed, cand, ref, p0, q0, fuse=self.fuse)
 
     def trace(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Any]:
-        """Yield the stream's records (header, steps / shared steps + branches); the
-        caller adds the ``end`` record (it owns the digest).
+        """Yield the stream's records (header, steps / shared steps + branches /
+        reference steps); the caller adds the ``end`` record (it owns the digest).
 
         With ``job.candidates`` the request holds several candidates
         (:meth:`trace_candidates`): every header first, then the candidates' records
@@ -140,6 +141,8 @@ class Engine:
         gen = self.generator(seed)
         if job.kind == Kind.COUPLED:
             return self._coupled(job, p0, q0, gen, cancelled)
+        if job.kind == Kind.REFERENCE:
+            return self._reference(job, p0, q0, gen, cancelled)
         return self._residual(job, p0, q0, gen, cancelled)
 
     def _context(self, job: TraceJob, gen: torch.Generator, cancelled: Callable[[], bool]) -> LoopContext:
@@ -152,6 +155,10 @@ class Engine:
     def _residual(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
                   cancelled: Callable[[], bool]) -> Iterator[Any]:
         return residual(self._context(job, gen, cancelled), p0, q0, self.force_replay)
+
+    def _reference(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
+                   cancelled: Callable[[], bool]) -> Iterator[Any]:
+        return reference(self._context(job, gen, cancelled), p0, q0)
 
     def _drive(self, loop: Iterator[Any]) -> Iterator[dict[str, Any]]:
         """Run one decoding loop on its own (:func:`gen_service.engine.scheduler.drive`)."""

@@ -8,7 +8,7 @@ from gen_service.engine.jobs import PRODUCER, TraceJob
 from gen_service.engine.sides import Prefilled
 from gen_service.models import LoadedModel
 from gen_service.presses import Policy
-from protocols import header_record, prompt_digest
+from protocols import Kind, header_record, prompt_digest
 
 __all__ = ["header", "numerics"]
 
@@ -37,7 +37,9 @@ def header(lm: LoadedModel, job: TraceJob, seed: int, cand: Policy, ref: Policy,
     nq = len(job.question_ids)
     extra = {"question_tokens": nq} if nq else {}
     return header_record(
-        kind=job.kind, horizon=job.horizon, window=job.window or job.horizon, model=lm.name,
+        kind=job.kind, horizon=job.horizon, model=lm.name,
+        # reference traces observe nothing after divergence (window 0, docs/contract.md)
+        window=0 if job.kind == Kind.REFERENCE else job.window or job.horizon,
         eos_token_id=lm.eos_token_id, sampling=job.sampling.as_dict(), candidate=candidate,
         eos_token_ids=list(lm.eos_token_ids),
         reference=reference, seed=seed, prompt_tokens=job.prompt_len,
