@@ -32,7 +32,7 @@ of P) against the speculative decoder on the same prompts, medians of the repeat
 the cost model T / (calls · (1 + γ c)) with c = one draft step ÷ one target call,
 both measured in the same run.
 
-Usage: ``python benchmarks/bench_speculative.py [--model embedded] [--docs 3]
+Usage: ``python benchmarks/bench_speculative_decoder.py [--model embedded] [--docs 3]
 [--horizon 24] [--gamma 4] [--runs 16] [--replicates 64] [--repeats 3] [--seed 0]``
 (about 10 minutes on 2 CPU cores).
 """
