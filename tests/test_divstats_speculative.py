@@ -178,3 +178,33 @@ def test_aggregate_over_documents() -> None:
     few = dv.aggregate_speculative(dv.speculative(_study(3), gamma=2), n_resamples=50)
     assert few.attrs["reason"].startswith("not estimable") and bool(few["tokens_per_call_low"].isnull().all())
     assert "speedup" not in few
+
+
+def test_report_section_only_with_reference_traces(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from divstats.cli.analyze import analyze as analyze_cmd
+    from protocols import save_traces
+
+    ds = _study(12)
+    an = dv.analyze(ds, None, tmp_path / "ref", n_resamples=99, progress=False, cost_ratio=0.05)
+    assert an.speculative is not None and an.speculative["best_gamma"].dims == ("policy",)
+    html = (tmp_path / "ref" / "report.html").read_text(encoding="utf-8")
+    md = (tmp_path / "ref" / "summary.md").read_text(encoding="utf-8")
+    assert "<h2>Speculative decoding" in html and 'alt="tokens per call against gamma"' in html
+    assert "## Speculative decoding" in md and "cost ratio c = 0.05" in md and "★" in md
+    import xarray as xr
+    with xr.open_dataset(tmp_path / "ref" / "results.nc", engine="h5netcdf") as res:
+        assert res["speculative_tokens_per_call"].dims == ("policy", "gamma")
+    no_c = dv.analyze(ds, None, tmp_path / "noc", n_resamples=99, progress=False)
+    assert "speedup" not in no_c.speculative
+    assert "--cost-ratio" in (tmp_path / "noc" / "summary.md").read_text(encoding="utf-8")
+    coupled = dv.simulate(iid([0.5, 0.5]), iid([0.4, 0.6]), 2, 4, 5)
+    an = dv.analyze(coupled, None, tmp_path / "cpl", n_resamples=99, progress=False)
+    assert an.speculative is None
+    assert "Speculative decoding" not in (tmp_path / "cpl" / "report.html").read_text(encoding="utf-8")
+    path = save_traces(ds, tmp_path / "ref.nc")
+    result = CliRunner().invoke(analyze_cmd, [str(path), "--out", str(tmp_path / "cli"), "--cost-ratio", "0.1",
+                                              "--n-resamples", "99", "-q"])
+    assert result.exit_code == 0, result.output
+    assert "cost ratio c = 0.1" in (tmp_path / "cli" / "summary.md").read_text(encoding="utf-8")
