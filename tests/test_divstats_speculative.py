@@ -208,3 +208,40 @@ def test_report_section_only_with_reference_traces(tmp_path) -> None:
                                               "--n-resamples", "99", "-q"])
     assert result.exit_code == 0, result.output
     assert "cost ratio c = 0.1" in (tmp_path / "cli" / "summary.md").read_text(encoding="utf-8")
+
+
+SPEC_PLAN = {"plan": {"name": "spec", "salt": "s1"}, "hypothesis": [
+    {"id": "H1", "family": "spec", "metric": "tokens_per_call", "gamma": 4, "compare": ["pol0", "pol1"],
+     "split": "all", "test": "ttest"},
+    {"id": "H2", "family": "spec", "metric": "target_calls", "gamma": 2, "compare": ["pol0", "pol1"],
+     "split": "all", "test": "ttest"}]}
+
+
+def test_plans_test_the_speculative_metrics_per_document() -> None:
+    ds = _study(12)
+    res = dv.run_plan(ds, SPEC_PLAN, n_resamples=199)
+    spec = {g: dv.speculative(ds, gamma=g) for g in (2, 4)}
+    want = {"H1": (spec[4]["tokens_per_call"].sel(policy="pol0") - spec[4]["tokens_per_call"].sel(policy="pol1")),
+            "H2": (spec[2]["target_calls"].sel(policy="pol0") - spec[2]["target_calls"].sel(policy="pol1"))}
+    for row in res.table.itertuples(index=False):
+        assert row.n_docs == 12
+        assert row.effect == pytest.approx(float(want[row.id].mean()), rel=1e-9)   # the t-test's mean difference
+    assert dv.load_plan(SPEC_PLAN).hypotheses[0].worse == "smaller"     # fewer tokens per call is worse
+    bad = {**SPEC_PLAN, "hypothesis": [{**SPEC_PLAN["hypothesis"][0], "gamma": 0}]}
+    with pytest.raises(dv.PlanError, match="needs 'gamma'"):
+        dv.load_plan(bad)
+    other = {**SPEC_PLAN, "hypothesis": [{**SPEC_PLAN["hypothesis"][0], "metric": "occurrence"}]}
+    with pytest.raises(dv.PlanError, match="'gamma' applies only"):
+        dv.load_plan(other)
+    coupled = dv.simulate_study(3, {"pol0": dv.PolicyEffect(0.1), "pol1": dv.PolicyEffect(0.2)}, horizon=4,
+                                replicates=3)
+    with pytest.raises(dv.PlanError, match="needs reference traces"):
+        dv.run_plan(coupled, SPEC_PLAN, n_resamples=99)
+
+
+def test_power_of_a_speculative_hypothesis() -> None:
+    ds = _study(12)
+    res = dv.power(SPEC_PLAN, ds, docs=[4, 12], replicates=[60], n_sims=200)
+    h1 = res.table[res.table["id"] == "H1"]
+    assert len(h1) == 2 and h1["note"].str.contains("conservative").all()
+    assert (h1["power"].diff().dropna() >= -0.05).all()      # more documents, no less power

@@ -24,7 +24,8 @@ from divstats.traces.arrays import core_array, kind_of, layout, mean_se, present
 from divstats.traces.replicates import eos_rows, horizon_of
 from protocols import Kind
 
-__all__ = ["DEFAULT_GAMMAS", "SPECULATIVE_VARS", "aggregate_speculative", "expected_calls", "speculative"]
+__all__ = ["DEFAULT_GAMMAS", "SPECULATIVE_METRICS", "SPECULATIVE_VARS", "aggregate_speculative", "expected_calls",
+           "speculative"]
 
 #: The draft lengths :func:`speculative` evaluates unless told otherwise.
 DEFAULT_GAMMAS: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
@@ -37,6 +38,9 @@ SPECULATIVE_VARS: dict[str, str] = {
     "tokens_per_call": "E[N] / E[C] (ratio of expectations; T / target_calls without EOS)",
     "accepted_per_call": "E[A] / E[C]: accepted drafts per target call (ratio of expectations)",
 }
+#: The per-document quantities a plan may test (with ``gamma``), and which direction of A − B is worse.
+SPECULATIVE_METRICS: dict[str, str] = {"target_calls": "larger", "tokens_per_call": "smaller",
+                                       "accepted_per_call": "smaller"}
 _SPEEDUP = ("speedup: T / (target_calls (1 + gamma c)), c = one draft step / one target step "
             "(tokens_per_call / (1 + gamma c) with EOS)")
 
