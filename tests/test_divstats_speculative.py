@@ -122,6 +122,10 @@ def _ref(logp, logq, tokens=None, eos=None):
 
 
 def test_minus_infinity_and_eos() -> None:
+    # log p a rounding above 0 (float32 log 1) is a probability of 1, not an error
+    # (γ = 2: position 1 accepted with a_1; position 2 is drafted either way, a_2 = 1)
+    ok = dv.speculative(_ref([[4e-6, -0.1]], [[-0.1, -0.1]]), gamma=2).squeeze()
+    assert float(ok["accepted"]) == pytest.approx(np.exp(-0.1 - 4e-6) + 1.0)
     # log q = -inf: that draft is always rejected, its position ends a call
     ds = _ref([[-0.1, -0.1, -0.1]], [[-0.1, -np.inf, -0.1]])
     spec = dv.speculative(ds, gamma=4).squeeze()

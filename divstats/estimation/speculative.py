@@ -23,6 +23,7 @@ from divstats.estimation.resample import MIN_DOCS_AGGREGATE, document_interval
 from divstats.traces.arrays import core_array, kind_of, layout, mean_se, present_replicates, ratio_se
 from divstats.traces.replicates import eos_rows, horizon_of
 from protocols import Kind
+from protocols.validate import LOGP_ATOL
 
 __all__ = ["DEFAULT_GAMMAS", "SPECULATIVE_METRICS", "SPECULATIVE_VARS", "aggregate_speculative", "expected_calls",
            "speculative"]
@@ -107,7 +108,7 @@ def expected_calls(accept: np.ndarray, length: np.ndarray, gamma: int) -> tuple[
     # The states live in a ring of γ + 1 rows, state j in row (off + j) mod (γ + 1): moving the
     # offset back by one turns every state j into j + 1 for free, so one in-place product by a_t
     # makes every transition j -> j + 1, and only the row that held state γ is rewritten, as the
-    # new state 0.  (A shifted copy of the states per step cost 2.8× as much time.)
+    # new state 0.
     ring = np.zeros((gamma + 1, n))
     ring[0] = 1.0
     off = 0
@@ -149,9 +150,9 @@ def _replicate_values(ds: xr.Dataset, gammas: tuple[int, ...]):
     present = present_replicates(ds, lay)
     produced = (np.arange(T) < length[..., None]) & present[..., None]
     for name, arr, bad, what in (
-            ("x_logp", lp, ~np.isfinite(lp) | (lp > 0), "not a finite log-probability <= 0 (a token sampled from P "
-                                                        "has positive probability under P)"),
-            ("x_logq", lq, np.isnan(lq) | (lq > 0), "NaN or > 0 (-inf is allowed: Q gives the token no mass)")):
+            ("x_logp", lp, ~np.isfinite(lp) | (lp > LOGP_ATOL),
+             "not a finite log-probability <= 0 (a token sampled from P has positive probability under P)"),
+            ("x_logq", lq, np.isnan(lq) | (lq > LOGP_ATOL), "NaN or > 0 (-inf is allowed: Q gives the token no mass)")):
         hit = bad & produced
         if hit.any():
             first = tuple(int(i[0]) for i in np.nonzero(hit))
