@@ -12,7 +12,10 @@ are computed here by teacher forcing through the same service's engine
 each sampled token, as ``/generate`` decodes), and written as OpenAI
 ``logprobs.content`` lists.  The full model is scored the same way too, and the
 largest difference from the HTTP log-probabilities is recorded: it is the replay
-caveat measured for P (teacher-forced scoring against decoding).
+caveat measured for P (teacher-forced scoring against decoding). For each policy the
+server also decodes with it (``eviction``), and the same teacher forcing replays its
+own tokens: the largest difference from its HTTP log-probabilities is recorded too,
+which checks that the scoring here is the server's compressed model.
 
 Token ids: the responses spell tokens as text (``tokenizer.decode([id])``); the
 fixture carries the id of every token it uses: the id whose text it is
@@ -104,6 +107,7 @@ def main() -> None:
     samples: dict[str, list] = {}
     scores: dict[str, dict[str, list]] = {p: {} for p in (*POLICIES, "full")}
     token_ids: dict[str, int] = {}
+    replay_q: dict[str, float] = {}
     try:
         with httpx.Client(base_url=url, timeout=600) as client:
             for d, (doc, text) in enumerate(DOCS.items()):
@@ -124,6 +128,14 @@ def main() -> None:
                             raise SystemExit(f"token text {e['token']!r} stands for ids {token_ids[e['token']]} "
                                              f"and {tid}: pick another seed")
                     samples[doc].append(data)
+                    for policy in POLICIES:   # the replay check for Q: the server decoding with the policy
+                        own = client.post("/v1/chat/completions", json={**body, "eviction": policy})
+                        own.raise_for_status()
+                        oc = own.json()["choices"][0]["logprobs"]["content"]
+                        oids, olp = _teacher_forced(svc, policy, prompt_ids, [texts[e["token"]] for e in oc],
+                                                    [e["logprob"] for e in oc])
+                        replay_q[policy] = max(replay_q.get(policy, 0.0),
+                                               max(abs(a - e["logprob"]) for a, e in zip(olp, oc, strict=True)))
                     for policy in scores:
                         lq = lp if policy == "full" else _teacher_forced(svc, policy, prompt_ids, [[i] for i in ids])[1]
                         scores[policy].setdefault(doc, []).append(
@@ -139,11 +151,12 @@ def main() -> None:
         "model": svc.engine.lm.name, "vocab_size": len(tok), "eos_token_ids": sorted(svc.engine.lm.eos_token_ids),
         "max_tokens": MAX_TOKENS, "policies": list(POLICIES),
         "replay_max_abs_diff_full": replay,
+        "replay_max_abs_diff_policy_decoding": replay_q,
         "token_ids": token_ids, "samples": samples, "scores": scores,
     }
     OUT.write_text(json.dumps(fixture, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {OUT} ({OUT.stat().st_size} bytes); full model teacher-forced vs decoded: "
-          f"max |diff| {replay:.2e}")
+    print(f"wrote {OUT} ({OUT.stat().st_size} bytes); teacher-forced vs decoded, max |diff|: full {replay:.2e}, "
+          + ", ".join(f"{p} {v:.2e}" for p, v in replay_q.items()))
 
 
 if __name__ == "__main__":

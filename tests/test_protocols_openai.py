@@ -28,6 +28,14 @@ def _convert(rec: dict, **kw):
     return from_openai_logprobs(rec["samples"], {p: rec["scores"][p] for p in rec["policies"]}, **args)
 
 
+def test_recorded_scores_replay_the_servers_decoding(recorded: dict) -> None:
+    """The recorder's teacher forcing reproduced the server's own log-probabilities, for the full
+    model's samples and for each policy decoding by itself: the scores are the server's models."""
+    assert recorded["replay_max_abs_diff_full"] <= 1e-5
+    assert set(recorded["replay_max_abs_diff_policy_decoding"]) == set(recorded["policies"])
+    assert max(recorded["replay_max_abs_diff_policy_decoding"].values()) <= 1e-5
+
+
 def test_recorded_responses_become_a_reference_dataset(recorded: dict) -> None:
     ds = _convert(recorded)
     validate(ds)
