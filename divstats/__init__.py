@@ -25,6 +25,7 @@ from divstats.estimation.estimators import aggregate, aggregate_intervals, estim
 from divstats.estimation.interval import interval_by_window, sharp_interval
 from divstats.estimation.noise_floor import noise_floor
 from divstats.estimation.resample import MIN_DOCS_MEAN_BOUND
+from divstats.estimation.speculative import aggregate_speculative, speculative
 from divstats.estimation.variance import variance_check
 from divstats.inference.decompose import DecompositionResult, decompose
 from divstats.inference.paired import Effect, PairedTestResult, holm, paired_test
@@ -34,16 +35,18 @@ from divstats.plans.run import PlanResult, run_plan
 from divstats.truth.exact import ExactResult, exact
 from divstats.truth.extremal import extremal_kernels
 from divstats.truth.simulate import simulate
+from divstats.truth.speculative import SpeculativeExact, SpeculativeRuns, exact_target_calls, simulate_speculative
 from divstats.truth.studies import PolicyEffect, markov_kernels, simulate_study
 
 __all__ = [
-    "ConfidenceInterval", "DecompositionResult", "DivstatsError", "ESTIMANDS", "Effect", "Estimand", "ExactResult",
-    "MIN_DOCS_MEAN_BOUND", "NotIdentified", "OutputError", "PairedTestResult", "Plan", "PlanError", "PlanResult",
-    "PolicyEffect", "RoundPlan", "aggregate", "aggregate_intervals", "analyze", "assign_split", "branch_tv",
-    "branch_tv_window", "counted_replicates", "decompose", "design", "estimate", "exact", "extremal_kernels", "holm",
-    "interval_by_window", "load_plan", "markov_kernels", "noise_floor", "paired_test", "plan_round", "power",
-    "run_plan", "sharp_interval", "shipped_plan", "shipped_plans", "simulate", "simulate_study", "survival",
-    "variance_check", "variance_components",
+    "ConfidenceInterval", "DecompositionResult", "DivstatsError", "ESTIMANDS", "Effect", "Estimand",
+    "ExactResult", "MIN_DOCS_MEAN_BOUND", "NotIdentified", "OutputError", "PairedTestResult", "Plan", "PlanError",
+    "PlanResult", "PolicyEffect", "RoundPlan", "SpeculativeExact", "SpeculativeRuns", "aggregate",
+    "aggregate_intervals", "aggregate_speculative", "analyze", "assign_split", "branch_tv", "branch_tv_window",
+    "counted_replicates", "decompose", "design", "estimate", "exact", "exact_target_calls", "extremal_kernels",
+    "holm", "interval_by_window", "load_plan", "markov_kernels", "noise_floor", "paired_test", "plan_round",
+    "power", "run_plan", "sharp_interval", "shipped_plan", "shipped_plans", "simulate", "simulate_speculative",
+    "simulate_study", "speculative", "survival", "variance_check", "variance_components",
 ]
 
 

@@ -9,7 +9,13 @@ Every error it raises on purpose derives from :class:`protocols.ProtocolError`.
 from protocols import converters
 from protocols.assemble import StreamError, assemble, assemble_stream
 from protocols.combine import CombineError, combine
-from protocols.converters import ConversionError, from_eval_logs, from_probabilities, residual_from_probabilities
+from protocols.converters import (
+    ConversionError,
+    from_eval_logs,
+    from_openai_logprobs,
+    from_probabilities,
+    residual_from_probabilities,
+)
 from protocols.errors import ProtocolError
 from protocols.io import OutputExistsError, TraceFileError, open_traces, save_traces
 from protocols.kinds import KINDS, WIRE_KINDS, Kind
@@ -59,7 +65,8 @@ __all__ = [
     "prompt_digest", "read_stream",
     "ProtocolError", "StreamError", "StreamWriter", "TV_ZERO_ATOL", "TraceValidationError", "__version__",
     "assemble", "branch_record", "combine", "converters", "coupled_dataset", "dataset_lines", "encode_line",
-    "end_record", "eos_ids", "error_record", "from_eval_logs", "from_probabilities", "header_record", "open_traces",
+    "end_record", "eos_ids", "error_record", "from_eval_logs", "from_openai_logprobs",
+    "from_probabilities", "header_record", "open_traces",
     "parse_policy_id", "policy_coords", "reference_dataset", "residual_dataset", "residual_from_probabilities",
     "reference_step_record",
     "sampling_params", "save_traces", "shared_step_record", "step_record", "validate",

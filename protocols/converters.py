@@ -5,6 +5,9 @@
 * :func:`residual_from_probabilities` — the same for residual-branch runs.
 * :func:`from_eval_logs` — JSONL evaluation logs (text sampled from the full
   model with per-token log-probs under both models) → a ``reference`` dataset.
+* :func:`from_openai_logprobs` — OpenAI-format responses (the full model's sampled
+  text with ``logprobs.content``, the compressed model's log-probs of the same
+  tokens) → a ``reference`` dataset, through :func:`from_eval_logs`.
 
 Every converter validates its output. Errors name the input row: the array
 index for array inputs, the 1-based line (or record) number for logs.
@@ -27,8 +30,8 @@ from protocols.schema import MISSING_TOKEN, coupled_dataset, eos_set, reference_
 from protocols.validate import LOGP_ATOL, TraceValidationError, validate
 
 __all__ = [
-    "PROB_ATOL", "ConversionError", "from_eval_logs", "from_probabilities", "residual_from_probabilities",
-    "tv_from_probabilities",
+    "PROB_ATOL", "ConversionError", "from_eval_logs", "from_openai_logprobs", "from_probabilities",
+    "residual_from_probabilities", "tv_from_probabilities",
 ]
 
 #: How far a probability row may sum away from 1.
@@ -515,3 +518,186 @@ def _validate_naming_rows(ds: xr.Dataset) -> xr.Dataset:
                 p = f"{p} (input row {int(row)})"
             named.append(p)
         raise TraceValidationError(named, source="(from_eval_logs)") from None
+
+
+# ----------------------------------------------------------------------------- OpenAI-format responses
+
+#: vLLM's ``return_tokens_as_token_ids`` spelling of a token: ``"token_id:<id>"``.
+_TOKEN_ID_PREFIX = "token_id:"
+
+
+def _content(where: str, item: Any) -> list[Any]:
+    """``logprobs.content`` of a chat completion, of one choice, or the list itself."""
+    if isinstance(item, Mapping) and "choices" in item:
+        choices = item["choices"]
+        if not isinstance(choices, list) or len(choices) != 1:
+            raise ConversionError(f"{where}: expected a response with exactly one choice (n = 1)")
+        item = choices[0]
+    if isinstance(item, Mapping):
+        lp = item.get("logprobs")
+        if not isinstance(lp, Mapping) or not isinstance(lp.get("content"), list):
+            raise ConversionError(f"{where}: no logprobs.content (ask the server for logprobs: true)")
+        item = lp["content"]
+    if not isinstance(item, list) or not item:
+        raise ConversionError(f"{where}: expected a response, a choice or a non-empty logprobs.content list")
+    return item
+
+
+def _finish(item: Any) -> str | None:
+    if isinstance(item, Mapping) and "choices" in item and isinstance(item["choices"], list) and item["choices"]:
+        item = item["choices"][0]
+    return item.get("finish_reason") if isinstance(item, Mapping) else None
+
+
+def _logprob(where: str, i: int, entry: Any) -> float:
+    value = entry.get("logprob") if isinstance(entry, Mapping) else entry
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConversionError(f"{where}: logprobs.content[{i}] has no numeric logprob ({entry!r})")
+    return float(value)
+
+
+def _token_id(where: str, i: int, token: Any, token_ids: Mapping[str, int] | Any | None) -> int:
+    if isinstance(token, str) and token.startswith(_TOKEN_ID_PREFIX) and token[len(_TOKEN_ID_PREFIX):].isdigit():
+        return int(token[len(_TOKEN_ID_PREFIX):])
+    if token_ids is None:
+        raise ConversionError(f"{where}: logprobs.content[{i}].token = {token!r} is text, not an id; pass "
+                              "token_ids= (a mapping or a callable token -> id), or ask the server for ids "
+                              "(vLLM: return_tokens_as_token_ids)")
+    try:
+        tid = token_ids[token] if isinstance(token_ids, Mapping) else token_ids(token)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConversionError(f"{where}: logprobs.content[{i}].token = {token!r} has no id in token_ids "
+                              f"({type(exc).__name__}: {exc})") from None
+    if isinstance(tid, bool) or not isinstance(tid, (int, np.integer)):
+        raise ConversionError(f"{where}: token_ids gave {tid!r} for {token!r}, not an integer id")
+    return int(tid)
+
+
+def _scores_for(policy: str, by_doc: Any, doc: str, n: int) -> Sequence[Any]:
+    """``scores[policy][doc]``: one score per sample of the doc."""
+    if not isinstance(by_doc, Mapping) or doc not in by_doc:
+        raise ConversionError(f"scores[{policy!r}]: no scores for doc {doc!r}; every policy scores every sample")
+    given = by_doc[doc]
+    if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Sequence) or len(given) != n:
+        got = len(given) if isinstance(given, Sequence) else "no list of"
+        raise ConversionError(f"scores[{policy!r}][{doc!r}]: {got} scores for {n} samples")
+    return given
+
+
+def _score_row(where: str, scored: Any, tokens: list[Any]) -> list[float]:
+    """The compressed model's log-probabilities of a sample's tokens (numbers, or entries whose tokens match)."""
+    numbers = isinstance(scored, Sequence) and bool(scored) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in scored)
+    entries = list(scored) if numbers else _content(where, scored)
+    if len(entries) < len(tokens):
+        raise ConversionError(f"{where}: {len(entries)} log-probabilities for the sample's {len(tokens)} tokens")
+    for i, e in enumerate(entries[: len(tokens)]):
+        if isinstance(e, Mapping) and "token" in e and e["token"] != tokens[i]:
+            raise ConversionError(f"{where}: token {i} is {e['token']!r}, the sample's is {tokens[i]!r}; "
+                                  "a score must be of the sample's own tokens")
+    return [_logprob(where, i, e) for i, e in enumerate(entries[: len(tokens)])]
+
+
+def from_openai_logprobs(
+    samples: Mapping[str, Sequence[Any]],
+    scores: Mapping[str, Mapping[str, Sequence[Any]]],
+    *,
+    vocab_size: int,
+    token_ids: Mapping[str, int] | Any | None = None,
+    eos_token_id: int | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    horizon: int | None = None,
+    model: str = "",
+    sampling: Mapping[str, Any] | str | None = None,
+    producer: str = "OpenAI-format responses (protocols.converters.from_openai_logprobs)",
+) -> xr.Dataset:
+    """A ``reference`` dataset from OpenAI-format responses (docs/contract.md §4, statistics.md §7).
+
+    ``samples[doc]`` holds the full model's sampled responses for a document (one
+    replicate each): chat completions, their single choice, or their
+    ``logprobs.content`` lists, as vLLM, SGLang and kvdiv's Messages API return them
+    with ``logprobs: true``. ``scores[policy][doc]`` holds, in the same order, the
+    compressed model's log-probabilities of the same tokens: a response or content
+    list (its tokens must equal the sample's) or a plain list of numbers. Every
+    policy scores the same samples, so the dataset is paired across policies.
+
+    The replay caveat: a score obtained by teacher forcing (prompt log-probabilities
+    of prompt + continuation, ``echo``) is the compressed model's law only if the
+    compression of that scoring pass is the one decoding would have had; a press
+    that compresses the prompt alone and leaves decode-time tokens uncompressed must
+    be told which tokens are the prompt.
+
+    Parameters
+    ----------
+    samples : mapping of str to sequence
+        doc -> the full model's responses, one per replicate.
+    scores : mapping of str to mapping of str to sequence
+        policy -> doc -> the compressed model's log-probabilities of each sample's tokens.
+    vocab_size : int
+        The vocabulary size.
+    token_ids : mapping or callable, optional
+        Token text -> id (e.g. a tokenizer's vocabulary); not needed when the tokens
+        are spelled ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids``).
+    eos_token_id, eos_token_ids : optional
+        The EOS id(s). A response shorter than the horizon must end with one (kvdiv's
+        server includes the EOS token in ``logprobs.content``); it is padded with EOS
+        at log p = log q = 0.
+    horizon : int, optional
+        T; default the longest sample. Longer samples are cut to it.
+    model, sampling, producer : optional
+        Attributes of the dataset.
+
+    Returns
+    -------
+    xarray.Dataset
+        A validated ``reference`` dataset over (doc, policy, replicate, step).
+
+    Raises
+    ------
+    ConversionError
+        A response without ``logprobs.content``, a token without an id, a score whose
+        tokens or length differ from its sample's, a doc missing from a policy's
+        scores, or a bad value (named as policy, doc and replicate).
+
+    Examples
+    --------
+    >>> sample = {"choices": [{"finish_reason": "length", "logprobs": {"content": [
+    ...     {"token": "token_id:3", "logprob": -0.1}, {"token": "token_id:1", "logprob": -0.2}]}}]}
+    >>> ds = from_openai_logprobs({"d0": [sample]}, {"snapkv@0.5": {"d0": [[-0.5, -0.25]]}}, vocab_size=4)
+    >>> ds.x_token.values.ravel().tolist(), ds.x_logq.values.ravel().tolist()
+    ([3, 1], [-0.5, -0.25])
+    """
+    if not isinstance(samples, Mapping) or not samples:
+        raise ConversionError("samples: expected a non-empty mapping doc -> the full model's responses")
+    if not isinstance(scores, Mapping) or not scores:
+        raise ConversionError("scores: expected a non-empty mapping policy -> doc -> the compressed model's scores")
+    records: list[dict[str, Any]] = []
+    where_of: list[str] = []
+    for doc, responses in samples.items():
+        if isinstance(responses, (str, bytes, Mapping)) or not isinstance(responses, Sequence) or not responses:
+            raise ConversionError(f"samples[{doc!r}]: expected a non-empty list of responses (one per replicate)")
+        for r, response in enumerate(responses):
+            where = f"samples[{doc!r}][{r}]"
+            content = _content(where, response)
+            tokens = [e.get("token") if isinstance(e, Mapping) else None for e in content]
+            ids = [_token_id(where, i, t, token_ids) for i, t in enumerate(tokens)]
+            logp = [_logprob(where, i, e) for i, e in enumerate(content)]
+            if _finish(response) == "stop" and eos_token_id is None and not eos_token_ids:
+                raise ConversionError(f"{where}: finish_reason 'stop' (the text ended), so pass eos_token_id= "
+                                      "to mark where the path ends")
+            for policy, by_doc in scores.items():
+                swhere = f"scores[{policy!r}][{doc!r}][{r}]"
+                scored = _scores_for(policy, by_doc, doc, len(responses))[r]
+                logq = _score_row(swhere, scored, tokens)
+                records.append({"doc": str(doc), "policy": str(policy), "replicate": r, "tokens": ids,
+                                "logp_full": logp, "logp_evicted": logq})
+                where_of.append(swhere)
+    try:
+        return from_eval_logs(records, vocab_size=vocab_size, eos_token_id=eos_token_id, eos_token_ids=eos_token_ids,
+                              horizon=horizon, model=model, sampling=sampling, producer=producer)
+    except ConversionError as exc:
+        # from_eval_logs names 'record N': name the response it came from instead
+        msg = str(exc)
+        for n in range(len(records), 0, -1):
+            msg = msg.replace(f"record {n}", where_of[n - 1].replace("scores", "sample scored by", 1))
+        raise ConversionError(msg) from None

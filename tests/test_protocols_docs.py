@@ -20,3 +20,5 @@ def test_contract_examples_run(tmp_path, monkeypatch, capsys):
     assert "[5 9 2 2]" in out and "[1 2 3 4]" in out
     assert "tv: 1 value(s) <= 1e-07 where x_token != y_token" in out
     assert "line 5 (doc 'q3'): 1 tokens, fewer than the horizon 4" in out
+    assert "{'doc': 2, 'policy': 2, 'replicate': 2, 'step': 24}" in out      # from_openai_logprobs
+    assert "snapkv@0.5  1.37  1.52  1.63" in out

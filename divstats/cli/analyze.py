@@ -59,12 +59,15 @@ def _fail(message: str) -> None:
               help="Bootstrap / permutation resamples.")
 @click.option("--level", type=click.FloatRange(0.5, 0.999), default=0.95, show_default=True,
               help="Confidence level of the descriptive intervals (plan rows use 1 - alpha).")
+@click.option("--cost-ratio", type=click.FloatRange(min=0), default=None, metavar="C",
+              help="One draft step / one target step: the speculative-decoding section's speedup "
+                   "(reference traces; docs/statistics.md §10).")
 @click.option("--no-validate", is_flag=True, help="Skip trace validation on load.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @cluster_options
 def analyze(traces: Path, plan_source: str | None, out_dir: Path, overwrite: bool, window: int | None,
-            aliases: tuple[str, ...], seed: int, n_resamples: int, level: float, no_validate: bool,
-            quiet: bool, workers: int | None, scheduler: str | None, chunk_docs: int | None) -> None:
+            aliases: tuple[str, ...], seed: int, n_resamples: int, level: float, cost_ratio: float | None,
+            no_validate: bool, quiet: bool, workers: int | None, scheduler: str | None, chunk_docs: int | None) -> None:
     """Estimate everything, run the plan (if any) on TRACES and write a self-contained report."""
     # Lazy: the report (matplotlib, jinja2) is loaded only when analyze runs, not for ``kvdiv split``.
     from divstats.report.analysis import compute
@@ -80,7 +83,7 @@ def analyze(traces: Path, plan_source: str | None, out_dir: Path, overwrite: boo
             ds = open_traces(traces, validate=not no_validate,
                              chunks=read_chunks(traces, workers, scheduler, chunk_docs))
             an = compute(ds, plan, window=window, policy_aliases=alias_map, seed=seed, n_resamples=n_resamples,
-                         level=level, progress=not quiet)
+                         level=level, progress=not quiet, cost_ratio=cost_ratio)
         paths = publish_report(an, out_dir, overwrite=overwrite)
     except DivstatsError as exc:
         _fail(str(exc))

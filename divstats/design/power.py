@@ -49,6 +49,7 @@ from divstats.errors import PlanError
 from divstats.estimation.components import document_values, paired_document_values, replicate_influence
 from divstats.estimation.curves import branch_tv_window
 from divstats.estimation.resample import MIN_DOCS_MARGIN, MIN_DOCS_MARGIN_T, MIN_DOCS_MEAN_BOUND, too_few_documents
+from divstats.estimation.speculative import SPECULATIVE_METRICS, speculative
 from divstats.inference.paired import MARGIN_ALTERNATIVES, paired_test, signed_rank_null_cdf
 from divstats.plans.format import FULL, WINDOW_METRICS, Hypothesis, Plan, load_plan
 from divstats.plans.run import full_model_value
@@ -137,6 +138,16 @@ def _window_values(pilot: xr.Dataset, window: tuple[int, int], W: int | None) ->
                        "replicates": counted_replicates(pilot).broadcast_like(res["branch_tv_window"])})
 
 
+def _speculative_values(pilot: xr.Dataset, metric: str, gamma: int) -> xr.Dataset:
+    """Per-document speculative-decoding metric at one γ and its squared SE (docs/statistics.md §10)."""
+    if pilot.attrs.get("kind") != "reference":
+        raise PlanError(f"metric {metric!r} needs reference traces (log p and log q of P's tokens); the pilot's "
+                        f"are {pilot.attrs.get('kind')!r}")
+    res = speculative(pilot, gamma=gamma).squeeze("gamma", drop=True)
+    return xr.Dataset({"value": res[metric], "mc_var": res[metric + "_se"] ** 2,
+                       "replicates": counted_replicates(pilot).broadcast_like(res[metric])})
+
+
 def counted_replicates(pilot: xr.Dataset) -> xr.DataArray:
     """Replicates that count in each cell's estimates (over the pilot's lead dims).
 
@@ -208,6 +219,16 @@ def _hypothesis_values(h: Hypothesis, plan: Plan, pilot: xr.Dataset, vals: xr.Da
         diff = xr.Dataset({"value": pa["value"] - pb["value"], "mc_var": pa["mc_var"] + pb["mc_var"],
                            "replicates": (pa["replicates"] + pb["replicates"]) / 2})
         return diff, a, b, "Monte Carlo covariance between policies taken as 0"
+    if h.metric in SPECULATIVE_METRICS:
+        if b == FULL:
+            raise PlanError(f"hypothesis {h.id!r}: {h.metric} has no known value for the full model")
+        spec = _speculative_values(pilot, h.metric, int(h.gamma))
+        pa, pb = spec.sel(policy=a, drop=True), spec.sel(policy=b, drop=True)
+        diff = xr.Dataset({"value": pa["value"] - pb["value"], "mc_var": pa["mc_var"] + pb["mc_var"],
+                           "replicates": (pa["replicates"] + pb["replicates"]) / 2})
+        # the policies score the same P-samples (reference traces), so this covariance is
+        # positive and the sum overstates the difference's Monte Carlo variance: conservative
+        return diff, a, b, "Monte Carlo covariance between policies taken as 0 (conservative: shared P-samples)"
     if vals is None or h.metric not in vals["metric"].values:
         raise PlanError(f"hypothesis {h.id!r}: metric {h.metric!r} has no variance components")
     if b == FULL and FULL not in [str(p) for p in pilot["policy"].values]:
@@ -270,8 +291,8 @@ def hypothesis_pilots(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, *
             raise PlanError(f"policy {out!r} (planned {pid!r}) is not in the pilot; available: {policies}")
         return out
 
-    vals = document_values(pilot, window) if any(h.metric not in WINDOW_METRICS for h in plan.hypotheses) \
-        else None
+    vals = document_values(pilot, window) if any(h.metric not in WINDOW_METRICS + tuple(SPECULATIVE_METRICS)
+                                                  for h in plan.hypotheses) else None
     models = [m for m in pilot["model"].values] if "model" in pilot.dims else [None]
     sizes = _family_sizes(plan, len(models))
     out: list[HypothesisPilot] = []
@@ -279,7 +300,7 @@ def hypothesis_pilots(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, *
         alpha = h.alpha / sizes[h.family] if h.correction == "holm" else h.alpha
         note = ""
         try:
-            if h.metric in WINDOW_METRICS and not is_traces:
+            if (h.metric in WINDOW_METRICS or h.metric in SPECULATIVE_METRICS) and not is_traces:
                 raise PlanError(f"hypothesis {h.id!r}: {h.metric} needs traces, not estimates")
             diff, a, b, note = _hypothesis_values(h, plan, pilot, vals, resolve, window)
         except PlanError as exc:

@@ -30,6 +30,7 @@ import pandas as pd
 
 from divstats.errors import PlanError
 from divstats.estimands import by_name
+from divstats.estimation.speculative import SPECULATIVE_METRICS
 from divstats.inference.paired import ALTERNATIVES, MARGIN_ALTERNATIVES, MARGIN_TESTS, TESTS, WORSE
 
 __all__ = [
@@ -47,7 +48,7 @@ FULL = "full"
 
 _PLAN_KEYS = {"name", "description", "alpha", "salt", "confirmatory_fraction"}
 _HYP_KEYS = {"id", "family", "metric", "compare", "policy", "window", "direction", "test",
-             "correction", "split", "alpha", "model", "description", "margin", "worse"}
+             "correction", "split", "alpha", "model", "description", "margin", "worse", "gamma"}
 _TOP_KEYS = {"plan", "windows", "aliases", "hypothesis"}
 #: Where the shipped plans live inside the divstats package.
 _SHIPPED_DIR = "shipped_plans"
@@ -76,6 +77,7 @@ class Hypothesis:
     description: str = ""
     margin: float | None = None  # direction "equivalence" / "noninferiority": delta (> 0)
     worse: str = "larger"        # which direction of A - B is worse (default: the estimand table's)
+    gamma: int | None = None     # drafts per call, for the speculative-decoding metrics (docs/statistics.md §10)
 
     @property
     def compares_windows(self) -> bool:
@@ -345,6 +347,7 @@ def _validate_hypothesis(h: Mapping[str, Any], where: str, windows: Mapping[str,
     if not _is_number(h_alpha) or not 0 < h_alpha < 1:
         problems.append(f"{where}: 'alpha' must be in (0, 1), got {h_alpha!r}")
     _check_windowing(h, compare, where, windows, problems)
+    _check_gamma(h, where, problems)
     model = h.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         problems.append(f"{where}: 'model' must be a model name")
@@ -355,11 +358,25 @@ def _validate_hypothesis(h: Mapping[str, Any], where: str, windows: Mapping[str,
         direction=h.get("direction", "two-sided"), test=h.get("test", "wilcoxon"),
         correction=h.get("correction", "holm"), split=h.get("split", "confirmatory"),
         policy=h.get("policy"), window=h.get("window"), alpha=float(h_alpha), model=model,
-        description=str(h.get("description", "")), margin=margin, worse=worse)
+        description=str(h.get("description", "")), margin=margin, worse=worse, gamma=h.get("gamma"))
+
+
+def _check_gamma(h: Mapping[str, Any], where: str, problems: list[str]) -> None:
+    """``gamma``: required by the speculative-decoding metrics, an integer >= 1, and nowhere else."""
+    metric, gamma = h.get("metric"), h.get("gamma")
+    if metric in SPECULATIVE_METRICS:
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+            problems.append(f"{where}: metric {metric!r} needs 'gamma' (drafts per target call, an integer "
+                            f">= 1), got {gamma!r}")
+    elif gamma is not None:
+        problems.append(f"{where}: 'gamma' applies only to the speculative-decoding metrics "
+                        f"{list(SPECULATIVE_METRICS)}")
 
 
 def _default_worse(metric: Any) -> str:
     """The estimand table's ``worse`` for ``metric`` ("larger" for metrics it does not list, e.g. branch_tv)."""
+    if metric in SPECULATIVE_METRICS:
+        return SPECULATIVE_METRICS[metric]
     try:
         return by_name(str(metric)).worse
     except KeyError:

@@ -25,6 +25,7 @@ import xarray as xr
 from divstats.errors import NotIdentified, PlanError
 from divstats.estimation.curves import branch_tv
 from divstats.estimation.estimators import estimate
+from divstats.estimation.speculative import SPECULATIVE_METRICS, speculative
 from divstats.inference.paired import ESTIMANDS, MARGIN_ALTERNATIVES, holm, margin_verdict, paired_test, rejects
 from divstats.plans.format import (
     FULL,
@@ -136,6 +137,12 @@ class _Data:
         self.ds, self.window = ds, window
         self._est, self._branch = estimates, branch
         self.notes: list[str] = []
+        self._speculative: dict[int, xr.Dataset] = {}
+
+    def speculative(self, gamma: int) -> xr.Dataset:
+        if gamma not in self._speculative:
+            self._speculative[gamma] = speculative(self.ds, gamma=gamma).squeeze("gamma", drop=True)
+        return self._speculative[gamma]
 
     @property
     def est(self) -> xr.Dataset:
@@ -222,6 +229,11 @@ def _metric(data: _Data, h: Hypothesis, plan: Plan, policy: str, which: str | No
             if note not in data.notes:
                 data.notes.append(note)
         return window_mean(data.branch.sel(policy=policy), first, last)
+    if h.metric in SPECULATIVE_METRICS:
+        if data.ds.attrs.get("kind") != Kind.REFERENCE:
+            raise PlanError(f"hypothesis {h.id!r}: metric {h.metric!r} needs reference traces (log p and log q of "
+                            f"P's tokens, docs/statistics.md §10); these are {data.ds.attrs.get('kind')!r}")
+        return data.speculative(int(h.gamma))[h.metric].sel(policy=policy)
     if h.metric not in data.est.data_vars:
         raise PlanError(f"hypothesis {h.id!r}: unknown metric {h.metric!r}; estimate provides "
                         f"{sorted(str(v) for v in data.est.data_vars)} and windowed {list(WINDOW_METRICS)}")

@@ -27,6 +27,7 @@ from divstats.estimation.curves import branch_tv, survival
 from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
 from divstats.estimation.interval import interval_by_window
 from divstats.estimation.noise_floor import compare_to_floor, control_policy, floor_warnings, noise_floor
+from divstats.estimation.speculative import aggregate_speculative, speculative
 from divstats.estimation.variance import variance_check
 from divstats.inference.decompose import DecompositionInterval, DecompositionResult, decompose
 from divstats.inference.paired import MARGIN_ALTERNATIVES
@@ -71,6 +72,8 @@ class Analysis:
     paths: Mapping[str, Path] = field(default_factory=dict)
     #: :func:`divstats.estimation.noise_floor.noise_floor` (its ``note`` says when no control was collected).
     noise_floor: xr.Dataset | None = None
+    #: :func:`divstats.estimation.speculative.aggregate_speculative` over (policy, gamma); reference traces only.
+    speculative: xr.Dataset | None = None
 
 
 def default_interval_windows(ds: xr.Dataset) -> list[int]:
@@ -237,7 +240,7 @@ def _refuse_control_hypotheses(plan: Plan | None, aliases: Mapping[str, str] | N
 def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int | None = None,
             policy_aliases: Mapping[str, str] | None = None, seed: int = 0, n_resamples: int = 9999,
             level: float = 0.95, interval_windows: Sequence[int] | None = None,
-            progress: bool = True) -> Analysis:
+            progress: bool = True, cost_ratio: float | None = None) -> Analysis:
     """Run every estimator, the plan and the decompositions on ``traces`` (no files written).
 
     Parameters
@@ -259,6 +262,9 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
         Observation windows of the sharp-interval curve (default: :func:`default_interval_windows`).
     progress : bool
         Show a progress bar on stderr.
+    cost_ratio : float, optional
+        One draft step / one target step, for the speedup of the speculative-decoding
+        section (reference traces only; docs/statistics.md §10).
 
     Returns
     -------
@@ -304,10 +310,27 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
     floor = noise_floor(traces, control=control, window=window, estimates=est, level=level,
                         n_resamples=n_resamples, seed=seed)
     notes += floor_warnings(compare_to_floor(agg, floor))
+    spec = _speculative(traces, cost_ratio, level, n_resamples, seed, notes)
     options = {"window": -1 if window is None else int(window), "seed": int(seed),
                "n_resamples": int(n_resamples), "level": float(level),
                "policy_aliases": json.dumps(dict(policy_aliases or {}), sort_keys=True),
-               "interval_windows": json.dumps(windows)}
+               "interval_windows": json.dumps(windows),
+               **({"cost_ratio": float(cost_ratio)} if cost_ratio is not None else {})}
     return Analysis(traces=traces, plan=plan, estimates=est, aggregate=agg, aggregate_ci=agg_ci, survival=surv,
                     branch_tv=bt, interval=ivw, variance=vc, plan_result=pres, decompositions=decs,
-                    notes=notes + (pres.notes if pres is not None else []), options=options, noise_floor=floor)
+                    notes=notes + (pres.notes if pres is not None else []), options=options, noise_floor=floor,
+                    speculative=spec)
+
+
+def _speculative(traces: xr.Dataset, cost_ratio: float | None, level: float, n_resamples: int, seed: int,
+                 notes: list[str]) -> xr.Dataset | None:
+    """The speculative-decoding section's numbers: reference traces only (the others carry no log q of P's tokens)."""
+    if traces.attrs.get("kind") != Kind.REFERENCE:
+        if cost_ratio is not None:
+            notes.append("cost ratio ignored: the speculative-decoding section needs reference traces")
+        return None
+    agg = aggregate_speculative(speculative(traces, cost_ratio=cost_ratio), level=level,
+                                n_resamples=n_resamples, seed=seed)
+    if agg.attrs.get("reason"):
+        notes.append(f"speculative decoding: intervals over documents {agg.attrs['reason']}")
+    return agg

@@ -23,7 +23,7 @@ from scipy import stats
 __all__ = [
     "margin_figure",
     "branch_tv_figure", "decomposition_figure", "doc_band", "gap_figure", "interval_figure", "policy_colors",
-    "survival_figure", "variance_figure"
+    "speculative_figure", "survival_figure", "variance_figure"
 ]
 
 _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
@@ -495,4 +495,67 @@ def margin_figure(table: Any) -> Figure:
                      f"{r.verdict if not refused else f'refused (n = {r.n_docs})'}", fontsize=8, loc="left")
         ax.grid(axis="x", alpha=0.3)
     axes[-1].set_xlabel("mean difference A − B with the test's interval; dashed: the margin(s)")
+    return fig
+
+
+def speculative_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
+    """Tokens per target call against γ per policy, and the speedup where a cost ratio was given.
+
+    Error bars are the intervals over documents of
+    ``divstats.aggregate_speculative``; where those were refused (too few documents)
+    they are ± z · the Monte Carlo SE given the documents, and the axis says so.
+
+    Parameters
+    ----------
+    agg : xarray.Dataset
+        ``divstats.aggregate_speculative(divstats.speculative(ds, ...))`` over (policy, gamma).
+    level : float
+        Level of the fallback bars.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One panel (tokens per call), two with ``speedup`` (best γ ringed).
+
+    Examples
+    --------
+    >>> import numpy as np, divstats
+    >>> ds = divstats.simulate(lambda h: np.array([0.6, 0.4]), lambda h: np.array([0.5, 0.5]), 2, 6, 20,
+    ...                        kind="reference")
+    >>> agg = divstats.aggregate_speculative(divstats.speculative(ds, cost_ratio=0.1), n_resamples=99)
+    >>> len(speculative_figure(agg).axes)
+    2
+    """
+    panels = ["tokens_per_call"] + (["speedup"] if "speedup" in agg else [])
+    fig, axes = _panels(len(panels), sharey=False)
+    colors = policy_colors(agg["policy"].values)
+    g = agg["gamma"].values
+    z = stats.norm.ppf(0.5 + level / 2)
+    for ax, q in zip(axes, panels, strict=True):
+        refused = bool(np.isnan(agg[q + "_low"].values).all())
+        for k, pol in enumerate(agg["policy"].values):
+            s = agg.sel(policy=pol)
+            y = s[q].values
+            lo, hi = ((y - z * s[q + "_se"].values, y + z * s[q + "_se"].values) if refused
+                      else (s[q + "_low"].values, s[q + "_high"].values))
+            # a small sideways offset per policy keeps overlapping bars apart
+            x = g + (k - (agg.sizes["policy"] - 1) / 2) * 0.08
+            c = colors[str(pol)]
+            ax.errorbar(x, y, yerr=[y - lo, hi - y], color=c, marker="o", ms=4, lw=1.4, capsize=3, label=str(pol))
+            if q == "speedup" and "best_gamma" in agg:
+                b = int(s["best_gamma"])
+                if b in g:
+                    i = int(np.flatnonzero(g == b)[0])
+                    ax.plot(x[i], y[i], "o", ms=11, mfc="none", mec=c, mew=1.6)
+        if q == "speedup":
+            ax.axhline(1.0, color="0.4", lw=0.9, ls=":")
+            ax.set_ylabel(f"speedup at c = {float(agg.attrs['cost_ratio']):g} (best γ ringed)")
+        else:
+            ax.set_ylabel("tokens per target call")
+        band = f"± {z:.2f} MC SE (intervals refused)" if refused else f"{int(level * 100)}% interval over documents"
+        ax.set_xlabel(f"γ, drafts per call (bars: {band})")
+        ax.set_xticks(g)
+        ax.grid(alpha=0.3)
+        _title(ax, "Speculative decoding with the policy as draft" if q != "speedup" else "Speedup", None)
+        _legend(ax, agg.sizes["policy"])
     return fig

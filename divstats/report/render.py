@@ -26,6 +26,8 @@ from divstats.report.tables import (
     noise_floor_rows,
     noise_floor_status,
     plan_rows,
+    speculative_rows,
+    speculative_status,
     variance_rows,
 )
 
@@ -55,7 +57,8 @@ def make_figures(an: Analysis) -> dict[str, Figure]:
     -------
     dict of str to matplotlib.figure.Figure
         ``survival`` and ``decomposition`` always; ``gap``, ``branch_tv``,
-        ``interval`` and ``variance`` when there is something to show.
+        ``interval``, ``variance``, ``margins`` and ``speculative`` (reference traces)
+        when there is something to show.
 
     Examples
     --------
@@ -79,6 +82,8 @@ def make_figures(an: Analysis) -> dict[str, Figure]:
     margins = _margin_table(an)
     if margins is not None:
         figs["margins"] = F.margin_figure(margins)
+    if an.speculative is not None:
+        figs["speculative"] = F.speculative_figure(an.speculative, level=an.options["level"])
     return figs
 
 
@@ -160,6 +165,7 @@ def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
         interval_method=str(an.aggregate_ci.attrs.get("methods_used", "")),
         variance_rows=variance_rows(an.variance) if an.variance is not None else [],
         noise_floor_status=noise_floor_status(an), noise_floor_rows=noise_floor_rows(an),
+        speculative_status=speculative_status(an), speculative_rows=speculative_rows(an),
         images={k: base64.b64encode(v).decode() for k, v in figs.items()}, reproduce=reproduce_snippet(an))
 
 
@@ -258,6 +264,9 @@ def render_markdown(an: Analysis) -> str:
                 f"- {r.id} ({r.metric}, {r.a} − {r.b}): {r.verdict}" for r in margins.itertuples(index=False)]
     lines += ["", f"## Aggregate estimates — {EXPLORATORY}", "", _md_table(estimate_rows(an)), ""]
     lines += _noise_floor_markdown(an)
+    if an.speculative is not None:
+        lines += [f"## Speculative decoding — {EXPLORATORY}", "", speculative_status(an), "",
+                  _md_table(speculative_rows(an)), ""]
     dec = decomposition_table(an, shares=False)
     if dec:
         lines += [f"## Gap decomposition — {EXPLORATORY}", "", _md_table(dec), ""]

@@ -139,6 +139,8 @@ def results_dataset(an: Analysis) -> xr.Dataset:
         parts.append(_prefixed(an.variance.drop_attrs(), "variance_"))
     parts.append(_decomposition_dataset(an.decompositions))
     parts += _plan_parts(an)
+    if an.speculative is not None:
+        parts.append(_prefixed(an.speculative.drop_attrs(), "speculative_"))
     floor = an.noise_floor
     if floor is not None and floor.data_vars:
         parts.append(_prefixed(floor.drop_attrs(), "noise_floor_"))

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EXPLORATORY", "SUMMARY_QUANTITIES", "branch_tv_rows", "data_summary", "decomposition_rows",
     "decomposition_table", "estimate_rows", "fmt", "fmt_ci", "fmt_p", "noise_floor_rows", "noise_floor_status",
-    "plan_rows", "unify", "variance_rows",
+    "plan_rows", "SPECULATIVE_QUANTITIES", "speculative_rows", "speculative_status", "unify", "variance_rows",
 ]
 
 #: Aggregate quantities shown in the report's estimates table (in order; ``divstats.estimands``).
@@ -509,3 +509,86 @@ def noise_floor_rows(an: Analysis) -> list[dict[str, str]]:
         row["within the floor"] = ("⚠ " + ", ".join(r["within"])) if r["within"] else ""
         rows.append(row)
     return unify(rows)
+
+
+# --------------------------------------------------------------------------- speculative decoding
+
+#: The speculative-decoding table's quantities, in column order.
+SPECULATIVE_QUANTITIES: tuple[str, ...] = ("tokens_per_call", "accepted_per_call", "target_calls", "speedup")
+
+
+def speculative_status(an: Analysis) -> str:
+    """The speculative-decoding section's first line: what the numbers are, the cost ratio, the best γ.
+
+    Parameters
+    ----------
+    an : Analysis
+        A computed analysis with ``an.speculative`` (reference traces).
+
+    Returns
+    -------
+    str
+        The sentence; "" when the analysis has no such section.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from divstats.report.analysis import compute
+    >>> from divstats.truth.simulate import simulate
+    >>> ds = simulate(lambda h: np.array([0.6, 0.4]), lambda h: np.array([0.5, 0.5]), 2, 6, 20, kind="reference")
+    >>> speculative_status(compute(ds, n_resamples=99, progress=False))[:31]
+    'Q (the policy) drafts γ tokens,'
+    """
+    sp = an.speculative
+    if sp is None:
+        return ""
+    text = ("Q (the policy) drafts γ tokens, P (the full model) verifies them in one call (docs/statistics.md §10). "
+            f"Estimated from the reference traces by the forward recursion over drafts accepted, T = "
+            f"{int(an.traces.attrs['horizon'])}; tokens per call = E[tokens] / E[target calls].")
+    if "speedup" in sp:
+        best = ", ".join(f"{p}: γ = {int(g)}" for p, g in zip(sp["policy"].values, sp["best_gamma"].values,
+                                                               strict=True))
+        text += (f" Speedup over plain decoding at cost ratio c = {fmt(float(sp.attrs['cost_ratio']))} "
+                 f"(one draft step / one target step): tokens per call / (1 + γc). Best γ — {best}.")
+    else:
+        text += (" No speedup: give the cost ratio of one draft step to one target step "
+                 "(kvdiv analyze --cost-ratio C); the traces do not time the two models apart.")
+    return text
+
+
+def speculative_rows(an: Analysis) -> list[dict[str, str]]:
+    """One row per (policy, γ): each quantity with its interval over documents, the best γ starred.
+
+    Parameters
+    ----------
+    an : Analysis
+        A computed analysis.
+
+    Returns
+    -------
+    list of dict
+        Display rows (empty without a speculative-decoding section).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from divstats.report.analysis import compute
+    >>> from divstats.truth.simulate import simulate
+    >>> ds = simulate(lambda h: np.array([0.6, 0.4]), lambda h: np.array([0.5, 0.5]), 2, 6, 20, kind="reference")
+    >>> list(speculative_rows(compute(ds, n_resamples=99, progress=False))[0])
+    ['policy', 'γ', 'tokens_per_call', 'accepted_per_call', 'target_calls']
+    """
+    sp = an.speculative
+    if sp is None:
+        return []
+    rows = []
+    for pol in sp["policy"].values:
+        best = int(sp["best_gamma"].sel(policy=pol)) if "best_gamma" in sp else None
+        for g in sp["gamma"].values:
+            cell = sp.sel(policy=pol, gamma=g)
+            row = {"policy": str(pol), "γ": f"{int(g)}{' ★' if best == int(g) else ''}"}
+            for q in SPECULATIVE_QUANTITIES:
+                if q in cell:
+                    row[q] = f"{fmt(cell[q])} {fmt_ci(cell[q + '_low'], cell[q + '_high'])}"
+            rows.append(row)
+    return rows

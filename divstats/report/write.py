@@ -251,7 +251,8 @@ def publish_report(an: Analysis, out_dir: str | Path, *, overwrite: bool = False
 def analyze(traces: str | Path | xr.Dataset, plan: PlanSource | None, out_dir: str | Path, *,
             window: int | None = None, policy_aliases: Mapping[str, str] | None = None,
             seed: int = 0, n_resamples: int = 9999, level: float = 0.95,
-            interval_windows: Sequence[int] | None = None, progress: bool = True) -> Analysis:
+            interval_windows: Sequence[int] | None = None, progress: bool = True,
+            cost_ratio: float | None = None) -> Analysis:
     """Analyse a traces file (or dataset) under a plan; write report.html, summary.md, results.nc.
 
     Parameters
@@ -263,7 +264,7 @@ def analyze(traces: str | Path | xr.Dataset, plan: PlanSource | None, out_dir: s
         in which every comparison is exploratory.
     out_dir : str or pathlib.Path
         Where the three files go (see :func:`write_report`).
-    window, policy_aliases, seed, n_resamples, level, interval_windows, progress
+    window, policy_aliases, seed, n_resamples, level, interval_windows, progress, cost_ratio
         As :func:`divstats.report.analysis.compute`. ``policy_aliases`` substitutes data
         policies for planned ones (a recorded deviation; see docs/plans.md).
 
@@ -294,5 +295,5 @@ def analyze(traces: str | Path | xr.Dataset, plan: PlanSource | None, out_dir: s
     else:
         ds = open_traces(traces)
     an = compute(ds, plan, window=window, policy_aliases=policy_aliases, seed=seed, n_resamples=n_resamples,
-                 level=level, interval_windows=interval_windows, progress=progress)
+                 level=level, interval_windows=interval_windows, progress=progress, cost_ratio=cost_ratio)
     return dataclasses.replace(an, paths=write_report(an, out_dir))
