@@ -11,19 +11,11 @@ bonus token of p_{γ+1}. Rollback is cropping both caches to the accepted prefix
 :func:`gen_service.coupling.probs` (float32 logits), EOS is absorbing as in the traces.
 
 The estimate: reference traces of the same prompts (``/v1/traces`` ``kind:
-"reference"`` through the engine: paths from P with log p and log q of each token).
-Along a path let a_t = min(1, exp(log q_t − log p_t)). Given the path, the acceptances
-at drafted positions are independent Bernoulli(a_t) and the path's future does not
-depend on them (the token at a drafted position is P-distributed whether or not the
-draft was accepted; min(p, q)(x_t) / p(x_t) of that mass came from an accepted draft).
-So E[target calls | path] is a forward recursion over j, the drafts accepted so far in
-the running call (0..γ): at position t in state j < γ the draft is accepted with
-probability a_t (j → j + 1) or rejected (the call ends at t); in state γ position t is
-the bonus token (the call ends at t). A call starts at t = 1 and after every end before
-T, so E[calls | path] = 1 + Σ_{t<T} P(the call ends at t). Its mean over replicates is
-unbiased for E[target calls] (:func:`expected_calls`). This is a direct computation
-kept inside the benchmark so that it checks ``divstats`` independently; the library's
-estimator is ``divstats.speculative``.
+"reference"`` through the engine: paths from P with log p and log q of each token),
+packed as ``kvdiv pack`` packs them, and :func:`divstats.speculative` on them (the
+forward recursion over the drafts accepted in the running call, docs/statistics.md
+§10). Both sides count the same thing: the calls until T tokens or the first EOS,
+whichever comes first (the decoder stops at an EOS, as a real one does).
 
 Exactness check: per policy, the decoder's mean target calls and the estimate (equal
 weights over documents, standard errors from the runs and the replicates) must agree:
@@ -52,6 +44,7 @@ from dataclasses import dataclass  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import divstats  # noqa: E402
 from collector import documents as D  # noqa: E402
 from gen_service.coupling import Sampling, absorb_eos, probs  # noqa: E402
 from gen_service.engine import Engine, TraceJob  # noqa: E402
@@ -59,45 +52,10 @@ from gen_service.engine.sides import Prefilled, Side  # noqa: E402
 from gen_service.logits import logits as fp32_logits  # noqa: E402
 from gen_service.models import load_model  # noqa: E402
 from gen_service.presses import ModelInfo  # noqa: E402
+from protocols import StreamWriter, assemble  # noqa: E402
 
 POLICIES = ("snapkv@0.5", "recent@0.5")
 SAMPLING = Sampling()   # temperature 1, no truncation: the laws the traces hold
-
-
-# ----------------------------------------------------------------------------- the estimate
-
-
-def expected_calls(logp: np.ndarray, logq: np.ndarray, gamma: int) -> np.ndarray:
-    """E[target calls | path] of speculative decoding with γ drafts per call, per path.
-
-    Parameters
-    ----------
-    logp, logq : numpy.ndarray
-        (..., T) log p_t(x_t) and log q_t(x_t) along paths sampled from P (a reference
-        trace's ``x_logp`` and ``x_logq``; log q may be -inf).
-    gamma : int
-        Drafts per target call.
-
-    Returns
-    -------
-    numpy.ndarray
-        (...,) the expected number of target calls to produce the T tokens.
-    """
-    a = np.minimum(1.0, np.exp(np.minimum(logq - logp, 0.0)))     # acceptance at a drafted position
-    state = np.zeros(a.shape[:-1] + (gamma + 1,))
-    state[..., 0] = 1.0                                           # t = 1 opens the first call
-    calls = np.ones(a.shape[:-1])
-    T = a.shape[-1]
-    for t in range(T):
-        at = a[..., t, None]
-        ends = (state[..., :gamma] * (1.0 - at)).sum(-1) + state[..., gamma]
-        if t < T - 1:
-            calls += ends                                         # a new call opens at t + 1
-        nxt = np.zeros_like(state)
-        nxt[..., 0] = ends
-        nxt[..., 1:] = state[..., :gamma] * at
-        state = nxt
-    return calls
 
 
 # ----------------------------------------------------------------------------- the decoder
@@ -133,12 +91,12 @@ class Decoder:
         return int(torch.multinomial(w, 1, generator=self.gen))
 
     def run(self, T: int) -> tuple[list[int], int]:
-        """The T tokens and the number of target calls it took."""
+        """The tokens (T, or fewer up to and including an EOS) and the number of target calls it took."""
         ps, qs = self.p.side, self.q.side
         seq: list[int] = []
         fed_p = fed_q = 0            # emitted tokens each cache holds
         calls = 0
-        while len(seq) < T:
+        while len(seq) < T and not self.eos.intersection(seq):   # an EOS ends the text
             calls += 1
             # draft: Q catches up on emitted tokens it has not seen, then drafts γ
             lq = self.q.logits[0] if fed_q == len(seq) == 0 else forward_all(self.engine, qs, seq[fed_q:],
@@ -174,7 +132,8 @@ class Decoder:
             ps.crop([n + fed_p for n in self.p.kept_slots])
             fed_q = old + min(accepted, self.gamma - 1)
             qs.crop([n + fed_q for n in self.q.kept_slots])
-        return seq[:T], calls
+        ends = [i for i, t in enumerate(seq) if t in self.eos]
+        return seq[:min(T, ends[0] + 1) if ends else T], calls
 
 
 def plain(engine: Engine, p: Prefilled, T: int, gen: torch.Generator, eos: set[int]) -> list[int]:
@@ -208,6 +167,15 @@ def step_seconds(engine: Engine, pre: Prefilled, n: int, repeats: int) -> float:
         times.append(clock(engine) - t0)
         pre.side.crop(list(pre.kept_slots))
     return statistics.median(times)
+
+
+def estimate(records: list[dict], horizon: int, replicates: int, gamma: int) -> tuple[float, float]:
+    """kvdiv's estimate of E[target calls] and its standard error from one request's
+    reference records: packed as ``kvdiv pack`` would, then :func:`divstats.speculative`."""
+    w = StreamWriter()
+    lines = [w.line(r) for r in records] + [w.end(horizon, replicates, 0.0)]
+    one = divstats.speculative(assemble(lines, doc="d"), gamma=(gamma,)).sel(gamma=gamma)
+    return float(one.target_calls.squeeze()), float(one.target_calls_se.squeeze())
 
 
 def mean_se(values: np.ndarray) -> tuple[float, float]:
@@ -250,10 +218,7 @@ def main() -> None:
             seed = args.seed * 1000 + d
             recs = list(engine.trace(TraceJob(prompt_ids=ids, candidate=policy, kind="reference", horizon=T,
                                               replicates=args.replicates, sampling=SAMPLING, seed=seed)))
-            steps = [r for r in recs if r["type"] == "reference_step"]
-            logp = np.array([r["x_logp"] for r in steps], dtype=float).T
-            logq = np.array([[-math.inf if v is None else v for v in r["x_logq"]] for r in steps], dtype=float).T
-            m, s = mean_se(expected_calls(logp, logq, g))
+            m, s = estimate(recs, T, args.replicates, g)
             est_docs.append(m)
             est_se.append(s)
             gen = torch.Generator().manual_seed(seed + 1)
