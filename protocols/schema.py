@@ -17,6 +17,7 @@ import numpy as np
 import xarray as xr
 
 from protocols.kinds import KINDS
+from protocols.logit_fields import FIELD_DOCS, logit_var_dims
 from protocols.policies import policy_coords
 from protocols.version import __version__
 
@@ -56,7 +57,8 @@ REQUIRED_VARS: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 
-#: Optional variables recognised by validation (others are allowed and ignored).
+#: Optional variables recognised by validation (others are allowed and ignored); the
+#: logit traces (:mod:`protocols.logit_fields`) are optional in every kind.
 OPTIONAL_VARS: dict[str, dict[str, tuple[str, ...]]] = {
     "coupled": {
         "x_logp": ("doc", "policy", "replicate", "step"),
@@ -65,6 +67,9 @@ OPTIONAL_VARS: dict[str, dict[str, tuple[str, ...]]] = {
     "residual": {},
     "reference": {},
 }
+for _kind, _optional in OPTIONAL_VARS.items():
+    _optional.update(logit_var_dims(_kind))
+del _kind, _optional
 
 REQUIRED_ATTRS = (
     "schema", "kind", "horizon", "vocab_size", "window", "coupling",
@@ -84,6 +89,9 @@ VARIABLE_DOCS: dict[str, str] = {
     "branch_tv": "TV between the two branches' laws at age k = t - t*; NaN where unobserved",
     "branch_x_token": "P-branch token at age k; -1 where unobserved",
     "branch_y_token": "Q-branch token at age k; -1 where unobserved",
+    **{prefix + name: text + where for prefix, where in (("", ""), ("shared_", " (survival path)"),
+                                                         ("branch_", " (branches, by age)"))
+       for name, text in FIELD_DOCS.items()},
 }
 
 
