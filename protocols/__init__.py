@@ -13,6 +13,7 @@ from protocols.converters import ConversionError, from_eval_logs, from_probabili
 from protocols.errors import ProtocolError
 from protocols.io import OutputExistsError, TraceFileError, open_traces, save_traces
 from protocols.kinds import KINDS, WIRE_KINDS, Kind
+from protocols.logit_fields import LOGIT_FIELDS, MAX_TOP_LOGPROBS, law_summaries, logit_vars, wire_logits, with_logits
 from protocols.policies import (
     PolicyIdError,
     PolicySpec,
@@ -61,4 +62,6 @@ __all__ = [
     "end_record", "eos_ids", "error_record", "from_eval_logs", "from_probabilities", "header_record", "open_traces",
     "parse_policy_id", "policy_coords", "reference_dataset", "residual_dataset", "residual_from_probabilities",
     "sampling_params", "save_traces", "shared_step_record", "step_record", "validate",
+    # logit traces (protocols.logit_fields)
+    "LOGIT_FIELDS", "MAX_TOP_LOGPROBS", "law_summaries", "logit_vars", "wire_logits", "with_logits",
 ]
