@@ -176,11 +176,14 @@ def request_body(cfg: CollectConfig, doc: Document, policy: str) -> dict[str, An
         parameters["top_k"] = s.top_k
     if s.top_p is not None:
         parameters["top_p"] = s.top_p
-    return {
+    body = {
         "messages": render_messages(doc, cfg.template), "parameters": parameters,
         "candidate": policy, "reference": "full", "kind": cfg.kind,
         "replicates": cfg.replicates_for(doc.id, policy), "window": cfg.effective_window, "doc_id": doc.id,
     }
+    if cfg.top_logprobs:   # only when asked, so a server without logit traces still serves the rest
+        body["top_logprobs"] = cfg.top_logprobs
+    return body
 
 
 
