@@ -20,7 +20,7 @@ from divstats.design.rounds import RoundPlan, counted_replicates, plan_round
 from divstats.errors import DivstatsError, NotIdentified, OutputError, PlanError
 from divstats.estimands import ESTIMANDS, Estimand
 from divstats.estimation.components import variance_components
-from divstats.estimation.curves import branch_tv, branch_tv_window, survival
+from divstats.estimation.curves import branch_tv, branch_tv_window, logit_curves, survival
 from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
 from divstats.estimation.interval import interval_by_window, sharp_interval
 from divstats.estimation.noise_floor import noise_floor
@@ -41,8 +41,8 @@ __all__ = [
     "MIN_DOCS_MEAN_BOUND", "NotIdentified", "OutputError", "PairedTestResult", "Plan", "PlanError", "PlanResult",
     "PolicyEffect", "RoundPlan", "aggregate", "aggregate_intervals", "analyze", "assign_split", "branch_tv",
     "branch_tv_window", "counted_replicates", "decompose", "design", "estimate", "exact", "extremal_kernels", "holm",
-    "interval_by_window", "load_plan", "markov_kernels", "noise_floor", "paired_test", "plan_round", "power",
-    "run_plan", "sharp_interval", "shipped_plan", "shipped_plans", "simulate", "simulate_study", "survival",
+    "interval_by_window", "logit_curves", "load_plan", "markov_kernels", "noise_floor", "paired_test", "plan_round",
+    "power", "run_plan", "sharp_interval", "shipped_plan", "shipped_plans", "simulate", "simulate_study", "survival",
     "variance_check", "variance_components",
 ]
 
