@@ -41,8 +41,8 @@ import numpy as np
 import xarray as xr
 
 __all__ = ["FIELD_DOCS", "LOGIT_FIELDS", "LOGIT_SUMMARIES", "LOGIT_TOKENS", "LOGIT_TOP", "MAX_TOP_LOGPROBS",
-           "TOP_DIM", "WIRE_KEY", "decode_rows", "law_summaries", "logit_prefixes", "logit_var_dims", "logit_vars",
-           "wire_logits", "with_logits"]
+           "PATH_DOCS", "TOP_DIM", "WIRE_KEY", "decode_rows", "law_summaries", "logit_prefixes", "logit_var_dims",
+           "logit_vars", "wire_logits", "with_logits"]
 
 #: The largest k a producer is asked for (``top_logprobs`` on /v1/traces).
 MAX_TOP_LOGPROBS = 64
@@ -72,6 +72,11 @@ FIELD_DOCS: dict[str, str] = {
 }
 
 _BASE = ("doc", "policy", "replicate")
+# protocols.schema's TOKEN_DTYPE and PROB_DTYPE (schema imports this module, so they are
+# restated here; tests/test_logit_traces.py checks they agree)
+_TOKEN_DTYPE, _PROB_DTYPE = np.int32, np.float32
+#: What each path prefix adds to a variable's description.
+PATH_DOCS = {"": "", "shared_": " (survival path)", "branch_": " (branches, by age)"}
 
 
 def logit_prefixes(kind: str) -> dict[str, str]:
@@ -340,8 +345,6 @@ def with_logits(ds: xr.Dataset, arrays: Mapping[str, Any], prefix: str = "") -> 
     >>> with_logits(ds, arrays)["p_top_logp"].dims
     ('doc', 'policy', 'replicate', 'step', 'top')
     """
-    from protocols.schema import PROB_DTYPE, TOKEN_DTYPE, VARIABLE_DOCS
-
     dims = logit_var_dims(ds.attrs.get("kind"))
     if prefix + LOGIT_FIELDS[0] not in dims:
         raise ValueError(f"kind {ds.attrs.get('kind')!r} has no logit path {prefix!r}")
@@ -354,9 +357,10 @@ def with_logits(ds: xr.Dataset, arrays: Mapping[str, Any], prefix: str = "") -> 
             a = a[None, None]
         if a.ndim != want:
             raise ValueError(f"{name}: expected {want} or {want - 2} dims {dims[full]}, got shape {a.shape}")
-        dtype = TOKEN_DTYPE if name in LOGIT_TOKENS else PROB_DTYPE
+        dtype = _TOKEN_DTYPE if name in LOGIT_TOKENS else _PROB_DTYPE
         if name in LOGIT_TOKENS:
             a = np.where(np.isnan(a), -1, a) if a.dtype.kind == "f" else a
-        data[full] = xr.Variable(dims[full], a.astype(dtype), attrs={"description": VARIABLE_DOCS.get(full, "")})
+        text = FIELD_DOCS[name] + PATH_DOCS[prefix]
+        data[full] = xr.Variable(dims[full], a.astype(dtype), attrs={"description": text})
     k = next(v.shape[-1] for n, v in data.items() if n.endswith("top_logp"))
     return ds.assign(data).assign_coords({TOP_DIM: np.arange(k, dtype=np.int32)})

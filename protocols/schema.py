@@ -17,7 +17,7 @@ import numpy as np
 import xarray as xr
 
 from protocols.kinds import KINDS
-from protocols.logit_fields import FIELD_DOCS, logit_var_dims
+from protocols.logit_fields import FIELD_DOCS, PATH_DOCS, logit_var_dims
 from protocols.policies import policy_coords
 from protocols.version import __version__
 
@@ -89,9 +89,7 @@ VARIABLE_DOCS: dict[str, str] = {
     "branch_tv": "TV between the two branches' laws at age k = t - t*; NaN where unobserved",
     "branch_x_token": "P-branch token at age k; -1 where unobserved",
     "branch_y_token": "Q-branch token at age k; -1 where unobserved",
-    **{prefix + name: text + where for prefix, where in (("", ""), ("shared_", " (survival path)"),
-                                                         ("branch_", " (branches, by age)"))
-       for name, text in FIELD_DOCS.items()},
+    **{prefix + name: text + where for prefix, where in PATH_DOCS.items() for name, text in FIELD_DOCS.items()},
 }
 
 

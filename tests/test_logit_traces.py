@@ -166,6 +166,15 @@ def test_example_logit_traces_validate_and_round_trip_the_wire(kind: str) -> Non
         np.testing.assert_array_equal(back[name].values, cell[name].transpose(*back[name].dims).values, name)
 
 
+def test_logit_variables_have_the_contracts_dtypes_and_descriptions() -> None:
+    from protocols.schema import PROB_DTYPE, TOKEN_DTYPE, VARIABLE_DOCS
+
+    ds = example_dataset("residual", top_logprobs=2, horizon=4)
+    for name in logit_vars(ds):
+        assert ds[name].dtype == (TOKEN_DTYPE if name.endswith("_token") else PROB_DTYPE), name
+        assert ds[name].attrs["description"] == VARIABLE_DOCS[name]
+
+
 def test_estimators_ignore_logit_traces() -> None:
     import divstats
 
