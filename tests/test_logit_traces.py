@@ -251,6 +251,10 @@ def test_logit_traces_are_stored_and_read_lazily(tmp_path: Path) -> None:
     path = save_traces(ds, tmp_path / "t.nc")
     lazy = open_traces(path, chunks={"doc": 1})
     assert all(lazy[name].chunks is not None for name in logit_vars(lazy))
+    import divstats
+
+    xr_testing = pytest.importorskip("xarray.testing")
+    xr_testing.assert_allclose(divstats.logit_curves(lazy).load(), divstats.logit_curves(ds))
     bad = ds.copy(deep=True)
     bad["branch_entropy_p"][{"doc": 3, "policy": 1, "replicate": 0, "age": 0}] = -1.0
     bad_path = save_traces(bad, tmp_path / "bad.nc", validate=False)
@@ -355,3 +359,60 @@ def test_pinsker_on_every_step_of_an_embedded_model_trace() -> None:
     q = probs(engine.prefill(engine.registry.build("snapkv@0.25", ModelInfo.of(engine.lm)), ids).logits, Sampling())
     f = logit_fields(absorb_eos(p, torch.tensor([False]), None), q, 5).host()
     assert f["kl_pq"][0] >= 2 * float(tv(p, q)[0]) ** 2 - 1e-5
+
+
+# ----------------------------------------------------------------------------- divstats
+
+
+def test_logit_curves_by_age_are_branch_tvs_alignment_of_the_kl() -> None:
+    """By hand, replicate by replicate: the value at τ + k, averaged over replicates reaching it."""
+    import divstats
+
+    ds = example_dataset("coupled", top_logprobs=2, horizon=6, replicates=40, eos_token_id=None, disjoint=0.0)
+    lc, bt = divstats.logit_curves(ds), divstats.branch_tv(ds)
+    cell = ds.isel(doc=0, policy=1)
+    x, y, kl = cell.x_token.values, cell.y_token.values, cell.kl_pq.values.astype(np.float64)
+    want = []
+    for k in range(6):
+        vals = []
+        for r in range(40):
+            mism = np.flatnonzero(x[r] != y[r])
+            if mism.size and mism[0] + k < 6:
+                vals.append(kl[r, mism[0] + k])
+        want.append(np.mean(vals) if vals else np.nan)
+    got = lc.logit_kl_pq_by_age.isel(doc=0, policy=1).values
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_array_equal(lc.logit_kl_pq_by_age_count.values, bt.branch_tv_count.values)
+    np.testing.assert_allclose(lc.logit_entropy_q_by_step.isel(doc=0, policy=1).values,
+                               cell.entropy_q.values.astype(np.float64).mean(0), rtol=1e-6)
+    # Pinsker and Jensen: mean KL at an age >= 2 (mean TV there)^2, both weighted alike
+    both = np.isfinite(lc.logit_kl_pq_by_age.values) & np.isfinite(bt.branch_tv.values)
+    assert both.any() and np.all(lc.logit_kl_pq_by_age.values[both] >= 2 * bt.branch_tv.values[both] ** 2 - 1e-9)
+
+
+def test_residual_logit_curves_weight_the_branches_as_branch_tv() -> None:
+    import divstats
+
+    ds = example_dataset("residual", top_logprobs=2, horizon=6, replicates=30, eos_token_id=None, disjoint=0.0)
+    lc, bt = divstats.logit_curves(ds), divstats.branch_tv(ds)
+    # with the KL replaced by the TV, the weighted curve must be branch_tv itself
+    as_tv = ds.assign(branch_kl_pq=ds.branch_tv, shared_kl_pq=ds.shared_tv)
+    np.testing.assert_allclose(divstats.logit_curves(as_tv).logit_kl_pq_by_age.values, bt.branch_tv.values,
+                               rtol=1e-5, equal_nan=True)
+    both = np.isfinite(lc.logit_kl_pq_by_age.values) & np.isfinite(bt.branch_tv.values)
+    assert both.any() and np.all(lc.logit_kl_pq_by_age.values[both] >= 2 * bt.branch_tv.values[both] ** 2 - 1e-9)
+
+
+def test_the_report_shows_kl_beside_tv_and_results_keep_the_curves(tmp_path: Path) -> None:
+    import divstats
+    from divstats.report.render import make_figures
+    from divstats.report.results import load_results
+
+    ds = example_dataset("residual", top_logprobs=2, horizon=6, replicates=6, docs=4)
+    an = divstats.analyze(ds, None, tmp_path / "rep", n_resamples=99, progress=False)
+    assert "logit" in make_figures(an)
+    assert "KL beside TV" in (tmp_path / "rep" / "report.html").read_text()
+    res = load_results(tmp_path / "rep" / "results.nc")
+    assert {"logit_kl_pq_by_age", "logit_entropy_p_by_step"} <= set(res.data_vars)
+    plain = divstats.analyze(ds.drop_vars(logit_vars(ds)), None, tmp_path / "plain", n_resamples=99, progress=False)
+    assert "logit" not in make_figures(plain) and plain.logit_curves is None
