@@ -71,7 +71,8 @@ class StreamLimits:
     Attributes
     ----------
     line_bytes : int
-        Longest line (the largest real records, 1,024-replicate steps, are ~30 kB).
+        Longest line (the largest real records, 1,024-replicate steps, are ~30 kB; with logit
+        traces at top_logprobs 64, ~5.8 MB).
     depth : int
         Deepest nesting of arrays and objects (real records nest 3 deep).
     int_digits : int

@@ -175,6 +175,17 @@ def test_logit_variables_have_the_contracts_dtypes_and_descriptions() -> None:
         assert ds[name].attrs["description"] == VARIABLE_DOCS[name]
 
 
+def test_combine_refuses_logit_traces_of_another_k() -> None:
+    from protocols import CombineError, combine
+
+    a, b = example_dataset(top_logprobs=2, docs=["a"]), example_dataset(top_logprobs=3, docs=["b"], seed=2)
+    with pytest.raises(CombineError, match="top_logprobs 3, dataset 0 has 2"):
+        combine([a, b], dim="doc")
+    with pytest.raises(CombineError, match="top_logprobs 0, dataset 0 has 2"):
+        combine([a, example_dataset(docs=["c"])], dim="doc")
+    assert combine([a, example_dataset(top_logprobs=2, docs=["d"], seed=3)], dim="doc").sizes["top"] == 2
+
+
 def test_estimators_ignore_logit_traces() -> None:
     import divstats
 
