@@ -148,6 +148,9 @@ def header_problems(header: Mapping[str, Any], params: Mapping[str, Any], doc_id
                             params.get("round", 0)),
     }
     problems = [f"{k} is {header.get(k)!r}, asked {v!r}" for k, v in asked.items() if header.get(k) != v]
+    top = params.get("top_logprobs", 0)
+    if int(header.get("top_logprobs") or 0) != top:   # absent: a server that sends no logit traces
+        problems.append(f"top_logprobs is {header.get('top_logprobs')!r}, asked {top!r}")
     candidate = (header.get("candidate") or {}).get("policy")
     if candidate != policy:
         problems.append(f"candidate.policy is {candidate!r}, asked {policy!r}")

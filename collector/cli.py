@@ -71,6 +71,9 @@ def _split_policies(value: str) -> list[str]:
 @click.option("--group-candidates/--no-group-candidates", default=True, show_default=True,
               help="Send a document's policies as one multi-candidate request to servers that support it "
                    "(same journal files).")
+@click.option("--top-logprobs", type=click.IntRange(0, 64), default=0, show_default=True,
+              help="Also collect logit traces: P's and Q's top-K log-probabilities and KL/entropy at every step "
+                   "(docs/contract.md, \"Logit traces\"; 0: none).")
 @click.option("--control/--no-control", default=False, show_default=True,
               help="Add the numerical control: the policy `full` (candidate = reference) in every document's "
                    "request, batched and fused like the others; its divergence is the noise floor "
@@ -80,7 +83,7 @@ def collect(servers: tuple[str, ...], servers_file: Path | None, wait_for_server
             max_new_tokens: int, window: int | None, temperature: float, top_k: int | None,
             top_p: float | None, seed: int, crn: bool, out: Path, api_key: str | None, concurrency: int,
             template: str, max_attempts: int, request_timeout: float, progress: bool,
-            group_candidates: bool, control: bool) -> None:
+            group_candidates: bool, control: bool, top_logprobs: int) -> None:
     """Collect traces for every (document, policy) into a resumable journal."""
     options = dict(locals())  # the command's options, before anything else is bound
     from collector.collect import collect as run_collect
@@ -104,7 +107,7 @@ def collect_config(*, servers: tuple[str, ...], servers_file: Path | None, wait_
                    policies: str, kind: str, replicates: int, max_new_tokens: int, window: int | None,
                    temperature: float, top_k: int | None, top_p: float | None, seed: int, crn: bool, out: Path,
                    api_key: str | None, concurrency: int, template: str, max_attempts: int, request_timeout: float,
-                   progress: bool, group_candidates: bool = True, control: bool = False,
+                   progress: bool, group_candidates: bool = True, control: bool = False, top_logprobs: int = 0,
                    **_: object) -> CollectConfig:
     """The :class:`collector.collect.CollectConfig` of ``kvdiv collect``'s options (also for ``kvdiv.adaptive``)."""
     from collector.config import CollectConfig, PoolConfig, RetryConfig, Sampling
@@ -112,7 +115,7 @@ def collect_config(*, servers: tuple[str, ...], servers_file: Path | None, wait_
     return CollectConfig(
         servers=list(servers), docs_file=docs_file, policies=_split_policies(policies), out=out, kind=kind,
         replicates=replicates, max_new_tokens=max_new_tokens, window=window, template=template, progress=progress,
-        control=control,
+        control=control, top_logprobs=top_logprobs,
         sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, common_random_numbers=crn),
         retry=RetryConfig(max_attempts=max_attempts, request_timeout_s=request_timeout),
         pool=PoolConfig(servers_file=servers_file, concurrency=concurrency, api_key=api_key,

@@ -184,6 +184,8 @@ def request_body(cfg: CollectConfig, doc: Document, policy: str) -> dict[str, An
     }
     if cfg.kind == Kind.REFERENCE:
         del body["window"]   # a server refuses a window for reference traces (they have none)
+    if cfg.top_logprobs:   # only when asked, so a server without logit traces still serves the rest
+        body["top_logprobs"] = cfg.top_logprobs
     return body
 
 

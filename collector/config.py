@@ -39,7 +39,7 @@ from typing import Any
 from collector.checks import asked_replicates
 from collector.documents import TEMPLATES
 from collector.errors import ConfigError
-from protocols import WIRE_KINDS, Kind
+from protocols import MAX_TOP_LOGPROBS, WIRE_KINDS, Kind
 
 __all__ = ["CONTROL_POLICY", "CollectConfig", "PoolConfig", "RetryConfig", "RoundConfig", "Sampling"]
 
@@ -220,6 +220,9 @@ class CollectConfig:
         Slots per server, authentication, the servers file, outages, grouping.
     round : RoundConfig
         The round of an adaptive collection (0: the first or only one).
+    top_logprobs : int
+        k of the logit traces to ask for (0: none; at most 64): P's and Q's top-k
+        log-probabilities and KL/entropy at every step (docs/contract.md, "Logit traces").
     control : bool
         Also collect the numerical control: the policy ``full`` (candidate = reference)
         is appended to ``policies``, so it runs in every document's grouped request
@@ -258,6 +261,7 @@ class CollectConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     round: RoundConfig = field(default_factory=RoundConfig)
     control: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         self.servers = [s.rstrip("/") for s in self.servers]
@@ -320,6 +324,8 @@ class CollectConfig:
             problems.append("--replicates, --max-new-tokens, --concurrency and attempts must be >= 1")
         if self.window is not None and not 1 <= self.window <= self.max_new_tokens:
             problems.append(f"--window must be in 1..{self.max_new_tokens}, not {self.window}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            problems.append(f"--top-logprobs must be in 0..{MAX_TOP_LOGPROBS}, not {self.top_logprobs}")
         if self.kind == Kind.COUPLED and self.window not in (None, self.max_new_tokens):
             problems.append("--window applies to residual traces (coupled traces run to the horizon)")
         if self.kind == Kind.REFERENCE and self.window is not None:
@@ -354,6 +360,7 @@ class CollectConfig:
             # only when on, so journals written before the option existed still resume
             **({"common_random_numbers": True} if s.common_random_numbers else {}),
             **({"control": CONTROL_POLICY} if self.control else {}),
+            **({"top_logprobs": self.top_logprobs} if self.top_logprobs else {}),
         }
 
     @property

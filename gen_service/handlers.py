@@ -30,7 +30,7 @@ from gen_service import wire_openai as oai
 from gen_service import wire_tgi as tgi
 from gen_service.body import parse_json, read_body
 from gen_service.engine import Cancelled, CandidateDone, CandidateError, CandidateFailed, TraceJob
-from gen_service.errors import ApiError, RequestTimeout
+from gen_service.errors import ApiError, RequestTimeout, invalid
 from gen_service.press_catalog import catalog
 from gen_service.requests import (
     ChatRequest,
@@ -339,11 +339,13 @@ async def traces(request: Request) -> Response:
         # each candidate's sides as the engine will hold them (shared prompt or per-row copies)
         await svc.off_loop(svc.check_memory, req.replicates, len(ids) + len(question), req.horizon, req.kind,
                            max(1, len(req.candidates)), tuple(req.candidates or (req.candidate,)), req.reference,
-                           len(ids))
+                           len(ids), req.top_logprobs)
+        if req.top_logprobs > svc.engine.lm.vocab_size:
+            raise invalid("top_logprobs", f"must be <= the vocabulary size {svc.engine.lm.vocab_size}")
         job = TraceJob(prompt_ids=ids, candidate=req.candidate, reference=req.reference, kind=req.kind,
                        horizon=req.horizon, replicates=req.replicates, window=req.window, sampling=req.sampling,
                        seed=req.seed, doc=req.doc, request_id=uuid.uuid4().hex, question_ids=question,
-                       candidates=list(req.candidates), seeds=list(req.seeds))
+                       candidates=list(req.candidates), seeds=list(req.seeds), top_logprobs=req.top_logprobs)
         work = svc.start(lambda cancelled: svc.engine.trace(job, cancelled), ticket)
         try:
             await work.first()  # the header: the prefills ran, so the policies work on this prompt

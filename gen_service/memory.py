@@ -21,7 +21,11 @@ weights (both sides, P and Q, whatever the candidate keeps):
   for 2R rows, P's and Q's in one forward when fused, one layer's attention scores over
   the prompt, the (R, vocab) float32 tensors of the logits and the coupling, and the
   transient copies of one layer's cache a per-row side makes); a multi-candidate
-  request counts every candidate's rows.
+  request counts every candidate's rows;
+- logit traces (``top_logprobs`` k > 0, gen_service/logit_traces.py): :data:`LOGIT_TENSORS`
+  more (R, vocab) float32 tensors per step in ``activations``, and in ``row_kv`` the
+  survival path's fields a residual request keeps for its branch points (T × R × (6k + 4)
+  numbers of 4 bytes).
 
 :func:`estimate_generate` does the same for a plain generation (TGI ``/generate``,
 OpenAI completions), with TGI's prompt log-probabilities (:func:`prompt_logprobs_bytes`:
@@ -54,6 +58,9 @@ DEFAULT_FRACTION = 0.8
 # (R, vocab) float32 tensors alive at once in a coupled step: P's and Q's logits and
 # probabilities, min(p, q), the residuals and the cumulative sums of the draws.
 COUPLING_TENSORS = 12
+# (R, vocab) float32 tensors alive at once while a step's logit traces are computed:
+# log p, log q and the terms of one KL or entropy sum with its mask.
+LOGIT_TENSORS = 4
 PREFILL_TILE = 1024   # key columns a tiled attention kernel holds per query block
 
 
@@ -280,7 +287,7 @@ class CandidateMemory:
 
 def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
              shared_prompt: bool = True, candidates: int = 1,
-             sides: Sequence[CandidateMemory] | None = None) -> MemoryEstimate:
+             sides: Sequence[CandidateMemory] | None = None, top_logprobs: int = 0) -> MemoryEstimate:
     """Peak memory of one trace request beyond the weights.
 
     Parameters
@@ -305,6 +312,8 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
         replayed residual branches) and the transient copies of one layer's per-row
         cache its appends (and a quantized cache's flushes) make. None: ``candidates``
         candidates whose sides all follow ``shared_prompt``.
+    top_logprobs : int
+        k of the logit traces (0: none), see the module docstring.
 
     Returns
     -------
@@ -348,6 +357,8 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
             transient += side.transient(shape) * rows * (kept + slots) * token // shape.layers
     rows *= len(sides)   # every candidate's rows, decoded together
     row_kv = 2 * rows * slots * token
+    if top_logprobs and kind == Kind.RESIDUAL:   # each survival step's fields, kept for the branch points
+        row_kv += horizon * rows * (6 * top_logprobs + 4) * 4
     b = shape.dtype_bytes
     mlp = shape.hidden * 6 + shape.intermediate * 3
     # prefills run one at a time (the question after it is short): the largest counts
@@ -356,7 +367,7 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
     keys = prompt_tokens + slots
     decode = (2 * rows * mlp * b                       # P's and Q's rows in one forward when fused
               + 2 * shape.q_heads * rows * keys * 4         # one layer's scores and weights, float32
-              + COUPLING_TENSORS * rows * shape.vocab * 4
+              + (COUPLING_TENSORS + (LOGIT_TENSORS if top_logprobs else 0)) * rows * shape.vocab * 4
               + transient)
     return MemoryEstimate(prompt_kv=prompt_kv, row_kv=row_kv, activations=max(prefill, decode), rows=rows)
 
@@ -481,13 +492,17 @@ class MemoryGate:
         return CandidateMemory(policy, p, q, replayed=replay and kind == Kind.RESIDUAL)
 
     def estimate(self, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
-                 candidates: int = 1, sides: Sequence[CandidateMemory] | None = None) -> MemoryEstimate:
+                 candidates: int = 1, sides: Sequence[CandidateMemory] | None = None,
+                 top_logprobs: int = 0) -> MemoryEstimate:
         """:func:`estimate` with the gate's shapes (``sides`` overrides ``candidates``)."""
-        return estimate(self.shape, rows, prompt_tokens, horizon, kind, self.shared_prompt, candidates, sides)
+        return estimate(self.shape, rows, prompt_tokens, horizon, kind, self.shared_prompt, candidates, sides,
+                        top_logprobs)
 
     def admit(self, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
-              candidates: int = 1, sides: Sequence[CandidateMemory] | None = None) -> MemoryEstimate:
-        """The request's estimate if it fits the budget (``candidates``, ``sides``: see :func:`estimate`).
+              candidates: int = 1, sides: Sequence[CandidateMemory] | None = None,
+              top_logprobs: int = 0) -> MemoryEstimate:
+        """The request's estimate if it fits the budget (``candidates``, ``sides``, ``top_logprobs``:
+        see :func:`estimate`).
 
         Returns
         -------
@@ -499,10 +514,11 @@ class MemoryGate:
             When it never can, with the estimate, the budget, the largest R that fits
             and the candidates whose sides keep per-row copies of the prompt.
         """
-        est = self.estimate(rows, prompt_tokens, horizon, kind, candidates, sides)
+        est = self.estimate(rows, prompt_tokens, horizon, kind, candidates, sides, top_logprobs)
         if est.total > self.budget:
             count = len(sides) if sides is not None else candidates
-            fit = self.max_rows(prompt_tokens, horizon, kind, candidates=candidates, sides=sides)
+            fit = self.max_rows(prompt_tokens, horizon, kind, candidates=candidates, sides=sides,
+                                top_logprobs=top_logprobs)
             many = f" for each of {count} candidates" if count > 1 else ""
             raise RequestTooLarge(
                 f"needs an estimated {est.describe()} for R={rows}{many}, a {prompt_tokens}-token prompt and "
@@ -562,12 +578,12 @@ class MemoryGate:
         return "; " + "; ".join(notes) if notes else ""
 
     def max_rows(self, prompt_tokens: int, horizon: int, kind: str = "coupled", limit: int = 1 << 20,
-                 candidates: int = 1, sides: Sequence[CandidateMemory] | None = None) -> int:
+                 candidates: int = 1, sides: Sequence[CandidateMemory] | None = None, top_logprobs: int = 0) -> int:
         """The largest R (per candidate) whose estimate fits the budget (0 if none), by bisection."""
         lo, hi = 0, limit
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.estimate(mid, prompt_tokens, horizon, kind, candidates, sides).total <= self.budget:
+            if self.estimate(mid, prompt_tokens, horizon, kind, candidates, sides, top_logprobs).total <= self.budget:
                 lo = mid
             else:
                 hi = mid - 1

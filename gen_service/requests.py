@@ -5,31 +5,46 @@ so every check lives in one place and every error names its field. What needs th
 model (tokenising, the context length, building the policy for the prompt) happens
 afterwards in the handlers, still before the first byte of a response is sent.
 
-Unknown keys are ignored, as TGI does (clients send extra fields such as ``model``
-or ``user``). Known features this server does not implement are refused by name
+Unknown keys are ignored on the TGI and OpenAI routes, as TGI does (clients send extra
+fields such as ``model`` or ``user``). ``/v1/traces`` is kvdiv's own: there a key it does
+not know, at the top level or in ``parameters``, is a 422 naming it and the closest known
+name (:func:`refuse_unknown`), so no study is collected with a setting that never applied.
+Known features this server does not implement are refused by name
 rather than ignored: ``watermark``, ``grammar``, ``best_of`` > 1, ``n`` > 1,
 ``tools``, ``response_format``, ``logit_bias``, ``suffix`` and ``adapter_id``.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from gen_service.coupling import Sampling
 from gen_service.errors import invalid
-from protocols import WIRE_KINDS, Kind
+from protocols import MAX_TOP_LOGPROBS, WIRE_KINDS, Kind
 
 __all__ = [
     "RequestLimits", "Reader", "Decoding", "Message", "GenerateRequest", "ChatRequest", "CompletionRequest",
     "TraceRequest", "TokenizeRequest", "parse_generate", "parse_chat", "parse_chat_messages", "parse_completion",
-    "parse_trace", "parse_tokenize", "SEED_MAX", "MAX_CANDIDATES",
+    "parse_trace", "parse_tokenize", "refuse_unknown", "SEED_MAX", "MAX_CANDIDATES", "TRACE_FIELDS",
+    "TRACE_PARAMETERS",
 ]
 
 SEED_MAX = 2**63 - 1  # seeds are int64 in the trace contract and in torch
 MAX_CANDIDATES = 64  # candidates in one /v1/traces request
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for frequency and presence penalties
+#: Every key a /v1/traces body may have at its top level, and in its ``parameters``.
+TRACE_FIELDS = frozenset({
+    "inputs", "messages", "context", "question", "add_special_tokens", "candidate", "candidates", "seeds",
+    "reference", "kind", "replicates", "window", "doc_id", "seed", "top_logprobs", "parameters",
+})
+TRACE_PARAMETERS = frozenset({
+    "max_new_tokens", "temperature", "top_k", "top_p", "typical_p", "do_sample", "repetition_penalty",
+    "frequency_penalty", "presence_penalty", "seed",
+})
 
 
 @dataclass(frozen=True)
@@ -123,6 +138,40 @@ class Reader:
         value = self.data.get(key)
         if not any(value is a or (value == a and type(value) is type(a)) for a in allowed):
             raise invalid(self.name(key), why)
+
+
+def refuse_unknown(r: Reader, known: Collection[str]) -> None:
+    """A 422 for the first key of ``r`` not in ``known``, naming it and the closest known name.
+
+    Parameters
+    ----------
+    r : Reader
+        The object read (its prefix names the field: ``parameters.temprature``).
+    known : collection of str
+        The keys the route reads.
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    ApiError
+        422 ``<field>: unknown field (did you mean 'temperature'?)``.
+
+    Examples
+    --------
+    >>> try:
+    ...     refuse_unknown(Reader({"temprature": 0.1}, "parameters."), TRACE_PARAMETERS)
+    ... except Exception as exc:
+    ...     print(exc)
+    parameters.temprature: unknown field (did you mean 'temperature'?)
+    """
+    for key in r.data:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known fields: {', '.join(sorted(known))}"
+            raise invalid(r.name(str(key)), f"unknown field ({hint})")
 
 
 def _text(value: str, field: str, limits: RequestLimits) -> str:
@@ -221,6 +270,7 @@ class TraceRequest:
     ``question`` (only the context is compressed; the question is prefilled after).
     ``candidates`` (several policies in one request, each with its seed in ``seeds``,
     None where the server draws one) is empty for a one-candidate request.
+    ``top_logprobs`` (k ≤ 64; 0: none) asks for the logit traces at every step.
     """
 
     inputs: str | None
@@ -239,6 +289,7 @@ class TraceRequest:
     question: str = ""
     candidates: tuple[str, ...] = ()
     seeds: tuple[int | None, ...] = ()
+    top_logprobs: int = 0
 
     @property
     def prompt_field(self) -> str:
@@ -475,7 +526,8 @@ def parse_trace(data: dict[str, Any], limits: RequestLimits) -> TraceRequest:
     ------
     ApiError
         422 naming the field (``inputs``, ``context``, ``question``, ``kind``, ``window``, ``replicates``,
-        ``parameters.max_new_tokens``, ``seed``, ``candidates[i]``, ``seeds``, ...).
+        ``parameters.max_new_tokens``, ``seed``, ``candidates[i]``, ``seeds``, ``top_logprobs``, ...),
+        or a key it does not know, at the top level or in ``parameters`` (:func:`refuse_unknown`).
 
     Examples
     --------
@@ -483,8 +535,10 @@ def parse_trace(data: dict[str, Any], limits: RequestLimits) -> TraceRequest:
     'coupled'
     """
     r = Reader(data)
-    inputs, messages, context, question = _trace_prompt(r, limits)
+    refuse_unknown(r, TRACE_FIELDS)
     p = Reader(r.get("parameters", {}), "parameters.")
+    refuse_unknown(p, TRACE_PARAMETERS)
+    inputs, messages, context, question = _trace_prompt(r, limits)
     horizon = p.int("max_new_tokens", 32, lo=1, hi=limits.max_new_tokens)
     kind = r.get("kind", "coupled")
     if kind not in WIRE_KINDS:
@@ -514,7 +568,7 @@ def parse_trace(data: dict[str, Any], limits: RequestLimits) -> TraceRequest:
                         replicates=r.int("replicates", 1, lo=1, hi=limits.max_replicates), window=window,
                         sampling=sampling, seed=seed, doc=None if doc is None else str(doc),
                         add_special_tokens=bool(r.bool("add_special_tokens", True)), context=context,
-                        question=question)
+                        question=question, top_logprobs=r.int("top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS))
 
 
 def _candidates(r: Reader, most: int) -> tuple[tuple[str, ...], tuple[int | None, ...]]:

@@ -388,7 +388,7 @@ class Service:
 
     def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str, candidates: int = 1,
                      policies: tuple[str, ...] = (), reference: str = "full",
-                     context_tokens: int | None = None) -> None:
+                     context_tokens: int | None = None, top_logprobs: int = 0) -> None:
         """422 when the request's estimated memory can never fit the budget (gen_service/memory.py);
         a multi-candidate request counts every candidate's caches and rows.
 
@@ -405,7 +405,7 @@ class Service:
             sides = [self.memory.describe(p, ref, self.engine.registry.build(p, info).plan(length), kind)
                      for p in policies]
         try:
-            self.memory.admit(rows, prompt_tokens, horizon, kind, candidates, sides)
+            self.memory.admit(rows, prompt_tokens, horizon, kind, candidates, sides, top_logprobs)
         except RequestTooLarge as exc:
             raise invalid("replicates", str(exc)) from exc
 

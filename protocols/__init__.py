@@ -19,6 +19,7 @@ from protocols.converters import (
 from protocols.errors import ProtocolError
 from protocols.io import OutputExistsError, TraceFileError, open_traces, save_traces
 from protocols.kinds import KINDS, WIRE_KINDS, Kind
+from protocols.logit_fields import LOGIT_FIELDS, MAX_TOP_LOGPROBS, law_summaries, logit_vars, wire_logits, with_logits
 from protocols.policies import (
     PolicyIdError,
     PolicySpec,
@@ -70,4 +71,6 @@ __all__ = [
     "parse_policy_id", "policy_coords", "reference_dataset", "residual_dataset", "residual_from_probabilities",
     "reference_step_record",
     "sampling_params", "save_traces", "shared_step_record", "step_record", "validate",
+    # logit traces (protocols.logit_fields)
+    "LOGIT_FIELDS", "MAX_TOP_LOGPROBS", "law_summaries", "logit_vars", "wire_logits", "with_logits",
 ]

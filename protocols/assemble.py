@@ -45,6 +45,7 @@ import numpy as np
 import xarray as xr
 
 from protocols.kinds import Kind
+from protocols.logit_fields import LOGIT_FIELDS, LOGIT_TOP, WIRE_KEY, decode_rows, with_logits
 from protocols.policies import policy_coords
 from protocols.schema import (
     MISSING_TOKEN,
@@ -63,7 +64,7 @@ __all__ = ["StreamError", "assemble", "assemble_stream"]
 _KNOWN_HEADER = {
     "type", "schema", "kind", "horizon", "window", "model", "eos_token_id", "eos_token_ids", "sampling", "reference",
     "candidate", "seed", "prompt_tokens", "retained_tokens", "replicates", "vocab_size", "doc",
-    "request_id", "producer", "prompt_template", "coupling", "prompt_sha256",
+    "request_id", "producer", "prompt_template", "coupling", "prompt_sha256", "top_logprobs",
 }
 _KNOWN_CANDIDATE = {"policy", "press", "retention", "budget"}
 _INT32 = (-(2**31), 2**31 - 1)
@@ -147,6 +148,22 @@ def _reference(records: tuple[dict[str, Any], ...], kwargs: dict[str, Any]) -> x
                            np.where(np.isnan(logq), -np.inf, logq).astype(PROB_DTYPE), **kwargs)
     tv = _floats([r["tv"] for r in records]).T.astype(PROB_DTYPE)
     return ds.assign(tv=(REQUIRED_VARS["reference"]["x_token"], tv[None, None]))
+
+
+def _step_logits(records: tuple[dict[str, Any], ...], R: int, k: int) -> dict[str, np.ndarray]:
+    """The step records' logit fields as (replicate, step[, top]) arrays."""
+    rows = decode_rows([r[WIRE_KEY] for r in records], R, k)
+    return {name: np.moveaxis(a, 0, 1) for name, a in rows.items()}
+
+
+def _branch_logits(records: tuple[dict[str, Any], ...], T: int, W: int, R: int, k: int) -> dict[str, np.ndarray]:
+    """The branch records' logit fields as (replicate, age[, top]) arrays, NaN where unobserved."""
+    out = {name: np.full((R, T, k) if name in LOGIT_TOP else (R, T), np.nan) for name in LOGIT_FIELDS}
+    for rec in records:
+        n = min(W, T - rec["branch_step"]) + 1
+        for name, a in decode_rows([rec[WIRE_KEY]], n, k).items():
+            out[name][rec["replicate"], :n] = a[0]
+    return out
 
 
 def _meta(h: dict[str, Any], doc: str | None, end: dict[str, Any]) -> dict[str, Any]:
@@ -262,11 +279,16 @@ def assemble_stream(stream: Stream, doc: str | None = None) -> xr.Dataset:
     """
     h, records = stream.header, stream.records
     T, R, W = h["horizon"], h["replicates"], h["window"]
+    k = int(h.get("top_logprobs") or 0)
     meta = _meta(h, doc, stream.end)
     if h["kind"] == Kind.COUPLED:
         ds = coupled_dataset(*_coupled_arrays(records), **meta["kwargs"])
+        if k:
+            ds = with_logits(ds, _step_logits(records, R, k))
     elif h["kind"] == Kind.REFERENCE:
         ds = _reference(records, meta["kwargs"])
+        if k:
+            ds = with_logits(ds, _step_logits(records, R, k))
     else:
         shared, branches = records[:T], records[T:]
         br = _branches(branches, T, W, R)
@@ -274,5 +296,8 @@ def assemble_stream(stream: Stream, doc: str | None = None) -> xr.Dataset:
             _floats([r["tv"] for r in shared]).T.astype(PROB_DTYPE), _tokens([r["token"] for r in shared]).T,
             br["branch_step"], br["branch_tv"], br["branch_x_token"], br["branch_y_token"], window=W,
             **meta["kwargs"])
+        if k:
+            ds = with_logits(ds, _step_logits(shared, R, k), "shared_")
+            ds = with_logits(ds, _branch_logits(branches, T, W, R, k), "branch_")
     ds = ds.assign_coords(meta["coords"])
     return validate(ds, source=f"(assembled stream, request {h.get('request_id')!r})")

@@ -62,6 +62,9 @@ def _check_attrs(datasets: Sequence[xr.Dataset], dim: str) -> None:
                                f"{datasets[0].sizes.get('replicate')}")
         if "model" in ds.dims:
             raise CombineError(f"dataset {i} already has a 'model' dim; combine per model first")
+        if ds.sizes.get("top") != datasets[0].sizes.get("top"):   # logit traces of another k (or none)
+            raise CombineError(f"dataset {i}: logit traces with top_logprobs {ds.sizes.get('top', 0)}, dataset 0 "
+                               f"has {datasets[0].sizes.get('top', 0)}; collect them with the same --top-logprobs")
 
 
 def _align_others(datasets: list[xr.Dataset], dim: str) -> list[xr.Dataset]:

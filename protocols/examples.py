@@ -16,6 +16,7 @@ import numpy as np
 import xarray as xr
 
 from protocols.kinds import Kind
+from protocols.logit_fields import LOGIT_FIELDS, LOGIT_TOKENS, LOGIT_TOP, law_summaries, with_logits
 from protocols.schema import coupled_dataset, reference_dataset, residual_dataset
 
 __all__ = ["DEFAULT_POLICIES", "example_dataset"]
@@ -68,7 +69,8 @@ def _couple(rng: np.random.Generator, p: np.ndarray, q: np.ndarray) -> tuple[np.
     return tv, x, y
 
 
-def _coupled(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, R: int, eos: int) -> tuple[np.ndarray, ...]:
+def _coupled(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, R: int, eos: int,
+             laws: list | None = None) -> tuple[np.ndarray, ...]:
     D, P, T, V = p.shape
     tv = np.zeros((D, P, R, T))
     x = np.zeros((D, P, R, T), dtype=np.int64)
@@ -78,6 +80,8 @@ def _coupled(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, R: int, eos
     for t in range(T):   # steps are sequential by nature; everything else is vectorised
         pt = _absorb(np.broadcast_to(p[:, :, None, t], (D, P, R, V)), xd, eos)
         qt = _absorb(np.broadcast_to(q[:, :, None, t], (D, P, R, V)), yd, eos)
+        if laws is not None:
+            laws.append((pt, qt, np.ones((D, P, R), dtype=bool)))
         tv[..., t], x[..., t], y[..., t] = _couple(rng, pt, qt)
         if eos >= 0:
             xd |= x[..., t] == eos
@@ -85,7 +89,8 @@ def _coupled(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, R: int, eos
     return tv, x, y
 
 
-def _residual(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, R: int, W: int, eos: int) -> tuple:
+def _residual(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, R: int, W: int, eos: int,
+              laws: tuple[list, list] | None = None) -> tuple:
     D, P, T, V = p.shape
     shape = (D, P, R)
     stv = np.full(shape + (T,), np.nan)
@@ -99,6 +104,8 @@ def _residual(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, R: int, W:
         tv = np.clip(0.5 * np.abs(pt - qt).sum(-1), 0.0, 1.0)
         z = _draw(rng, m)
         stv[..., t] = np.where(alive, tv, np.nan)
+        if laws is not None:
+            laws[0].append((pt, qt, alive.copy()))
         running = alive & (tv < 1)
         stok[..., t] = np.where(running, z, -1)
         alive = running
@@ -110,11 +117,11 @@ def _residual(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, R: int, W:
     pi = np.concatenate([np.ones(shape + (1,)), S[..., :-1]], axis=-1) * d
     has = pi.sum(-1) > 0
     t_star = np.where(has, _draw(rng, pi) + 1, 0)
-    return stv, stok, t_star, _branches(rng, p, q, t_star, W, eos)
+    return stv, stok, t_star, _branches(rng, p, q, t_star, W, eos, None if laws is None else laws[1])
 
 
 def _branches(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, t_star: np.ndarray, W: int,
-              eos: int) -> tuple[np.ndarray, ...]:
+              eos: int, laws: list | None = None) -> tuple[np.ndarray, ...]:
     D, P, R = t_star.shape
     T = p.shape[2]
     btv = np.full((D, P, R, T), np.nan)
@@ -132,6 +139,8 @@ def _branches(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, t_star: np
         pt = np.take_along_axis(pe, idx, axis=3)[..., 0, :]
         qt = np.take_along_axis(qe, idx, axis=3)[..., 0, :]
         pt, qt = _absorb(pt, xd, eos), _absorb(qt, yd, eos)
+        if laws is not None:
+            laws.append((pt, qt, on))
         if k == 0:   # the divergence step itself: X ~ (p-q)+, Y ~ (q-p)+
             tv = np.clip(0.5 * np.abs(pt - qt).sum(-1), 0.0, 1.0)
             x, y = _draw(rng, np.clip(pt - qt, 0, None)), _draw(rng, np.clip(qt - pt, 0, None))
@@ -165,6 +174,27 @@ def _reference(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, R: int, e
     return x, lp, lq
 
 
+def _path_logits(laws: list, k: int, length: int | None = None) -> dict[str, np.ndarray]:
+    """The logit fields of one path's (p, q, observed) per time index, stacked on its last axis
+    (padded to ``length`` ages, unobserved: NaN / -1)."""
+    n = len(laws) if length is None else length
+    out = {}
+    for name in LOGIT_FIELDS:
+        per = []
+        for t in range(n):
+            if t < len(laws):
+                pt, qt, seen = laws[t]
+                a = law_summaries(pt, qt, k)[name].astype(np.float64)
+                mask = seen[..., None] if name in LOGIT_TOP else seen
+                a = np.where(mask, a, -1 if name in LOGIT_TOKENS else np.nan)
+            else:
+                shape = laws[0][2].shape + ((k,) if name in LOGIT_TOP else ())
+                a = np.full(shape, -1.0 if name in LOGIT_TOKENS else np.nan)
+            per.append(a)
+        out[name] = np.stack(per, axis=3)
+    return out
+
+
 def example_dataset(
     kind: str = "coupled",
     *,
@@ -178,6 +208,7 @@ def example_dataset(
     disjoint: float = 0.02,
     seed: int = 0,
     model: str = "example-kernels",
+    top_logprobs: int = 0,
 ) -> xr.Dataset:
     """A valid ``kind`` dataset simulated from random kernels (reproducible from ``seed``).
 
@@ -202,6 +233,9 @@ def example_dataset(
         Seed of the random generator.
     model : str
         The ``model`` attr.
+    top_logprobs : int, default 0
+        k > 0 adds the logit traces (:mod:`protocols.logit_fields`) of coupled and residual
+        traces, computed from the kernels' laws.
 
     Returns
     -------
@@ -228,12 +262,22 @@ def example_dataset(
     p, q = _kernels(rng, len(doc_ids), len(pol_ids), horizon, vocab_size, disjoint)
     common = dict(vocab_size=vocab_size, docs=doc_ids, policies=pol_ids, eos_token_id=eos_token_id,
                   model=model, producer="protocols.examples", prompt_tokens=[100 + 7 * i for i in range(len(doc_ids))])
+    k = int(top_logprobs)
+    if k and kind not in (Kind.COUPLED, Kind.RESIDUAL):
+        raise ValueError(f"top_logprobs: example {kind} traces have no logit traces (coupled or residual)")
     if kind == Kind.COUPLED:
-        return coupled_dataset(*_coupled(rng, p, q, replicates, eos), **common)
+        laws: list = []
+        ds = coupled_dataset(*_coupled(rng, p, q, replicates, eos, laws if k else None), **common)
+        return with_logits(ds, _path_logits(laws, k)) if k else ds
     if kind == Kind.RESIDUAL:
         W = horizon if window is None else int(window)
-        stv, stok, t_star, (btv, bx, by) = _residual(rng, p, q, replicates, W, eos)
-        return residual_dataset(stv, stok, t_star, btv, bx, by, window=W, **common)
+        paths: tuple[list, list] = ([], [])
+        stv, stok, t_star, (btv, bx, by) = _residual(rng, p, q, replicates, W, eos, paths if k else None)
+        ds = residual_dataset(stv, stok, t_star, btv, bx, by, window=W, **common)
+        if k:
+            ds = with_logits(ds, _path_logits(paths[0], k), "shared_")
+            ds = with_logits(ds, _path_logits(paths[1], k, horizon), "branch_")
+        return ds
     if kind == Kind.REFERENCE:
         return reference_dataset(*_reference(rng, p, q, replicates, eos), **common)
     raise ValueError(f"kind {kind!r} is not one of coupled, residual, reference")

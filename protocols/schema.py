@@ -17,6 +17,7 @@ import numpy as np
 import xarray as xr
 
 from protocols.kinds import KINDS
+from protocols.logit_fields import FIELD_DOCS, PATH_DOCS, logit_var_dims
 from protocols.policies import policy_coords
 from protocols.version import __version__
 
@@ -56,7 +57,8 @@ REQUIRED_VARS: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 
-#: Optional variables recognised by validation (others are allowed and ignored).
+#: Optional variables recognised by validation (others are allowed and ignored); the
+#: logit traces (:mod:`protocols.logit_fields`) are optional in every kind.
 OPTIONAL_VARS: dict[str, dict[str, tuple[str, ...]]] = {
     "coupled": {
         "x_logp": ("doc", "policy", "replicate", "step"),
@@ -66,6 +68,9 @@ OPTIONAL_VARS: dict[str, dict[str, tuple[str, ...]]] = {
     # the step's TV between P's and Q's laws on the sampled history (streamed by the server)
     "reference": {"tv": ("doc", "policy", "replicate", "step")},
 }
+for _kind, _optional in OPTIONAL_VARS.items():
+    _optional.update(logit_var_dims(_kind))
+del _kind, _optional
 
 REQUIRED_ATTRS = (
     "schema", "kind", "horizon", "vocab_size", "window", "coupling",
@@ -85,6 +90,7 @@ VARIABLE_DOCS: dict[str, str] = {
     "branch_tv": "TV between the two branches' laws at age k = t - t*; NaN where unobserved",
     "branch_x_token": "P-branch token at age k; -1 where unobserved",
     "branch_y_token": "Q-branch token at age k; -1 where unobserved",
+    **{prefix + name: text + where for prefix, where in PATH_DOCS.items() for name, text in FIELD_DOCS.items()},
 }
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from protocols.errors import ProtocolError
 from protocols.kinds import WIRE_KINDS, Kind
+from protocols.logit_fields import LOGIT_FIELDS, LOGIT_TOP, MAX_TOP_LOGPROBS, WIRE_KEY
 from protocols.schema import COUPLING, SCHEMA
 
 __all__ = ["STREAM_LIMITS", "StreamLimits", "Stream", "StreamError", "StreamReader", "parse_record", "read_stream"]
@@ -70,7 +71,8 @@ class StreamLimits:
     Attributes
     ----------
     line_bytes : int
-        Longest line (the largest real records, 1,024-replicate steps, are ~30 kB).
+        Longest line (the largest real records, 1,024-replicate steps, are ~30 kB; with logit
+        traces at top_logprobs 64, ~5.8 MB).
     depth : int
         Deepest nesting of arrays and objects (real records nest 3 deep).
     int_digits : int
@@ -190,6 +192,8 @@ def check_header(rec: Mapping[str, Any]) -> None:
     cand = rec.get("candidate")
     if not isinstance(cand, dict) or not isinstance(cand.get("policy"), str) or not cand["policy"]:
         raise StreamError("header: 'candidate' must be an object with a 'policy'")
+    if rec.get("top_logprobs") is not None:
+        _int_field(rec, "top_logprobs", 0, MAX_TOP_LOGPROBS, "header")
     sha = rec.get("prompt_sha256")
     if sha is not None and not (isinstance(sha, str) and _HEX64.fullmatch(sha)):
         raise StreamError(f"header: prompt_sha256 {sha!r} is not 64 lowercase hex digits")
@@ -312,6 +316,7 @@ class StreamReader:
                                   f"step {rec.get('step')!r} (records out of order or missing)")
             for key in keys:
                 _array(rec, key, R, f"line {n} ({step_type} {t})")
+            _logits(rec, R, int(h.get("top_logprobs") or 0), f"line {n} ({step_type} {t})")
             self._order.step = t
             return
         if rec["type"] != "branch" or h["kind"] != Kind.RESIDUAL:
@@ -328,6 +333,8 @@ class StreamReader:
         size = min(W, T - t_star) + 1
         for key in ("tv", "x_token", "y_token"):
             _array(rec, key, size, f"{where} replicate {r}")
+        assert self.header is not None
+        _logits(rec, size, int(self.header.get("top_logprobs") or 0), f"{where} replicate {r}")
         self._order.branches.add(r)
 
     def _end(self, rec: dict[str, Any], n: int) -> None:
@@ -353,6 +360,24 @@ def _array(rec: Mapping[str, Any], key: str, size: int, where: str) -> None:
     if not isinstance(vals, list) or len(vals) != size:
         got = len(vals) if isinstance(vals, list) else type(vals).__name__
         raise StreamError(f"{where}: '{key}' must be a list of length {size}, got {got}")
+
+
+def _logits(rec: Mapping[str, Any], size: int, k: int, where: str) -> None:
+    """The record's ``logits`` object (protocols.logit_fields): present exactly when the header's
+    ``top_logprobs`` k > 0, every field a list of ``size`` rows, each top row null or of length k."""
+    obj = rec.get(WIRE_KEY)
+    if not k:
+        if obj is not None:
+            raise StreamError(f"{where}: '{WIRE_KEY}' in a record, but the header's top_logprobs is 0 or absent")
+        return
+    if not isinstance(obj, dict) or set(obj) != set(LOGIT_FIELDS):
+        got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise StreamError(f"{where}: '{WIRE_KEY}' must be an object with the fields {list(LOGIT_FIELDS)} "
+                          f"(top_logprobs = {k}), got {got}")
+    for key in LOGIT_FIELDS:
+        _array(obj, key, size, f"{where} {WIRE_KEY}")
+        if key in LOGIT_TOP and not all(row is None or (isinstance(row, list) and len(row) == k) for row in obj[key]):
+            raise StreamError(f"{where}: every row of '{WIRE_KEY}.{key}' must be null or a list of {k} values")
 
 
 def _peek_type(raw: bytes) -> str:

@@ -44,6 +44,7 @@ import xarray as xr
 from protocols.chunks import DocChunk, doc_chunks, is_lazy
 from protocols.errors import ProtocolError
 from protocols.kinds import Kind
+from protocols.logit_fields import LOGIT_FIELDS, LOGIT_TOKENS, LOGIT_TOP, logit_prefixes, logit_var_dims
 from protocols.schema import (
     COUPLING,
     KINDS,
@@ -59,8 +60,8 @@ from protocols.schema import (
 )
 
 __all__ = [
-    "BRANCH_TV_RTOL", "LOGP_ATOL", "STOP_TV_ATOL", "TV_ZERO_ATOL", "Problem", "TraceValidationError",
-    "validate",
+    "BRANCH_TV_RTOL", "KL_ATOL", "LOGP_ATOL", "LSE_ATOL", "STOP_TV_ATOL", "TV_ZERO_ATOL", "Problem",
+    "TraceValidationError", "validate",
 ]
 
 #: A mismatch (tokens differ) needs TV above this; see the module docstring.
@@ -71,10 +72,16 @@ STOP_TV_ATOL = 1e-5
 LOGP_ATOL = 1e-5
 #: branch_tv at age 0 and shared_tv at t* are the same TV; allowed difference.
 BRANCH_TV_RTOL = 1e-5
+#: KL and entropy may fall below 0 by this much (float32 sums over the vocabulary).
+KL_ATOL = 1e-4
+#: log Σ exp of a top-k's log-probabilities may exceed 0 by this much (float32 rounding).
+LSE_ATOL = 1e-4
 
 # Token-valued and TV-valued variables, whatever the kind.
 _TOKEN_VARS = {"x_token", "y_token", "shared_token", "branch_x_token", "branch_y_token", "branch_step"}
 _TV_VARS = {"tv", "shared_tv", "branch_tv"}
+# The logit traces' token ids (protocols.logit_fields), on every path prefix.
+_LOGIT_TOKEN_VARS = {prefix + name for prefix in ("", "shared_", "branch_") for name in LOGIT_TOKENS}
 
 
 class Problem(str):
@@ -313,6 +320,16 @@ def _check_time_coords(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
             yield f"coordinate 'age' must be 0..{h - 1}"
 
 
+def _check_logit_group(ds: xr.Dataset, kind: str) -> Iterator[str]:
+    """The logit traces come whole: every field of every path of the kind, or none."""
+    names = list(logit_var_dims(kind))
+    have = [n for n in names if n in ds.data_vars]
+    if have and len(have) < len(names):
+        missing = [n for n in names if n not in ds.data_vars]
+        yield (f"logit traces are partial: {len(have)} of {len(names)} variables present, missing {missing} "
+               f"(they are all present or all absent)")
+
+
 def _check_vars(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
     """Presence, dims and dtypes; well-formed variables go into ``ctx.dims`` (read later, per chunk)."""
     wanted = dict(REQUIRED_VARS[ctx.kind])
@@ -326,7 +343,7 @@ def _check_vars(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
         if set(var.dims) != set(full) or len(var.dims) != len(full):
             yield f"variable {name!r} has dims {var.dims}, expected {full}"
             continue
-        want = TOKEN_DTYPE if name in _TOKEN_VARS else PROB_DTYPE
+        want = TOKEN_DTYPE if name in _TOKEN_VARS | _LOGIT_TOKEN_VARS else PROB_DTYPE
         if var.dtype != want:
             yield f"variable {name!r} has dtype {var.dtype}, expected {np.dtype(want)}"
             continue
@@ -542,9 +559,74 @@ def _rule_logp(ctx: _Ctx) -> Iterator[str]:
                            f"> 0 (a log-probability; tolerance {LOGP_ATOL:g})")
 
 
+def _first_top(mask: np.ndarray, k: int) -> np.ndarray:
+    """A per-row mask lifted onto the ``top`` axis, true at the row's first entry only."""
+    out = np.zeros(mask.shape + (k,), dtype=bool)
+    out[..., 0] = mask
+    return out
+
+
+def _rule_logits(ctx: _Ctx) -> Iterator[str]:
+    """The logit traces (protocols.logit_fields): observed exactly where the path's TV is; ids in the
+    vocabulary and distinct; log-probabilities <= 0, each top-k sorted most likely first and of total
+    mass <= 1; KL and entropies >= 0, entropies <= log V."""
+    tv_of = {"": "tv", "shared_": "shared_tv", "branch_": "branch_tv"}
+    for prefix in logit_prefixes(ctx.kind):
+        names = {n: prefix + n for n in LOGIT_FIELDS}
+        if not set(names.values()) <= ctx.arrays.keys():
+            continue
+        arr = {n: ctx.arrays[full] for n, full in names.items()}
+        seen = ~np.isnan(arr["entropy_p"])
+        base = tv_of[prefix] if ctx.kind != Kind.REFERENCE else None
+        if base in ctx.arrays:
+            expect = ~np.isnan(ctx.arrays[base])
+            yield from _report(ctx, names["entropy_p"], expect & ~seen, f"missing where {base} is observed")
+            yield from _report(ctx, names["entropy_p"], ~expect & seen, f"observed where {base} is NaN")
+        k = arr["p_top_logp"].shape[-1]
+        for n in LOGIT_FIELDS:
+            a, full = arr[n], names[n]
+            rows = seen[..., None] if n in LOGIT_TOP else seen
+            if n in LOGIT_TOKENS:
+                v = _lead(ctx.vocab, a.ndim)
+                yield from _report(ctx, full, rows & ((a < 0) | (a >= v)), "outside [0, vocab_size) in an observed row")
+                yield from _report(ctx, full, ~rows & (a != MISSING_TOKEN), "not -1 in an unobserved row")
+                ids = np.sort(a, axis=-1)
+                dup = (ids[..., 1:] == ids[..., :-1]).any(axis=-1) & seen
+                yield from _report(ctx, full, _first_top(dup, k), "repeating a token id within one top-k")
+                continue
+            yield from _report(ctx, full, ~rows & ~np.isnan(a), "not NaN in an unobserved row")
+            if n in LOGIT_TOP:
+                yield from _report(ctx, full, rows & (np.isnan(a) | (a == np.inf)),
+                                   "NaN or +inf in an observed row (-inf is allowed: probability 0)")
+                yield from _report(ctx, full, rows & (a > LOGP_ATOL),
+                                   f"> 0 (a log-probability; tolerance {LOGP_ATOL:g})")
+                with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+                    lse = np.log(np.exp(np.where(np.isnan(a), -np.inf, a).astype(np.float64)).sum(axis=-1))
+                yield from _report(ctx, full, _first_top(seen & (lse > LSE_ATOL), k),
+                                   f"with log-sum-exp over the top-k > 0 (more than all the mass; "
+                                   f"tolerance {LSE_ATOL:g})")
+            else:
+                low = "+inf (KL is +inf where the first law has mass the second lacks)" if n.startswith("kl_") \
+                    else "+inf"
+                yield from _report(ctx, full, seen & (np.isnan(a) | (n.startswith("entropy") & np.isinf(a))),
+                                   "NaN or infinite in an observed row" if n.startswith("entropy")
+                                   else f"NaN in an observed row ({low} is allowed)")
+                yield from _report(ctx, full, seen & (a < -KL_ATOL), f"< 0 (tolerance {KL_ATOL:g})")
+                if n.startswith("entropy"):
+                    logv = np.log(_lead(ctx.vocab, a.ndim).astype(np.float64))
+                    yield from _report(ctx, full, seen & (a > logv + KL_ATOL), "> log(vocab_size)")
+        for n in ("p_top_logp", "q_top_logq"):
+            a = arr[n]
+            with np.errstate(invalid="ignore"):
+                rise = np.zeros(a.shape, dtype=bool)
+                rise[..., 1:] = a[..., 1:] > a[..., :-1] + LOGP_ATOL
+            yield from _report(ctx, names[n], rise & seen[..., None],
+                               "not sorted: larger than the entry before it (a top-k is most likely first)")
+
+
 _VALUE_RULES: tuple[Callable[[_Ctx], Iterator[_Finding]], ...] = (
     _rule_tv_range, _rule_token_range, _rule_mismatch, _rule_eos, _rule_shared_path, _rule_branch_masks,
-    _rule_logp,
+    _rule_logp, _rule_logits,
 )
 
 
@@ -660,6 +742,7 @@ def validate(ds: xr.Dataset, *, source: str | None = None, tv_atol: float = TV_Z
         )
         problems += list(_check_coords(ds, ctx))
         problems += list(_check_vars(ds, ctx))
+        problems += list(_check_logit_group(ds, kind))
         problems += _value_problems(ds, ctx)
     if problems:
         raise TraceValidationError([p if isinstance(p, Problem) else Problem(p) for p in problems], source)

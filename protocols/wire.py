@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from protocols.kinds import Kind
+from protocols.logit_fields import LOGIT_FIELDS, WIRE_KEY, logit_vars, wire_logits
 from protocols.schema import SCHEMA, eos_ids, eos_set
 
 __all__ = [
@@ -179,7 +180,8 @@ def header_record(
     return rec
 
 
-def step_record(step: int, tv: Sequence[float], x_token: Sequence[int], y_token: Sequence[int]) -> dict[str, Any]:
+def step_record(step: int, tv: Sequence[float], x_token: Sequence[int], y_token: Sequence[int],
+                logits: Mapping[str, list] | None = None) -> dict[str, Any]:
     """Coupled kind: one step over all replicates.
 
     Parameters
@@ -190,6 +192,9 @@ def step_record(step: int, tv: Sequence[float], x_token: Sequence[int], y_token:
         TV per replicate (NaN becomes null).
     x_token, y_token : sequence of int
         Tokens per replicate (negative becomes null).
+    logits : mapping, optional
+        The logit traces of the step (:func:`protocols.logit_fields.wire_logits`), sent as
+        the record's ``logits`` object when the request asked for ``top_logprobs``.
 
     Returns
     -------
@@ -206,11 +211,18 @@ def step_record(step: int, tv: Sequence[float], x_token: Sequence[int], y_token:
     >>> step_record(1, [0.0, 0.25], [3, 3], [3, 4])
     {'type': 'step', 'step': 1, 'tv': [0.0, 0.25], 'x_token': [3, 3], 'y_token': [3, 4]}
     """
-    return {"type": "step", "step": int(step), "tv": _clean(tv, floats=True),
-            "x_token": _clean(x_token, floats=False), "y_token": _clean(y_token, floats=False)}
+    return _with_logits({"type": "step", "step": int(step), "tv": _clean(tv, floats=True),
+                         "x_token": _clean(x_token, floats=False), "y_token": _clean(y_token, floats=False)}, logits)
 
 
-def shared_step_record(step: int, tv: Sequence[float | None], token: Sequence[int | None]) -> dict[str, Any]:
+def _with_logits(rec: dict[str, Any], logits: Mapping[str, list] | None) -> dict[str, Any]:
+    if logits is not None:
+        rec[WIRE_KEY] = dict(logits)
+    return rec
+
+
+def shared_step_record(step: int, tv: Sequence[float | None], token: Sequence[int | None],
+                       logits: Mapping[str, list] | None = None) -> dict[str, Any]:
     """Residual kind: one survival-path step over all replicates (null where stopped).
 
     Parameters
@@ -221,6 +233,8 @@ def shared_step_record(step: int, tv: Sequence[float | None], token: Sequence[in
         TV on each replicate's survival path; NaN / None after it stopped.
     token : sequence of int or None
         Z_t per replicate; -1 / None where none was drawn.
+    logits : mapping, optional
+        The step's logit traces (as :func:`step_record`), null rows after a path stopped.
 
     Returns
     -------
@@ -237,12 +251,12 @@ def shared_step_record(step: int, tv: Sequence[float | None], token: Sequence[in
     >>> shared_step_record(2, [1.0, None], [-1, None])
     {'type': 'shared_step', 'step': 2, 'tv': [1.0, None], 'token': [None, None]}
     """
-    return {"type": "shared_step", "step": int(step), "tv": _clean(tv, floats=True),
-            "token": _clean(token, floats=False)}
+    return _with_logits({"type": "shared_step", "step": int(step), "tv": _clean(tv, floats=True),
+                         "token": _clean(token, floats=False)}, logits)
 
 
 def reference_step_record(step: int, tv: Sequence[float], x_token: Sequence[int], x_logp: Sequence[float],
-                          x_logq: Sequence[float]) -> dict[str, Any]:
+                          x_logq: Sequence[float], logits: Mapping[str, list] | None = None) -> dict[str, Any]:
     """Reference kind: one step over all replicates of paths sampled from P.
 
     Q scores the token P sampled, on the same history, so the record holds the token,
@@ -259,6 +273,9 @@ def reference_step_record(step: int, tv: Sequence[float], x_token: Sequence[int]
     x_logp, x_logq : sequence of float
         log p_t(x_t) and log q_t(x_t); a log q of -inf (q gave the token no mass:
         top-k, top-p) is sent as null, the only null the record may hold.
+    logits : mapping, optional
+        The logit traces of the step (:func:`protocols.logit_fields.wire_logits`), as
+        for :func:`step_record`.
 
     Returns
     -------
@@ -276,13 +293,14 @@ def reference_step_record(step: int, tv: Sequence[float], x_token: Sequence[int]
     {'type': 'reference_step', 'step': 1, 'tv': [0.25], 'x_token': [3], 'x_logp': [-0.5], 'x_logq': [None]}
     """
     logq = [None if math.isinf(f := float(v)) and f < 0 else f for v in x_logq]
-    return {"type": "reference_step", "step": int(step), "tv": _clean(tv, floats=True),
-            "x_token": _clean(x_token, floats=False), "x_logp": _clean(x_logp, floats=True),
-            "x_logq": _clean(logq, floats=True)}
+    return _with_logits({"type": "reference_step", "step": int(step), "tv": _clean(tv, floats=True),
+                         "x_token": _clean(x_token, floats=False), "x_logp": _clean(x_logp, floats=True),
+                         "x_logq": _clean(logq, floats=True)}, logits)
 
 
 def branch_record(
-    replicate: int, branch_step: int, tv: Sequence[float], x_token: Sequence[int], y_token: Sequence[int]
+    replicate: int, branch_step: int, tv: Sequence[float], x_token: Sequence[int], y_token: Sequence[int],
+    logits: Mapping[str, list] | None = None,
 ) -> dict[str, Any]:
     """Residual kind: one replicate's branch, ages 0..K (K+1 entries).
 
@@ -294,6 +312,8 @@ def branch_record(
         t*, 1..T.
     tv, x_token, y_token : sequence
         The branches' TV and tokens at ages 0..K, K = min(W, T - t*).
+    logits : mapping, optional
+        The branches' logit traces at ages 0..K (as :func:`step_record`, one row per age).
 
     Returns
     -------
@@ -310,9 +330,9 @@ def branch_record(
     >>> branch_record(0, 3, [0.5], [1], [2])
     {'type': 'branch', 'replicate': 0, 'branch_step': 3, 'tv': [0.5], 'x_token': [1], 'y_token': [2]}
     """
-    return {"type": "branch", "replicate": int(replicate), "branch_step": int(branch_step),
-            "tv": _clean(tv, floats=True), "x_token": _clean(x_token, floats=False),
-            "y_token": _clean(y_token, floats=False)}
+    return _with_logits({"type": "branch", "replicate": int(replicate), "branch_step": int(branch_step),
+                         "tv": _clean(tv, floats=True), "x_token": _clean(x_token, floats=False),
+                         "y_token": _clean(y_token, floats=False)}, logits)
 
 
 def end_record(steps: int, replicates: int, elapsed_s: float, sha256: str,
@@ -497,6 +517,24 @@ def dataset_lines(
     cell = ds.sel(doc=doc, policy=policy)
     a, kind = ds.attrs, ds.attrs["kind"]
     T, R = int(a["horizon"]), cell.sizes["replicate"]
+    logit_names = logit_vars(ds)
+    k = int(ds.sizes["top"]) if logit_names else 0
+
+    def logits(prefix: str, dim: str, at: int, n: int | None = None) -> dict[str, list] | None:
+        """One record's ``logits`` object from the cell's variables of ``prefix`` (rows: replicates,
+        or the first ``n`` ages of replicate ``at``)."""
+        if not k:
+            return None
+        rows = {}
+        for name in LOGIT_FIELDS:
+            v = cell[prefix + name]
+            if n is None:   # one step, every replicate
+                rows[name] = v.isel({dim: at}).transpose("replicate", ...).values
+            else:           # one replicate's branch, ages 0..n-1
+                rows[name] = v.isel({"replicate": at, dim: slice(0, n)}).transpose(dim, ...).values
+        seen = ~np.isnan(rows["entropy_p"])
+        return wire_logits(rows, seen.tolist())
+
     w = StreamWriter()
     lines = [w.line(header_record(
         kind=kind, horizon=T, window=int(a["window"]), model=a["model"], eos_token_id=int(a["eos_token_id"]),
@@ -507,25 +545,28 @@ def dataset_lines(
                    "budget": None if int(cell.budget.values) < 0 else int(cell.budget.values)},
         seed=seed, prompt_tokens=int(cell.prompt_tokens.values), retained_tokens=retained_tokens,
         replicates=R, vocab_size=int(a["vocab_size"]), doc=doc, request_id=request_id,
-        producer=a["producer"],
+        producer=a["producer"], **({"top_logprobs": k} if k else {}),
     ))]
     if kind == Kind.COUPLED:
         tv, x, y = (cell[v].transpose("replicate", "step").values for v in ("tv", "x_token", "y_token"))
-        lines += [w.line(step_record(t + 1, tv[:, t], x[:, t], y[:, t])) for t in range(T)]
+        lines += [w.line(step_record(t + 1, tv[:, t], x[:, t], y[:, t], logits("", "step", t))) for t in range(T)]
     elif kind == Kind.RESIDUAL:
         tv, tok = (cell[v].transpose("replicate", "step").values for v in ("shared_tv", "shared_token"))
-        lines += [w.line(shared_step_record(t + 1, tv[:, t], tok[:, t])) for t in range(T)]
+        lines += [w.line(shared_step_record(t + 1, tv[:, t], tok[:, t], logits("shared_", "step", t)))
+                  for t in range(T)]
         bs = cell.branch_step.values
         btv, bx, by = (cell[v].transpose("replicate", "age").values
                        for v in ("branch_tv", "branch_x_token", "branch_y_token"))
         for r in range(R):
             if bs[r] > 0:
                 n = min(int(a["window"]), T - int(bs[r])) + 1
-                lines.append(w.line(branch_record(r, int(bs[r]), btv[r, :n], bx[r, :n], by[r, :n])))
+                lines.append(w.line(branch_record(r, int(bs[r]), btv[r, :n], bx[r, :n], by[r, :n],
+                                                  logits("branch_", "age", r, n))))
     elif kind == Kind.REFERENCE:
         x, lp, lq = (cell[v].transpose("replicate", "step").values for v in ("x_token", "x_logp", "x_logq"))
         tv = cell["tv"].transpose("replicate", "step").values if "tv" in cell else np.full(x.shape, np.nan)
-        lines += [w.line(reference_step_record(t + 1, tv[:, t], x[:, t], lp[:, t], lq[:, t])) for t in range(T)]
+        lines += [w.line(reference_step_record(t + 1, tv[:, t], x[:, t], lp[:, t], lq[:, t],
+                                               logits("", "step", t))) for t in range(T)]
     else:
         raise ValueError(f"kind {kind!r} has no wire format (coupled, residual or reference)")
     lines.append(w.end(T, R, elapsed_s))

@@ -36,8 +36,9 @@ def test_every_old_field_has_a_place_and_its_default() -> None:
     assert len(OLD_FLAT) + len(REQUIRED) == 30   # the flat config's fields: 4 required, 26 with defaults
     view = _flat_view(CollectConfig(**REQUIRED))
     assert {k: view[k] for k in OLD_FLAT} == OLD_FLAT
-    assert set(view) == set(OLD_FLAT) | set(REQUIRED) | {"control"}   # control: added since, off by default
-    assert view["control"] is False
+    # control and top_logprobs: added since, off by default
+    assert set(view) == set(OLD_FLAT) | set(REQUIRED) | {"control", "top_logprobs"}
+    assert view["control"] is False and view["top_logprobs"] == 0
 
 
 def test_flat_names_build_the_nested_config() -> None:

@@ -42,10 +42,11 @@ from divstats.traces.replicates import (
     reference_survival,
     survival_terms,
 )
-from protocols import Kind
+from protocols import Kind, logit_vars
 from protocols.chunks import is_lazy
 
-__all__ = ["MIN_SE_COUNT", "branch_tv", "branch_tv_window", "small_count_se", "survival"]
+__all__ = ["LOGIT_CURVES", "MIN_SE_COUNT", "branch_tv", "branch_tv_window", "logit_curves", "small_count_se",
+           "survival"]
 
 
 def _n_replicates(ds: xr.Dataset, lay) -> int:
@@ -372,3 +373,104 @@ def branch_tv_window(ds: xr.Dataset, start: int, stop: int, window: int | None =
         "branch_tv_window_se": lay.wrap(se, attrs={"description": "delta-method Monte Carlo SE"}),
         "branch_tv_window_ages": lay.wrap(m, attrs={"description": "ages with a positive denominator"}),
     }, attrs={"kind": kind_of(ds), "horizon": T, "window": W, "n_replicates": _n_replicates(ds, lay)})
+
+
+# --------------------------------------------------------------------------- logit traces
+
+#: The per-step summaries of the logit traces (docs/contract.md, "Logit traces") that get curves.
+LOGIT_CURVES = ("kl_pq", "kl_qp", "entropy_p", "entropy_q")
+
+
+def _mean_with_inf(values: np.ndarray, weights: np.ndarray, observed: np.ndarray):
+    """The weighted mean over the last axis, +inf where an observed value with weight is +inf
+    (a KL under truncated sampling: P has mass Q lacks), with its ratio SE and count."""
+    inf = (observed & np.isinf(values) & (weights > 0)).any(-1)
+    finite = np.where(np.isinf(values) | np.isnan(values), 0.0, values)
+    num = np.where(observed, weights * finite, np.where(np.isnan(weights), np.nan, 0.0))
+    r, se = ratio_se(num, np.where(observed, weights, np.where(np.isnan(weights), np.nan, 0.0)))
+    count = observed.sum(-1)
+    return np.where(inf, np.inf, r), np.where(inf, np.nan, small_count_se(se, count)), count
+
+
+def logit_curves(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
+    """KL(P‖Q), KL(Q‖P) and the two entropies by step and by age since divergence.
+
+    By step: the mean over replicates of each step's value on the path the traces record
+    (coupled: the coupled histories; residual: the survival path while it runs). By age: the
+    value k steps after divergence, aligned as :func:`branch_tv` aligns TV (coupled: at
+    the first mismatch τ; residual: on the sampled branch, weighted by 1 − S_T, so the
+    ratio estimates E[KL at τ + k | τ + k ≤ T]). A mean is +inf where a replicate it
+    averages is (docs/statistics.md, "KL beside TV").
+
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Coupled or residual traces with logit traces (``top_logprobs`` > 0).
+    window : int, optional
+        Truncate the observation window W after divergence.
+
+    Returns
+    -------
+    xarray.Dataset
+        ``logit_<name>_by_step`` (+ ``_se``) over (doc, policy[, model], step) and
+        ``logit_<name>_by_age`` (+ ``_se``, ``_count``) over (doc, policy[, model], age), for
+        each name of :data:`LOGIT_CURVES`; empty when the traces carry no logit traces.
+
+    Raises
+    ------
+    DivstatsError
+        Reference traces (they observe nothing after divergence) with logit traces.
+
+    Examples
+    --------
+    >>> from protocols.examples import example_dataset
+    >>> lc = logit_curves(example_dataset("residual", top_logprobs=2, horizon=5))
+    >>> lc["logit_kl_pq_by_age"].dims, float(lc["logit_entropy_p_by_step"].min()) >= 0
+    (('doc', 'policy', 'age'), True)
+    """
+    if not logit_vars(ds):
+        return xr.Dataset()
+    if is_lazy(ds):
+        return map_docs(logit_curves, ds, window=window)
+    kind, T = kind_of(ds), horizon_of(ds)
+    if kind not in (Kind.COUPLED, Kind.RESIDUAL):
+        raise _NotIdentified("logit curves by age need coupled or residual traces")
+    W, lay = effective_window(ds, window), layout(ds)
+    core = ("replicate", "step")
+    present = present_replicates(ds, lay)
+    step_prefix = "" if kind == Kind.COUPLED else "shared_"
+    out: dict[str, xr.DataArray] = {}
+    steps, ages = {"step": np.arange(1, T + 1)}, {"age": np.arange(T)}
+    absent = ~present[..., None]                       # padding after a combine: not a replicate at all
+    if kind == Kind.COUPLED:
+        x, y = (core_array(ds, n, lay, core) for n in ("x_token", "y_token"))
+        tau = first_divergence(x, y, T)[1]
+    else:
+        stv = core_array(ds, "shared_tv", lay, core)
+        tstar = core_array(ds, "branch_step", lay, ("replicate",))
+    for name in LOGIT_CURVES:
+        v = core_array(ds, step_prefix + name, lay, core).astype(np.float64)      # (rows, n, T)
+        seen = ~np.isnan(v)
+        m, se, _ = _mean_with_inf(*(np.moveaxis(a, 1, -1) for a in
+                                    (v, np.where(absent, np.nan, 1.0) * np.ones(v.shape), seen)))
+        out[f"logit_{name}_by_step"] = lay.wrap(m, ("step",), steps, {
+            "description": f"{name} at step t, mean over the replicates observed there (+inf where one is)"})
+        out[f"logit_{name}_by_step_se"] = lay.wrap(se, ("step",), steps, {"description": "Monte Carlo SE"})
+        if kind == Kind.COUPLED:
+            # the value at tau + k, where tau is observed and tau + k <= T (branch_tv's alignment)
+            vals = np.take_along_axis(v, np.clip(tau[..., None] - 1 + np.arange(T), 0, T - 1), axis=-1)
+            _, weights, observed, _ = _coupled_branch(np.zeros_like(v), x, y, T, W)
+        else:
+            vals = core_array(ds, "branch_" + name, lay, ("replicate", "age")).astype(np.float64)
+            _, weights, observed, _ = _residual_branch(stv, tstar, np.zeros_like(vals), T, W)
+        weights = np.where(absent, np.nan, weights)
+        m, se, count = _mean_with_inf(*(np.moveaxis(a, 1, -1) for a in (vals, weights, observed & ~absent)))
+        beyond = np.arange(T) > W
+        m, se = np.where(beyond, np.nan, m), np.where(beyond, np.nan, se)
+        out[f"logit_{name}_by_age"] = lay.wrap(m, ("age",), ages, {
+            "description": f"{name} k steps after divergence, aligned and weighted as branch_tv"})
+        out[f"logit_{name}_by_age_se"] = lay.wrap(se, ("age",), ages, {
+            "description": "delta-method SE, small-count corrected as branch_tv_se"})
+        out[f"logit_{name}_by_age_count"] = lay.wrap(count, ("age",), ages, {
+            "description": "replicates observed at age k"})
+    return xr.Dataset(out, attrs={"kind": kind, "horizon": T, "window": W})

@@ -23,7 +23,7 @@ import numpy as np
 import xarray as xr
 
 from divstats.errors import PlanError
-from divstats.estimation.curves import branch_tv, survival
+from divstats.estimation.curves import branch_tv, logit_curves, survival
 from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
 from divstats.estimation.interval import interval_by_window
 from divstats.estimation.noise_floor import compare_to_floor, control_policy, floor_warnings, noise_floor
@@ -34,7 +34,7 @@ from divstats.inference.paired import MARGIN_ALTERNATIVES
 from divstats.plans.format import Plan, PlanSource, load_plan
 from divstats.plans.run import PlanResult, run_plan
 from divstats.traces.chunked import map_docs_many
-from protocols import Kind
+from protocols import Kind, logit_vars
 from protocols.chunks import is_lazy
 
 __all__ = ["Analysis", "compute", "decomposition_pairs", "default_interval_windows"]
@@ -74,6 +74,8 @@ class Analysis:
     noise_floor: xr.Dataset | None = None
     #: :func:`divstats.estimation.speculative.aggregate_speculative` over (policy, gamma); reference traces only.
     speculative: xr.Dataset | None = None
+    #: :func:`divstats.estimation.curves.logit_curves` of traces that carry logit traces (else None).
+    logit_curves: xr.Dataset | None = None
 
 
 def default_interval_windows(ds: xr.Dataset) -> list[int]:
@@ -293,6 +295,9 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
     bar = _progress(len(STEPS), progress)
     windows = list(interval_windows) if interval_windows is not None else default_interval_windows(traces)
     est, surv, bt, ivw, vc = _per_document(traces, window, windows, notes, bar)
+    # KL and entropies beside TV, when the traces carry logit traces (descriptive: no estimand uses them)
+    lc = logit_curves(traces, window=window) if logit_vars(traces) and traces.attrs.get("kind") != Kind.REFERENCE \
+        else None
     agg = aggregate(est)
     agg_ci = aggregate_intervals(est, level=level, n_resamples=n_resamples, seed=seed)
     bar.update()
@@ -319,7 +324,7 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
     return Analysis(traces=traces, plan=plan, estimates=est, aggregate=agg, aggregate_ci=agg_ci, survival=surv,
                     branch_tv=bt, interval=ivw, variance=vc, plan_result=pres, decompositions=decs,
                     notes=notes + (pres.notes if pres is not None else []), options=options, noise_floor=floor,
-                    speculative=spec)
+                    speculative=spec, logit_curves=lc)
 
 
 def _speculative(traces: xr.Dataset, cost_ratio: float | None, level: float, n_resamples: int, seed: int,

@@ -22,8 +22,8 @@ from scipy import stats
 
 __all__ = [
     "margin_figure",
-    "branch_tv_figure", "decomposition_figure", "doc_band", "gap_figure", "interval_figure", "policy_colors",
-    "speculative_figure", "survival_figure", "variance_figure"
+    "branch_tv_figure", "decomposition_figure", "doc_band", "gap_figure", "interval_figure", "logit_figure",
+    "policy_colors", "speculative_figure", "survival_figure", "variance_figure"
 ]
 
 _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
@@ -326,6 +326,68 @@ def branch_tv_figure(bt: xr.Dataset, windows: Mapping[str, tuple[int, int]] | No
         _legend(ax, sub.sizes["policy"])
     axes[0].set_ylim(bottom=0)  # after all panels (shared y)
     axes[0].set_ylabel(f"E[TV at age k], document mean, {int(level * 100)}% band")
+    return fig
+
+
+def logit_figure(lc: xr.Dataset, bt: xr.Dataset) -> Figure:
+    """KL beside TV: branch TV, KL in both directions (with Pinsker's floor) by age, entropies by step.
+
+    Three panels, each the document mean per policy: the branch-aligned TV by age; KL(P‖Q)
+    (solid) and KL(Q‖P) (dashed) by age with the floor 2·TV² of the TV curve (dotted: by
+    Pinsker and Jensen a mean KL at an age is at least twice the squared mean TV there, both
+    weighted alike); H(P) (solid) and H(Q) (dashed) by step. Ages whose mean KL is infinite
+    are left out. The first model only, for traces combined across models.
+
+    Parameters
+    ----------
+    lc : xarray.Dataset
+        ``divstats.logit_curves(ds)``.
+    bt : xarray.Dataset
+        ``divstats.branch_tv(ds)`` of the same traces.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Raises
+    ------
+    KeyError
+        ``lc`` lacks the logit curves.
+
+    Examples
+    --------
+    >>> import divstats
+    >>> from protocols.examples import example_dataset
+    >>> ds = example_dataset("residual", top_logprobs=2, horizon=6)
+    >>> len(logit_figure(divstats.logit_curves(ds), divstats.branch_tv(ds)).axes)
+    3
+    """
+    if "model" in lc.dims:
+        lc, bt = lc.isel(model=0), bt.isel(model=0)
+    fig, (ax_tv, ax_kl, ax_h) = _panels(3, width=4.6, height=3.8, sharey=False)
+    colors = policy_colors(lc["policy"].values)
+    age, step = lc["age"].values, lc["step"].values
+    for pol in lc["policy"].values:
+        c = colors[str(pol)]
+        tv = bt["branch_tv"].sel(policy=pol).mean("doc").values
+        ok = np.isfinite(tv)
+        ax_tv.plot(age[ok], tv[ok], color=c, marker="o", ms=2.5, lw=1.6, label=str(pol))
+        ax_kl.plot(age[ok], 2 * tv[ok] ** 2, color=c, ls=":", lw=1.2)
+        for name, ls in (("kl_pq", "-"), ("kl_qp", "--")):
+            kl = lc[f"logit_{name}_by_age"].sel(policy=pol).mean("doc").values
+            ok = np.isfinite(kl)
+            ax_kl.plot(age[ok], kl[ok], color=c, ls=ls, marker="o", ms=2.0, lw=1.4)
+        for name, ls in (("entropy_p", "-"), ("entropy_q", "--")):
+            h = lc[f"logit_{name}_by_step"].sel(policy=pol).mean("doc").values
+            ok = np.isfinite(h)
+            ax_h.plot(step[ok], h[ok], color=c, ls=ls, lw=1.4)
+    ax_tv.set(xlabel="age k = t − τ", ylabel="E[TV at age k]", title="Branch-aligned TV")
+    ax_kl.set(xlabel="age k = t − τ", ylabel="nats", title="KL(P‖Q) —, KL(Q‖P) --, 2·TV² ···")
+    ax_h.set(xlabel="step t", ylabel="nats", title="Entropy H(P) —, H(Q) --")
+    for ax in (ax_tv, ax_kl, ax_h):
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    _legend(ax_tv, lc.sizes["policy"])
     return fig
 
 

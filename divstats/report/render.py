@@ -56,9 +56,9 @@ def make_figures(an: Analysis) -> dict[str, Figure]:
     Returns
     -------
     dict of str to matplotlib.figure.Figure
-        ``survival`` and ``decomposition`` always; ``gap``, ``branch_tv``,
-        ``interval``, ``variance``, ``margins`` and ``speculative`` (reference traces)
-        when there is something to show.
+        ``survival`` and ``decomposition`` always; ``gap``, ``branch_tv``, ``logit``
+        (traces with logit traces), ``interval``, ``variance``, ``margins`` and
+        ``speculative`` (reference traces) when there is something to show.
 
     Examples
     --------
@@ -75,6 +75,8 @@ def make_figures(an: Analysis) -> dict[str, Figure]:
         figs["gap"] = F.gap_figure(rows)
     if an.branch_tv is not None:
         figs["branch_tv"] = F.branch_tv_figure(an.branch_tv, an.plan.windows if an.plan else None)
+        if an.logit_curves is not None and an.logit_curves.data_vars:
+            figs["logit"] = F.logit_figure(an.logit_curves, an.branch_tv)
     if an.interval is not None and an.interval.sizes.get("window", 0) > 1:
         figs["interval"] = F.interval_figure(an.interval, an.aggregate)
     if an.variance is not None:

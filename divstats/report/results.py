@@ -5,7 +5,8 @@ in docs/report.md): no prefix: ``estimate`` (doc, policy); ``aggregate_``:
 ``aggregate``; ``aggregate_ci_``: ``aggregate_intervals``; ``survival``/
 ``survival_se`` (step 0..T); ``branch_tv*`` (age); ``interval_`` (window W);
 ``variance_`` (``variance_check``); ``decomposition_`` (comparison); ``plan_``
-(hypothesis row; ``plan_split`` per doc; absent without a plan).
+(hypothesis row; ``plan_split`` per doc; absent without a plan); ``logit_``
+(``logit_curves``: KL and entropies by step and by age, only for traces with logit traces).
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ def results_dataset(an: Analysis) -> xr.Dataset:
         parts.append(_prefixed(an.interval.drop_attrs(), "interval_").rename(window="interval_window"))
     if an.variance is not None:
         parts.append(_prefixed(an.variance.drop_attrs(), "variance_"))
+    if an.logit_curves is not None and an.logit_curves.data_vars:
+        parts.append(an.logit_curves.drop_attrs())
     parts.append(_decomposition_dataset(an.decompositions))
     parts += _plan_parts(an)
     if an.speculative is not None:

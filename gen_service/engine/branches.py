@@ -27,36 +27,50 @@ import torch
 from gen_service.coupling import History, absorb_eos, maximal_coupling, probs
 from gen_service.engine.context import LoopContext
 from gen_service.engine.sides import Forward, Side
-from protocols import branch_record
+from gen_service.logit_traces import LogitFields, logit_fields
+from protocols import branch_record, wire_logits
 
 __all__ = ["Branches", "prefix_branches", "replay_branches"]
 
 
 class Branches:
     """Branch points, residual pairs and the records being filled, per replicate
-    (filled in place as the branch steps come: one list append per row and age)."""
+    (filled in place as the branch steps come: one list append per row and age).
+
+    ``age0`` (a request with ``top_logprobs``): every row's logit traces at its branch point
+    t* (a branch's age 0 is that survival step: the same two laws); :meth:`add` then takes
+    each later age's from the branch laws."""
 
     def __init__(self, t_star: torch.Tensor, x0: torch.Tensor, y0: torch.Tensor, tv_star: torch.Tensor,
-                 W: int, T: int):
+                 W: int, T: int, age0: LogitFields | None = None):
         self.ts = t_star.tolist()
         self.x0, self.y0 = x0, y0
         self.K = [min(W, T - t) if t > 0 else 0 for t in self.ts]
         self.rec = {r: ([tv], [x], [y]) for r, (t, tv, x, y) in
                     enumerate(zip(self.ts, tv_star.tolist(), x0.tolist(), y0.tolist(), strict=True)) if t > 0}
         self.rows = [r for r in self.rec if self.K[r] > 0]
+        self.k = age0.k if age0 is not None else 0
+        first = age0.host() if age0 is not None else {}
+        self.logits = {r: {name: [rows[r]] for name, rows in first.items()} for r in self.rec}
 
-    def add(self, rows: list[int], d: Any, at: list[int] | None = None) -> None:
-        """Append one age's draws for ``rows`` (positions ``at`` of the batch, default all)."""
+    def add(self, rows: list[int], d: Any, at: list[int] | None = None,
+            laws: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Append one age's draws for ``rows`` (positions ``at`` of the batch, default all); with
+        logit traces, ``laws`` are the batch's (p, q) they are computed from, all rows at once."""
         tv, xs, ys = d.tv.tolist(), d.x.tolist(), d.y.tolist()
+        lg = logit_fields(*laws, self.k).host() if self.k and laws is not None else None
         for r, i in zip(rows, at if at is not None else range(len(rows)), strict=True):
             self.rec[r][0].append(tv[i])
             self.rec[r][1].append(xs[i])
             self.rec[r][2].append(ys[i])
+            if lg is not None:
+                for name, values in lg.items():
+                    self.logits[r][name].append(values[i])
 
     def records(self) -> Iterator[dict[str, Any]]:
         for r in sorted(self.rec):
             tvs, xs, ys = self.rec[r]
-            yield branch_record(r, self.ts[r], tvs, xs, ys)
+            yield branch_record(r, self.ts[r], tvs, xs, ys, wire_logits(self.logits[r]) if self.k else None)
 
 
 def _end(ctx: LoopContext, x: torch.Tensor) -> torch.Tensor:
@@ -104,11 +118,12 @@ def _branch_loop(ctx: LoopContext, sides: tuple[Side, Side], rows: list[int], br
         pmask, qmask = torch.cat([pmask, ones], 1), torch.cat([qmask, ones], 1)
         lp, lq = yield [Forward(ps, x, ps.next_pos + tstar + k - 2, pmask, eager),
                         Forward(qs, y, qs.next_pos + tstar + k - 2, qmask, eager)]
-        d = maximal_coupling(absorb_eos(probs(lp, sampling, hp), x_end >= 0, x_end),
-                             absorb_eos(probs(lq, sampling, hq), y_end >= 0, y_end), ctx.gen)
+        p = absorb_eos(probs(lp, sampling, hp), x_end >= 0, x_end)
+        q = absorb_eos(probs(lq, sampling, hq), y_end >= 0, y_end)
+        d = maximal_coupling(p, q, ctx.gen)
         if hp is not None:
             hp, hq = hp.add(d.x), hq.add(d.y)
-        br.add(rows, d)
+        br.add(rows, d, laws=(p, q))
         x, y = d.x, d.y
         x_end, y_end = ctx.ended(x_end, x), ctx.ended(y_end, y)
         # Drop rows whose branch reached K = min(W, T − t*): the batch shrinks as
@@ -156,10 +171,12 @@ def replay_branches(ctx: LoopContext, start: tuple[Side, Side], shared: torch.Te
         lp, lq = yield [Forward(ps, xin, ctx.pos(ps, n, s)), Forward(qs, yin, ctx.pos(qs, n, s))]
         if hp is not None:
             hp, hq = hp.add(xin), hq.add(yin)
-        d = maximal_coupling(absorb_eos(probs(lp, sampling, hp), x_end >= 0, x_end),
-                             absorb_eos(probs(lq, sampling, hq), y_end >= 0, y_end), ctx.gen)
+        p = absorb_eos(probs(lp, sampling, hp), x_end >= 0, x_end)
+        q = absorb_eos(probs(lq, sampling, hq), y_end >= 0, y_end)
+        d = maximal_coupling(p, q, ctx.gen)
         active = ((s >= ts) & (s <= last)).tolist()
-        br.add([r for r, a in zip(rows, active, strict=True) if a], d, [i for i, a in enumerate(active) if a])
+        br.add([r for r, a in zip(rows, active, strict=True) if a], d, [i for i, a in enumerate(active) if a],
+               (p, q) if any(active) else None)
         on = (s >= ts)
         x, y = torch.where(on, d.x, x), torch.where(on, d.y, y)
         x_end, y_end = torch.where(on, ctx.ended(x_end, x), x_end), torch.where(on, ctx.ended(y_end, y), y_end)

@@ -9,6 +9,7 @@ from typing import Any
 from gen_service.coupling import absorb_eos, maximal_coupling, probs
 from gen_service.engine.context import LoopContext
 from gen_service.engine.sides import Forward, Prefilled
+from gen_service.logit_traces import step_logits
 from protocols import step_record
 
 __all__ = ["coupled"]
@@ -32,7 +33,7 @@ def coupled(ctx: LoopContext, p0: Prefilled, q0: Prefilled) -> Iterator[dict[str
         d = maximal_coupling(p, q, ctx.gen)
         if hp is not None:
             hp, hq = hp.add(d.x), hq.add(d.y)
-        yield step_record(t, d.tv.tolist(), d.x.tolist(), d.y.tolist())
+        yield step_record(t, d.tv.tolist(), d.x.tolist(), d.y.tolist(), step_logits(p, q, job.top_logprobs))
         x_end, y_end = ctx.ended(x_end, d.x), ctx.ended(y_end, d.y)
         if t < T:
             lp, lq = yield [Forward(ps, d.x, ctx.pos(ps, R, t)), Forward(qs, d.y, ctx.pos(qs, R, t))]

@@ -35,7 +35,9 @@ def header(lm: LoadedModel, job: TraceJob, seed: int, cand: Policy, ref: Policy,
     candidate.update(params=q0.plan.params, note=q0.plan.note)
     reference = ref.describe()
     nq = len(job.question_ids)
-    extra = {"question_tokens": nq} if nq else {}
+    extra: dict[str, Any] = {"question_tokens": nq} if nq else {}
+    if job.top_logprobs:   # k of the records' logits objects (docs/contract.md §3)
+        extra["top_logprobs"] = job.top_logprobs
     return header_record(
         kind=job.kind, horizon=job.horizon, model=lm.name,
         # reference traces observe nothing after divergence (window 0, docs/contract.md)

@@ -82,6 +82,8 @@ class TraceJob:
     # None where the server draws one; ``candidate`` is then unused
     candidates: list[str] = field(default_factory=list)
     seeds: list[int | None] = field(default_factory=list)
+    # logit traces: P's and Q's top-k and KL/entropy at every step (0: none; gen_service.logit_traces)
+    top_logprobs: int = 0
 
     @property
     def prompt_len(self) -> int:

@@ -18,6 +18,7 @@ import torch
 from gen_service.coupling import absorb_eos, probs, tv
 from gen_service.engine.context import LoopContext
 from gen_service.engine.sides import Forward, Prefilled
+from gen_service.logit_traces import step_logits
 from protocols import reference_step_record
 
 __all__ = ["reference", "token_logprob"]
@@ -68,7 +69,7 @@ def reference(ctx: LoopContext, p0: Prefilled, q0: Prefilled) -> Iterator[dict[s
         q = absorb_eos(probs(lq, job.sampling, hist), done, x_end)
         x = torch.multinomial(p, 1, generator=ctx.gen).squeeze(-1)
         yield reference_step_record(t, tv(p, q).tolist(), x.tolist(), token_logprob(p, x).tolist(),
-                                    token_logprob(q, x).tolist())
+                                    token_logprob(q, x).tolist(), step_logits(p, q, job.top_logprobs))
         if hist is not None:
             hist = hist.add(x)
         x_end = ctx.ended(x_end, x)

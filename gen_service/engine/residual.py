@@ -23,8 +23,9 @@ from gen_service.coupling import CoupledDraw, History, absorb_eos, maximal_coupl
 from gen_service.engine.branches import Branches, prefix_branches, replay_branches
 from gen_service.engine.context import LoopContext
 from gen_service.engine.sides import Forward, Prefilled, cache_lengths
+from gen_service.logit_traces import LogitFields, at_steps, logit_fields
 from gen_service.quantized import is_quantized
-from protocols import shared_step_record
+from protocols import shared_step_record, wire_logits
 
 __all__ = ["needs_replay", "residual"]
 
@@ -74,12 +75,14 @@ class _Survival:
                          torch.where(take, d.y_res, self.y0), torch.where(take, delta, self.tv_star), h_star)
 
 
-def _record(t: int, d: CoupledDraw, alive: torch.Tensor) -> dict[str, Any]:
+def _record(t: int, d: CoupledDraw, alive: torch.Tensor, logits: dict[str, list] | None = None) -> dict[str, Any]:
     """Step t's shared-step record. The step where a path stops keeps its TV (1) but has no
-    token: min(p, q) is empty, so there is no Z to draw; later steps are null altogether."""
+    token: min(p, q) is empty, so there is no Z to draw; later steps are null altogether.
+    ``logits``: the step's logit traces per row (host lists), shown where the TV is."""
     shown, has_token = alive.tolist(), (alive & ~d.stop).tolist()
     return shared_step_record(t, [v if a else None for v, a in zip(d.tv.tolist(), shown, strict=True)],
-                              [v if a else None for v, a in zip(d.overlap.tolist(), has_token, strict=True)])
+                              [v if a else None for v, a in zip(d.overlap.tolist(), has_token, strict=True)],
+                              None if logits is None else wire_logits(logits, shown))
 
 
 def residual(ctx: LoopContext, p0: Prefilled, q0: Prefilled,
@@ -95,6 +98,7 @@ def residual(ctx: LoopContext, p0: Prefilled, q0: Prefilled,
     lp, lq = p0.logits.expand(R, -1), q0.logits.expand(R, -1)
     z_end = ctx.running(R)                                  # the EOS id the shared path ended on
     shared: list[torch.Tensor] = []                          # z_t, kept for replayed branches
+    shared_logits: list[LogitFields] = []                    # each step's logit traces (device): age 0
     # history penalties: both sides share prompt + z_<t; each row keeps its counts
     # at t* so its two branches continue from their own histories
     h0 = hz = ctx.history(job.prompt_ids + job.question_ids, R, lp.shape[-1])
@@ -104,7 +108,9 @@ def residual(ctx: LoopContext, p0: Prefilled, q0: Prefilled,
         p = absorb_eos(probs(lp, job.sampling, hz), z_end >= 0, z_end)
         q = absorb_eos(probs(lq, job.sampling, hz), z_end >= 0, z_end)
         d = maximal_coupling(p, q, gen)
-        record = _record(t, d, state.alive)
+        if job.top_logprobs:
+            shared_logits.append(logit_fields(p, q, job.top_logprobs))
+        record = _record(t, d, state.alive, shared_logits[-1].host() if job.top_logprobs else None)
         state = state.after(t, d, gen, hz)
         if hz is not None:
             hz = hz.add(d.overlap)
@@ -113,7 +119,8 @@ def residual(ctx: LoopContext, p0: Prefilled, q0: Prefilled,
         shared.append(d.overlap)
         if t < T:
             lp, lq = yield [Forward(ps, d.overlap, ctx.pos(ps, R, t)), Forward(qs, d.overlap, ctx.pos(qs, R, t))]
-    branch = Branches(state.t_star, state.x0, state.y0, state.tv_star, job.window or T, T)
+    branch = Branches(state.t_star, state.x0, state.y0, state.tv_star, job.window or T, T,
+                      at_steps(shared_logits, state.t_star) if job.top_logprobs else None)
     if branch.rows and start is not None:
         yield from replay_branches(ctx, start, torch.stack(shared, 1), branch, h0)
     elif branch.rows:
