@@ -12,6 +12,11 @@ Every list of estimand names in divstats is derived from :data:`ESTIMANDS`
 * ``divstats.estimation.components.METRICS``: ``component``;
 * ``divstats.report.tables.SUMMARY_QUANTITIES``: ``summary``.
 
+The speculative-decoding estimands (docs/statistics.md §10) are one per (doc, policy,
+γ) rather than per (doc, policy), so they are a table of their own,
+:data:`SPECULATIVE_ESTIMANDS`, in the order of ``divstats.speculative``'s variables; its
+variables' descriptions and the metrics a plan may test at a ``gamma`` derive from it.
+
 Adding an estimand is one row here, its per-replicate formula (``traces/replicates``,
 ``estimation/components``) and its exact value (``truth/exact``).  docs/statistics.md
 §3 prints this table (:func:`markdown_table`; tests/test_divstats_estimands.py checks
@@ -23,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["AGGREGATIONS", "ESTIMANDS", "Estimand", "by_name", "markdown_table", "names"]
+__all__ = ["AGGREGATIONS", "ESTIMANDS", "Estimand", "SPECULATIVE_ESTIMANDS", "by_name", "markdown_table", "names"]
 
 #: How an estimand combines over documents (equal document weights, docs/statistics.md §3).
 AGGREGATIONS: dict[str, str] = {
@@ -60,6 +65,8 @@ class Estimand:
         Which direction is worse for the candidate policy.
     bounds : {"unit", "horizon", "none"}
         Its range, [0, 1], [0, T] or unbounded (intervals are clipped to it).
+    plan : bool
+        A plan may test it (a quantity that does not depend on the policy may not).
     """
 
     name: str
@@ -72,6 +79,7 @@ class Estimand:
     replicate: int | None = None
     worse: Literal["larger", "smaller"] = "larger"
     bounds: Literal["unit", "horizon", "none"] = "none"
+    plan: bool = True
 
     def __post_init__(self) -> None:
         if self.aggregate not in AGGREGATIONS:
@@ -123,6 +131,23 @@ ESTIMANDS: tuple[Estimand, ...] = (
        "derived", interval=True, summary=True, bounds="horizon"),
 )
 
+#: The speculative-decoding estimands with Q as the draft and P as the target, one per
+#: (doc, policy, gamma), in the order of ``divstats.speculative``'s variables (each with
+#: ``_se``). Over documents: equal weights, the per-call quantities as ratios of the
+#: document means (``divstats.aggregate_speculative``).
+SPECULATIVE_ESTIMANDS: tuple[Estimand, ...] = (
+    _E("target_calls", "E[C]: target (full-model) calls to produce the run's tokens, N = min(T, first EOS)",
+       "mean", interval=True, component=False, bounds="horizon"),
+    _E("tokens", "E[N]: tokens the run produces (T when no path ends early)",
+       "mean", interval=True, component=False, bounds="horizon", plan=False),
+    _E("accepted", "E[A]: accepted drafts among the run's tokens",
+       "mean", interval=True, component=False, worse="smaller", bounds="horizon", plan=False),
+    _E("tokens_per_call", "E[N] / E[C] (ratio of expectations; T / target_calls without EOS)",
+       "ratio", interval=True, component=False, worse="smaller"),
+    _E("accepted_per_call", "E[A] / E[C]: accepted drafts per target call (ratio of expectations)",
+       "ratio", interval=True, component=False, worse="smaller"),
+)
+
 
 def names(**where: object) -> tuple[str, ...]:
     """Names of the estimands whose fields equal ``where``, in table order.
@@ -172,8 +197,13 @@ def by_name(name: str) -> Estimand:
     raise KeyError(f"unknown estimand {name!r}; expected one of {names()}")
 
 
-def markdown_table() -> str:
+def markdown_table(rows: tuple[Estimand, ...] = ESTIMANDS) -> str:
     """The table as docs/statistics.md prints it (one line per estimand).
+
+    Parameters
+    ----------
+    rows : tuple of Estimand, optional
+        :data:`ESTIMANDS` (§3) or :data:`SPECULATIVE_ESTIMANDS` (§10).
 
     Returns
     -------
@@ -188,10 +218,10 @@ def markdown_table() -> str:
     def yes(flag: bool) -> str:
         return "yes" if flag else ""
 
-    rows = ["| name | over documents | needs post-divergence | interval | component | summary | replicate value "
-            "| worse | range |", "|---|---|---|---|---|---|---|---|---|"]
-    for e in ESTIMANDS:
-        rows.append(f"| `{e.name}` | {AGGREGATIONS[e.aggregate]} | {yes(e.post_dependent)} | {yes(e.interval)} "
+    lines = ["| name | over documents | needs post-divergence | interval | component | summary | replicate value "
+             "| worse | range | plan metric |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in rows:
+        lines.append(f"| `{e.name}` | {AGGREGATIONS[e.aggregate]} | {yes(e.post_dependent)} | {yes(e.interval)} "
                     f"| {yes(e.component)} | {yes(e.summary)} | {'' if e.replicate is None else e.replicate} "
-                    f"| {e.worse} | {e.bounds} |")
-    return "\n".join(rows)
+                    f"| {e.worse} | {e.bounds} | {yes(e.plan)} |")
+    return "\n".join(lines)

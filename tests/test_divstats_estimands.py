@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 import divstats
+import protocols
 from divstats.calibration import coverage
-from divstats.estimands import ESTIMANDS, Estimand, by_name, markdown_table, names
+from divstats.estimands import ESTIMANDS, SPECULATIVE_ESTIMANDS, Estimand, by_name, markdown_table, names
 from divstats.estimation import components, estimators
 from divstats.report import tables
 from divstats.traces import replicates
@@ -78,13 +79,29 @@ def test_estimate_reports_every_estimand_in_table_order():
     assert all(est[e.name].attrs["description"] == e.description for e in ESTIMANDS)
 
 
-def test_docs_print_the_code_table():
+@pytest.mark.parametrize(("marker", "rows"), [("markdown_table()", ESTIMANDS),
+                                               ("markdown_table(SPECULATIVE_ESTIMANDS)", SPECULATIVE_ESTIMANDS)])
+def test_docs_print_the_code_table(marker: str, rows: tuple) -> None:
     text = (ROOT / "docs" / "statistics.md").read_text(encoding="utf-8")
-    start, end = "<!-- estimand-table: divstats.estimands.markdown_table() -->", "<!-- /estimand-table -->"
-    assert start in text and end in text, "docs/statistics.md lacks the estimand table markers"
+    start, end = f"<!-- estimand-table: divstats.estimands.{marker} -->", "<!-- /estimand-table -->"
+    assert start in text, f"docs/statistics.md lacks the marker {start}"
     printed = text.split(start, 1)[1].split(end, 1)[0].strip()
-    assert printed == markdown_table(), ("docs/statistics.md's estimand table differs from the code; paste "
-                                         "divstats.estimands.markdown_table()")
+    assert printed == markdown_table(rows), ("docs/statistics.md's estimand table differs from the code; paste "
+                                             f"divstats.estimands.{marker}")
+
+
+def test_speculative_variables_and_plan_metrics_come_from_their_table() -> None:
+    import numpy as np
+
+    from divstats.estimation.speculative import SPECULATIVE_METRICS
+
+    ds = protocols.reference_dataset(np.zeros((2, 4), int), np.full((2, 4), -0.5), np.full((2, 4), -0.7),
+                                     vocab_size=8)
+    spec = divstats.speculative(ds, gamma=(2,))
+    assert [v for v in spec.data_vars if not v.endswith("_se")] == [e.name for e in SPECULATIVE_ESTIMANDS]
+    assert all(spec[e.name].attrs["description"] == e.description for e in SPECULATIVE_ESTIMANDS)
+    assert SPECULATIVE_METRICS == {"target_calls": "larger", "tokens_per_call": "smaller",
+                                   "accepted_per_call": "smaller"}
 
 
 def test_interval_ranges_come_from_the_table():

@@ -19,6 +19,7 @@ import numpy as np
 import xarray as xr
 
 from divstats.errors import DivstatsError
+from divstats.estimands import SPECULATIVE_ESTIMANDS
 from divstats.estimation.resample import MIN_DOCS_AGGREGATE, document_interval
 from divstats.traces.arrays import core_array, kind_of, layout, mean_se, present_replicates, ratio_se
 from divstats.traces.replicates import eos_rows, horizon_of
@@ -31,17 +32,10 @@ __all__ = ["DEFAULT_GAMMAS", "SPECULATIVE_METRICS", "SPECULATIVE_VARS", "aggrega
 #: The draft lengths :func:`speculative` evaluates unless told otherwise.
 DEFAULT_GAMMAS: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
 
-#: Variables of :func:`speculative` (each with ``_se``) and what they are.
-SPECULATIVE_VARS: dict[str, str] = {
-    "target_calls": "E[C]: target (full-model) calls to produce the run's tokens, N = min(T, first EOS)",
-    "tokens": "E[N]: tokens the run produces (T when no path ends early)",
-    "accepted": "E[A]: accepted drafts among the run's tokens",
-    "tokens_per_call": "E[N] / E[C] (ratio of expectations; T / target_calls without EOS)",
-    "accepted_per_call": "E[A] / E[C]: accepted drafts per target call (ratio of expectations)",
-}
+#: Variables of :func:`speculative` (each with ``_se``) and what they are (the estimand table).
+SPECULATIVE_VARS: dict[str, str] = {e.name: e.description for e in SPECULATIVE_ESTIMANDS}
 #: The per-document quantities a plan may test (with ``gamma``), and which direction of A − B is worse.
-SPECULATIVE_METRICS: dict[str, str] = {"target_calls": "larger", "tokens_per_call": "smaller",
-                                       "accepted_per_call": "smaller"}
+SPECULATIVE_METRICS: dict[str, str] = {e.name: e.worse for e in SPECULATIVE_ESTIMANDS if e.plan}
 _SPEEDUP = ("speedup: T / (target_calls (1 + gamma c)), c = one draft step / one target step "
             "(tokens_per_call / (1 + gamma c) with EOS)")
 
