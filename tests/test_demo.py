@@ -24,7 +24,7 @@ OUTPUTS = ("traces.nc", "results.nc", "report.html", "summary.md", "plan.toml", 
 
 def _small(out: Path, **kw) -> DemoConfig:
     base = dict(out=out, docs_count=8, target_tokens=60, replicates=2, max_new_tokens=8, window=4,
-                n_resamples=200, progress=False)
+                n_resamples=200, progress=False, reference_docs=4)
     base.update(kw)
     return DemoConfig(**base)
 
@@ -40,6 +40,10 @@ def test_demo_with_a_running_server_resumes_and_refuses_other_sizes(tmp_path: Pa
         out = capsys.readouterr().out
         assert "F1-occ-budget" in out and "report: " in out and "snapkv@0.9" in out
         assert "noise floor (full vs full)" in out and "(control: the noise floor)" in out
+        # the reference set's own report, with its Speculative decoding section, and its headline
+        assert "tokens per target call" in out and "γ = 4" in out
+        spec_report = (tmp_path / "demo" / "speculative" / "report.html").read_text(encoding="utf-8")
+        assert "Speculative decoding" in spec_report
         assert an.plan.name == "kvdiv-paper-demo" and not an.plan_result.deviations
         policies = {r["candidate"] for r in server.requests}
         budget = int(next(p for p in policies if "#" in p).split("#")[1])
