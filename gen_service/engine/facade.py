@@ -3,7 +3,7 @@
 A thin facade over the package's functions (prefill, the decoding loops, the
 scheduler, TGI generate): it holds the model, the policy registry and the settings the
 operator and the benchmarks change on a live engine (``shared_prompt``,
-``force_replay``, ``batch_candidates``, ``fuse``). Its underscored methods are the
+``force_replay``, ``batch_candidates``, ``fuse``, ``readback_every``). Its underscored methods are the
 seams the tests and benchmarks patch or call (``_decode``, ``_coupled``,
 ``_residual``, ``_drive``, ``_run_forward``, ``_forward_stacked``): the facade routes
 through them so a patch on an instance takes effect.
@@ -26,6 +26,7 @@ from gen_service.engine.forwards import masked_attention, run_side, run_stacked
 from gen_service.engine.header import header
 from gen_service.engine.jobs import Cancelled, CandidateError, TraceJob, check, draw_seed
 from gen_service.engine.prefill import prefill, prefill_pair
+from gen_service.engine.readback import READBACK_EVERY
 from gen_service.engine.residual import residual
 from gen_service.engine.scheduler import Runner, drive, drive_many
 from gen_service.engine.sides import Forward, Prefilled, Side
@@ -61,6 +62,8 @@ class Engine:
         # P's and Q's stacked forwards as one: "auto" (measured per shape), "on" or "off"
         self.fuse = "auto"
         self.fusion: dict[tuple[int, int, int], dict[str, Any]] = {}
+        # decoding steps between the records' host copies (gen_service.engine.readback)
+        self.readback_every = READBACK_EVERY
 
     # ------------------------------------------------------------------ forwards
 
@@ -143,7 +146,7 @@ class Engine:
         return self._residual(job, p0, q0, gen, cancelled)
 
     def _context(self, job: TraceJob, gen: torch.Generator, cancelled: Callable[[], bool]) -> LoopContext:
-        return LoopContext(job, gen, self.lm.eos_token_ids, self.device, cancelled)
+        return LoopContext(job, gen, self.lm.eos_token_ids, self.device, cancelled, self.readback_every)
 
     def _coupled(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
                  cancelled: Callable[[], bool]) -> Iterator[Any]:
