@@ -1,0 +1,97 @@
+"""One attention call per layer for every stacked group (gen_service.shared_cache._Pool,
+gen_service.cascade.stacked_cascade_attention) against the group-by-group loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import gen_service.shared_cache as shared_cache
+from gen_service.cascade import cascade_attention_forward
+from gen_service.shared_cache import SharedPromptCache, StackedPromptCache
+
+H, HQ, D = 2, 4, 8
+
+
+class _Module(torch.nn.Module):
+    layer_idx = 0
+
+
+def _group(slots: int, rows: int, filled: int, seed: int, capacity: int = 6) -> SharedPromptCache:
+    gen = torch.Generator().manual_seed(seed)
+    dc = DynamicCache()
+    dc.update(torch.randn(1, H, slots, D, generator=gen), torch.randn(1, H, slots, D, generator=gen), 0)
+    cache = SharedPromptCache.from_dynamic(dc, capacity=capacity)
+    cache.batch_repeat_interleave(rows)
+    for _ in range(filled):
+        cache.update(torch.randn(rows, H, 1, D, generator=gen), torch.randn(rows, H, 1, D, generator=gen), 0)
+    return cache
+
+
+def _step(shape: list[tuple[int, int, int]], mode: str, masks: bool, seed: int = 0) -> torch.Tensor:
+    """One stacked layer forward (write the new token, attend) over fresh groups."""
+    groups = [_group(s, r, f, seed + i) for i, (s, r, f) in enumerate(shape)]
+    gen = torch.Generator().manual_seed(99)
+    n = sum(r for _, r, _ in shape)
+    mk = [None] * len(groups)
+    if masks:   # a branch-like mask: prompt + own slots, one own slot hidden in each group's first row
+        mk = []
+        for s, r, f in shape:
+            m = torch.ones(r, s + f + 1, dtype=torch.long)
+            if f:
+                m[0, s] = 0
+            mk.append(m)
+    before = shared_cache.STACKED_ATTENTION
+    shared_cache.STACKED_ATTENTION = mode
+    try:
+        stack = StackedPromptCache(groups, mk)
+        k, v = torch.randn(n, H, 1, D, generator=gen), torch.randn(n, H, 1, D, generator=gen)
+        stack.update(k, v, 0)
+        for g, m in zip(groups, mk, strict=True):
+            g.row_mask = m
+        q = torch.randn(n, HQ, 1, D, generator=gen)
+        out, _ = cascade_attention_forward(_Module(), q, k, v, None, kvdiv_shared_cache=stack)
+    finally:
+        shared_cache.STACKED_ATTENTION = before
+    return out
+
+
+SHAPES = [[(5, 2, 0), (5, 2, 0)],                   # equal everything, the first step
+          [(7, 3, 2), (4, 3, 2), (9, 3, 2)],        # prompts of different lengths
+          [(7, 1, 2), (4, 3, 2)],                   # different row counts
+          [(6, 2, 3), (6, 3, 1), (3, 1, 0)]]        # different fills (residual branches)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("masks", [False, True])
+def test_one_call_equals_the_group_by_group_loop(shape, masks):
+    batched = _step(shape, "batched", masks)
+    loop = _step(shape, "loop", masks)
+    assert batched.shape == loop.shape
+    torch.testing.assert_close(batched, loop, atol=2e-6, rtol=1e-5)
+
+
+def test_the_pool_is_kept_while_the_groups_stay_and_rebuilt_when_rows_change():
+    groups = [_group(5, 2, 1, 0), _group(3, 2, 1, 1)]
+    first = StackedPromptCache(groups, [None, None]).layers[0].pool
+    first_keys = groups[0].layers[0].prompt_keys.clone()
+    assert StackedPromptCache(groups, [None, None]).layers[0].pool is first     # no copy per step
+    assert torch.equal(groups[0].layers[0].prompt_keys, first_keys)           # the group reads its slice
+    groups[1].batch_select_indices(torch.tensor([1]))                          # a branch ended
+    again = StackedPromptCache(groups, [None, None]).layers[0].pool
+    assert again is not first and again.row_keys.shape[0] == 3
+
+
+def test_the_pool_grows_past_the_planned_capacity():
+    groups = [_group(4, 1, 0, 0, capacity=1), _group(4, 1, 0, 1, capacity=1)]
+    for _ in range(3):
+        stack = StackedPromptCache(groups, [None, None])
+        stack.update(torch.ones(2, H, 1, D), torch.ones(2, H, 1, D), 0)
+    assert all(g.layers[0].filled == 3 and g.layers[0].capacity >= 3 for g in groups)
+
+
+def test_a_stacked_forward_of_several_tokens_is_refused():
+    stack = StackedPromptCache([_group(4, 1, 0, 0), _group(4, 1, 0, 1)], [None, None])
+    with pytest.raises(ValueError, match="one token per row"):
+        stack.update(torch.ones(2, H, 2, D), torch.ones(2, H, 2, D), 0)
