@@ -18,27 +18,31 @@ class _Module(torch.nn.Module):
     layer_idx = 0
 
 
-def _group(slots: int, rows: int, filled: int, seed: int, capacity: int = 6) -> SharedPromptCache:
+def _randn(gen: torch.Generator, dev: str, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dev)     # the same numbers on every device
+
+
+def _group(slots: int, rows: int, filled: int, seed: int, capacity: int = 6, dev: str = "cpu") -> SharedPromptCache:
     gen = torch.Generator().manual_seed(seed)
     dc = DynamicCache()
-    dc.update(torch.randn(1, H, slots, D, generator=gen), torch.randn(1, H, slots, D, generator=gen), 0)
+    dc.update(_randn(gen, dev, 1, H, slots, D), _randn(gen, dev, 1, H, slots, D), 0)
     cache = SharedPromptCache.from_dynamic(dc, capacity=capacity)
     cache.batch_repeat_interleave(rows)
     for _ in range(filled):
-        cache.update(torch.randn(rows, H, 1, D, generator=gen), torch.randn(rows, H, 1, D, generator=gen), 0)
+        cache.update(_randn(gen, dev, rows, H, 1, D), _randn(gen, dev, rows, H, 1, D), 0)
     return cache
 
 
-def _step(shape: list[tuple[int, int, int]], mode: str, masks: bool, seed: int = 0) -> torch.Tensor:
+def _step(shape: list[tuple[int, int, int]], mode: str, masks: bool, seed: int = 0, dev: str = "cpu") -> torch.Tensor:
     """One stacked layer forward (write the new token, attend) over fresh groups."""
-    groups = [_group(s, r, f, seed + i) for i, (s, r, f) in enumerate(shape)]
+    groups = [_group(s, r, f, seed + i, dev=dev) for i, (s, r, f) in enumerate(shape)]
     gen = torch.Generator().manual_seed(99)
     n = sum(r for _, r, _ in shape)
     mk = [None] * len(groups)
     if masks:   # a branch-like mask: prompt + own slots, one own slot hidden in each group's first row
         mk = []
         for s, r, f in shape:
-            m = torch.ones(r, s + f + 1, dtype=torch.long)
+            m = torch.ones(r, s + f + 1, dtype=torch.long, device=dev)
             if f:
                 m[0, s] = 0
             mk.append(m)
@@ -46,11 +50,11 @@ def _step(shape: list[tuple[int, int, int]], mode: str, masks: bool, seed: int =
     shared_cache.STACKED_ATTENTION = mode
     try:
         stack = StackedPromptCache(groups, mk)
-        k, v = torch.randn(n, H, 1, D, generator=gen), torch.randn(n, H, 1, D, generator=gen)
+        k, v = _randn(gen, dev, n, H, 1, D), _randn(gen, dev, n, H, 1, D)
         stack.update(k, v, 0)
         for g, m in zip(groups, mk, strict=True):
             g.row_mask = m
-        q = torch.randn(n, HQ, 1, D, generator=gen)
+        q = _randn(gen, dev, n, HQ, 1, D)
         out, _ = cascade_attention_forward(_Module(), q, k, v, None, kvdiv_shared_cache=stack)
     finally:
         shared_cache.STACKED_ATTENTION = before
@@ -95,3 +99,16 @@ def test_a_stacked_forward_of_several_tokens_is_refused():
     stack = StackedPromptCache([_group(4, 1, 0, 0), _group(4, 1, 0, 1)], [None, None])
     with pytest.raises(ValueError, match="one token per row"):
         stack.update(torch.ones(2, H, 2, D), torch.ones(2, H, 2, D), 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_call_on_cuda_equals_the_loop():
+    """The batched call on the device (padded prompts take the explicit softmax on CUDA,
+    equal prompts the fused kernel) against the group-by-group loop there."""
+    for shape in SHAPES:
+        for masks in (False, True):
+            batched = _step(shape, "batched", masks, dev="cuda")
+            loop = _step(shape, "loop", masks, dev="cuda")
+            assert batched.device.type == "cuda"
+            torch.testing.assert_close(batched, loop, atol=1e-5, rtol=1e-4)
