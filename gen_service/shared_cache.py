@@ -326,30 +326,38 @@ class StackedPromptCache(Cache):
     ([6, 4], 3)
     """
 
-    def __init__(self, caches: list[SharedPromptCache], masks: list[torch.Tensor | None]):
+    def __init__(self, caches: list[SharedPromptCache], masks: list[torch.Tensor | None], static: bool = False):
         rows = [c.layers[0].rows for c in caches]
         starts = [sum(rows[:i]) for i in range(len(rows))]
         bounds = [(a, a + n) for a, n in zip(starts, rows, strict=True)]
         self.groups, self.bounds, self.masks = caches, bounds, masks
         self.rows = sum(rows)
-        self.batched = STACKED_ATTENTION == "batched"
-        if self.batched:
-            self._plan(caches, rows, masks)
+        self.batched = static or STACKED_ATTENTION == "batched"
+        self.static = static
         layers = [_StackedLayer([c.layers[i] for c in caches], bounds, self) for i in range(len(caches[0].layers))]
         super().__init__(layers=layers)
+        if self.batched:
+            self._plan(caches, rows, masks)
 
     def _plan(self, caches: list[SharedPromptCache], rows: list[int], masks: list[torch.Tensor | None]) -> None:
         """What every layer of this forward shares, made once: where each row writes, which
-        of the rows' slots each row sees, and how rows map to the padded query blocks."""
+        of the rows' slots each row sees, and how rows map to the padded query blocks.
+
+        ``static``: every tensor a layer reads has the same shape at every step (writes
+        at per-row slots held in a tensor, attention over the pool's whole capacity
+        with the unfilled slots masked), so a CUDA graph captured at one step replays at
+        the next with only these tensors' values changed."""
         fills = [c.layers[0].filled for c in caches]
         dev = caches[0].layers[0].prompt_keys.device
         per_row = [f for f, n in zip(fills, rows, strict=True) for _ in range(n)]
-        self.write_at: int | torch.Tensor = fills[0] if len(set(fills)) == 1 else torch.tensor(per_row, device=dev)
-        self.seen = max(fills) + 1                      # the rows' slots attended after the write
+        uniform = len(set(fills)) == 1 and not self.static
+        self.write_at: int | torch.Tensor = fills[0] if uniform else torch.tensor(per_row, device=dev)
+        # the rows' slots attended after the write: the filled ones, or the whole buffer
+        self.seen = self.layers[0].pool.row_keys.shape[2] if self.static else max(fills) + 1
         visible = None
-        if len(set(fills)) > 1:
+        if not uniform:
             slot = torch.arange(self.seen, device=dev)
-            visible = slot[None, :] <= torch.tensor(per_row, device=dev)[:, None]
+            visible = slot[None, :] <= self.write_at[:, None]
         if any(m is not None for m in masks):
             own = torch.ones(self.rows, self.seen, dtype=torch.bool, device=dev)
             for (a, b), m, f in zip(self.bounds, masks, fills, strict=True):

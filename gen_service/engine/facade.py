@@ -23,6 +23,7 @@ from gen_service.coupling import Sampling
 from gen_service.engine.context import LoopContext
 from gen_service.engine.coupled import coupled
 from gen_service.engine.forwards import masked_attention, run_side, run_stacked
+from gen_service.engine.graphs import CudaGraphs
 from gen_service.engine.header import header
 from gen_service.engine.jobs import Cancelled, CandidateError, TraceJob, check, draw_seed
 from gen_service.engine.prefill import prefill, prefill_pair
@@ -31,6 +32,7 @@ from gen_service.engine.residual import residual
 from gen_service.engine.scheduler import Runner, drive, drive_many
 from gen_service.engine.sides import Forward, Prefilled, Side
 from gen_service.engine.tgi import generate, prompt_logprobs
+from gen_service.errors import ConfigError
 from gen_service.head_masks import install
 from gen_service.models import LoadedModel
 from gen_service.presses import ModelInfo, Policy, PolicyRegistry
@@ -64,6 +66,8 @@ class Engine:
         self.fusion: dict[tuple[int, int, int], dict[str, Any]] = {}
         # decoding steps between the records' host copies (gen_service.engine.readback)
         self.readback_every = READBACK_EVERY
+        # stacked forwards captured as CUDA graphs and replayed (use_cuda_graphs; None: off)
+        self.cuda_graphs: CudaGraphs | None = None
 
     # ------------------------------------------------------------------ forwards
 
@@ -98,7 +102,25 @@ class Engine:
             return self.step(f.side, f.tokens, f.positions, f.mask)
 
     def _forward_stacked(self, fs: list[Forward]) -> list[torch.Tensor]:
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs.run(fs)
         return run_stacked(self.model, fs)
+
+    def use_cuda_graphs(self, on: bool) -> None:
+        """Capture the stacked decoding forwards as CUDA graphs and replay them
+        (:mod:`gen_service.engine.graphs`), or stop.
+
+        Raises
+        ------
+        ConfigError
+            When asked on a model that is not on a CUDA device.
+        """
+        if not on:
+            self.cuda_graphs = None
+            return
+        if self.device.type != "cuda":
+            raise ConfigError(f"--cuda-graphs needs a CUDA device; this server runs on {self.device.type}")
+        self.cuda_graphs = CudaGraphs(self.model)
 
     def _runner(self) -> Runner:
         """The scheduler's view of this engine's settings, read now."""
