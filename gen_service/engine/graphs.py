@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from gen_service.engine.forwards import run_stacked
 from gen_service.engine.sides import Forward
 from gen_service.logits import logits as fp32_logits
 from gen_service.shared_cache import StackedPromptCache, attention_route
@@ -65,10 +66,19 @@ class CudaGraphs:
         self.model = model
         self.graphs: dict[tuple[int, ...], _Graph] = {}
         self.captured = 0
+        self.failed: str | None = None    # why a capture failed (then every forward runs eagerly)
 
     @torch.inference_mode()
     def run(self, forwards: list[Forward]) -> list[torch.Tensor]:
-        """The stacked forward over ``forwards``' rows, from a graph (captured on first use)."""
+        """The stacked forward over ``forwards``' rows, from a graph (captured on first use).
+        Should a capture fail (an operation in the model's forward that a graph cannot
+        hold), the reason is logged and kept (:meth:`info`), and this and every later
+        stacked forward runs eagerly, as without the flag."""
+        if self.failed is not None:
+            return run_stacked(self.model, forwards)
+        return self._run(forwards)
+
+    def _run(self, forwards: list[Forward]) -> list[torch.Tensor]:
         stack = StackedPromptCache([f.side.cache for f in forwards], [f.mask for f in forwards], static=True)
         pools = [layer.pool for layer in stack.layers]
         key = tuple(id(p) for p in pools) + (stack.rows,)
@@ -79,7 +89,12 @@ class CudaGraphs:
         tokens = torch.cat([f.tokens for f in forwards])[:, None]
         positions = torch.cat([f.positions for f in forwards])[:, None]
         if entry is None:
-            entry = self._capture(stack, pools, tokens, positions)
+            try:
+                entry = self._capture(stack, pools, tokens, positions)
+            except RuntimeError as exc:   # the fill counts are back: run this step eagerly
+                self.failed = f"{type(exc).__name__}: {exc}"[:300]
+                log.warning("CUDA graph capture failed; stacked forwards run eagerly: %s", self.failed)
+                return run_stacked(self.model, forwards)
             self.graphs[key] = entry
         entry.tokens.copy_(tokens)
         entry.positions.copy_(positions)
@@ -114,24 +129,26 @@ class CudaGraphs:
             for part, n in zip(parts, filled, strict=True):
                 part.filled = n
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward()
-                rewind()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = forward()
-        rewind()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    forward()
+                    rewind()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = forward()
+        finally:
+            rewind()
         self.captured += 1
         log.info("captured a CUDA graph of the stacked forward: %d rows, %d groups", stack.rows, len(stack.groups))
         return _Graph(graph, pools, tok, pos, stack.write_at, stack.visible, out)
 
-    def info(self) -> dict[str, int]:
-        """Graphs held and captured so far (``/info``)."""
-        return {"held": len(self.graphs), "captured": self.captured}
+    def info(self) -> dict[str, Any]:
+        """Graphs held and captured so far, and why a capture failed (``/info``)."""
+        return {"held": len(self.graphs), "captured": self.captured, "failed": self.failed}
 
 
 def _alive(entry: _Graph) -> bool:
