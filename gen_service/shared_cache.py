@@ -194,14 +194,23 @@ class _Pool:
     every group still holds the very views it was given (a group that grows its
     buffer, or whose rows are selected, gets new tensors: the next stack rebuilds)."""
 
-    def __init__(self, parts: list[SharedPromptLayer]):
+    def __init__(self, parts: list[SharedPromptLayer], previous: _Pool | None = None):
         G = len(parts)
         lengths = [p.prompt_keys.shape[-2] for p in parts]
         first = parts[0].prompt_keys
         longest = max(lengths)
-        self.prompt_keys = first.new_zeros((G, first.shape[1], longest, first.shape[-1]))
         vals = parts[0].prompt_values
-        self.prompt_values = vals.new_zeros((G, vals.shape[1], longest, vals.shape[-1]))
+        # the same groups whose rows changed (a branch ended): keep the pooled prompts,
+        # so a rebuild copies only the rows' buffers
+        same = (previous is not None and len(previous.views) == G
+                and all(p.prompt_keys is k for p, (k, _) in zip(parts, previous.views, strict=True)))
+        if same:
+            self.prompt_keys, self.prompt_values = previous.prompt_keys, previous.prompt_values
+        else:
+            self.prompt_keys = first.new_zeros((G, first.shape[1], longest, first.shape[-1]))
+            self.prompt_values = vals.new_zeros((G, vals.shape[1], longest, vals.shape[-1]))
+        if previous is not None:      # its rows' buffers go as soon as no group reads them
+            previous.row_keys = previous.row_values = None
         need = max(p.filled for p in parts) + 1
         capacity = max(p.capacity for p in parts)
         capacity = capacity if need <= capacity else max(2 * capacity, need)   # grow geometrically
@@ -210,8 +219,9 @@ class _Pool:
         self.row_values = vals.new_zeros((sum(rows), vals.shape[1], capacity, vals.shape[-1]))
         a = 0
         for g, (part, n) in enumerate(zip(parts, lengths, strict=True)):
-            self.prompt_keys[g, :, :n] = part.prompt_keys[0]
-            self.prompt_values[g, :, :n] = part.prompt_values[0]
+            if not same:
+                self.prompt_keys[g, :, :n] = part.prompt_keys[0]
+                self.prompt_values[g, :, :n] = part.prompt_values[0]
             b = a + part.rows
             if part.row_keys is not None and part.filled:
                 self.row_keys[a:b, :, :part.filled] = part.row_keys[:, :, :part.filled]
@@ -235,7 +245,8 @@ class _Pool:
 
     def holds(self, parts: list[SharedPromptLayer]) -> bool:
         """Whether these groups, in this order, still sit in this pool's buffers."""
-        return (len(parts) == len(self.parts) and max(p.filled for p in parts) < self.row_keys.shape[2]
+        return (self.row_keys is not None and len(parts) == len(self.parts)
+                and max(p.filled for p in parts) < self.row_keys.shape[2]
                 and all(p is q and p.prompt_keys is k and p.row_keys is r
                         for p, q, (k, r) in zip(parts, self.parts, self.views, strict=True)))
 
@@ -253,7 +264,7 @@ class _StackedLayer(CacheLayerMixin):
         self.pool: _Pool | None = None
         if stack.batched:
             pool = getattr(parts[0], "pool", None)
-            self.pool = pool if pool is not None and pool.holds(parts) else _Pool(parts)
+            self.pool = pool if pool is not None and pool.holds(parts) else _Pool(parts, pool)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -158,6 +158,7 @@ def test_the_pool_is_kept_while_the_groups_stay_and_rebuilt_when_rows_change():
     groups[1].batch_select_indices(torch.tensor([1]))                          # a branch ended
     again = StackedPromptCache(groups, [None, None]).layers[0].pool
     assert again is not first and again.row_keys.shape[0] == 3
+    assert again.prompt_keys is first.prompt_keys and first.row_keys is None   # rows copied, prompts kept
 
 
 def test_the_pool_grows_past_the_planned_capacity():
