@@ -91,7 +91,7 @@ step() {  # step NAME SECONDS CMD...: run with a time limit and a log; the table
 }
 
 step gpu-tests 140 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider --junitxml="$WORK/gpu-tests.xml" \
-  tests/test_shared_prompt_gpu.py tests/test_memory_gpu.py
+  tests/test_shared_prompt_gpu.py tests/test_memory_gpu.py tests/test_engine_host_syncs.py tests/test_stacked_attention.py
 step study 140 "$PY" benchmarks/gpu_check.py study --out "$WORK" "${DRYFLAG[@]}"
 step memory 70 "$PY" benchmarks/gpu_check.py memory --out "$WORK" "${DRYFLAG[@]}"
 step throughput 80 "$PY" benchmarks/gpu_check.py throughput --out "$WORK" "${DRYFLAG[@]}"

@@ -29,7 +29,7 @@ import torch
 
 from gen_service.head_masks import HIDDEN_ATTR
 
-__all__ = ["CACHE_KWARG", "CASCADE", "cascade_attention", "cascade_attention_forward"]
+__all__ = ["CACHE_KWARG", "CASCADE", "cascade_attention", "cascade_attention_forward", "stacked_cascade_attention"]
 
 CASCADE = "kvdiv_cascade"
 CACHE_KWARG = "kvdiv_shared_cache"
@@ -145,23 +145,97 @@ def cascade_attention(query: torch.Tensor, prompt_keys: torch.Tensor, prompt_val
                             None if hidden is None else hidden[:1, :, :L])
     o1, lse1 = (t.reshape(Hkv, R, g * n, -1).transpose(0, 1) for t in (o1, lse1))    # (R, Hkv, g*n, ·)
     if row_keys is not None and row_keys.shape[-2] > 0:
-        s2 = torch.matmul(q, row_keys.transpose(-1, -2)) * scaling        # (R, Hkv, g*n, m)
         m = row_keys.shape[-2]
         visible = _row_visibility(m, n, g, row_mask, query.device)
         if hidden is not None:
             own = ~hidden[:, :, None, L:L + m]                            # (R, Hkv, 1, m)
             visible = own if visible is None else visible & own
-        if visible is not None:
-            s2 = s2.masked_fill(~visible, float("-inf"))
-        m2, l2, o2 = _part(s2, row_values)
-        # merge: weights relative to the larger of the two parts' maxima
-        top = torch.maximum(lse1, m2)
-        a1, a2 = torch.exp(lse1 - top), torch.exp(m2 - top)
-        out = (o1 * a1 + o2 * a2) / (a1 + l2 * a2)
+        out = _with_rows(q, o1, lse1, row_keys, row_values, visible, scaling)
     else:
         out = o1
     # (R, Hkv, g*n, D) -> (R, n, Hq, D)
     return out.to(query.dtype).reshape(R, Hq, n, D).transpose(1, 2).contiguous()
+
+
+def _with_rows(q: torch.Tensor, o1: torch.Tensor, lse1: torch.Tensor, row_keys: torch.Tensor,
+               row_values: torch.Tensor, visible: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """The prompt part's (output, log-sum-exp) merged with the rows' own part, whose
+    ``visible`` keys (broadcast to (R, Hkv, g*n, m); None: all) each row attends."""
+    s2 = torch.matmul(q, row_keys.transpose(-1, -2)) * scaling        # (R, Hkv, g*n, m)
+    if visible is not None:
+        s2 = s2.masked_fill(~visible, float("-inf"))
+    m2, l2, o2 = _part(s2, row_values)
+    # merge: weights relative to the larger of the two parts' maxima
+    top = torch.maximum(lse1, m2)
+    a1, a2 = torch.exp(lse1 - top), torch.exp(m2 - top)
+    return (o1 * a1 + o2 * a2) / (a1 + l2 * a2)
+
+
+def stacked_cascade_attention(query: torch.Tensor, prompt_keys: torch.Tensor, prompt_values: torch.Tensor,
+                              pad: torch.Tensor | None, row_keys: torch.Tensor, row_values: torch.Tensor,
+                              visible: torch.Tensor | None, scaling: float, widest: int,
+                              row_group: torch.Tensor | None = None, row_index: torch.Tensor | None = None,
+                              fused: bool = True) -> torch.Tensor:
+    """:func:`cascade_attention` for G groups in one call per part: the op count does not
+    grow with G.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        (rows, q_heads, 1, head_dim), the groups' rows in order (one new token each).
+    prompt_keys, prompt_values : torch.Tensor
+        (G, kv_heads, L_max, head_dim): group g's prompt in its first slots.
+    pad : torch.Tensor or None
+        (G, 1, L_max) boolean, the padding slots of shorter prompts (None: none).
+    row_keys, row_values : torch.Tensor
+        (rows, kv_heads, m, head_dim): every row's own slots (the new token's included).
+    visible : torch.Tensor or None
+        (rows, 1, 1, m) boolean: the own slots each row attends (None: all m).
+    scaling : float
+        The softmax temperature.
+    widest : int
+        The largest group's rows; every group has that many when ``row_group`` is None.
+    row_group, row_index : torch.Tensor, optional
+        (rows,) long: each row's group and its index in it, when the groups' row counts
+        differ (their query blocks are then padded to ``widest`` rows).
+    fused : bool
+        Use torch's fused kernel for the prompt part where it runs.
+
+    Returns
+    -------
+    torch.Tensor
+        (rows, 1, q_heads, head_dim).
+
+    Examples
+    --------
+    >>> q = torch.randn(4, 4, 1, 8)
+    >>> pk, pv = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    >>> rk, rv = torch.randn(4, 2, 3, 8), torch.randn(4, 2, 3, 8)
+    >>> out = stacked_cascade_attention(q, pk, pv, None, rk, rv, None, 8 ** -0.5, widest=2)
+    >>> alone = cascade_attention(q[2:], pk[1:], pv[1:], rk[2:], rv[2:], 8 ** -0.5)
+    >>> bool(torch.allclose(out[2:], alone, atol=1e-5))
+    True
+    """
+    N, Hq, n, D = query.shape
+    G, Hkv = prompt_keys.shape[:2]
+    g = Hq // Hkv
+    q = query.reshape(N, Hkv, g, D)
+    # each group's queries of a KV head as one query block against its own prompt:
+    # (G, widest, Hkv, g, D) -> (G, Hkv, widest * g, D)
+    if row_group is None:
+        blocks = q.reshape(G, widest, Hkv, g, D)
+    else:
+        blocks = q.new_zeros(G, widest, Hkv, g, D)
+        blocks[row_group, row_index] = q
+    qp = blocks.transpose(1, 2).reshape(G, Hkv, widest * g, D)
+    o1, lse1 = _prompt_part(qp, prompt_keys, prompt_values, scaling, fused, pad)
+    o1, lse1 = (t.reshape(G, Hkv, widest, g, -1).transpose(1, 2) for t in (o1, lse1))   # (G, widest, Hkv, g, ·)
+    if row_group is None:
+        o1, lse1 = o1.reshape(N, Hkv, g, -1), lse1.reshape(N, Hkv, g, 1)
+    else:
+        o1, lse1 = o1[row_group, row_index], lse1[row_group, row_index]
+    out = _with_rows(q, o1, lse1, row_keys, row_values, visible, scaling)
+    return out.to(query.dtype).reshape(N, Hq, 1, D).transpose(1, 2).contiguous()
 
 
 def _row_visibility(m: int, n: int, g: int, row_mask: torch.Tensor | None,
@@ -188,8 +262,9 @@ def cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     ``key``/``value`` are the rows' own slots, as the shared cache's ``update``
     returned them; the prompt and the per-row mask come from the cache passed to the
     forward as ``kvdiv_shared_cache``. A stacked cache (several groups in one batch,
-    its ``groups`` and ``bounds``) is attended group by group, each group's rows over
-    its own prompt and slots. ``attention_mask`` is unused (the shared cache
+    its ``groups`` and ``bounds``) is attended in one call per layer over its pooled
+    buffers (:func:`stacked_cascade_attention`), each group's rows over its own prompt
+    and slots; or group by group (``STACKED_ATTENTION = "loop"``). ``attention_mask`` is unused (the shared cache
     carries the mask over its rows' own slots; head-wise presses' masks come from the
     module, as gen_service.head_masks leaves them for one forward). The argument order is
     transformers' SDPA function's: kvpress's attention patch passes ``dropout``
@@ -211,8 +286,15 @@ def cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         layer = cache.layers[module.layer_idx]
         return cascade_attention(query, layer.prompt_keys, layer.prompt_values, key, value, scaling, cache.row_mask,
                                  hidden=hidden), None
-    # several groups stacked in one batch (gen_service.shared_cache.StackedPromptCache):
-    # each group's queries attend to its own prompt and rows, as its own forward would
+    # several groups stacked in one batch (gen_service.shared_cache.StackedPromptCache)
+    layer = cache.layers[module.layer_idx]
+    if layer.pool is not None:    # every group in one call, over the pooled buffers
+        pool = layer.pool
+        return stacked_cascade_attention(query, pool.prompt_keys, pool.prompt_values, pool.pad,
+                                         pool.row_keys[:, :, :cache.seen], pool.row_values[:, :, :cache.seen],
+                                         cache.visible, scaling, cache.widest, cache.row_group,
+                                         cache.row_index), None
+    # group by group: each group's queries over its own prompt and rows, as its own forward would
     outs = []
     for group, (a, b) in zip(groups, cache.bounds, strict=True):
         layer = group.layers[module.layer_idx]

@@ -244,7 +244,7 @@ def absorb_eos(p: torch.Tensor, done: torch.Tensor, eos: int | torch.Tensor | No
 
     Raises
     ------
-    IndexError
+    RuntimeError
         If an EOS id is outside the vocabulary.
 
     Examples
@@ -254,16 +254,16 @@ def absorb_eos(p: torch.Tensor, done: torch.Tensor, eos: int | torch.Tensor | No
     >>> absorb_eos(torch.full((2, 3), 1 / 3), torch.tensor([True, True]), torch.tensor([2, 0])).tolist()
     [[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
     """
-    if eos is None or not bool(done.any()):
+    if eos is None:
         return p
-    p = p.clone()
-    p[done] = 0.0
+    # branchless (no host read of ``done``): every row's point mass, kept where done;
+    # the same values as replacing the done rows, with no device-to-host round-trip
     if isinstance(eos, torch.Tensor):
-        rows = done.nonzero().squeeze(-1)
-        p[rows, eos.to(p.device)[rows]] = 1.0
+        ids = eos.to(p.device).clamp_min(0)     # running rows hold -1: any valid id, not kept
     else:
-        p[done, eos] = 1.0
-    return p
+        ids = torch.full(done.shape, int(eos), dtype=torch.long, device=p.device)
+    point = torch.zeros_like(p).scatter_(-1, ids[:, None], 1.0)
+    return torch.where(done[:, None], point, p)
 
 
 def ended_on(end: torch.Tensor, tokens: torch.Tensor, eos: torch.Tensor | None) -> torch.Tensor:
@@ -333,8 +333,8 @@ def _draw(weights: torch.Tensor, fallback: torch.Tensor, gen: torch.Generator) -
     """One categorical draw per row from unnormalised weights; rows whose weights are
     all zero (rounding can empty a residual of mass ~1e-8) draw from ``fallback``."""
     empty = weights.sum(-1) <= 0
-    if bool(empty.any()):
-        weights = torch.where(empty[:, None], fallback, weights)
+    # always selected (no host read of ``empty``): the same weights, no round-trip
+    weights = torch.where(empty[:, None], fallback, weights)
     return torch.multinomial(weights, 1, generator=gen).squeeze(-1)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from protocols.logit_fields import LOGIT_SUMMARIES, wire_logits
 
-__all__ = ["LogitFields", "at_steps", "logit_fields", "step_logits"]
+__all__ = ["LogitFields", "PendingLogits", "at_steps", "logit_fields", "step_logits"]
 
 # The value columns of LogitFields.values, in order: four top-k blocks of k, then the summaries.
 _TOP_VALUES = ("p_top_logp", "p_top_logq", "q_top_logq", "q_top_logp")
@@ -161,3 +161,42 @@ def step_logits(p: torch.Tensor, q: torch.Tensor, k: int,
     if not k:
         return None
     return wire_logits(logit_fields(p, q, k).host(), observed)
+
+
+class PendingLogits:
+    """A loop's logit traces kept on the device until their step's record is built.
+
+    The loops build records only when their :class:`~gen_service.engine.readback.Readback`
+    copies a batch of steps to the host (every k steps), so a step's fields wait here,
+    computed on the device when the step is drawn, and go to the host as the record is
+    built; with ``k = 0`` (no logit traces asked for) nothing is kept or computed.
+
+    Parameters
+    ----------
+    k : int
+        ``top_logprobs``; 0 for none.
+
+    Examples
+    --------
+    >>> later = PendingLogits(1)
+    >>> later.keep(1, torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.5]]))
+    >>> later.wire(1)["kl_pq"]
+    [0.6931471824645996]
+    >>> PendingLogits(0).wire(1) is None
+    True
+    """
+
+    def __init__(self, k: int):
+        self.k = k
+        self.steps: dict[int, LogitFields] = {}
+
+    def keep(self, t: int, p: torch.Tensor, q: torch.Tensor) -> None:
+        """Compute step ``t``'s fields from its (rows, V) laws, on their device."""
+        if self.k:
+            self.steps[t] = logit_fields(p, q, self.k)
+
+    def wire(self, t: int, observed: list[bool] | None = None) -> dict[str, list[Any]] | None:
+        """Step ``t``'s ``logits`` object (:func:`step_logits`), or None without logit traces."""
+        fields = self.steps.pop(t, None)
+        return None if fields is None else wire_logits(fields.host(), observed)
+

@@ -19,9 +19,11 @@ weights (both sides, P and Q, whatever the candidate keeps):
   a tiled attention block, or under eager attention one layer's every score at once,
   :func:`eager_attention_bytes`) and one decoding step over R rows (hidden states and MLP
   for 2R rows, P's and Q's in one forward when fused, one layer's attention scores over
-  the prompt, the (R, vocab) float32 tensors of the logits and the coupling, and the
-  transient copies of one layer's cache a per-row side makes); a multi-candidate
-  request counts every candidate's rows;
+  the prompt, the (R, vocab) float32 tensors of the logits and the coupling, the
+  transient copies of one layer's cache a per-row side makes, and the pooled copy of
+  the shared sides' prompts, padded to the prompt's length, and of the rows' buffers
+  that stacked forwards build once, docs/service.md "One attention call per layer");
+  a multi-candidate request counts every candidate's rows;
 - logit traces (``top_logprobs`` k > 0, gen_service/logit_traces.py): :data:`LOGIT_TENSORS`
   more (R, vocab) float32 tensors per step in ``activations``, and in ``row_kv`` the
   survival path's fields a residual request keeps for its branch points (T × R × (6k + 4)
@@ -349,14 +351,18 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
                          f"{horizon}, {len(sides)}")
     token = shape.kv_bytes_per_token
     slots = horizon * (2 if kind == Kind.RESIDUAL else 1)
-    prompt_kv = transient = 0
+    prompt_kv = transient = pooled = 0
     for cand in sides:
         for side in (cand.p, cand.q):
             kept = side.kept(prompt_tokens)
             prompt_kv += cand.prompt_copies(side, rows, kind) * kept * token
             transient += side.transient(shape) * rows * (kept + slots) * token // shape.layers
+            # stacked forwards pool the shared sides' prompts, padded to the longest
+            # (gen_service.shared_cache._Pool), next to the old tensors while it is built
+            pooled += prompt_tokens * token if side.shared else 0
     rows *= len(sides)   # every candidate's rows, decoded together
     row_kv = 2 * rows * slots * token
+    transient += pooled + (row_kv if pooled else 0)   # and the rows' buffers, copied once into it
     if top_logprobs and kind == Kind.RESIDUAL:   # each survival step's fields, kept for the branch points
         row_kv += horizon * rows * (6 * top_logprobs + 4) * 4
     b = shape.dtype_bytes

@@ -63,6 +63,7 @@ class ServiceConfig:
     max_candidates: int = 64            # candidates in one /v1/traces request (1: `candidates` off)
     batch_candidates: bool = True       # stack the candidates' forwards (False: bit-identical to separate requests)
     fuse: str = "auto"                  # P's and Q's forwards as one: auto (measured per shape), on, off
+    cuda_graphs: bool = False           # stacked decoding forwards as CUDA graphs (CUDA only)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():

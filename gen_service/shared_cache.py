@@ -43,8 +43,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from gen_service.cascade import CACHE_KWARG, CASCADE, cascade_attention_forward
 
-__all__ = ["SharedPromptCache", "SharedPromptLayer", "StackedPromptCache", "attention_route", "can_share",
-           "share_prompt", "stackable"]
+__all__ = ["STACKED_ATTENTION", "SharedPromptCache", "SharedPromptLayer", "StackedPromptCache", "attention_route",
+           "can_share", "share_prompt", "stackable"]
 
 AttentionInterface.register(CASCADE, cascade_attention_forward)
 
@@ -66,6 +66,7 @@ class SharedPromptLayer(CacheLayerMixin):
         self.filled = 0
         self.row_keys: torch.Tensor | None = None
         self.row_values: torch.Tensor | None = None
+        self.pool: Any = None        # the stacked forwards' buffers this layer's tensors sit in
         self.is_initialized = True
 
     # -- CacheLayerMixin
@@ -176,15 +177,94 @@ class SharedPromptCache(Cache):
         return sum(layer.prompt_bytes() for layer in self.layers)
 
 
+#: how a stacked forward attends: "batched" (every group in one call per layer, over the
+#: pooled buffers below) or "loop" (group by group, the earlier way; kept as the
+#: baseline benchmarks/bench_engine_ops.py measures against)
+STACKED_ATTENTION = "batched"
+
+
+class _Pool:
+    """One layer's buffers for a stack of groups, each group's own tensors views of them.
+
+    ``prompt_keys``/``prompt_values`` are (G, heads, L_max, dim): group g's prompt in
+    its first L_g slots (shorter prompts padded, ``pad`` marks the padding), and the
+    rows' buffers ``row_keys``/``row_values`` are (Σ rows, heads, capacity, dim). Each
+    group's ``SharedPromptLayer`` is re-pointed at its slice (no copy kept twice), so
+    attention reads every group with one call, and the pool stays valid for as long as
+    every group still holds the very views it was given (a group that grows its
+    buffer, or whose rows are selected, gets new tensors: the next stack rebuilds)."""
+
+    def __init__(self, parts: list[SharedPromptLayer], previous: _Pool | None = None):
+        G = len(parts)
+        lengths = [p.prompt_keys.shape[-2] for p in parts]
+        first = parts[0].prompt_keys
+        longest = max(lengths)
+        vals = parts[0].prompt_values
+        # the same groups whose rows changed (a branch ended): keep the pooled prompts,
+        # so a rebuild copies only the rows' buffers
+        same = (previous is not None and len(previous.views) == G
+                and all(p.prompt_keys is k for p, (k, _) in zip(parts, previous.views, strict=True)))
+        if same:
+            self.prompt_keys, self.prompt_values = previous.prompt_keys, previous.prompt_values
+        else:
+            self.prompt_keys = first.new_zeros((G, first.shape[1], longest, first.shape[-1]))
+            self.prompt_values = vals.new_zeros((G, vals.shape[1], longest, vals.shape[-1]))
+        if previous is not None:      # its rows' buffers go as soon as no group reads them
+            previous.row_keys = previous.row_values = None
+        need = max(p.filled for p in parts) + 1
+        capacity = max(p.capacity for p in parts)
+        capacity = capacity if need <= capacity else max(2 * capacity, need)   # grow geometrically
+        rows = [p.rows for p in parts]
+        self.row_keys = first.new_zeros((sum(rows), first.shape[1], capacity, first.shape[-1]))
+        self.row_values = vals.new_zeros((sum(rows), vals.shape[1], capacity, vals.shape[-1]))
+        a = 0
+        for g, (part, n) in enumerate(zip(parts, lengths, strict=True)):
+            if not same:
+                self.prompt_keys[g, :, :n] = part.prompt_keys[0]
+                self.prompt_values[g, :, :n] = part.prompt_values[0]
+            b = a + part.rows
+            if part.row_keys is not None and part.filled:
+                self.row_keys[a:b, :, :part.filled] = part.row_keys[:, :, :part.filled]
+                self.row_values[a:b, :, :part.filled] = part.row_values[:, :, :part.filled]
+            part.prompt_keys = part.keys = self.prompt_keys[g:g + 1, :, :n]
+            part.prompt_values = part.values = self.prompt_values[g:g + 1, :, :n]
+            part.row_keys, part.row_values = self.row_keys[a:b], self.row_values[a:b]
+            part.capacity = capacity
+            part.pool = self
+            a = b
+        self.parts = list(parts)
+        self.views = [(p.prompt_keys, p.row_keys) for p in parts]
+        slot = torch.arange(longest, device=first.device)
+        sizes = torch.tensor(lengths, device=first.device)
+        # (G, 1, L_max): the padded slots, hidden from every query (None: none padded)
+        self.pad = None if len(set(lengths)) == 1 else (slot[None, :] >= sizes[:, None])[:, None, :]
+
+    def __deepcopy__(self, memo: dict) -> None:
+        """A copied layer (a snapshot) owns its tensors and no pool: nothing to copy."""
+        return None
+
+    def holds(self, parts: list[SharedPromptLayer]) -> bool:
+        """Whether these groups, in this order, still sit in this pool's buffers."""
+        return (self.row_keys is not None and len(parts) == len(self.parts)
+                and max(p.filled for p in parts) < self.row_keys.shape[2]
+                and all(p is q and p.prompt_keys is k and p.row_keys is r
+                        for p, q, (k, r) in zip(parts, self.parts, self.views, strict=True)))
+
+
 class _StackedLayer(CacheLayerMixin):
-    """One layer of a :class:`StackedPromptCache`: splits the new tokens by group."""
+    """One layer of a :class:`StackedPromptCache`: writes the new tokens into each group's
+    rows (one write into the pool for all groups, batched mode)."""
 
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, parts: list[SharedPromptLayer], bounds: list[tuple[int, int]]):
+    def __init__(self, parts: list[SharedPromptLayer], bounds: list[tuple[int, int]], stack: StackedPromptCache):
         super().__init__()
-        self.parts, self.bounds = parts, bounds
+        self.parts, self.bounds, self.stack = parts, bounds, stack
+        self.pool: _Pool | None = None
+        if stack.batched:
+            pool = getattr(parts[0], "pool", None)
+            self.pool = pool if pool is not None and pool.holds(parts) else _Pool(parts, pool)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -193,8 +273,22 @@ class _StackedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
                cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each group's rows into its own layer; the attention reads the groups back."""
-        for part, (a, b) in zip(self.parts, self.bounds, strict=True):
-            part.update(key_states[a:b], value_states[a:b], cache_kwargs)
+        if self.pool is None:
+            for part, (a, b) in zip(self.parts, self.bounds, strict=True):
+                part.update(key_states[a:b], value_states[a:b], cache_kwargs)
+            return key_states, value_states
+        if key_states.shape[-2] != 1:
+            raise ValueError(f"a stacked forward feeds one token per row, got {key_states.shape[-2]}")
+        at = self.stack.write_at
+        if isinstance(at, int):       # every group at the same fill: one slice for all rows
+            self.pool.row_keys[:, :, at:at + 1] = key_states
+            self.pool.row_values[:, :, at:at + 1] = value_states
+        else:                         # per-row slots: one indexed write
+            rows = torch.arange(key_states.shape[0], device=key_states.device)
+            self.pool.row_keys[rows, :, at] = key_states[:, :, 0]
+            self.pool.row_values[rows, :, at] = value_states[:, :, 0]
+        for part in self.parts:
+            part.filled += 1
         return key_states, value_states
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
@@ -213,9 +307,13 @@ class StackedPromptCache(Cache):
     Each group (one :class:`SharedPromptCache`: its own prompt, compressed or not, and
     its own rows) keeps its state; the forward's batch is the groups' rows in order.
     The row-wise parts of the model (projections, MLP, norms, rotary embeddings) run
-    once over all rows, while attention runs group by group on exactly the tensors a
-    forward of that group alone would use (:func:`gen_service.cascade.cascade_attention_forward`
-    reads :attr:`groups`), so only the row-wise matmuls see a larger batch.
+    once over all rows. Attention also runs once per layer for all groups
+    (:func:`gen_service.cascade.stacked_cascade_attention`): the groups' prompts and
+    rows live in one pooled buffer per layer (:class:`_Pool`, built on the first
+    stacked forward and kept while the groups stay), shorter prompts padded and masked,
+    so the number of tensor operations per forward does not grow with the groups.
+    ``STACKED_ATTENTION = "loop"`` attends group by group instead, each group on
+    exactly the tensors a forward of it alone would use.
 
     Parameters
     ----------
@@ -239,14 +337,51 @@ class StackedPromptCache(Cache):
     ([6, 4], 3)
     """
 
-    def __init__(self, caches: list[SharedPromptCache], masks: list[torch.Tensor | None]):
+    def __init__(self, caches: list[SharedPromptCache], masks: list[torch.Tensor | None], static: bool = False):
         rows = [c.layers[0].rows for c in caches]
         starts = [sum(rows[:i]) for i in range(len(rows))]
         bounds = [(a, a + n) for a, n in zip(starts, rows, strict=True)]
-        layers = [_StackedLayer([c.layers[i] for c in caches], bounds) for i in range(len(caches[0].layers))]
-        super().__init__(layers=layers)
         self.groups, self.bounds, self.masks = caches, bounds, masks
         self.rows = sum(rows)
+        self.batched = static or STACKED_ATTENTION == "batched"
+        self.static = static
+        layers = [_StackedLayer([c.layers[i] for c in caches], bounds, self) for i in range(len(caches[0].layers))]
+        super().__init__(layers=layers)
+        if self.batched:
+            self._plan(caches, rows, masks)
+
+    def _plan(self, caches: list[SharedPromptCache], rows: list[int], masks: list[torch.Tensor | None]) -> None:
+        """What every layer of this forward shares, made once: where each row writes, which
+        of the rows' slots each row sees, and how rows map to the padded query blocks.
+
+        ``static``: every tensor a layer reads has the same shape at every step (writes
+        at per-row slots held in a tensor, attention over the pool's whole capacity
+        with the unfilled slots masked), so a CUDA graph captured at one step replays at
+        the next with only these tensors' values changed."""
+        fills = [c.layers[0].filled for c in caches]
+        dev = caches[0].layers[0].prompt_keys.device
+        per_row = [f for f, n in zip(fills, rows, strict=True) for _ in range(n)]
+        uniform = len(set(fills)) == 1 and not self.static
+        self.write_at: int | torch.Tensor = fills[0] if uniform else torch.tensor(per_row, device=dev)
+        # the rows' slots attended after the write: the filled ones, or the whole buffer
+        self.seen = self.layers[0].pool.row_keys.shape[2] if self.static else max(fills) + 1
+        visible = None
+        if not uniform:
+            slot = torch.arange(self.seen, device=dev)
+            visible = slot[None, :] <= self.write_at[:, None]
+        if any(m is not None for m in masks):
+            own = torch.ones(self.rows, self.seen, dtype=torch.bool, device=dev)
+            for (a, b), m, f in zip(self.bounds, masks, fills, strict=True):
+                if m is not None:     # a group's mask ends with its own slots, the new one included
+                    own[a:b, :f + 1] = m[:, -(f + 1):].bool()
+            visible = own if visible is None else visible & own
+        self.visible = None if visible is None else visible[:, None, None, :]     # (rows, 1, 1, seen)
+        # rows -> (group, index in group): the padded query blocks of the prompt part
+        self.even = len(set(rows)) == 1
+        self.widest = max(rows)
+        self.row_group = None if self.even else torch.tensor(
+            [g for g, n in enumerate(rows) for _ in range(n)], device=dev)
+        self.row_index = None if self.even else torch.tensor([i for n in rows for i in range(n)], device=dev)
 
 
 def stackable(side: Any) -> bool:

@@ -14,6 +14,7 @@ from scipy import stats
 
 from gen_service.coupling import Sampling, probs, tv
 from gen_service.engine import Cancelled, Engine, TraceJob
+from gen_service.engine.readback import READBACK_EVERY
 from gen_service.models import load_model
 from gen_service.presses import PolicyError, PolicyRegistry
 from protocols import assemble
@@ -155,16 +156,22 @@ def test_greedy_is_point_mass(engine: Engine, prompt: list[int]) -> None:
         assert len(set(r["x_token"])) == 1 and all(t in (0.0, 1.0) for t in r["tv"])
 
 
-def test_cancellation_between_steps(engine: Engine, prompt: list[int]) -> None:
+@pytest.mark.parametrize("every", [1, 8])
+def test_cancellation_between_steps(engine: Engine, prompt: list[int], every: int) -> None:
     seen = []
 
     def cancelled() -> bool:
         return len(seen) >= 3
 
-    with pytest.raises(Cancelled):
-        for rec in engine.trace(TraceJob(prompt_ids=prompt, candidate="snapkv@0.5", horizon=50), cancelled):
-            seen.append(rec)
-    assert len(seen) == 3
+    engine.readback_every = every     # records come k steps at a time; the flag is read every step
+    try:
+        with pytest.raises(Cancelled):
+            for rec in engine.trace(TraceJob(prompt_ids=prompt, candidate="snapkv@0.5", horizon=50), cancelled):
+                seen.append(rec)
+    finally:
+        engine.readback_every = READBACK_EVERY
+    # the header, then step records until the flag is seen: the next step's check stops it
+    assert len(seen) == 1 + max(2, every)
 
 
 def test_policy_registry() -> None:

@@ -22,6 +22,7 @@ import torch
 
 from gen_service.coupling import History, Sampling, probs, tv
 from gen_service.engine import Cancelled, CandidateDone, Engine, TraceJob
+from gen_service.engine.readback import READBACK_EVERY
 from gen_service.models import load_model
 from gen_service.requests import RequestLimits, parse_trace
 from protocols import StreamWriter, assemble, validate
@@ -161,13 +162,19 @@ def test_several_eos_ids_are_absorbing(engine: Engine, prompt: list[int]) -> Non
     validate(assemble(lines(recs)))
 
 
-def test_cancellation_between_steps(engine: Engine, prompt: list[int]) -> None:
+@pytest.mark.parametrize("every", [1, 8])
+def test_cancellation_between_steps(engine: Engine, prompt: list[int], every: int) -> None:
     seen: list[dict] = []
-    with pytest.raises(Cancelled):
-        job = TraceJob(prompt_ids=prompt, candidate="snapkv@0.5", kind="reference", horizon=50)
-        for rec in engine.trace(job, lambda: len(seen) >= 3):
-            seen.append(rec)
-    assert len(seen) == 3
+    engine.readback_every = every     # records come k steps at a time; the flag is read every step
+    try:
+        with pytest.raises(Cancelled):
+            job = TraceJob(prompt_ids=prompt, candidate="snapkv@0.5", kind="reference", horizon=50)
+            for rec in engine.trace(job, lambda: len(seen) >= 3):
+                seen.append(rec)
+    finally:
+        engine.readback_every = READBACK_EVERY
+    # the header, then step records until the flag is seen: the next step's check stops it
+    assert len(seen) == 1 + max(2, every)
 
 
 def test_request_parsing() -> None:

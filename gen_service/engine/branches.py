@@ -34,40 +34,56 @@ __all__ = ["Branches", "prefix_branches", "replay_branches"]
 
 
 class Branches:
-    """Branch points, residual pairs and the records being filled, per replicate
-    (filled in place as the branch steps come: one list append per row and age).
+    """Branch points, residual pairs and the records being filled, per replicate.
+
+    The branch point and first pair are read to the host once (the survival path's
+    end); each age's draws then stay on the device (:meth:`add` keeps the tensors) and
+    are read back in one copy when the records are built (:meth:`records`), so the
+    branch steps themselves never wait on the host.
 
     ``age0`` (a request with ``top_logprobs``): every row's logit traces at its branch point
-    t* (a branch's age 0 is that survival step: the same two laws); :meth:`add` then takes
-    each later age's from the branch laws."""
+    t* (a branch's age 0 is that survival step: the same two laws); :meth:`add` then keeps
+    each later age's, computed on the device from the branch laws."""
 
     def __init__(self, t_star: torch.Tensor, x0: torch.Tensor, y0: torch.Tensor, tv_star: torch.Tensor,
                  W: int, T: int, age0: LogitFields | None = None):
-        self.ts = t_star.tolist()
+        # one host copy of the four (rows,) values (float64 holds ids and float32 TVs exactly)
+        ts, tvs, xs, ys = torch.stack([t_star.double(), tv_star.double(), x0.double(), y0.double()]).tolist()
+        self.ts = [int(t) for t in ts]
         self.x0, self.y0 = x0, y0
         self.K = [min(W, T - t) if t > 0 else 0 for t in self.ts]
-        self.rec = {r: ([tv], [x], [y]) for r, (t, tv, x, y) in
-                    enumerate(zip(self.ts, tv_star.tolist(), x0.tolist(), y0.tolist(), strict=True)) if t > 0}
+        self.rec = {r: ([tv], [int(x)], [int(y)]) for r, (t, tv, x, y) in
+                    enumerate(zip(self.ts, tvs, xs, ys, strict=True)) if t > 0}
         self.rows = [r for r in self.rec if self.K[r] > 0]
+        # (rows, batch positions, (3, n) draws, the age's logit traces on the device or None)
+        self._ages: list[tuple[list[int], list[int], torch.Tensor, LogitFields | None]] = []
         self.k = age0.k if age0 is not None else 0
         first = age0.host() if age0 is not None else {}
         self.logits = {r: {name: [rows[r]] for name, rows in first.items()} for r in self.rec}
 
     def add(self, rows: list[int], d: Any, at: list[int] | None = None,
             laws: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Append one age's draws for ``rows`` (positions ``at`` of the batch, default all); with
+        """Keep one age's draws for ``rows`` (positions ``at`` of the batch, default all); with
         logit traces, ``laws`` are the batch's (p, q) they are computed from, all rows at once."""
-        tv, xs, ys = d.tv.tolist(), d.x.tolist(), d.y.tolist()
-        lg = logit_fields(*laws, self.k).host() if self.k and laws is not None else None
-        for r, i in zip(rows, at if at is not None else range(len(rows)), strict=True):
-            self.rec[r][0].append(tv[i])
-            self.rec[r][1].append(xs[i])
-            self.rec[r][2].append(ys[i])
-            if lg is not None:
-                for name, values in lg.items():
-                    self.logits[r][name].append(values[i])
+        lg = logit_fields(*laws, self.k) if self.k and laws is not None else None
+        self._ages.append((rows, list(at) if at is not None else list(range(len(rows))),
+                           torch.stack([d.tv.double(), d.x.double(), d.y.double()]), lg))
 
     def records(self) -> Iterator[dict[str, Any]]:
+        if self._ages:   # every age's draws in one device-to-host copy, appended in age order
+            host = torch.cat([v for _, _, v, _ in self._ages], 1).tolist()
+            col = 0
+            for rows, at, v, lg in self._ages:
+                lh = lg.host() if lg is not None else None
+                for r, i in zip(rows, at, strict=True):
+                    self.rec[r][0].append(host[0][col + i])
+                    self.rec[r][1].append(int(host[1][col + i]))
+                    self.rec[r][2].append(int(host[2][col + i]))
+                    if lh is not None:
+                        for name, values in lh.items():
+                            self.logits[r][name].append(values[i])
+                col += v.shape[1]
+            self._ages = []
         for r in sorted(self.rec):
             tvs, xs, ys = self.rec[r]
             yield branch_record(r, self.ts[r], tvs, xs, ys, wire_logits(self.logits[r]) if self.k else None)
@@ -88,7 +104,7 @@ def prefix_branches(ctx: LoopContext, ps: Side, qs: Side, p_kept: list[int], q_k
     tstar = torch.tensor([br.ts[r] for r in rows], dtype=torch.long, device=dev)
     # Row r's prefix z_<t* is the first kept + t* − 1 cache slots; crop to the longest
     # prefix needed and mask the rest per row.
-    longest = int(tstar.max()) - 1
+    longest = max(br.ts[r] for r in rows) - 1
     masks = []
     for side, kept in ((ps, p_kept[0]), (qs, q_kept[0])):
         side.select(idx)
@@ -154,7 +170,6 @@ def replay_branches(ctx: LoopContext, start: tuple[Side, Side], shared: torch.Te
     rows = br.rows
     idx = torch.tensor(rows, dtype=torch.long, device=dev)
     ts = torch.tensor([br.ts[r] for r in rows], dtype=torch.long, device=dev)
-    last = torch.tensor([br.ts[r] + br.K[r] - 1 for r in rows], dtype=torch.long, device=dev)
     z = shared[idx]                                           # (B, T)
     ps, qs = start
     ps.rows(len(rows))
@@ -162,7 +177,7 @@ def replay_branches(ctx: LoopContext, start: tuple[Side, Side], shared: torch.Te
     x, y = br.x0[idx], br.y0[idx]
     x_end, y_end = _end(ctx, x), _end(ctx, y)
     hp = hq = None if h0 is None else h0.select(idx)
-    for s in range(1, int(last.max()) + 1):
+    for s in range(1, max(br.ts[r] + br.K[r] - 1 for r in rows) + 1):
         ctx.check()
         before, at = s < ts, s == ts
         xin = torch.where(before, z[:, s - 1], torch.where(at, br.x0[idx], x))
@@ -174,7 +189,8 @@ def replay_branches(ctx: LoopContext, start: tuple[Side, Side], shared: torch.Te
         p = absorb_eos(probs(lp, sampling, hp), x_end >= 0, x_end)
         q = absorb_eos(probs(lq, sampling, hq), y_end >= 0, y_end)
         d = maximal_coupling(p, q, ctx.gen)
-        active = ((s >= ts) & (s <= last)).tolist()
+        # which rows are inside their branch at replay step s, from the host's branch points
+        active = [br.ts[r] <= s < br.ts[r] + br.K[r] for r in rows]
         br.add([r for r, a in zip(rows, active, strict=True) if a], d, [i for i, a in enumerate(active) if a],
                (p, q) if any(active) else None)
         on = (s >= ts)

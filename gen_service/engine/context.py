@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from gen_service.coupling import History, Sampling, ended_on
 from gen_service.engine.jobs import TraceJob, check
+from gen_service.engine.readback import READBACK_EVERY, Readback
 from gen_service.engine.sides import Side
 
 __all__ = ["LoopContext", "history"]
@@ -32,6 +34,8 @@ class LoopContext:
     eos: tuple[int, ...]
     device: torch.device
     cancelled: Callable[[], bool]
+    #: steps between the records' host copies (:class:`~gen_service.engine.readback.Readback`)
+    readback_every: int = READBACK_EVERY
     #: ``eos`` on the device, made once (not a host-to-device copy every step)
     eos_ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -46,6 +50,10 @@ class LoopContext:
     def ended(self, end: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """``end`` after a step's ``tokens``: rows that emitted an EOS id now hold it."""
         return ended_on(end, tokens, self.eos_ids)
+
+    def readback(self, build: Callable[..., Any]) -> Readback:
+        """A :class:`~gen_service.engine.readback.Readback` building records with ``build``."""
+        return Readback(self.readback_every, build)
 
     def check(self) -> None:
         """Stop between steps once the client has gone."""

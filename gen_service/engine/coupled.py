@@ -9,7 +9,7 @@ from typing import Any
 from gen_service.coupling import absorb_eos, maximal_coupling, probs
 from gen_service.engine.context import LoopContext
 from gen_service.engine.sides import Forward, Prefilled
-from gen_service.logit_traces import step_logits
+from gen_service.logit_traces import PendingLogits
 from protocols import step_record
 
 __all__ = ["coupled"]
@@ -26,6 +26,10 @@ def coupled(ctx: LoopContext, p0: Prefilled, q0: Prefilled) -> Iterator[dict[str
     x_end, y_end = ctx.running(R), ctx.running(R)   # the EOS id each row ended on, -1 while running
     # P and Q are penalised by their own histories (prompt + x_<t, prompt + y_<t)
     hp = hq = ctx.history(job.prompt_ids + job.question_ids, R, lp.shape[-1])
+    # TV and tokens stay on the device, read back every k steps (gen_service.engine.readback)
+    logits = PendingLogits(job.top_logprobs)    # their logit traces, likewise (none unless asked for)
+    out = ctx.readback(lambda t, tv, x, y: step_record(t, tv, [int(v) for v in x], [int(v) for v in y],
+                                                      logits.wire(t)))
     for t in range(1, T + 1):
         ctx.check()
         p = absorb_eos(probs(lp, job.sampling, hp), x_end >= 0, x_end)
@@ -33,7 +37,8 @@ def coupled(ctx: LoopContext, p0: Prefilled, q0: Prefilled) -> Iterator[dict[str
         d = maximal_coupling(p, q, ctx.gen)
         if hp is not None:
             hp, hq = hp.add(d.x), hq.add(d.y)
-        yield step_record(t, d.tv.tolist(), d.x.tolist(), d.y.tolist(), step_logits(p, q, job.top_logprobs))
+        logits.keep(t, p, q)
+        yield from out.add(t, d.tv, d.x, d.y) + (out.flush() if t == T else [])
         x_end, y_end = ctx.ended(x_end, d.x), ctx.ended(y_end, d.y)
         if t < T:
             lp, lq = yield [Forward(ps, d.x, ctx.pos(ps, R, t)), Forward(qs, d.y, ctx.pos(qs, R, t))]

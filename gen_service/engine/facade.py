@@ -3,7 +3,7 @@
 A thin facade over the package's functions (prefill, the decoding loops, the
 scheduler, TGI generate): it holds the model, the policy registry and the settings the
 operator and the benchmarks change on a live engine (``shared_prompt``,
-``force_replay``, ``batch_candidates``, ``fuse``). Its underscored methods are the
+``force_replay``, ``batch_candidates``, ``fuse``, ``readback_every``). Its underscored methods are the
 seams the tests and benchmarks patch or call (``_decode``, ``_coupled``,
 ``_residual``, ``_reference``, ``_drive``, ``_run_forward``, ``_forward_stacked``): the facade routes
 through them so a patch on an instance takes effect.
@@ -23,14 +23,17 @@ from gen_service.coupling import Sampling
 from gen_service.engine.context import LoopContext
 from gen_service.engine.coupled import coupled
 from gen_service.engine.forwards import masked_attention, run_side, run_stacked
+from gen_service.engine.graphs import CudaGraphs
 from gen_service.engine.header import header
 from gen_service.engine.jobs import Cancelled, CandidateError, TraceJob, check, draw_seed
 from gen_service.engine.prefill import prefill, prefill_pair
+from gen_service.engine.readback import READBACK_EVERY
 from gen_service.engine.reference import reference
 from gen_service.engine.residual import residual
 from gen_service.engine.scheduler import Runner, drive, drive_many
 from gen_service.engine.sides import Forward, Prefilled, Side
 from gen_service.engine.tgi import generate, prompt_logprobs
+from gen_service.errors import ConfigError
 from gen_service.head_masks import install
 from gen_service.models import LoadedModel
 from gen_service.presses import ModelInfo, Policy, PolicyRegistry
@@ -62,6 +65,10 @@ class Engine:
         # P's and Q's stacked forwards as one: "auto" (measured per shape), "on" or "off"
         self.fuse = "auto"
         self.fusion: dict[tuple[int, int, int], dict[str, Any]] = {}
+        # decoding steps between the records' host copies (gen_service.engine.readback)
+        self.readback_every = READBACK_EVERY
+        # stacked forwards captured as CUDA graphs and replayed (use_cuda_graphs; None: off)
+        self.cuda_graphs: CudaGraphs | None = None
 
     # ------------------------------------------------------------------ forwards
 
@@ -96,7 +103,25 @@ class Engine:
             return self.step(f.side, f.tokens, f.positions, f.mask)
 
     def _forward_stacked(self, fs: list[Forward]) -> list[torch.Tensor]:
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs.run(fs)
         return run_stacked(self.model, fs)
+
+    def use_cuda_graphs(self, on: bool) -> None:
+        """Capture the stacked decoding forwards as CUDA graphs and replay them
+        (:mod:`gen_service.engine.graphs`), or stop.
+
+        Raises
+        ------
+        ConfigError
+            When asked on a model that is not on a CUDA device.
+        """
+        if not on:
+            self.cuda_graphs = None
+            return
+        if self.device.type != "cuda":
+            raise ConfigError(f"--cuda-graphs needs a CUDA device; this server runs on {self.device.type}")
+        self.cuda_graphs = CudaGraphs(self.model)
 
     def _runner(self) -> Runner:
         """The scheduler's view of this engine's settings, read now."""
@@ -146,7 +171,7 @@ class Engine:
         return self._residual(job, p0, q0, gen, cancelled)
 
     def _context(self, job: TraceJob, gen: torch.Generator, cancelled: Callable[[], bool]) -> LoopContext:
-        return LoopContext(job, gen, self.lm.eos_token_ids, self.device, cancelled)
+        return LoopContext(job, gen, self.lm.eos_token_ids, self.device, cancelled, self.readback_every)
 
     def _coupled(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
                  cancelled: Callable[[], bool]) -> Iterator[Any]:

@@ -39,9 +39,10 @@ def run_side(model: torch.nn.Module, side: Side, tokens: torch.Tensor, positions
 
 
 @torch.inference_mode()
-def run_stacked(model: torch.nn.Module, forwards: list[Forward]) -> list[torch.Tensor]:
-    """One forward over several shared-prompt sides' rows (:class:`StackedPromptCache`)."""
-    stack = StackedPromptCache([f.side.cache for f in forwards], [f.mask for f in forwards])
+def run_stacked(model: torch.nn.Module, forwards: list[Forward], static: bool = False) -> list[torch.Tensor]:
+    """One forward over several shared-prompt sides' rows (:class:`StackedPromptCache`;
+    ``static``: its static-shape form, as :mod:`gen_service.engine.graphs` captures it)."""
+    stack = StackedPromptCache([f.side.cache for f in forwards], [f.mask for f in forwards], static=static)
     tokens = torch.cat([f.tokens for f in forwards])[:, None]
     positions = torch.cat([f.positions for f in forwards])[:, None]
     with attention_route(model, stack, None) as (_, kw):

@@ -18,7 +18,7 @@ import torch
 from gen_service.coupling import absorb_eos, probs, tv
 from gen_service.engine.context import LoopContext
 from gen_service.engine.sides import Forward, Prefilled
-from gen_service.logit_traces import step_logits
+from gen_service.logit_traces import PendingLogits
 from protocols import reference_step_record
 
 __all__ = ["reference", "token_logprob"]
@@ -62,14 +62,19 @@ def reference(ctx: LoopContext, p0: Prefilled, q0: Prefilled) -> Iterator[dict[s
     lp, lq = p0.logits.expand(R, -1), q0.logits.expand(R, -1)
     x_end = ctx.running(R)          # the EOS id each path ended on, -1 while running
     hist = ctx.history(job.prompt_ids + job.question_ids, R, lp.shape[-1])
+    # the records' values (and logit traces) stay on the device, read back every k steps
+    # (gen_service.engine.readback)
+    logits = PendingLogits(job.top_logprobs)
+    out = ctx.readback(lambda t, d, x, lpx, lqx: reference_step_record(t, d, [int(v) for v in x], lpx, lqx,
+                                                                     logits.wire(t)))
     for t in range(1, T + 1):
         ctx.check()
         done = x_end >= 0
         p = absorb_eos(probs(lp, job.sampling, hist), done, x_end)
         q = absorb_eos(probs(lq, job.sampling, hist), done, x_end)
         x = torch.multinomial(p, 1, generator=ctx.gen).squeeze(-1)
-        yield reference_step_record(t, tv(p, q).tolist(), x.tolist(), token_logprob(p, x).tolist(),
-                                    token_logprob(q, x).tolist(), step_logits(p, q, job.top_logprobs))
+        logits.keep(t, p, q)
+        yield from out.add(t, tv(p, q), x, token_logprob(p, x), token_logprob(q, x)) + (out.flush() if t == T else [])
         if hist is not None:
             hist = hist.add(x)
         x_end = ctx.ended(x_end, x)

@@ -75,13 +75,15 @@ class _Survival:
                          torch.where(take, d.y_res, self.y0), torch.where(take, delta, self.tv_star), h_star)
 
 
-def _record(t: int, d: CoupledDraw, alive: torch.Tensor, logits: dict[str, list] | None = None) -> dict[str, Any]:
-    """Step t's shared-step record. The step where a path stops keeps its TV (1) but has no
-    token: min(p, q) is empty, so there is no Z to draw; later steps are null altogether.
-    ``logits``: the step's logit traces per row (host lists), shown where the TV is."""
-    shown, has_token = alive.tolist(), (alive & ~d.stop).tolist()
-    return shared_step_record(t, [v if a else None for v, a in zip(d.tv.tolist(), shown, strict=True)],
-                              [v if a else None for v, a in zip(d.overlap.tolist(), has_token, strict=True)],
+def _record(t: int, tv: list[float], overlap: list[float], alive: list[float],
+            has_token: list[float], logits: dict[str, list] | None = None) -> dict[str, Any]:
+    """Step t's shared-step record from its host values (flags as 0.0/1.0). The step where
+    a path stops keeps its TV (1) but has no token: min(p, q) is empty, so there is no Z
+    to draw; later steps are null altogether. ``logits``: the step's logit traces per row
+    (host lists), shown where the TV is."""
+    shown = [bool(a) for a in alive]
+    return shared_step_record(t, [v if a else None for v, a in zip(tv, shown, strict=True)],
+                              [int(z) if a else None for z, a in zip(overlap, has_token, strict=True)],
                               None if logits is None else wire_logits(logits, shown))
 
 
@@ -103,6 +105,9 @@ def residual(ctx: LoopContext, p0: Prefilled, q0: Prefilled,
     # at t* so its two branches continue from their own histories
     h0 = hz = ctx.history(job.prompt_ids + job.question_ids, R, lp.shape[-1])
     state = _Survival.start(R, ctx.device, hz)
+    # the records' values stay on the device between host copies, and so do their logit traces
+    out = ctx.readback(lambda t, *values: _record(t, *values, shared_logits[t - 1].host() if job.top_logprobs
+                                                  else None))
     for t in range(1, T + 1):
         ctx.check()
         p = absorb_eos(probs(lp, job.sampling, hz), z_end >= 0, z_end)
@@ -110,11 +115,11 @@ def residual(ctx: LoopContext, p0: Prefilled, q0: Prefilled,
         d = maximal_coupling(p, q, gen)
         if job.top_logprobs:
             shared_logits.append(logit_fields(p, q, job.top_logprobs))
-        record = _record(t, d, state.alive, shared_logits[-1].host() if job.top_logprobs else None)
+        records = out.add(t, d.tv, d.overlap, state.alive, state.alive & ~d.stop)
         state = state.after(t, d, gen, hz)
         if hz is not None:
             hz = hz.add(d.overlap)
-        yield record
+        yield from records + (out.flush() if t == T else [])
         z_end = ctx.ended(z_end, d.overlap)
         shared.append(d.overlap)
         if t < T:

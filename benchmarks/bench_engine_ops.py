@@ -1,0 +1,205 @@
+"""Ops and time per stacked forward as groups are added, and the service against a naive loop.
+
+1. **Ops per forward** (torch profiler: every ``aten::`` call) of one stacked decoding
+   forward over G = 1, 4 and 8 groups (the demo's policies' Q sides, then their P
+   sides: prompts of different lengths), attention batched over the groups in one
+   call per layer (``STACKED_ATTENTION = "batched"``, the engine's) against the
+   group-by-group loop (``"loop"``, the earlier way), and each one's time per forward
+   (median of ``--repeats``, the two ways alternately).
+2. **The service against a naive coupled loop** at ``--rows`` × ``--steps``: one
+   prefill per side, the prompt cache repeated per row (``DynamicCache``), two forwards
+   per step, the coupling math of ``gen_service.coupling`` and one host read of the
+   step's values per step, against ``Engine.trace`` as the server runs it (shared
+   prompt, stacked or fused forwards, the readback every k steps). Whole requests,
+   prefill included, alternately, after one warm-up of each (the fused-forward
+   measurement of the engine's first step is kept for the life of a server).
+
+Usage: ``python benchmarks/bench_engine_ops.py [--model embedded] [--rows 64] [--steps 16]
+[--repeats 3] [--prompt-tokens 500] [--skip-naive] [--skip-ops]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+# before torch loads OpenMP (see gen_service/server_cli.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import gen_service.shared_cache as shared_cache  # noqa: E402
+from gen_service.coupling import Sampling, absorb_eos, ended_on, maximal_coupling, probs  # noqa: E402
+from gen_service.engine import Engine, TraceJob  # noqa: E402
+from gen_service.engine.sides import Forward  # noqa: E402
+from gen_service.models import load_model  # noqa: E402
+from gen_service.shared_cache import share_prompt  # noqa: E402
+
+POLICIES = ["snapkv@0.5", "snapkv#72", "recent@0.5", "snapkv@0.9"]
+PARAGRAPH = (
+    "A block is a piece of Python program text that is executed as a unit. The following are blocks: a "
+    "module, a function body, and a class definition. Each command typed interactively is a block. A script "
+    "file is a code block. When a name is used in a code block, it is resolved using the nearest enclosing "
+    "scope. The set of all such scopes visible to a code block is called the block's environment. "
+)
+
+
+def prompt_ids(engine: Engine, n: int) -> list[int]:
+    tok = engine.lm.tokenizer
+    text = PARAGRAPH
+    while len(tok(text).input_ids) < n:
+        text += PARAGRAPH
+    return list(tok(text).input_ids[:n])
+
+
+def _clock(engine: Engine) -> float:
+    if engine.lm.device.type == "cuda":
+        torch.cuda.synchronize(engine.lm.device)
+    return time.perf_counter()
+
+
+# ---------------------------------------------------------------- 1. ops per forward
+
+def group_forwards(engine: Engine, ids: list[int], groups: int, rows: int, steps: int) -> list[Forward]:
+    """``groups`` stacked sides at their first decoding step: the policies' Q sides, then P's."""
+    sides = []
+    for policy in POLICIES:
+        p0, q0 = engine.prefill_pair(engine.registry.build("full"), engine.registry.build(policy), ids)
+        sides.append(q0)
+        sides.append(p0)
+    sides = (sides[0::2] + sides[1::2])[:groups]
+    out = []
+    for pre in sides:
+        assert share_prompt(pre.side, steps)
+        pre.side.rows(rows)
+        tok = pre.logits.argmax(-1).expand(rows)
+        out.append(Forward(pre.side, tok, torch.full((rows,), len(ids), dtype=torch.long)))
+    return out
+
+
+def _rewind(forwards: list[Forward]) -> None:
+    """Undo a forward's write (its rows' next slot), as the fused-forward measurement does."""
+    for f in forwards:
+        for layer in f.side.cache.layers:
+            layer.filled = 0
+
+
+def ops_and_time(engine: Engine, forwards: list[Forward], mode: str, repeats: int) -> tuple[int, float]:
+    shared_cache.STACKED_ATTENTION = mode
+    engine._forward_stacked(forwards)        # warm-up (and the pool, built once per stack)
+    _rewind(forwards)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine._forward_stacked(forwards)
+    _rewind(forwards)
+    ops = sum(1 for e in prof.events() if e.name.startswith("aten::"))
+    times = []
+    for _ in range(repeats):
+        t0 = _clock(engine)
+        engine._forward_stacked(forwards)
+        times.append(_clock(engine) - t0)
+        _rewind(forwards)
+    return ops, statistics.median(times)
+
+
+def bench_ops(engine: Engine, ids: list[int], rows: int, repeats: int) -> None:
+    print(f"\n1. one stacked decoding forward, {rows} rows per group, prompt {len(ids)} tokens "
+          f"(median of {repeats})\n")
+    print("| groups | ops, loop | ops, batched | ms, loop | ms, batched | loop ÷ batched |")
+    print("|---|---|---|---|---|---|")
+    base = None
+    for groups in (1, 4, 8):
+        forwards = group_forwards(engine, ids, groups, rows, 4)
+        loop_ops, loop_s = ops_and_time(engine, forwards, "loop", repeats)
+        ops, s = ops_and_time(engine, forwards, "batched", repeats)
+        base = base or ops
+        print(f"| {groups} | {loop_ops} | {ops} ({ops / base:.2f}× G=1) | {loop_s * 1e3:.1f} | {s * 1e3:.1f} | "
+              f"{loop_s / s:.2f} |")
+    shared_cache.STACKED_ATTENTION = "batched"
+
+
+# ---------------------------------------------------------------- 2. against a naive loop
+
+@torch.inference_mode()
+def naive_coupled(engine: Engine, ids: list[int], policy: str, rows: int, steps: int, seed: int) -> list[dict]:
+    """The coupled trace the plain way: one prefill per side, R copies of each cache,
+    two forwards per step, one host read per step."""
+    p0, q0 = engine.prefill_pair(engine.registry.build("full"), engine.registry.build(policy), ids)
+    for pre in (p0, q0):
+        pre.cache.batch_repeat_interleave(rows)
+    gen, sampling = engine.generator(seed), Sampling()
+    eos = torch.tensor(engine.lm.eos_token_ids, dtype=torch.long)
+    lp, lq = p0.logits.expand(rows, -1), q0.logits.expand(rows, -1)
+    x_end = y_end = torch.full((rows,), -1, dtype=torch.long)
+    records = []
+    for t in range(1, steps + 1):
+        d = maximal_coupling(absorb_eos(probs(lp, sampling), x_end >= 0, x_end),
+                             absorb_eos(probs(lq, sampling), y_end >= 0, y_end), gen)
+        records.append({"tv": d.tv.tolist(), "x": d.x.tolist(), "y": d.y.tolist()})
+        x_end, y_end = ended_on(x_end, d.x, eos), ended_on(y_end, d.y, eos)
+        if t < steps:
+            lp = engine.step(p0.side, d.x, torch.full((rows,), p0.side.next_pos + t - 1, dtype=torch.long))
+            lq = engine.step(q0.side, d.y, torch.full((rows,), q0.side.next_pos + t - 1, dtype=torch.long))
+    return records
+
+
+def service_coupled(engine: Engine, ids: list[int], policy: str, rows: int, steps: int, seed: int) -> list[dict]:
+    job = TraceJob(prompt_ids=ids, candidate=policy, kind="coupled", horizon=steps, replicates=rows, seed=seed,
+                   sampling=Sampling())
+    return [r for r in engine.trace(job) if r.get("type") == "step"]
+
+
+def bench_naive(engine: Engine, ids: list[int], rows: int, steps: int, repeats: int) -> None:
+    policy = POLICIES[0]
+    runs = {"naive": naive_coupled, "service": service_coupled}
+    for fn in runs.values():          # warm-up; the service's first step measures fusion once
+        fn(engine, ids, policy, rows, steps, 0)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    out: dict[str, list[dict]] = {}
+    for i in range(repeats):
+        for name, fn in runs.items():
+            t0 = _clock(engine)
+            out[name] = fn(engine, ids, policy, rows, steps, i + 1)
+            times[name].append(_clock(engine) - t0)
+    same = sum(a == b for ra, rb in zip(out["naive"], out["service"], strict=True)
+               for a, b in zip(ra["x"] + ra["y"], rb["x_token"] + rb["y_token"], strict=True))
+    total = 2 * rows * steps
+    dtv = max(abs(a - b) for ra, rb in zip(out["naive"], out["service"], strict=True)
+              for a, b in zip(ra["tv"], rb["tv"], strict=True))
+    print(f"\n2. a coupled request, {policy}, R = {rows}, T = {steps}, prompt {len(ids)} tokens, whole requests "
+          f"({repeats} repeats, alternately)\n")
+    print("| way | per repeat (s) | median s | speed-up |\n|---|---|---|---|")
+    naive = statistics.median(times["naive"])
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"| {name} | {', '.join(f'{t:.2f}' for t in ts)} | {med:.2f} | {naive / med:.2f} |")
+    ratios = [a / b for a, b in zip(times["naive"], times["service"], strict=True)]
+    print(f"\nper-repeat ratios {', '.join(f'{r:.2f}' for r in ratios)}; last repeat: same tokens "
+          f"{same}/{total}, max |ΔTV| {dtv:.1e}; fused forward: {engine.fusion_info()['measured']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--ops-rows", type=int, default=8, help="rows per group in part 1")
+    ap.add_argument("--prompt-tokens", type=int, default=500)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-ops", action="store_true")
+    ap.add_argument("--skip-naive", action="store_true")
+    args = ap.parse_args()
+    engine = Engine(load_model(args.model))
+    ids = prompt_ids(engine, args.prompt_tokens)
+    print(f"model {args.model}, {torch.get_num_threads()} threads, device {engine.lm.device}")
+    if not args.skip_ops:
+        bench_ops(engine, ids, args.ops_rows, args.repeats)
+    if not args.skip_naive:
+        bench_naive(engine, ids, args.rows, args.steps, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
