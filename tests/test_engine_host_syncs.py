@@ -44,11 +44,12 @@ def _decoding_reads(engine: Engine, job: TraceJob, headers: int = 1) -> tuple[in
     return reads.count, records
 
 
+@pytest.mark.parametrize("kind", ["coupled", "reference"])
 @pytest.mark.parametrize("every", [1, 4, 8])
-def test_coupled_reads_the_host_once_per_k_steps(lm, every):
+def test_coupled_reads_the_host_once_per_k_steps(lm, every, kind):
     engine = Engine(lm)
     engine.readback_every = every
-    count, records = _decoding_reads(engine, _job(kind="coupled"))
+    count, records = _decoding_reads(engine, _job(kind=kind))
     assert count == math.ceil(T / every)
     assert [r["step"] for r in records[1:]] == list(range(1, T + 1))    # in order, none lost
 
@@ -70,7 +71,7 @@ def test_multi_candidate_request_reads_once_per_k_steps_per_candidate(lm):
     assert count == 3 * (T // 8)
 
 
-@pytest.mark.parametrize("kind", ["coupled", "residual"])
+@pytest.mark.parametrize("kind", ["coupled", "residual", "reference"])
 def test_the_readback_interval_does_not_change_the_trace(lm, kind):
     traces = []
     for every in (1, 5):
