@@ -286,6 +286,8 @@ async def info(request: Request) -> Response:
                   "batch_candidates": svc.engine.batch_candidates,
                   # P's and Q's forwards as one: the setting and each shape's timings
                   "fused_forward": svc.engine.fusion_info(),
+                  # concurrent /v1/traces requests decoded in one batch (docs/service.md)
+                  "max_batch_requests": cfg.max_batch_requests,
                   **svc.memory.info()},
     })
 
@@ -337,14 +339,14 @@ async def traces(request: Request) -> Response:
             await svc.off_loop(svc.check_policy, field, policy, len(ids))
         await svc.off_loop(svc.check_policy, "reference", req.reference, len(ids))
         # each candidate's sides as the engine will hold them (shared prompt or per-row copies)
-        await svc.off_loop(svc.check_memory, req.replicates, len(ids) + len(question), req.horizon, req.kind,
+        cost = await svc.off_loop(svc.check_memory, req.replicates, len(ids) + len(question), req.horizon, req.kind,
                            max(1, len(req.candidates)), tuple(req.candidates or (req.candidate,)), req.reference,
                            len(ids))
         job = TraceJob(prompt_ids=ids, candidate=req.candidate, reference=req.reference, kind=req.kind,
                        horizon=req.horizon, replicates=req.replicates, window=req.window, sampling=req.sampling,
                        seed=req.seed, doc=req.doc, request_id=uuid.uuid4().hex, question_ids=question,
                        candidates=list(req.candidates), seeds=list(req.seeds))
-        work = svc.start(lambda cancelled: svc.engine.trace(job, cancelled), ticket)
+        work = svc.start_trace(job, ticket, cost)
         try:
             await work.first()  # the header: the prefills ran, so the policies work on this prompt
         except CandidateError as exc:
