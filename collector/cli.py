@@ -60,8 +60,9 @@ def _split_policies(value: str) -> list[str]:
               help="Run directory (journal and manifest); rerunning resumes it.")
 @click.option("--api-key", default=None, envvar="KVDIV_API_KEY",
               help="Bearer token for the servers [env KVDIV_API_KEY].")
-@click.option("--concurrency", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Requests in flight per server.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests in flight per server; the default fills `kvdiv serve`'s decoding batch "
+                   "(--max-batch-requests 8).")
 @click.option("--template", type=click.Choice(sorted(TEMPLATES)), default="summarise", show_default=True)
 @click.option("--max-attempts", type=click.IntRange(min=1), default=6, show_default=True,
               help="Tries per request before it is reported as failed.")

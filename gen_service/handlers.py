@@ -288,6 +288,8 @@ async def info(request: Request) -> Response:
                   "fused_forward": svc.engine.fusion_info(),
                   # stacked decoding forwards replayed as CUDA graphs (null: off)
                   "cuda_graphs": None if svc.engine.cuda_graphs is None else svc.engine.cuda_graphs.info(),
+                  # concurrent /v1/traces requests decoded in one batch (docs/service.md)
+                  "max_batch_requests": cfg.max_batch_requests,
                   **svc.memory.info()},
     })
 
@@ -339,7 +341,7 @@ async def traces(request: Request) -> Response:
             await svc.off_loop(svc.check_policy, field, policy, len(ids))
         await svc.off_loop(svc.check_policy, "reference", req.reference, len(ids))
         # each candidate's sides as the engine will hold them (shared prompt or per-row copies)
-        await svc.off_loop(svc.check_memory, req.replicates, len(ids) + len(question), req.horizon, req.kind,
+        cost = await svc.off_loop(svc.check_memory, req.replicates, len(ids) + len(question), req.horizon, req.kind,
                            max(1, len(req.candidates)), tuple(req.candidates or (req.candidate,)), req.reference,
                            len(ids), req.top_logprobs)
         if req.top_logprobs > svc.engine.lm.vocab_size:
@@ -348,7 +350,7 @@ async def traces(request: Request) -> Response:
                        horizon=req.horizon, replicates=req.replicates, window=req.window, sampling=req.sampling,
                        seed=req.seed, doc=req.doc, request_id=uuid.uuid4().hex, question_ids=question,
                        candidates=list(req.candidates), seeds=list(req.seeds), top_logprobs=req.top_logprobs)
-        work = svc.start(lambda cancelled: svc.engine.trace(job, cancelled), ticket)
+        work = svc.start_trace(job, ticket, cost)
         try:
             await work.first()  # the header: the prefills ran, so the policies work on this prompt
         except CandidateError as exc:

@@ -37,8 +37,10 @@ the (L, V) float32 logits and their log-softmax) when asked for.
 the device's free memory, or of available RAM on CPU, measured at start) and refuses
 one that never can with :class:`RequestTooLarge`, whose message carries the numbers
 and names the candidates that keep per-row copies of the prompt.
-The engine runs one request at a time, so a request that fits waits in the ordinary
-queue until the one before it is done: it always fits then.
+With continuous batching (``--max-batch-requests``, gen_service/batching.py) several
+trace requests decode at once: a request that fits joins the batch only while its
+estimate and the live requests' add up to the budget, and waits otherwise; alone it
+always fits.
 """
 
 from __future__ import annotations

@@ -145,10 +145,13 @@ def _quiet_libraries() -> None:
 @click.option("--cuda-graphs/--no-cuda-graphs", default=False, show_default=True,
               help="Capture the stacked decoding forward as a CUDA graph and replay it at each step "
                    "(static shapes; CUDA only, refused on another device).")
+@click.option("--max-batch-requests", default=8, show_default=True, type=click.IntRange(1),
+              help="Concurrent /v1/traces requests decoded in one batch (continuous batching; traces equal each "
+                   "request's alone to rounding); 1: one request at a time.")
 @click.option("--log-level", default="info", show_default=True)
 def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replicates, memory_budget, max_queue,
           device, dtype, press, press_option, max_input_bytes, max_body_bytes, body_timeout, max_request_seconds,
-          max_candidates, batch_candidates, fuse, cuda_graphs, log_level):
+          max_candidates, batch_candidates, fuse, cuda_graphs, max_batch_requests, log_level):
     """Run the TGI-compatible trace service (POST /generate, /v1/traces, ...)."""
     # Before torch loads OpenMP: its default busy-waiting threads collapse when the
     # cores are shared (a 576x1536 matmul went from 0.25 ms to 16 ms on 2 busy cores).
@@ -169,7 +172,8 @@ def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replic
                                      max_input_bytes=max_input_bytes, max_body_bytes=max_body_bytes,
                                      body_timeout_s=body_timeout, max_request_seconds=max_request_seconds,
                                      memory_budget=parse_budget(memory_budget), max_candidates=max_candidates,
-                                     batch_candidates=batch_candidates, fuse=fuse, cuda_graphs=cuda_graphs)
+                                     batch_candidates=batch_candidates, fuse=fuse, cuda_graphs=cuda_graphs,
+                                     max_batch_requests=max_batch_requests)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     except ModuleNotFoundError as exc:  # a base install: the model stack is the [service] extra

@@ -8,7 +8,9 @@ checked, so a large prompt neither blocks the loop nor waits behind decoding.
 Admission is a bounded count of queued + running requests; beyond it the answer is
 429 with ``Retry-After``. A client that disconnects, or a request that runs past
 ``--max-request-seconds``, sets the request's cancel flag, which the engine checks
-between decoding steps.
+between decoding steps. Trace requests share the model thread's decoding batch
+(``--max-batch-requests``, :mod:`gen_service.batching`); every other piece of model
+work runs alone on the thread, in turns with the batch.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from gen_service.batching import BatchEntry, BatchLoop
 from gen_service.body import BodyLimits
-from gen_service.engine import Cancelled, Engine
+from gen_service.engine import Cancelled, Engine, TraceJob
 from gen_service.errors import ApiError, ConfigError, RequestTimeout, invalid
 from gen_service.memory import MemoryGate, RequestTooLarge
 from gen_service.models import context_question_ids
@@ -64,6 +67,7 @@ class ServiceConfig:
     batch_candidates: bool = True       # stack the candidates' forwards (False: bit-identical to separate requests)
     fuse: str = "auto"                  # P's and Q's forwards as one: auto (measured per shape), on, off
     cuda_graphs: bool = False           # stacked decoding forwards as CUDA graphs (CUDA only)
+    max_batch_requests: int = 8         # /v1/traces requests decoded in one batch (1: one request at a time)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -73,6 +77,8 @@ class ServiceConfig:
             raise ConfigError("--max-request-seconds must be > 0")
         if self.fuse not in ("auto", "on", "off"):
             raise ConfigError(f"--fuse must be auto, on or off, not {self.fuse!r}")
+        if self.max_batch_requests < 1:
+            raise ConfigError("--max-batch-requests must be >= 1")
         if not 1 <= self.max_candidates <= MAX_CANDIDATES:
             raise ConfigError(f"--max-candidates must be in 1..{MAX_CANDIDATES}")
 
@@ -134,6 +140,13 @@ class Metrics:
                                   registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
         self.cancelled = Counter("kvdiv_cancelled", "requests cancelled by client disconnect", registry=r)
         self.timeouts = Counter("kvdiv_timeouts", "requests stopped by --max-request-seconds", registry=r)
+        # continuous batching (gen_service/batching.py): how full the decoding batch is
+        self.batch_requests = Gauge("kvdiv_batch_requests", "trace requests in the decoding batch", registry=r)
+        self.batch_rows = Gauge("kvdiv_batch_rows", "decoding rows (R x candidates) of the batch's requests",
+                                registry=r)
+        self.batch_waiting = Gauge("kvdiv_batch_waiting", "trace requests waiting to join the batch", registry=r)
+        self.batch_occupancy = Histogram("kvdiv_batch_occupancy", "trace requests per decoding step",
+                                         registry=r, buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64))
 
 
 def failure_error(exc: BaseException, field: str, policies: tuple[str, ...]) -> ApiError:
@@ -189,7 +202,7 @@ class WorkStream:
     the same way and the stream ends with :class:`RequestTimeout`."""
 
     def __init__(self, service: Service, make: Callable[[Callable[[], bool]], Iterator[Any]], ticket: Ticket,
-                 deadline: float | None = None):
+                 deadline: float | None = None, batch: BatchLoop | None = None, cost: int = 0, rows: int = 0):
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
@@ -197,12 +210,16 @@ class WorkStream:
         self._service, self._make, self._ticket = service, make, ticket
         ticket.owned_by_worker = True
         self._first: list[Any] = []
-        service.executor.submit(self._work)
+        if batch is None:
+            service.executor.submit(self._work)
+        else:   # ``make`` gives the request's steps; the batch loop runs them with others'
+            batch.submit(BatchEntry(self, make, cost, rows))
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
 
-    def _stop(self) -> bool:
+    def stopped(self) -> bool:
+        """Whether the work must stop: the client went away or the deadline passed."""
         return self.cancel.is_set() or self.expired()
 
     def _put(self, kind: str, value: Any) -> None:
@@ -211,26 +228,38 @@ class WorkStream:
         except RuntimeError:  # loop closed: nobody is listening any more
             pass
 
+    def put(self, item: Any) -> None:
+        """Relay one item to the event loop (model thread)."""
+        self._put("item", item)
+
     def _work(self) -> None:
+        self._service.model_work_started()
+        try:
+            if self.stopped():
+                raise Cancelled()
+            for item in self._make(self.stopped):
+                self._put("item", item)
+                if self.stopped():
+                    raise Cancelled()
+        except BaseException as exc:  # forwarded to the event loop side
+            self.end(exc)
+            return
+        self.end(None)
+
+    def end(self, exc: BaseException | None) -> None:
+        """The work ended (model thread): ``done``, or its error (a stop past the deadline
+        as :class:`RequestTimeout`); the admission slot is released here, exactly once."""
         cancelled = False
         try:
-            if self._stop():
-                raise Cancelled()
-            for item in self._make(self._stop):
-                self._put("item", item)
-                if self._stop():
-                    raise Cancelled()
-            self._put("done", None)
-        except Cancelled as exc:
-            if self.expired() and not self.cancel.is_set():
+            if exc is None:
+                self._put("done", None)
+            elif isinstance(exc, Cancelled) and self.expired() and not self.cancel.is_set():
                 self._service.metrics.timeouts.inc()
                 self._put("error", RequestTimeout(f"request exceeded --max-request-seconds "
                                                   f"({self._service.config.max_request_seconds:g} s)"))
             else:
-                cancelled = True
+                cancelled = isinstance(exc, Cancelled)
                 self._put("error", exc)
-        except BaseException as exc:  # forwarded to the event loop side
-            self._put("error", exc)
         finally:
             self._ticket.release(cancelled)
 
@@ -270,7 +299,8 @@ class Service:
     engine : Engine
         The loaded model and its policy registry.
     config : ServiceConfig, optional
-        RequestLimits and options.
+        RequestLimits and options; ``max_batch_requests`` above 1 runs trace requests in
+        one decoding batch (:class:`gen_service.batching.BatchLoop`).
 
     Raises
     ------
@@ -288,6 +318,9 @@ class Service:
         self.admission = Admission(self.config.max_queue)
         self.memory = MemoryGate.for_engine(engine, self.config.memory_budget)
         self.metrics = Metrics()
+        # --max-batch-requests 1: every request alone on the model thread, as before batching
+        self.batch = (BatchLoop(self.executor, engine._runner, self.config.max_batch_requests, self.memory.budget,
+                                self.metrics) if self.config.max_batch_requests > 1 else None)
         self.created = int(time.time())
         self.tokenizer = engine.lm.tokenizer
         self.special_ids = frozenset(self.tokenizer.all_special_ids)  # a property that rebuilds a list per access
@@ -314,8 +347,28 @@ class Service:
 
     def start(self, make: Callable[[Callable[[], bool]], Iterator[Any]], ticket: Ticket) -> WorkStream:
         """Queue a request's work on the model thread now; the worker releases ``ticket``."""
+        if self.batch is not None:
+            self.batch.plain_work(1)   # the batch loop admits no trace request while this waits
+        return WorkStream(self, make, ticket, self._deadline())
+
+    def start_trace(self, job: TraceJob, ticket: Ticket, cost: int = 0) -> WorkStream:
+        """Queue a ``/v1/traces`` request: alone on the model thread (``--max-batch-requests 1``),
+        or into the decoding batch (:mod:`gen_service.batching`) with its memory estimate
+        ``cost`` (bytes) counted against the budget with the live requests'."""
+        if self.batch is None:
+            return self.start(lambda cancelled: self.engine.trace(job, cancelled), ticket)
+        rows = job.replicates * max(1, len(job.candidates))
+        return WorkStream(self, lambda cancelled: self.engine.trace_steps(job, cancelled), ticket, self._deadline(),
+                          batch=self.batch, cost=cost, rows=rows)
+
+    def _deadline(self) -> float | None:
         limit = self.config.max_request_seconds
-        return WorkStream(self, make, ticket, None if limit is None else time.monotonic() + limit)
+        return None if limit is None else time.monotonic() + limit
+
+    def model_work_started(self) -> None:
+        """Called on the model thread as non-batched work starts (see :meth:`start`)."""
+        if self.batch is not None:
+            self.batch.plain_work(-1)
 
     def finished(self, cancelled: bool) -> None:
         """Called on the model thread when a request's work ends, however it ends."""
@@ -326,7 +379,14 @@ class Service:
 
     async def on_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run one short model call (e.g. prompt log-probs) on the model thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        if self.batch is not None:
+            self.batch.plain_work(1)
+
+        def call() -> Any:
+            self.model_work_started()
+            return fn(*args)
+
+        return await asyncio.get_running_loop().run_in_executor(self.executor, call)
 
     # ------------------------------------------------------------------ text (off the loop)
 
@@ -389,9 +449,10 @@ class Service:
 
     def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str, candidates: int = 1,
                      policies: tuple[str, ...] = (), reference: str = "full",
-                     context_tokens: int | None = None, top_logprobs: int = 0) -> None:
+                     context_tokens: int | None = None, top_logprobs: int = 0) -> int:
         """422 when the request's estimated memory can never fit the budget (gen_service/memory.py);
-        a multi-candidate request counts every candidate's caches and rows.
+        a multi-candidate request counts every candidate's caches and rows. Returns the
+        estimate's bytes (what the decoding batch counts for it, :meth:`start_trace`).
 
         With ``policies`` (the candidates' ids, already checked by :meth:`check_policy`)
         each candidate's sides are described from its plan and the reference's for this
@@ -406,7 +467,7 @@ class Service:
             sides = [self.memory.describe(p, ref, self.engine.registry.build(p, info).plan(length), kind)
                      for p in policies]
         try:
-            self.memory.admit(rows, prompt_tokens, horizon, kind, candidates, sides, top_logprobs)
+            return self.memory.admit(rows, prompt_tokens, horizon, kind, candidates, sides, top_logprobs).total
         except RequestTooLarge as exc:
             raise invalid("replicates", str(exc)) from exc
 

@@ -69,7 +69,7 @@ class DemoConfig:
     seed: int = 0
     servers: list[str] = field(default_factory=list)
     model: str = "embedded"
-    concurrency: int = 1
+    concurrency: int = 8   # fills the local server's decoding batch (kvdiv serve --max-batch-requests)
     api_key: str | None = None
     template: str = "summarise"
     plan: Path | None = None

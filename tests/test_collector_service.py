@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import xarray as xr
 
 from collector import documents as D
 from collector.collect import CollectConfig, Collector, collect, prepare_run
@@ -63,5 +64,12 @@ def test_killed_and_resumed_collection_equals_an_uninterrupted_one(tiny_server: 
     assert resumed.ok and resumed.skipped >= 2 and resumed.skipped + resumed.completed == 6
     a = pack_run(tmp_path / "whole", progress=False).drop_vars(RUN_SPECIFIC)
     b = pack_run(tmp_path / "cut", progress=False).drop_vars(RUN_SPECIFIC)
-    assert a.identical(b)
+    # the server decodes the requests in flight in one batch (--max-batch-requests), with
+    # whichever others are there: the same tokens, TV to rounding (docs/service.md)
+    for var in a.data_vars:
+        if a[var].dtype.kind == "f":
+            xr.testing.assert_allclose(a[var], b[var], atol=1e-5, rtol=0)
+        else:
+            xr.testing.assert_identical(a[var], b[var])
+    assert a.attrs == b.attrs and a.coords.equals(b.coords)
     assert a.attrs["model"] == "tiny:llama" and a.sizes["replicate"] == 3

@@ -27,6 +27,7 @@ module            what it holds
 ``reference``     the reference loop: P samples, Q scores P's token on the same history
 ``branches``      the residual branches: prefixes of the survival caches, or replayed
 ``scheduler``     runs the forwards the loops ask for: alone, or stacked over candidates
+                  (and, through a request's steps and asks, over requests)
 ``fusion``        whether P's and Q's stacks run as one forward (measured per shape)
 ``header``        the trace's header record
 ``tgi``           TGI's ``/generate`` sampling and prompt log-probabilities

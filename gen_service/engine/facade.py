@@ -30,7 +30,7 @@ from gen_service.engine.prefill import prefill, prefill_pair
 from gen_service.engine.readback import READBACK_EVERY
 from gen_service.engine.reference import reference
 from gen_service.engine.residual import residual
-from gen_service.engine.scheduler import Runner, drive, drive_many
+from gen_service.engine.scheduler import Runner, drive, run_steps, steps, steps_many
 from gen_service.engine.sides import Forward, Prefilled, Side
 from gen_service.engine.tgi import generate, prompt_logprobs
 from gen_service.errors import ConfigError
@@ -146,8 +146,16 @@ class Engine:
         (:meth:`trace_candidates`): every header first, then the candidates' records
         interleaved, each tagged with ``candidate``, and a :class:`CandidateDone` or
         :class:`CandidateFailed` per candidate where its ``end`` or ``error`` goes."""
+        yield from run_steps(self.trace_steps(job, cancelled), self._runner())
+
+    def trace_steps(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Any]:
+        """:meth:`trace`'s items with each decoding step's forwards left to the caller: the
+        records, and a :class:`gen_service.engine.scheduler.Ask` per step, to be sent
+        back its logits (:func:`~gen_service.engine.scheduler.run_steps` runs them for
+        this request alone; the service's batch loop, :mod:`gen_service.batching`,
+        with other requests')."""
         if job.candidates:
-            yield from self.trace_candidates(job, cancelled)
+            yield from self._candidates_steps(job, cancelled)
             return
         seed = job.seed if job.seed is not None else draw_seed()
         info = ModelInfo.of(self.lm)
@@ -155,7 +163,7 @@ class Engine:
         ref = self.registry.build(job.reference, info)
         p0, q0 = self.prefill_pair(ref, cand, job.prompt_ids, job.question_ids)
         yield self.header(job, seed, cand, ref, p0, q0)
-        yield from self._drive(self._decode(job, p0, q0, seed, cancelled))
+        yield from steps(self._decode(job, p0, q0, seed, cancelled))
 
     def _decode(self, job: TraceJob, p0: Prefilled, q0: Prefilled, seed: int,
                 cancelled: Callable[[], bool]) -> Iterator[Any]:
@@ -190,7 +198,8 @@ class Engine:
         return drive(loop, self._runner())
 
     def trace_candidates(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Any]:
-        """Several candidates against one reference, on one prompt, in one request.
+        """Several candidates against one reference, on one prompt, in one request
+        (:meth:`trace` of a job with ``candidates``).
 
         Each candidate is prefilled exactly as its own request would be
         (:meth:`prefill_pair`: kvpress compresses inside the prefill forward, so every
@@ -219,6 +228,10 @@ class Engine:
         Cancelled
             The client went away (or the request ran out of time).
         """
+        yield from run_steps(self._candidates_steps(job, cancelled), self._runner())
+
+    def _candidates_steps(self, job: TraceJob, cancelled: Callable[[], bool]) -> Iterator[Any]:
+        """:meth:`trace_candidates`'s items with the forwards left to the caller (:meth:`trace_steps`)."""
         info = ModelInfo.of(self.lm)
         ref = self.registry.build(job.reference, info)
         runs, headers = [], []
@@ -238,7 +251,7 @@ class Engine:
             headers.append(self.header(one, seed, cand, ref, p0, q0))
         yield from headers   # only once every prefill ran: a policy failing there is a 422
         loops = [self._decode(one, p0, q0, seed, cancelled) for one, seed, p0, q0 in runs]
-        yield from drive_many(job.candidates, loops, self._runner())
+        yield from steps_many(job.candidates, loops)
 
     # ------------------------------------------------------------------ TGI generate
 

@@ -4,9 +4,12 @@ from running: the loops decide what to feed, this decides how it runs).
 A loop is a generator yielding records and, when it needs logits, a list of
 :class:`Forward` (P's and Q's); it is sent their logits back. :func:`drive` runs one
 loop's forwards one by one; :func:`drive_many` advances every candidate's loop to its
-next forwards and runs them together: sides on the shared prompt path
-(:func:`gen_service.shared_cache.stackable`) stacked in one batch, P rows with P rows
-and Q rows with Q rows, the two stacks fused into one forward where
+next forwards and runs them together. Both are a request's *steps* (:func:`steps`,
+:func:`steps_many`: records, and an :class:`Ask` per decoding step) run by
+:func:`run_steps`; the service's batch loop runs several requests' steps instead,
+merging their asks into one :func:`run_forwards`. Forwards run together are: sides on
+the shared prompt path (:func:`gen_service.shared_cache.stackable`) stacked in one
+batch, P rows with P rows and Q rows with Q rows, the two stacks fused into one forward where
 :mod:`gen_service.engine.fusion` says so; any other side alone, exactly as alone.
 """
 
@@ -24,7 +27,7 @@ from gen_service.engine.jobs import Cancelled, CandidateDone, CandidateFailed
 from gen_service.engine.sides import Forward
 from gen_service.shared_cache import stackable
 
-__all__ = ["Runner", "drive", "drive_many", "run_forwards"]
+__all__ = ["Ask", "Runner", "drive", "drive_many", "run_forwards", "run_steps", "steps", "steps_many"]
 
 log = logging.getLogger("kvdiv.service")
 
@@ -44,8 +47,35 @@ class Runner:
     measured: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)
 
 
-def drive(loop: Iterator[Any], runner: Runner) -> Iterator[dict[str, Any]]:
-    """Run one decoding loop on its own: each forward it asks for, one after the other."""
+@dataclass(frozen=True)
+class Ask:
+    """The forwards a request's loops need for one step, keyed by candidate index (0 for
+    a single-candidate request), each P's and Q's; answered with the same keys' logits.
+    What a request's steps (:func:`steps`, :func:`steps_many`) yield to whoever runs
+    them: :func:`run_steps` for the request alone, the service's batch loop
+    (:mod:`gen_service.batching`) for several requests' at once."""
+
+    forwards: dict[int, list[Forward]]
+
+
+def run_steps(steps: Iterator[Any], runner: Runner) -> Iterator[Any]:
+    """Run one request's steps on their own: each :class:`Ask`'s forwards as it comes,
+    every other item passed on."""
+    answer = None
+    while True:
+        try:
+            item = steps.send(answer)
+        except StopIteration:
+            return
+        if isinstance(item, Ask):
+            answer = run_forwards(item.forwards, runner)
+        else:
+            answer = None
+            yield item
+
+
+def steps(loop: Iterator[Any]) -> Iterator[Any]:
+    """One decoding loop's records and its forwards as one-candidate :class:`Ask` each."""
     answer = None
     while True:
         try:
@@ -53,14 +83,25 @@ def drive(loop: Iterator[Any], runner: Runner) -> Iterator[dict[str, Any]]:
         except StopIteration:
             return
         if isinstance(item, list):
-            answer = run_forwards({0: item}, runner)[0]
+            answer = (yield Ask({0: item}))[0]
         else:
             answer = None
             yield item
 
 
+def drive(loop: Iterator[Any], runner: Runner) -> Iterator[dict[str, Any]]:
+    """Run one decoding loop on its own: each forward it asks for, one after the other."""
+    return run_steps(steps(loop), runner)
+
+
 def drive_many(policies: list[str], loops: list[Iterator[Any]], runner: Runner) -> Iterator[Any]:
-    """Advance every candidate's loop to its next forwards, run them together, repeat.
+    """Advance every candidate's loop to its next forwards, run them together, repeat
+    (:func:`steps_many` run by :func:`run_steps`)."""
+    return run_steps(steps_many(policies, loops), runner)
+
+
+def steps_many(policies: list[str], loops: list[Iterator[Any]]) -> Iterator[Any]:
+    """Advance every candidate's loop to its next forwards and ask for them together, repeat.
     Records come out tagged with their candidate; a candidate whose loop fails gives a
     :class:`CandidateFailed` and the others go on."""
     answers: list[Any] = [None] * len(loops)
@@ -84,7 +125,7 @@ def drive_many(policies: list[str], loops: list[Iterator[Any]], runner: Runner) 
             else:
                 asks[i] = ask
         if asks:
-            for i, logits in run_forwards(asks, runner).items():
+            for i, logits in (yield Ask(asks)).items():
                 answers[i] = logits
 
 
@@ -103,10 +144,11 @@ def _advance(loop: Iterator[Any], answer: Any, policy: str) -> Iterator[dict[str
         yield item
 
 
-def run_forwards(asks: dict[int, list[Forward]], runner: Runner) -> dict[int, list[torch.Tensor]]:
-    """The forwards every candidate asked for this round, stacked where their sides allow."""
-    out: dict[int, list[Any]] = {i: [None] * len(fs) for i, fs in asks.items()}
-    stack: dict[int, list[tuple[int, int, Forward]]] = {}
+def run_forwards(asks: dict[Any, list[Forward]], runner: Runner) -> dict[Any, list[torch.Tensor]]:
+    """The forwards every candidate asked for this round, stacked where their sides allow
+    (keys: any hashable, a candidate's index or a request's and candidate's)."""
+    out: dict[Any, list[Any]] = {i: [None] * len(fs) for i, fs in asks.items()}
+    stack: dict[int, list[tuple[Any, int, Forward]]] = {}
     for i, fs in asks.items():
         for j, f in enumerate(fs):
             if runner.batch_candidates and stackable(f.side):
