@@ -36,14 +36,29 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gen_service.engine.jobs import Cancelled
 from gen_service.engine.scheduler import Ask, Runner, run_forwards
 from gen_service.shared_cache import stackable
 
-if TYPE_CHECKING:
-    from gen_service.service import Metrics, WorkStream
+
+class WorkStream(Protocol):
+    """What the loop needs of a request's :class:`gen_service.service.WorkStream` (a
+    protocol, not an import: the service imports this module)."""
+
+    def stopped(self) -> bool: ...
+    def put(self, item: Any) -> None: ...
+    def end(self, exc: BaseException | None) -> None: ...
+
+
+class Metrics(Protocol):
+    """The gauges and histogram of :class:`gen_service.service.Metrics` the loop sets."""
+
+    batch_requests: Any
+    batch_rows: Any
+    batch_waiting: Any
+    batch_occupancy: Any
 
 __all__ = ["BatchLoop", "BatchEntry"]
 
