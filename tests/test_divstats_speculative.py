@@ -249,3 +249,20 @@ def test_power_of_a_speculative_hypothesis() -> None:
     h1 = res.table[res.table["id"] == "H1"]
     assert len(h1) == 2 and h1["note"].str.contains("conservative").all()
     assert (h1["power"].diff().dropna() >= -0.05).all()      # more documents, no less power
+
+
+def test_intervals_over_documents_stay_inside_what_each_quantity_can_be() -> None:
+    # ten documents, two of them with far fewer tokens per call: hybrid-t's ends at this
+    # size can leave [1, γ + 1]; they are clipped to it (and calls to [1, T], accepted to [0, γ])
+    rng = np.random.default_rng(4)
+    T, R, n = 10, 4, 10
+    logp = np.full((n, 1, R, T), -0.3)
+    logq = logp + np.where(np.arange(n)[:, None, None, None] < 2, -3.0, -0.05) * rng.random((n, 1, R, T))
+    ds = reference_dataset(np.full((n, 1, R, T), 3), logp, logq, vocab_size=8)
+    agg = dv.aggregate_speculative(dv.speculative(ds, gamma=(1, 3, 6), cost_ratio=0.2), n_resamples=400)
+    g = agg["gamma"]
+    assert agg.attrs["reason"] == "" and int(agg["n_docs"].min()) == n
+    for name, lo, hi in (("tokens_per_call", 1, g + 1), ("accepted_per_call", 0, g), ("target_calls", 1, T),
+                         ("speedup", 1 / (1 + 0.2 * g), (g + 1) / (1 + 0.2 * g))):
+        assert (agg[f"{name}_low"] >= lo - 1e-12).all() and (agg[f"{name}_high"] <= hi + 1e-12).all(), name
+        assert (agg[f"{name}_low"] <= agg[name]).all() and (agg[name] <= agg[f"{name}_high"]).all(), name

@@ -262,6 +262,13 @@ def _statistic(scale: float):
 _AGG = ("target_calls", "tokens_per_call", "accepted_per_call", "speedup")
 
 
+def _ranges(gamma: float, horizon: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """The possible values of :data:`_AGG`'s quantities at one γ: calls in [1, T], tokens per
+    call in [1, γ + 1], accepted drafts per call in [0, γ], speedup tokens per call / scale."""
+    return (np.array([1.0, 1.0, 0.0, 1.0 / scale]),
+            np.array([max(horizon, 1.0), gamma + 1.0, gamma, (gamma + 1.0) / scale]))
+
+
 def aggregate_speculative(spec: xr.Dataset, *, level: float = 0.95, n_resamples: int = 2000, seed: int = 0,
                           method: str = "auto", dim: str = "doc") -> xr.Dataset:
     """Combine :func:`speculative`'s per-document estimates with equal document weights.
@@ -325,7 +332,13 @@ def aggregate_speculative(spec: xr.Dataset, *, level: float = 0.95, n_resamples:
             continue
         ci = document_interval(tuple(a[j][ok] for a in arrays), _statistic(float(scale[j])), level=level,
                                method=method, n_resamples=n_resamples, seed=seed, min_docs=MIN_DOCS_AGGREGATE)
-        point[:, j], low[:, j], high[:, j] = ci.point, ci.low, ci.high
+        # each end clipped to what the quantity can be (as the estimand table's ranges clip
+        # the other estimands): a call emits 1..γ+1 tokens and accepts 0..γ drafts, so at
+        # least one call is made and at most T; at ten documents hybrid-t's ends can
+        # otherwise leave that range
+        lo_b, hi_b = _ranges(float(gam[j]), float(spec.attrs.get("horizon", np.inf)), float(scale[j]))
+        point[:, j] = ci.point
+        low[:, j], high[:, j] = np.clip(ci.low, lo_b, hi_b), np.clip(ci.high, lo_b, hi_b)
         if ci.reason:
             reasons.add(ci.reason)
     n_docs = spec.sizes[dim]
