@@ -27,9 +27,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
+from common import clock, prose_ids  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import gen_service.shared_cache as shared_cache  # noqa: E402
@@ -40,28 +40,6 @@ from gen_service.models import load_model  # noqa: E402
 from gen_service.shared_cache import share_prompt  # noqa: E402
 
 POLICIES = ["snapkv@0.5", "snapkv#72", "recent@0.5", "snapkv@0.9"]
-PARAGRAPH = (
-    "A block is a piece of Python program text that is executed as a unit. The following are blocks: a "
-    "module, a function body, and a class definition. Each command typed interactively is a block. A script "
-    "file is a code block. When a name is used in a code block, it is resolved using the nearest enclosing "
-    "scope. The set of all such scopes visible to a code block is called the block's environment. "
-)
-
-
-def prompt_ids(engine: Engine, n: int) -> list[int]:
-    tok = engine.lm.tokenizer
-    text = PARAGRAPH
-    while len(tok(text).input_ids) < n:
-        text += PARAGRAPH
-    return list(tok(text).input_ids[:n])
-
-
-def _clock(engine: Engine) -> float:
-    if engine.lm.device.type == "cuda":
-        torch.cuda.synchronize(engine.lm.device)
-    return time.perf_counter()
-
-
 # ---------------------------------------------------------------- 1. ops per forward
 
 def group_forwards(engine: Engine, ids: list[int], groups: int, rows: int, steps: int) -> list[Forward]:
@@ -98,9 +76,9 @@ def ops_and_time(engine: Engine, forwards: list[Forward], mode: str, repeats: in
     ops = sum(1 for e in prof.events() if e.name.startswith("aten::"))
     times = []
     for _ in range(repeats):
-        t0 = _clock(engine)
+        t0 = clock(engine.device)
         engine._forward_stacked(forwards)
-        times.append(_clock(engine) - t0)
+        times.append(clock(engine.device) - t0)
         _rewind(forwards)
     return ops, statistics.median(times)
 
@@ -161,9 +139,9 @@ def bench_naive(engine: Engine, ids: list[int], rows: int, steps: int, repeats: 
     out: dict[str, list[dict]] = {}
     for i in range(repeats):
         for name, fn in runs.items():
-            t0 = _clock(engine)
+            t0 = clock(engine.device)
             out[name] = fn(engine, ids, policy, rows, steps, i + 1)
-            times[name].append(_clock(engine) - t0)
+            times[name].append(clock(engine.device) - t0)
     same = sum(a == b for ra, rb in zip(out["naive"], out["service"], strict=True)
                for a, b in zip(ra["x"] + ra["y"], rb["x_token"] + rb["y_token"], strict=True))
     total = 2 * rows * steps
@@ -193,7 +171,7 @@ def main() -> None:
     ap.add_argument("--skip-naive", action="store_true")
     args = ap.parse_args()
     engine = Engine(load_model(args.model))
-    ids = prompt_ids(engine, args.prompt_tokens)
+    ids = prose_ids(engine.lm.tokenizer, args.prompt_tokens)
     print(f"model {args.model}, {torch.get_num_threads()} threads, device {engine.lm.device}")
     if not args.skip_ops:
         bench_ops(engine, ids, args.ops_rows, args.repeats)

@@ -22,17 +22,10 @@ import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
-import torch  # noqa: E402
+from common import clock, prose_ids  # noqa: E402
 
 from gen_service.engine import Engine, TraceJob  # noqa: E402
 from gen_service.models import load_model  # noqa: E402
-
-PARAGRAPH = (
-    "A block is a piece of Python program text that is executed as a unit. The following are blocks: a "
-    "module, a function body, and a class definition. Each command typed interactively is a block. A script "
-    "file is a code block. When a name is used in a code block, it is resolved using the nearest enclosing "
-    "scope. The set of all such scopes visible to a code block is called the block's environment. "
-)
 
 POLICIES = {
     "SnapKV (baseline)": "snapkv@0.5",
@@ -51,25 +44,11 @@ POLICIES = {
 FORCED = "forced"   # rows whose label says so run the replayed-branch path on purpose: its price alone
 
 
-def prompt_ids(engine: Engine, n: int) -> list[int]:
-    tok = engine.lm.tokenizer
-    text = PARAGRAPH
-    while len(tok(text).input_ids) < n:
-        text += PARAGRAPH
-    return list(tok(text).input_ids[:n])
-
-
-def clock(engine: Engine) -> float:
-    if engine.lm.device.type == "cuda":
-        torch.cuda.synchronize(engine.lm.device)
-    return time.perf_counter()
-
-
 def request_time(engine: Engine, job: TraceJob) -> float:
-    t0 = clock(engine)
+    t0 = clock(engine.device)
     for _ in engine.trace(job):
         pass
-    return clock(engine) - t0
+    return clock(engine.device) - t0
 
 
 def main() -> None:
@@ -83,7 +62,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run only mechanisms whose label contains this (plus SnapKV)")
     args = ap.parse_args()
     engine = Engine(load_model(args.model, device=args.device))
-    ids = prompt_ids(engine, args.prompt_tokens)
+    ids = prose_ids(engine.lm.tokenizer, args.prompt_tokens)
     for kind in ("coupled", "residual"):  # warm-up: first-call allocations and kernels
         request_time(engine, TraceJob(prompt_ids=ids, candidate="snapkv@0.5", kind=kind, horizon=2, replicates=2))
     t_start = time.perf_counter()

@@ -33,39 +33,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
 import torch  # noqa: E402
+from common import chat_prompt_ids, clock  # noqa: E402
 
 from gen_service.coupling import Sampling  # noqa: E402
 from gen_service.engine import Engine, TraceJob  # noqa: E402
 from gen_service.models import load_model  # noqa: E402
 from gen_service.shared_cache import share_prompt  # noqa: E402
-
-PARAGRAPH = (
-    "A block is a piece of Python program text that is executed as a unit. The following are blocks: a "
-    "module, a function body, and a class definition. Each command typed interactively is a block. A script "
-    "file is a code block. When a name is used in a code block, it is resolved using the nearest enclosing "
-    "scope. The set of all such scopes visible to a code block is called the block's environment. "
-)
-
-
-def prompt_ids(engine: Engine, n: int) -> list[int]:
-    tok = engine.lm.tokenizer
-    text = PARAGRAPH
-    while len(tok(text).input_ids) < n:
-        text += PARAGRAPH
-    msgs = [{"role": "user", "content": "Summarise this text.\n\n" + tok.decode(tok(text).input_ids[:n])}]
-    out = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
-    return list(out if isinstance(out, list) else out["input_ids"])
-
-
-def _clock(engine: Engine) -> float:
-    """Wall time after the device's queued work is done (CUDA runs asynchronously)."""
-    if engine.lm.device.type == "cuda":
-        torch.cuda.synchronize(engine.lm.device)
-    return time.perf_counter()
 
 
 def best(fn: Callable[[], float], repeats: int) -> float:
@@ -89,13 +65,13 @@ def time_bare(engine: Engine, ids: list[int], policy: str, rows: int, steps: int
     p0.side.rows(rows)
     q0.side.rows(rows)
     tok = p0.logits.argmax(-1).expand(rows)
-    t0 = _clock(engine)
+    t0 = clock(engine.device)
     for t in range(1, steps):
         pos = torch.full((rows,), len(ids) + t - 1, dtype=torch.long, device=engine.lm.device)
         lp = engine.step(p0.side, tok, pos)
         engine.step(q0.side, tok, pos)
         tok = lp.argmax(-1)
-    return (_clock(engine) - t0) / (steps - 1)
+    return (clock(engine.device) - t0) / (steps - 1)
 
 
 def time_coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int, steps: int) -> float:
@@ -103,10 +79,10 @@ def time_coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int, 
     job = TraceJob(prompt_ids=ids, candidate=policy, horizon=steps, replicates=rows, seed=0)
     p0, q0 = prefilled(engine, ids, policy, steps)
     gen = engine.generator(0)
-    t0 = _clock(engine)
+    t0 = clock(engine.device)
     for _ in engine._drive(engine._coupled(job, p0, q0, gen, lambda: False)):
         pass
-    return (_clock(engine) - t0) / (steps - 1)  # T steps, T−1 forward pairs
+    return (clock(engine.device) - t0) / (steps - 1)  # T steps, T−1 forward pairs
 
 
 def time_fused(engine: Engine, ids: list[int], policy: str, rows: int, steps: int) -> float:
@@ -122,12 +98,12 @@ def time_fused(engine: Engine, ids: list[int], policy: str, rows: int, steps: in
     mask = torch.ones(2 * rows, L, dtype=torch.long, device=engine.lm.device)
     mask[rows:, m:] = 0
     tok = p0.logits.argmax(-1).expand(2 * rows)
-    t0 = _clock(engine)
+    t0 = clock(engine.device)
     for t in range(1, steps):
         mask = torch.cat([mask, mask.new_ones(2 * rows, 1)], 1)
         pos = torch.full((2 * rows,), len(ids) + t - 1, dtype=torch.long, device=engine.lm.device)
         tok = engine.step(p0.cache, tok, pos, mask).argmax(-1)
-    return (_clock(engine) - t0) / (steps - 1)
+    return (clock(engine.device) - t0) / (steps - 1)
 
 
 def time_generate(engine: Engine, ids: list[int], rows: int, steps: int) -> float:
@@ -137,20 +113,20 @@ def time_generate(engine: Engine, ids: list[int], rows: int, steps: int) -> floa
     pre.cache.batch_repeat_interleave(rows)
     x = torch.tensor([ids] * rows, device=engine.lm.device)
     with torch.inference_mode():
-        t0 = _clock(engine)
+        t0 = clock(engine.device)
         engine.model.generate(x, attention_mask=torch.ones_like(x), past_key_values=pre.cache,
                               max_new_tokens=steps, min_new_tokens=steps, do_sample=True, top_k=0,
                               pad_token_id=0)
-    return (_clock(engine) - t0) / steps  # T forwards (the first feeds the last prompt token)
+    return (clock(engine.device) - t0) / steps  # T forwards (the first feeds the last prompt token)
 
 
 def time_request(engine: Engine, ids: list[int], policy: str, kind: str, rows: int, steps: int) -> float:
     job = TraceJob(prompt_ids=ids, candidate=policy, kind=kind, horizon=steps, replicates=rows, seed=0,
                    sampling=Sampling())
-    t0 = _clock(engine)
+    t0 = clock(engine.device)
     for _ in engine.trace(job):
         pass
-    return _clock(engine) - t0
+    return clock(engine.device) - t0
 
 
 def device_bandwidth(engine: Engine, size: int = 1 << 30) -> float:
@@ -161,9 +137,9 @@ def device_bandwidth(engine: Engine, size: int = 1 << 30) -> float:
     dst.copy_(src)
     times = []
     for _ in range(5):
-        t0 = _clock(engine)
+        t0 = clock(engine.device)
         dst.copy_(src)
-        times.append(_clock(engine) - t0)
+        times.append(clock(engine.device) - t0)
     return 2 * src.numel() / statistics.median(times)
 
 
@@ -199,7 +175,7 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     engine = Engine(load_model(args.model, device=args.device, dtype=args.dtype), shared_prompt=not args.copies)
-    ids = prompt_ids(engine, args.prompt_tokens)
+    ids = chat_prompt_ids(engine.lm.tokenizer, args.prompt_tokens)
     R, T, pol = args.rows, args.steps, args.policy
     print(f"model={engine.lm.name} device={engine.lm.device} dtype={engine.lm.dtype} "
           f"prompt={len(ids)} tokens R={R} T={T} policy={pol} torch threads={torch.get_num_threads()} "
@@ -213,9 +189,9 @@ def main() -> None:
         fused = best(lambda: time_fused(engine, ids, pol, R, T), args.repeats)
         gen = best(lambda: time_generate(engine, ids, R, T), args.repeats)
     TR = args.request_steps
-    t0 = _clock(engine)
+    t0 = clock(engine.device)
     _, q0 = engine.prefill_pair(engine.registry.build("full"), engine.registry.build(pol), ids)
-    prefill = _clock(engine) - t0
+    prefill = clock(engine.device) - t0
     req_c = best(lambda: time_request(engine, ids, pol, "coupled", R, TR), args.repeats)
     req_r = best(lambda: time_request(engine, ids, pol, "residual", R, TR), args.repeats)
     rows = [

@@ -1,0 +1,44 @@
+"""What several benchmarks share: their prompt text and a clock that waits for the device.
+
+The benchmarks are scripts (``python benchmarks/bench_*.py``), so this sits beside them
+and they import it by name (a script's own folder is first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["PARAGRAPH", "chat_prompt_ids", "clock", "prose_ids"]
+
+#: A paragraph of CPython's language reference, repeated to any prompt length.
+PARAGRAPH = (
+    "A block is a piece of Python program text that is executed as a unit. The following are blocks: a "
+    "module, a function body, and a class definition. Each command typed interactively is a block. A script "
+    "file is a code block. When a name is used in a code block, it is resolved using the nearest enclosing "
+    "scope. The set of all such scopes visible to a code block is called the block's environment. "
+)
+
+
+def prose_ids(tokenizer, n: int) -> list[int]:
+    """The first ``n`` token ids of :data:`PARAGRAPH` repeated (raw text, no template)."""
+    text = PARAGRAPH
+    while len(tokenizer(text).input_ids) < n:
+        text += PARAGRAPH
+    return list(tokenizer(text).input_ids[:n])
+
+
+def chat_prompt_ids(tokenizer, n: int) -> list[int]:
+    """A chat prompt asking to summarise ``n`` tokens of :data:`PARAGRAPH`, through the model's template."""
+    body = tokenizer.decode(prose_ids(tokenizer, n))
+    msgs = [{"role": "user", "content": "Summarise this text.\n\n" + body}]
+    out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    return list(out if isinstance(out, list) else out["input_ids"])
+
+
+def clock(device: torch.device) -> float:
+    """Wall time once the device's queued work is done (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
