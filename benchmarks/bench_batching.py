@@ -28,35 +28,18 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
+from common import serve_in_thread  # noqa: E402
 
 from collector import documents as D  # noqa: E402
 from collector.collect import CollectConfig, collect  # noqa: E402
 from collector.pack import pack_run  # noqa: E402
-
-
-def serve(model: str, max_batch_requests: int) -> tuple[str, Any, Any]:
-    """(url, uvicorn server, service): ``kvdiv serve``'s app on a free loopback port, in a thread."""
-    import uvicorn
-
-    from gen_service.server_cli import build_service
-
-    app, service = build_service(model, max_new_tokens=64, max_batch_requests=max_batch_requests)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, service
 
 
 def message(m: dict[str, str]) -> Any:
@@ -100,7 +83,8 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     t_start = time.perf_counter()
-    servers = {"batched": serve(args.model, args.batch), "one at a time": serve(args.model, 1)}
+    servers = {"batched": serve_in_thread(args.model, max_batch_requests=args.batch),
+               "one at a time": serve_in_thread(args.model, max_batch_requests=1)}
     service = servers["batched"][2]
     tok = service.engine.lm.tokenizer
     docs = D.select(D.pydoc_documents(tok, target_tokens=128), args.docs)

@@ -37,6 +37,8 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+from common import serve_in_thread  # noqa: E402
+
 from collector import documents as D  # noqa: E402
 from collector.checks import derive_seed  # noqa: E402
 from gen_service.coupling import Sampling  # noqa: E402
@@ -168,25 +170,6 @@ def main() -> None:
     print(f"benchmark took {time.perf_counter() - t_start:.0f} s")
 
 
-def _serve(model: str, fuse: str) -> tuple[str, Any, Any]:
-    """(url, uvicorn server, service): ``kvdiv serve``'s app on a free loopback port, in a thread."""
-    import socket
-    import threading
-
-    import uvicorn
-
-    from gen_service.server_cli import build_service
-
-    app, service = build_service(model, fuse=fuse, max_new_tokens=64)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, service
-
-
 SHORT = {"one request per policy": "separate", "one request per document": "grouped"}
 
 
@@ -201,7 +184,7 @@ def bench_collect(args: argparse.Namespace) -> None:
     from collector.pack import pack_run
 
     t_start = time.perf_counter()
-    url, server, service = _serve(args.model, args.fuse)
+    url, server, service = serve_in_thread(args.model, fuse=args.fuse)
     tok = service.engine.lm.tokenizer
     docs = D.select(D.pydoc_documents(tok, target_tokens=128), args.docs)
     tmp = Path(tempfile.mkdtemp(prefix="bench_candidates-"))

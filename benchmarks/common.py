@@ -1,4 +1,5 @@
-"""What several benchmarks share: their prompt text and a clock that waits for the device.
+"""What several benchmarks share: their prompt text, a clock that waits for the device and
+a server in a thread.
 
 The benchmarks are scripts (``python benchmarks/bench_*.py``), so this sits beside them
 and they import it by name (a script's own folder is first on ``sys.path``).
@@ -7,10 +8,11 @@ and they import it by name (a script's own folder is first on ``sys.path``).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
-__all__ = ["PARAGRAPH", "chat_prompt_ids", "clock", "prose_ids"]
+__all__ = ["PARAGRAPH", "chat_prompt_ids", "clock", "prose_ids", "serve_in_thread"]
 
 #: A paragraph of CPython's language reference, repeated to any prompt length.
 PARAGRAPH = (
@@ -42,3 +44,23 @@ def clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def serve_in_thread(model: str, **options: Any) -> tuple[str, Any, Any]:
+    """(url, uvicorn server, service): ``kvdiv serve``'s app for ``model`` on a free loopback
+    port, in a daemon thread; ``options`` go to ``gen_service.server_cli.build_service``."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from gen_service.server_cli import build_service
+
+    app, service = build_service(model, max_new_tokens=64, **options)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, service
