@@ -42,6 +42,44 @@ from gen_service.engine.jobs import Cancelled
 from gen_service.engine.scheduler import Ask, Runner, run_forwards
 from gen_service.shared_cache import stackable
 
+# ``--max-batch-requests`` when the flag is not given, by the device type the model runs
+# on: (requests, why). Batching must never make a collection slower than one request at
+# a time, so a device keeps 1 until a measurement on it says otherwise.
+BATCH_DEFAULTS: dict[str, tuple[int, str]] = {
+    "cpu": (1, "CPU default: continuous batching measured 0.77x one request at a time on a 2-core CPU "
+               "(8 documents x 4 policies + control, SmolLM2, R=4, T=8; docs/service.md): a CPU step is "
+               "compute-bound, and merging pads every prompt to the batch's longest"),
+    "cuda": (8, "CUDA default: a decoding step is bound by launches and weight reads, which merged "
+                "requests share"),
+}
+_UNMEASURED = (1, "default for a device type without a measurement: one request at a time is never slower")
+
+
+@dataclass(frozen=True)
+class BatchingChoice:
+    """How many ``/v1/traces`` requests decode in one batch, and why (``/info``).
+
+    Examples
+    --------
+    >>> BatchingChoice.for_device("cpu", None).max_requests
+    1
+    >>> BatchingChoice.for_device("cpu", 8).why
+    '--max-batch-requests 8'
+    """
+
+    max_requests: int
+    why: str
+
+    @classmethod
+    def for_device(cls, device_type: str, flag: int | None) -> BatchingChoice:
+        """The flag when given, else the device type's row of :data:`BATCH_DEFAULTS`."""
+        if flag is not None:
+            return cls(flag, f"--max-batch-requests {flag}")
+        return cls(*BATCH_DEFAULTS.get(device_type, _UNMEASURED))
+
+    def info(self) -> dict[str, Any]:
+        return {"max_batch_requests": self.max_requests, "max_batch_requests_why": self.why}
+
 
 class WorkStream(Protocol):
     """What the loop needs of a request's :class:`gen_service.service.WorkStream` (a
@@ -60,7 +98,7 @@ class Metrics(Protocol):
     batch_waiting: Any
     batch_occupancy: Any
 
-__all__ = ["BatchLoop", "BatchEntry"]
+__all__ = ["BatchLoop", "BatchEntry", "BatchingChoice", "BATCH_DEFAULTS"]
 
 log = logging.getLogger("kvdiv.service")
 

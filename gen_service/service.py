@@ -27,7 +27,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gen_service.batching import BatchEntry, BatchLoop
+from gen_service.batching import BatchEntry, BatchingChoice, BatchLoop
 from gen_service.body import BodyLimits
 from gen_service.engine import Cancelled, Engine, TraceJob
 from gen_service.errors import ApiError, ConfigError, RequestTimeout, invalid
@@ -67,7 +67,7 @@ class ServiceConfig:
     batch_candidates: bool = True       # stack the candidates' forwards (False: bit-identical to separate requests)
     fuse: str = "auto"                  # P's and Q's forwards as one: auto (measured per shape), on, off
     cuda_graphs: bool = False           # stacked decoding forwards as CUDA graphs (CUDA only)
-    max_batch_requests: int = 8         # /v1/traces requests decoded in one batch (1: one request at a time)
+    max_batch_requests: int | None = None  # traces decoded in one batch (1: one at a time; None: by device)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -77,7 +77,7 @@ class ServiceConfig:
             raise ConfigError("--max-request-seconds must be > 0")
         if self.fuse not in ("auto", "on", "off"):
             raise ConfigError(f"--fuse must be auto, on or off, not {self.fuse!r}")
-        if self.max_batch_requests < 1:
+        if self.max_batch_requests is not None and self.max_batch_requests < 1:
             raise ConfigError("--max-batch-requests must be >= 1")
         if not 1 <= self.max_candidates <= MAX_CANDIDATES:
             raise ConfigError(f"--max-candidates must be in 1..{MAX_CANDIDATES}")
@@ -318,9 +318,10 @@ class Service:
         self.admission = Admission(self.config.max_queue)
         self.memory = MemoryGate.for_engine(engine, self.config.memory_budget)
         self.metrics = Metrics()
+        self.batching = BatchingChoice.for_device(engine.lm.device.type, self.config.max_batch_requests)
         # --max-batch-requests 1: every request alone on the model thread, as before batching
-        self.batch = (BatchLoop(self.executor, engine._runner, self.config.max_batch_requests, self.memory.budget,
-                                self.metrics) if self.config.max_batch_requests > 1 else None)
+        self.batch = (BatchLoop(self.executor, engine._runner, self.batching.max_requests, self.memory.budget,
+                                self.metrics) if self.batching.max_requests > 1 else None)
         self.created = int(time.time())
         self.tokenizer = engine.lm.tokenizer
         self.special_ids = frozenset(self.tokenizer.all_special_ids)  # a property that rebuilds a list per access
