@@ -21,8 +21,8 @@ from gen_service.engine import CandidateError, Engine, TraceJob
 from gen_service.engine.forwards import attention_layers
 from gen_service.engine.prefill import derives_from_full_forward, prefill_document, prefill_pair
 from gen_service.models import load_model
-from gen_service.presses import ModelInfo
 from gen_service.press_traits import compresses_after_attention
+from gen_service.presses import ModelInfo
 
 # (policy, derived from the document's forward): every stackable kind, the control, and
 # the kinds that prefill their own
