@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from gen_service.engine.jobs import Cancelled
 from gen_service.engine.scheduler import Ask, Runner, run_forwards
+from gen_service.memory import TraceSize, batch_bytes
 from gen_service.shared_cache import stackable
 
 # ``--max-batch-requests`` when the flag is not given, by the device type the model runs
@@ -81,6 +82,14 @@ class BatchingChoice:
         return {"max_batch_requests": self.max_requests, "max_batch_requests_why": self.why}
 
 
+def merged_bytes(entries: list[BatchEntry]) -> int:
+    """What these requests hold decoded together: the sized ones each at the batch's
+    longest prompt and largest T (:func:`gen_service.memory.batch_bytes`: the stacked
+    forwards pad to both), plus the fixed costs."""
+    sized = [e.cost for e in entries if isinstance(e.cost, TraceSize)]
+    return batch_bytes(sized) + sum(e.cost or 0 for e in entries if not isinstance(e.cost, TraceSize))
+
+
 class WorkStream(Protocol):
     """What the loop needs of a request's :class:`gen_service.service.WorkStream` (a
     protocol, not an import: the service imports this module)."""
@@ -98,7 +107,7 @@ class Metrics(Protocol):
     batch_waiting: Any
     batch_occupancy: Any
 
-__all__ = ["BatchLoop", "BatchEntry", "BatchingChoice", "BATCH_DEFAULTS"]
+__all__ = ["BatchLoop", "BatchEntry", "BatchingChoice", "BATCH_DEFAULTS", "merged_bytes"]
 
 log = logging.getLogger("kvdiv.service")
 
@@ -107,12 +116,13 @@ log = logging.getLogger("kvdiv.service")
 class BatchEntry:
     """One request in the batch: its stream, how to make its steps, what it costs.
 
-    ``cost`` is its memory estimate in bytes (:meth:`gen_service.memory.MemoryGate.admit`),
-    ``rows`` its decoding rows (R × candidates) for ``/metrics``."""
+    ``cost`` is its memory: a :class:`gen_service.memory.TraceSize`, counted at the
+    merged batch's longest prompt and largest T (:func:`~gen_service.memory.batch_bytes`),
+    or fixed bytes; ``rows`` its decoding rows (R × candidates) for ``/metrics``."""
 
     stream: WorkStream
     make: Callable[[Callable[[], bool]], Iterator[Any]]
-    cost: int = 0
+    cost: TraceSize | int | None = 0
     rows: int = 0
     steps: Iterator[Any] | None = None
     answer: Any = None
@@ -189,13 +199,10 @@ class BatchLoop:
         should give the thread back (nothing live, and nothing admissible now)."""
         with self._lock:
             st = self._state
-            used = sum(e.cost for e in live)
             while st.pending and len(live) < self.max_requests and not st.plain_waiting:
-                if live and used + st.pending[0].cost > self.budget:
+                if live and merged_bytes([*live, st.pending[0]]) > self.budget:
                     break
-                entry = st.pending.popleft()
-                live.append(entry)
-                used += entry.cost
+                live.append(st.pending.popleft())
             self.metrics.batch_waiting.set(len(st.pending))
             if live:
                 return True

@@ -31,7 +31,7 @@ from gen_service.batching import BatchEntry, BatchingChoice, BatchLoop
 from gen_service.body import BodyLimits
 from gen_service.engine import Cancelled, Engine, TraceJob
 from gen_service.errors import ApiError, ConfigError, RequestTimeout, invalid
-from gen_service.memory import MemoryGate, RequestTooLarge
+from gen_service.memory import MemoryGate, RequestTooLarge, TraceSize
 from gen_service.models import context_question_ids
 from gen_service.press_traits import wants_eager
 from gen_service.presses import ModelInfo, PolicyError
@@ -352,10 +352,11 @@ class Service:
             self.batch.plain_work(1)   # the batch loop admits no trace request while this waits
         return WorkStream(self, make, ticket, self._deadline())
 
-    def start_trace(self, job: TraceJob, ticket: Ticket, cost: int = 0) -> WorkStream:
+    def start_trace(self, job: TraceJob, ticket: Ticket, cost: TraceSize | None = None) -> WorkStream:
         """Queue a ``/v1/traces`` request: alone on the model thread (``--max-batch-requests 1``),
-        or into the decoding batch (:mod:`gen_service.batching`) with its memory estimate
-        ``cost`` (bytes) counted against the budget with the live requests'."""
+        or into the decoding batch (:mod:`gen_service.batching`) with its memory size
+        ``cost`` counted against the budget with the live requests' (the merged batch's
+        estimate, :func:`gen_service.memory.batch_bytes`)."""
         if self.batch is None:
             return self.start(lambda cancelled: self.engine.trace(job, cancelled), ticket)
         rows = job.replicates * max(1, len(job.candidates))
@@ -450,10 +451,11 @@ class Service:
 
     def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str, candidates: int = 1,
                      policies: tuple[str, ...] = (), reference: str = "full",
-                     context_tokens: int | None = None, top_logprobs: int = 0) -> int:
+                     context_tokens: int | None = None, top_logprobs: int = 0) -> TraceSize:
         """422 when the request's estimated memory can never fit the budget (gen_service/memory.py);
-        a multi-candidate request counts every candidate's caches and rows. Returns the
-        estimate's bytes (what the decoding batch counts for it, :meth:`start_trace`).
+        a multi-candidate request counts every candidate's caches and rows. Returns its
+        :class:`~gen_service.memory.TraceSize` (what the decoding batch counts for it, at
+        the merged batch's longest prompt and largest T: :meth:`start_trace`).
 
         With ``policies`` (the candidates' ids, already checked by :meth:`check_policy`)
         each candidate's sides are described from its plan and the reference's for this
@@ -468,9 +470,10 @@ class Service:
             sides = [self.memory.describe(p, ref, self.engine.registry.build(p, info).plan(length), kind)
                      for p in policies]
         try:
-            return self.memory.admit(rows, prompt_tokens, horizon, kind, candidates, sides, top_logprobs).total
+            self.memory.admit(rows, prompt_tokens, horizon, kind, candidates, sides, top_logprobs)
         except RequestTooLarge as exc:
             raise invalid("replicates", str(exc)) from exc
+        return self.memory.size(rows, prompt_tokens, horizon, kind, candidates, sides, top_logprobs)
 
     def check_generate_memory(self, prompt_tokens: int, new_tokens: int, policy_id: str,
                               prompt_logprobs: bool = False, field: str = "inputs") -> None:
