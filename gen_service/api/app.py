@@ -30,9 +30,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gen_service.api import tgi_wire
 from gen_service.api.handlers import ROUTES, SSE, Handler
 from gen_service.errors import ApiError
-from gen_service.serving.service import Service, ServiceConfig
+from gen_service.serving.service import Service
 
-__all__ = ["create_app", "Service", "ServiceConfig", "ApiError", "error_response"]
+__all__ = ["create_app", "error_response"]
 
 log = logging.getLogger("kvdiv.service")
 

@@ -57,11 +57,12 @@ def build_service(model: str | None = None, *, gguf: str | None = None, eviction
     """
     # imported here, not at the top: ``kvdiv --help`` and the command's own option
     # checks must not load torch (tests/test_cli_imports.py)
-    from gen_service.api.app import Service, ServiceConfig, create_app
+    from gen_service.api.app import create_app
     from gen_service.engine.facade import Engine
     from gen_service.errors import ConfigError
     from gen_service.models.loading import load_model, pick_device
     from gen_service.presses.registry import PolicyRegistry, load_class, parse_press_option
+    from gen_service.serving.service import Service, ServiceConfig
 
     # the configuration first: a refused key must not cost a model load
     config = ServiceConfig(eviction=eviction, max_new_tokens=max_new_tokens, max_replicates=max_replicates,

@@ -39,11 +39,11 @@ from gen_service.errors import PolicyError
 from gen_service.presses.artifacts import LOCAL_ARTIFACTS, OPTION_KEYS, artifact_path, attach, check_options
 from gen_service.presses.params import ATTRIBUTE_PARAMS, check_value, param_specs, press_slots
 from gen_service.presses.quantized import KIVIConfig
-from gen_service.presses.traits import acts_while_decoding, check_quantizable, iter_presses, rerotates
+from gen_service.presses.traits import acts_while_decoding, check_quantizable, rerotates
 from protocols import PolicyIdError, PolicySpec, PressTerm, parse_option_value, parse_policy_id
 
-__all__ = ["ALIASES", "ModelInfo", "PressPlan", "Policy", "PolicyError", "PolicyRegistry", "expected_kept",
-           "iter_presses", "load_class", "parse_press_option"]
+__all__ = ["ALIASES", "ModelInfo", "PressPlan", "Policy", "PolicyRegistry", "expected_kept",
+           "load_class", "parse_press_option"]
 
 log = logging.getLogger("kvdiv.service")
 
