@@ -1,8 +1,8 @@
 """What a trace request asks for, and what the engine says back besides records.
 
 :class:`TraceJob` is the checked ``/v1/traces`` request; the rest are the signals the
-drivers give the HTTP layer: a client gone (:class:`Cancelled`), a candidate failed in
-prefill (:class:`CandidateError`, before anything streams) or while decoding
+drivers give the HTTP layer: a client gone (:class:`~gen_service.errors.Cancelled`), a candidate failed in
+prefill (:class:`~gen_service.errors.CandidateError`, before anything streams) or while decoding
 (:class:`CandidateFailed`, the others go on), a candidate's records all out
 (:class:`CandidateDone`).
 """
