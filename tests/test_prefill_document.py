@@ -16,13 +16,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
-from gen_service.coupling import Sampling
-from gen_service.engine import CandidateError, Engine, TraceJob
+from gen_service.engine.coupling import Sampling
+from gen_service.engine.facade import Engine
 from gen_service.engine.forwards import attention_layers
+from gen_service.engine.jobs import TraceJob
 from gen_service.engine.prefill import derives_from_full_forward, prefill_document, prefill_pair
-from gen_service.models import load_model
-from gen_service.press_traits import compresses_after_attention
-from gen_service.presses import ModelInfo
+from gen_service.errors import CandidateError
+from gen_service.models.loading import load_model
+from gen_service.presses.registry import ModelInfo
+from gen_service.presses.traits import compresses_after_attention
 
 # (policy, derived from the document's forward): every stackable kind, the control, and
 # the kinds that prefill their own

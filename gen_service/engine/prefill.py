@@ -7,7 +7,7 @@ pipeline does, and is never compressed.
 
 A document's several candidates share one forward (:func:`prefill_document`): P's
 full cache is that forward's, and every press that only compresses after each layer's
-attention (:func:`gen_service.press_traits.compresses_after_attention`) compresses a
+attention (:func:`gen_service.presses.traits.compresses_after_attention`) compresses a
 copy of each layer's keys and values inside it, as its own forward would have.
 """
 
@@ -23,12 +23,12 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from gen_service.attention.head_masks import indices_to_mask
 from gen_service.engine.forwards import attention_layers, eager_attention, run_side
 from gen_service.engine.sides import Prefilled, Side, cache_lengths
-from gen_service.head_masks import indices_to_mask
-from gen_service.logits import logits as fp32_logits
-from gen_service.press_traits import compresses_after_attention, wants_eager
-from gen_service.presses import Policy, PressPlan
+from gen_service.models.float_head import logits as fp32_logits
+from gen_service.presses.registry import Policy, PressPlan
+from gen_service.presses.traits import compresses_after_attention, wants_eager
 
 __all__ = ["derives_from_full_forward", "prefill", "prefill_document", "prefill_pair", "prefill_question"]
 
