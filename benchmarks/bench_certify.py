@@ -37,7 +37,7 @@ def main() -> None:
     fw = certify_calibration(sims, n_resamples=B)
     print(f"## Familywise error and power ({sims} studies per cell, {B} resamples, 6 budgets, margin 0.05)\n")
     nulls = fw[fw["scenario"] != "crossing"]
-    print(_markdown(nulls, ["scenario", "population", "n", "fwer", "se", "bound", "ok"]))
+    print(_markdown(nulls, ["scenario", "population", "n", "fwer", "se", "bound", "ok"]), flush=True)
     print()
     print(_markdown(fw[fw["scenario"] == "crossing"],
                     ["scenario", "population", "n", "fwer", "power", "mean_certified", "true_last"]))

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 import divstats
-from divstats.calibration.certification import broken_all_budgets, certify_calibration, sweep_values
+from divstats.calibration.certification import (
+    broken_all_budgets,
+    certified_index,
+    certify_calibration,
+    sweep_values,
+)
 from divstats.inference.certify import certify_budget
 
 
@@ -97,3 +102,74 @@ def test_familywise_error_small_and_broken_procedure_caught() -> None:
     broken = np.mean([broken_all_budgets(sweep_values(rng, 50, np.full(6, 0.05), "skewed"), 0.05, n_resamples=199)
                       for _ in range(150)])
     assert broken > 0.12                                    # testing every budget without order inflates it
+
+
+def _cert_plan(**over):
+    c = {"id": "C1", "family": "snapkv", "metric": "occurrence", "margin": 0.05, "split": "all", **over}
+    return {"plan": {"name": "t", "salt": "s"}, "certify": [c]}
+
+
+def test_plan_certify_validation() -> None:
+    plan = divstats.load_plan(_cert_plan())
+    assert plan.hypotheses == () and plan.certifications[0].worse == "larger"
+    assert divstats.load_plan(_cert_plan(metric="rmtd", margin=-1)).certifications[0].margin == 1
+    for over, match in [({"metric": "nope"}, "estimand"), ({"margin": 0}, "non-zero"),
+                        ({"family": "snapkv@0.9,2"}, "outside"), ({"family": "snapkv@0.5"}, "one member"),
+                        ({"test": "wilcoxon"}, "must be one of"), ({"reference": "x"}, "reference"),
+                        ({"fmaily": 1}, "unknown key")]:
+        with pytest.raises(divstats.PlanError, match=match):
+            divstats.load_plan(_cert_plan(**over))
+
+
+def test_run_plan_certifies_per_model() -> None:
+    import xarray as xr
+
+    est = _estimates()
+    # run_plan needs traces only for what it computes; hand it the estimates to reuse
+    ds = xr.Dataset(coords={"doc": est["doc"].values, "policy": est["policy"].values, "model": est["model"].values},
+                    attrs={"horizon": 8, "kind": "coupled"})
+    res = divstats.run_plan(ds, _cert_plan(), estimates=est, n_resamples=199)
+    assert list(res.certify["model"]) == ["m1", "m2"] and set(res.certify["certified"]) == {"snapkv@0.5"}
+    assert res.certified[("C1", "m1")].reference == "the measured control" and res.table.empty
+    with pytest.raises(divstats.PlanError, match="families are"):
+        divstats.run_plan(ds, _cert_plan(family="h2o"), estimates=est, n_resamples=99)
+
+
+def test_fast_calibration_path_agrees_with_certify_budget() -> None:
+    rng = np.random.default_rng(11)
+    for s, mu in enumerate([np.full(5, 0.05), np.array([0.0, 0.0, 0.02, 0.05, 0.1]), np.zeros(5)]):
+        v = sweep_values(rng, 50, mu, "skewed")
+        assert certified_index(v, 0.05, n_resamples=299, seed=s) == \
+            certify_budget(v, 0.05, n_resamples=299, seed=s).certified_index
+
+
+def test_certify_power_from_a_pilot() -> None:
+    from divstats.design.certify_power import certify_power
+
+    est = _estimates(n=40)
+    table = certify_power(_cert_plan(model="m1"), est, docs=[30, 50, 200], n_sims=30, n_resamples=99)
+    assert set(table["budget"]) == {"snapkv@0.9", "snapkv@0.5", "snapkv@0.3"}
+    p = table.set_index(["budget", "docs"])["power"]
+    assert p[("snapkv@0.9", 30)] == 0.0                     # refused below 50 documents
+    assert p[("snapkv@0.9", 200)] > 0.9 and p[("snapkv@0.3", 200)] == 0.0
+    needed = table.set_index("budget")["docs_needed"]
+    assert needed["snapkv@0.9"].iloc[0] in (50, 200) and np.isnan(needed["snapkv@0.3"].iloc[0])
+    assert "past the margin" in table.set_index("budget")["note"]["snapkv@0.3"].iloc[0]
+
+
+def test_kvdiv_power_prints_certify(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from divstats.cli.power import power_command
+    from protocols import save_traces
+
+    eff = {"snapkv@0.9": 0.01, "snapkv@0.5": 0.05, "snapkv@0.3": 0.4}
+    ds = divstats.simulate_study(12, {p: divstats.PolicyEffect(e) for p, e in eff.items()}, horizon=5, replicates=4)
+    save_traces(ds, tmp_path / "t.nc")
+    plan = tmp_path / "p.toml"
+    plan.write_text('[plan]\nname = "c"\nsalt = "s"\n\n[[certify]]\nid = "C"\nfamily = "snapkv@0.9,0.5,0.3"\n'
+                    'metric = "occurrence"\nmargin = 0.2\nsplit = "all"\n')
+    res = CliRunner().invoke(power_command, [str(tmp_path / "t.nc"), "--plan", str(plan), "--docs", "50",
+                                             "--sims", "100"])
+    assert res.exit_code == 0, res.output
+    assert "certify C: power to certify each budget" in res.output and "hypothesis metric" not in res.output
