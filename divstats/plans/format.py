@@ -298,42 +298,50 @@ def _validate_certifications(raw: Any, alpha: float, problems: list[str]) -> lis
             problems.append(f"{where}: must be a table")
             continue
         found: list[str] = []
-        for key in sorted(set(c) - _CERT_KEYS):
-            found.append(f"{where}: unknown key {key!r} (expected {sorted(_CERT_KEYS)})")
-        for key in ("id", "family", "metric"):
-            if not isinstance(c.get(key), str) or not c.get(key):
-                found.append(f"{where}: {key!r} must be a non-empty string")
-        if isinstance(c.get("id"), str):
-            if c["id"] in seen:
-                found.append(f"{where}: duplicate id {c['id']!r}")
-            seen.add(c["id"])
-        metric = c.get("metric")
-        try:
-            by_name(str(metric))
-        except KeyError:
-            found.append(f"{where}: 'metric' must be an estimand of divstats.ESTIMANDS, got {metric!r}")
-        if isinstance(c.get("family"), str):
-            found.extend(f"{where}: {p}" for p in _family_problems(c["family"]))
-        h = {**c, "direction": "noninferiority", "test": c.get("test", "bootstrap-t")}
-        margin, worse = _check_margin(h, None, where, found)
-        _check_choice(c, "test", MARGIN_TESTS, "bootstrap-t", where, found)
-        _check_choice(c, "split", SPLITS, "confirmatory", where, found)
-        c_alpha = c.get("alpha", alpha)
-        if not _is_number(c_alpha) or not 0 < c_alpha < 1:
-            found.append(f"{where}: 'alpha' must be in (0, 1), got {c_alpha!r}")
-        reference = c.get("reference", FULL)
-        if reference != FULL and not (_is_number(reference) and math.isfinite(reference)):
-            found.append(f"{where}: 'reference' must be {FULL!r} or a number, got {reference!r}")
-        model = c.get("model")
-        if model is not None and (not isinstance(model, str) or not model):
-            found.append(f"{where}: 'model' must be a model name")
+        cert = _validate_certification(c, where, alpha, seen, found)
         problems.extend(found)
-        if not found and margin is not None:
-            out.append(Certification(id=c["id"], family=c["family"], metric=c["metric"], margin=margin, worse=worse,
-                                     alpha=float(c_alpha), split=c.get("split", "confirmatory"),
-                                     reference=reference if reference == FULL else float(reference), model=model,
-                                     test=c.get("test", "bootstrap-t"), description=str(c.get("description", ""))))
+        if cert is not None and not found:
+            out.append(cert)
     return out
+
+
+def _validate_certification(c: Mapping[str, Any], where: str, alpha: float, seen: set[str],
+                            found: list[str]) -> Certification | None:
+    """One [[certify]] table: its problems appended to ``found``; the Certification if none."""
+    for key in sorted(set(c) - _CERT_KEYS):
+        found.append(f"{where}: unknown key {key!r} (expected {sorted(_CERT_KEYS)})")
+    for key in ("id", "family", "metric"):
+        if not isinstance(c.get(key), str) or not c.get(key):
+            found.append(f"{where}: {key!r} must be a non-empty string")
+    if isinstance(c.get("id"), str):
+        if c["id"] in seen:
+            found.append(f"{where}: duplicate id {c['id']!r}")
+        seen.add(c["id"])
+    try:
+        by_name(str(c.get("metric")))
+    except KeyError:
+        found.append(f"{where}: 'metric' must be an estimand of divstats.ESTIMANDS, got {c.get('metric')!r}")
+    if isinstance(c.get("family"), str):
+        found.extend(f"{where}: {p}" for p in _family_problems(c["family"]))
+    margin, worse = _check_margin({**c, "direction": "noninferiority", "test": c.get("test", "bootstrap-t")},
+                                  None, where, found)
+    _check_choice(c, "test", MARGIN_TESTS, "bootstrap-t", where, found)
+    _check_choice(c, "split", SPLITS, "confirmatory", where, found)
+    c_alpha = c.get("alpha", alpha)
+    if not _is_number(c_alpha) or not 0 < c_alpha < 1:
+        found.append(f"{where}: 'alpha' must be in (0, 1), got {c_alpha!r}")
+    reference = c.get("reference", FULL)
+    if reference != FULL and not (_is_number(reference) and math.isfinite(reference)):
+        found.append(f"{where}: 'reference' must be {FULL!r} or a number, got {reference!r}")
+    model = c.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        found.append(f"{where}: 'model' must be a model name")
+    if found or margin is None:
+        return None
+    return Certification(id=c["id"], family=c["family"], metric=c["metric"], margin=margin, worse=worse,
+                         alpha=float(c_alpha), split=c.get("split", "confirmatory"),
+                         reference=reference if reference == FULL else float(reference), model=model,
+                         test=c.get("test", "bootstrap-t"), description=str(c.get("description", "")))
 
 
 def _family_problems(family: str) -> list[str]:

@@ -41,8 +41,8 @@ from divstats.plans.format import (
 )
 from protocols import Kind
 
-__all__ = ["CERTIFY_COLUMNS", "EXTRA_COLUMNS", "FULL_MODEL_VALUES", "TABLE_COLUMNS", "PlanResult", "full_model_value", "run_plan",
-           "window_mean"]
+__all__ = ["CERTIFY_COLUMNS", "EXTRA_COLUMNS", "FULL_MODEL_VALUES", "TABLE_COLUMNS", "PlanResult", "full_model_value",
+           "run_plan", "window_mean"]
 
 TABLE_COLUMNS: tuple[str, ...] = (
     "id", "family", "metric", "n_docs", "statistic", "p_value", "p_adjusted", "reject",
