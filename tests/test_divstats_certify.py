@@ -173,3 +173,24 @@ def test_kvdiv_power_prints_certify(tmp_path) -> None:
                                              "--sims", "100"])
     assert res.exit_code == 0, res.output
     assert "certify C: power to certify each budget" in res.output and "hypothesis metric" not in res.output
+
+
+def test_report_section_renders(tmp_path) -> None:
+    from divstats.report.analysis import compute
+    from divstats.report.render import figure_png, make_figures, render_html, render_markdown
+
+    eff = {"snapkv@0.9": 0.01, "snapkv@0.5": 0.05, "snapkv@0.3": 0.3, "recent@0.9": 0.05, "recent@0.5": 0.3}
+    ds = divstats.simulate_study(12, {p: divstats.PolicyEffect(e) for p, e in eff.items()}, horizon=4, replicates=4)
+    plan = {"plan": {"name": "sweep", "salt": "s"}, "certify": [
+        {"id": "C", "family": "snapkv", "metric": "occurrence", "margin": 0.1, "split": "all"}]}
+    an = compute(ds, plan, n_resamples=99, progress=False)
+    assert list(an.compression["family"].values) == ["snapkv@*", "recent@*"]
+    row = an.plan_result.certify.iloc[0]
+    assert row["certified"] == "" and "n = 12 documents" in row["reason"]     # refused below 50, said why
+    figs = make_figures(an)
+    html = render_html(an, {k: figure_png(v) for k, v in figs.items()})
+    assert "How much can I compress?" in html and "compression" in figs and "no budget certified" in html
+    assert "## How much can I compress?" in render_markdown(an)
+    # without a plan: the curves, no margin
+    an = compute(ds, n_resamples=99, progress=False)
+    assert an.compression.attrs["metric"] == "mismatch_fraction" and "nothing certified" in render_markdown(an)

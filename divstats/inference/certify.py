@@ -239,10 +239,9 @@ def certify_budget(values: np.ndarray, margin: float, *, alpha: float = 0.05, wo
     signed = delta if worse == "larger" else -delta
     if first_fail < k:
         r = results[first_fail]
-        why = r.reason if r.reason else (f"{labels[first_fail]} not shown non-inferior (p = {p[first_fail]:.3g}, "
-                                         f"bound {_bound(r, worse):.4g} vs margin {signed:g})")
-        reason = (f"the sequence stopped at {labels[first_fail]}: {why}" if idx >= 0 else
-                  f"the first budget, {labels[0]}: {why}")
+        why = r.reason if r.reason else (f"not shown non-inferior (p = {p[first_fail]:.3g}, bound "
+                                         f"{_bound(r, worse):.4g} vs margin {signed:g})")
+        reason = f"the sequence stopped at {labels[first_fail]}{' (the first budget)' if idx < 0 else ''}: {why}"
     else:
         reason = "every budget was shown non-inferior"
     means = np.array([np.nanmean(x[:, j]) if np.isfinite(x[:, j]).any() else math.nan for j in range(k)])
