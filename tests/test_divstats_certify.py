@@ -194,3 +194,17 @@ def test_report_section_renders(tmp_path) -> None:
     # without a plan: the curves, no margin
     an = compute(ds, n_resamples=99, progress=False)
     assert an.compression.attrs["metric"] == "mismatch_fraction" and "nothing certified" in render_markdown(an)
+
+
+def test_results_nc_carries_the_section(tmp_path) -> None:
+    from divstats.report.analysis import compute
+    from divstats.report.results import results_dataset, save_results
+
+    eff = {"snapkv@0.9": 0.01, "snapkv@0.5": 0.05, "recent@0.9": 0.05, "recent@0.5": 0.3}
+    ds = divstats.simulate_study(10, {p: divstats.PolicyEffect(e) for p, e in eff.items()}, horizon=4, replicates=3)
+    plan = {"plan": {"name": "sweep", "salt": "s"}, "certify": [
+        {"id": "C", "family": "snapkv", "metric": "occurrence", "margin": 0.1, "split": "all"}]}
+    res = results_dataset(compute(ds, plan, n_resamples=99, progress=False))
+    assert res["compression_mean"].dims == ("compression_family", "compression_budget")
+    assert list(res["certify_id"].values) == ["C"] and "policy" in res.dims
+    save_results(res, tmp_path / "results.nc")
