@@ -40,7 +40,7 @@ def test_demo_with_a_running_server_resumes_and_refuses_other_sizes(tmp_path: Pa
         out = capsys.readouterr().out
         assert "F1-occ-budget" in out and "report: " in out and "snapkv@0.9" in out
         assert "noise floor (full vs full)" in out and "(control: the noise floor)" in out
-        assert "How much can I compress?" in out and "none certified" in out and "need ≥ 50" in out
+        assert "How much can I compress?" in out and "none certified" in out   # 8 documents: refused
         # the reference set's own report, with its Speculative decoding section, and its headline
         assert "tokens per target call" in out and "γ = 4" in out
         spec_report = (tmp_path / "demo" / "speculative" / "report.html").read_text(encoding="utf-8")

@@ -80,3 +80,18 @@ def test_grouped_request_carries_the_family() -> None:
               for i, p in enumerate(expand_policy_family("snapkv@0.9..0.3/0.2"))]
     body = group_body(bodies)
     assert body["candidates"] == ["snapkv@0.9", "snapkv@0.7", "snapkv@0.5", "snapkv@0.3"]
+
+
+def test_kv_kept_follows_the_id_not_a_wrong_coordinate() -> None:
+    import xarray as xr
+
+    from divstats.estimation.sweeps import ACHIEVED_RETENTION, kv_kept, sweep_families
+
+    # a server that wrote 0.5 for every candidate must not reorder the family
+    ds = xr.Dataset(coords={"policy": ["a@0.5", "a@0.9", "a#64", "tool-x"], "retention": ("policy", [0.5] * 4),
+                            "budget": ("policy", [-1] * 4), "prompt_tokens": ("doc", [128, 256])})
+    assert kv_kept(ds).values.tolist() == [0.5, 0.9, 0.375, 0.5]
+    assert sweep_families(ds) == {"a@*": ("a@0.9", "a@0.5")}
+    # the achieved retention, where recorded, is what the press kept (the hook for trace headers)
+    ds[ACHIEVED_RETENTION] = ("policy", [0.45, float("nan"), 0.3, float("nan")])
+    assert kv_kept(ds).values.tolist() == [0.45, 0.9, 0.3, 0.5]

@@ -25,7 +25,7 @@ import numpy as np
 import xarray as xr
 
 from divstats.errors import DivstatsError
-from protocols.policies import PolicyIdError, expand_policy_family, family_key, policy_families
+from protocols.policies import PolicyIdError, expand_policy_family, family_key, policy_coords, policy_families
 
 __all__ = ["ACHIEVED_RETENTION", "family_values", "kv_kept", "resolve_family", "sweep_families"]
 
@@ -62,14 +62,21 @@ def kv_kept(ds: xr.Dataset) -> xr.DataArray:
     nominal = np.full(len(policies), math.nan)
     if "retention" in ds.coords or "retention" in ds:
         nominal = np.asarray(ds["retention"].values, dtype=float).copy()
-    if "budget" in ds.coords or "budget" in ds:
-        budget = np.asarray(ds["budget"].values, dtype=float)
-        prompt = (np.asarray(ds["prompt_tokens"].values, dtype=float) if "prompt_tokens" in ds.coords
-                  else np.array([]))
-        prompt = prompt[prompt > 0]
-        for i, b in enumerate(budget):
-            if b >= 1 and math.isnan(nominal[i]):
-                nominal[i] = float(np.minimum(1.0, b / prompt).mean()) if prompt.size else math.nan
+    budget = np.asarray(ds["budget"].values, dtype=float) if ("budget" in ds.coords or "budget" in ds) else \
+        np.full(len(policies), -1.0)
+    # the id's own amount is the definition (and fixes the family's order before any data); the
+    # coordinates only speak for ids outside the grammar
+    for i, pid in enumerate(policies):
+        _, r, b = policy_coords(pid)
+        if b >= 1:
+            nominal[i], budget[i] = math.nan, b
+        elif not math.isnan(r):
+            nominal[i], budget[i] = r, -1
+    prompt = np.asarray(ds["prompt_tokens"].values, dtype=float) if "prompt_tokens" in ds.coords else np.array([])
+    prompt = prompt[prompt > 0]
+    for i, b in enumerate(budget):
+        if b >= 1 and math.isnan(nominal[i]):
+            nominal[i] = float(np.minimum(1.0, b / prompt).mean()) if prompt.size else math.nan
     nominal = np.where([p == "full" for p in policies], 1.0, nominal)
     source = "nominal"
     if ACHIEVED_RETENTION in ds.variables:
