@@ -30,7 +30,7 @@ from gen_service import wire_openai as oai
 from gen_service import wire_tgi as tgi
 from gen_service.body import parse_json, read_body
 from gen_service.engine import Cancelled, CandidateDone, CandidateError, CandidateFailed, TraceJob
-from gen_service.errors import ApiError, RequestTimeout, invalid
+from gen_service.errors import ApiError, NonFiniteLogits, RequestTimeout, invalid
 from gen_service.press_catalog import catalog
 from gen_service.requests import (
     ChatRequest,
@@ -142,6 +142,9 @@ def stream_error(exc: BaseException) -> dict[str, str]:
     """The error record ending a stream that already sent its 200 (no internals)."""
     if isinstance(exc, RequestTimeout):
         return {"error": str(exc), "error_type": "timeout"}
+    if isinstance(exc, NonFiniteLogits):   # the model's numbers, not the server's internals: say where
+        log.error("%s", exc)
+        return {"error": str(exc), "error_type": "non_finite_logits"}
     if isinstance(exc, ApiError):
         return exc.body()
     log.error("stream failed after its first item", exc_info=exc)
