@@ -178,3 +178,21 @@ def test_pretrained_weights_go_straight_to_the_device_in_the_serving_dtype(tmp_p
     again = load_model(str(tmp_path), device="cpu", dtype="float32")
     for (name, a), b in zip(again.model.state_dict().items(), fp32.model.state_dict().values(), strict=True):
         assert a.dtype == torch.float32 and torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_bf16_head_gives_float32_logits_without_a_copy():
+    """On the device: the method chosen at load (split where torch.mm takes out_dtype),
+    no float32 copy held, logits within float32 rounding of the float64 product."""
+    lm = load_model("random:llama-1b", device="cuda", dtype="bfloat16")
+    model, x = lm.model, torch.tensor([IDS], device="cuda")
+    made = head32(model)
+    assert made.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    assert made.method == ("split" if "dtype" in torch.ops.aten.mm.overloads() else "chunked"), made.method
+    assert extra_bytes(model) <= CHUNK_BYTES + 4 * model.config.hidden_size
+    h, _ = _prenorm(model, input_ids=x)
+    ref = _reference(model, h)
+    with torch.inference_mode():
+        ours = logits(model, 0, input_ids=x)
+    assert (ours.double() - ref).abs().max() <= 1e-5 * ref.abs().max()

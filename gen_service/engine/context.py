@@ -43,7 +43,10 @@ class LoopContext:
 
     def __post_init__(self) -> None:
         if self.eos:
-            object.__setattr__(self, "eos_ids", torch.tensor(self.eos, dtype=torch.long, device=self.device))
+            ids = torch.tensor(self.eos, dtype=torch.long)
+            if self.device.type == "cuda":   # from pinned memory, asynchronously: no host synchronisation
+                ids = ids.pin_memory()
+            object.__setattr__(self, "eos_ids", ids.to(self.device, non_blocking=True))
         object.__setattr__(self, "guard", FiniteGuard(self.device))
 
     def running(self, rows: int) -> torch.Tensor:
