@@ -1,5 +1,5 @@
-"""Logits in float32 whatever the weights' dtype (gen_service/logits.py), and weights
-loaded straight onto the device in the serving dtype (gen_service/models.py)."""
+"""Logits in float32 whatever the weights' dtype (gen_service/models/float_head.py), and weights
+loaded straight onto the device in the serving dtype (gen_service/models/loading.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gen_service.logits as head_module
-from gen_service.coupling import Sampling
-from gen_service.engine import Engine, TraceJob
-from gen_service.logits import CHUNK_BYTES, extra_bytes, head32, logits
-from gen_service.models import byte_tokenizer, load_model, pretrained_kwargs, tiny_model
+import gen_service.models.float_head as head_module
+from gen_service.engine.coupling import Sampling
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
+from gen_service.models.float_head import CHUNK_BYTES, extra_bytes, head32, logits
+from gen_service.models.loading import byte_tokenizer, load_model, pretrained_kwargs, tiny_model
 
 IDS = [1, 40, 77, 3, 100, 200, 13, 9, 250, 31, 64, 2, 120, 18]
 

@@ -21,11 +21,13 @@ import torch
 from test_service_batching import JOBS, Stream, _batch, _job
 
 import gen_service.engine.forwards as forwards
-from gen_service.engine import CandidateDone, CandidateFailed, Engine
+from gen_service.api.handlers import stream_error
+from gen_service.engine.coupling import Sampling
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import CandidateDone, CandidateFailed
 from gen_service.engine.readback import FiniteGuard, HostReads, Readback
 from gen_service.errors import NonFiniteLogits
-from gen_service.handlers import stream_error
-from gen_service.models import load_model
+from gen_service.models.loading import load_model
 
 BAD_STEP = 6   # the step whose logits are poisoned (> 1: earlier steps' records come out first)
 
@@ -184,8 +186,6 @@ def test_generate_refuses_non_finite_logits(lm, monkeypatch):
         return torch.full_like(out, float("nan"))
 
     monkeypatch.setattr(engine, "step", poisoned)
-    from gen_service.coupling import Sampling
-
     it = engine.generate(list(range(10, 40)), "full", 5, Sampling(), seed=1)
     assert "finish_reason" not in next(it)        # the first token, from the prefill's finite logits
     with pytest.raises(NonFiniteLogits, match="token 2"):
