@@ -42,7 +42,7 @@ def test_without_cuda_the_check_fails_naming_cuda(tmp_path):
 
 @pytest.mark.slow
 def test_dry_run_runs_every_step(tmp_path):
-    r = _run(tmp_path, "--dry-run", timeout=600)
+    r = _run(tmp_path, "--dry-run", timeout=1800)   # 4x step limits on shared cores
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     table = (tmp_path / "gpu_check.md").read_text()
