@@ -36,6 +36,7 @@ from gen_service.models import context_question_ids
 from gen_service.press_traits import wants_eager
 from gen_service.presses import ModelInfo, PolicyError
 from gen_service.requests import MAX_CANDIDATES, Message, RequestLimits
+from gen_service.self_check import SelfCheck
 
 __all__ = ["ServiceConfig", "Admission", "Ticket", "Metrics", "WorkStream", "Service", "failure_error"]
 
@@ -325,6 +326,7 @@ class Service:
         self.tokenizer = engine.lm.tokenizer
         self.special_ids = frozenset(self.tokenizer.all_special_ids)  # a property that rebuilds a list per access
         self.model_info = ModelInfo.of(engine.lm)  # what every policy is built against
+        self.self_check: SelfCheck | None = None     # the start-up self-check's result (None: skipped)
         engine.registry.build(self.config.eviction, self.model_info)  # fail at start on a bad --eviction
 
     # ------------------------------------------------------------------ model thread
