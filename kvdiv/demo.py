@@ -138,7 +138,7 @@ def template_for(model: str, template: str) -> str:
     if model in ("approx",) or template.endswith(D.RAW_SUFFIX):
         return template
     try:
-        from gen_service.models import EMBEDDED_MODELS
+        from gen_service.models.loading import EMBEDDED_MODELS
     except ModuleNotFoundError:   # a base install: no server here, the servers' models are chat models
         return template
     embedded = EMBEDDED_MODELS.get(model)
@@ -291,13 +291,13 @@ def load_tokenizer(model_id: str | None = None) -> Any | None:
         return None
     from transformers.utils import logging as hf_logging
 
-    from gen_service import models  # the service's loader: ids mean the same thing here
+    from gen_service.models import loading  # the service's loader: ids mean the same thing here
 
     # Counting whole topics before chunking exceeds model_max_length by design; the
     # "sequence length is longer than the maximum" warning would only alarm users.
     hf_logging.set_verbosity_error()
 
-    return models.load_tokenizer(model_id)
+    return loading.load_tokenizer(model_id)
 
 
 def prompt_length(tokenizer: Any | None) -> Callable[[list[dict[str, str]]], int]:

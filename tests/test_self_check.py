@@ -1,4 +1,4 @@
-"""The start-up self-check (gen_service/self_check.py): P's decoding against the model's own
+"""The start-up self-check (gen_service/serving/self_check.py): P's decoding against the model's own
 forward, the tokenizer against the checkpoint's; a mismatch refuses the start."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
-from gen_service.self_check import SelfCheckFailed, layer_windows, model_logprobs
+from gen_service.serving.self_check import SelfCheckFailed, layer_windows, model_logprobs
 
 
 @pytest.fixture(scope="module")
 def tiny_service():
-    from gen_service.server_cli import build_service
+    from gen_service.api.cli import build_service
 
     return build_service("tiny:llama", max_new_tokens=64)
 
@@ -35,7 +35,7 @@ def test_tiny_model_passes_and_info_reports_it(tiny_service) -> None:
 def test_passes_one_request_at_a_time_and_can_be_skipped() -> None:
     from starlette.testclient import TestClient
 
-    from gen_service.server_cli import build_service
+    from gen_service.api.cli import build_service
 
     _, service = build_service("tiny:qwen2", max_batch_requests=1)
     assert service.self_check.passed
@@ -49,7 +49,7 @@ def _altered_cascade(monkeypatch: pytest.MonkeyPatch) -> None:
     The model's own attention, which the check compares with, is untouched."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from gen_service.cascade import CASCADE
+    from gen_service.attention.cascade import CASCADE
 
     original = ALL_ATTENTION_FUNCTIONS[CASCADE]
 
@@ -61,7 +61,7 @@ def _altered_cascade(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_altered_attention_refuses_to_start_naming_step_and_layers(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gen_service.server_cli import build_service
+    from gen_service.api.cli import build_service
 
     _altered_cascade(monkeypatch)
     with pytest.raises(SelfCheckFailed) as err:
@@ -74,7 +74,7 @@ def test_altered_attention_refuses_to_start_naming_step_and_layers(monkeypatch: 
 def test_cli_refuses_with_the_message(monkeypatch: pytest.MonkeyPatch) -> None:
     from click.testing import CliRunner
 
-    from gen_service.server_cli import serve
+    from gen_service.api.cli import serve
 
     _altered_cascade(monkeypatch)
     result = CliRunner().invoke(serve, ["--model", "tiny:llama", "--port", "0"])
@@ -82,9 +82,9 @@ def test_cli_refuses_with_the_message(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_tokenizer_unlike_the_checkpoints_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gen_service.models as models
-    from gen_service.server_cli import build_service
-    from gen_service.tokenizer_reference import TokenizerReference
+    import gen_service.models.loading as models
+    from gen_service.api.cli import build_service
+    from gen_service.models.tokenizer_reference import TokenizerReference
 
     load = models.load_model
 
@@ -138,8 +138,8 @@ def test_the_reference_is_the_models_whole_sequence_forward_past_a_sliding_windo
 @pytest.mark.model
 def test_embedded_model_passes_with_the_ggufs_tokenizer() -> None:
     pytest.importorskip("gguf")
-    from gen_service.models import embedded_gguf_path
-    from gen_service.server_cli import build_service
+    from gen_service.api.cli import build_service
+    from gen_service.models.loading import embedded_gguf_path
 
     try:
         embedded_gguf_path()

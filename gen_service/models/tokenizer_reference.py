@@ -16,7 +16,7 @@ in the local hub cache     library itself (no transformers class in between)
 ``tiny:*``                 none: the byte tokenizer is built in memory
 =========================  ====================================================
 
-:func:`gen_service.self_check.check_tokenizer` compares the served tokenizer's ids with
+:func:`gen_service.serving.self_check.check_tokenizer` compares the served tokenizer's ids with
 these.
 """
 

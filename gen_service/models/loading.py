@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from gen_service.logits import head32
-from gen_service.tokenizer_reference import TokenizerReference
+from gen_service.models.float_head import head32
+from gen_service.models.tokenizer_reference import TokenizerReference
 
 log = logging.getLogger("kvdiv.service")
 
@@ -184,7 +184,7 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
         return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
     # bf16 on GPU halves the weights' memory; the logits are computed in float32 whatever
-    # the weights' dtype (gen_service/logits.py), so TV is never taken from bf16-rounded
+    # the weights' dtype (gen_service/models/float_head.py), so TV is never taken from bf16-rounded
     # logits. What bf16 weights do to the distributions themselves is not measured here.
     # CPU bf16 matmuls are slow, so CPU stays fp32.
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -356,7 +356,7 @@ def _load_gguf(gguf: Path, device: torch.device, dtype: torch.dtype):
     (the first start dequantises on the CPU in float32, as the cache stores it).
 
     Returns the model, the tokenizer and the GGUF tokenizer's own ids of the check
-    text (:class:`~gen_service.tokenizer_reference.TokenizerReference`)."""
+    text (:class:`~gen_service.models.tokenizer_reference.TokenizerReference`)."""
     from transformers import AutoModelForCausalLM
 
     target = _gguf_cache_dir(gguf)

@@ -15,7 +15,7 @@ Everything kvdiv reports is a distance from the full-cache model P, so before
   difference beyond the tolerance refuses the start, naming the step, the side and
   the model's layer types beyond whose window the prompt runs.
 * **The tokenizer.** A fixed text's ids with the tokenizer the server serves against
-  the checkpoint's own (:mod:`gen_service.tokenizer_reference`); the first differing
+  the checkpoint's own (:mod:`gen_service.models.tokenizer_reference`); the first differing
   token refuses the start.
 
 ``/info`` reports the result (``kvdiv.self_check``); ``kvdiv serve --no-self-check``
@@ -33,12 +33,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
-from gen_service.engine import CandidateDone, CandidateFailed, TraceJob
+from gen_service.engine.jobs import CandidateDone, CandidateFailed, TraceJob
 from gen_service.errors import ConfigError
-from gen_service.logits import logits as float32_logits
-from gen_service.models import LoadedModel
-from gen_service.tokenizer_reference import CHECK_TEXT
+from gen_service.models.float_head import logits as float32_logits
+from gen_service.models.loading import LoadedModel
+from gen_service.models.tokenizer_reference import CHECK_TEXT
 
 __all__ = ["STEPS", "SelfCheck", "SelfCheckFailed", "check_decoding", "check_tokenizer", "layer_windows",
            "run_self_check", "tolerance_for"]
@@ -219,9 +220,7 @@ def model_logprobs(lm: LoadedModel, prompt: list[int], tokens: torch.Tensor) -> 
     The prompt goes through the model once; its cache, repeated for every path, then
     takes all the paths' tokens teacher forced in one forward (the model's own
     attention, masks and cache layers, sliding ones included). Logits in float32
-    (:func:`gen_service.logits.logits`, the model's own logits for a float32 model)."""
-    from transformers import DynamicCache
-
+    (:func:`gen_service.models.float_head.logits`, the model's own logits for a float32 model)."""
     model, n = lm.model, tokens.shape[0]
     ids = torch.tensor([prompt], device=lm.device)
     cache = DynamicCache(config=model.config)
