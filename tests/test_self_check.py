@@ -57,7 +57,9 @@ def _altered_cascade(monkeypatch: pytest.MonkeyPatch) -> None:
         out, weights = original(*args, **kwargs)
         return out * 1.1, weights
 
+    # both of transformers' tables: a first forward may have copied the entry into the local one
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, CASCADE, altered)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, CASCADE, altered)
 
 
 def test_altered_attention_refuses_to_start_naming_step_and_layers(monkeypatch: pytest.MonkeyPatch) -> None:
