@@ -265,21 +265,22 @@ def check_decoding(service: Any, tolerance: float, steps: int = STEPS) -> dict[s
     with ThreadPoolExecutor(1) as pool:
         results = pool.submit(asyncio.run, _run_requests(service, jobs)).result()
     worst, first = 0.0, None
-    for r, records in enumerate(results):
-        for cand in CANDIDATES:
-            x, lp, lq = _paths(records, cand)
-            own = model_logprobs(lm, prompt, x)
-            alive = _alive(x, lm.eos_token_ids)
-            sides = [("P", lp)] + ([("Q (full)", lq)] if cand == "full" else [])
-            for side, got in sides:
-                err = torch.where(alive, (got - own).abs().nan_to_num(float("inf")), torch.zeros_like(own))
-                worst = max(worst, float(err.max()))
-                beyond = (err > tolerance).any(0).nonzero()
-                if len(beyond) and (first is None or int(beyond[0]) + 1 < first["step"]):
-                    t = int(beyond[0])
-                    i = int(err[:, t].argmax())
-                    first = {"side": side, "candidate": cand, "request": r, "replicate": i, "step": t + 1,
-                             "position": len(prompt) + t, "error": float(err[i, t])}
+    paths = {(r, cand): _paths(records, cand) for r, records in enumerate(results) for cand in CANDIDATES}
+    # every path shares the prompt: the model's own forward runs over all of them at once
+    owns = model_logprobs(lm, prompt, torch.cat([x for x, _, _ in paths.values()])).split(
+        [x.shape[0] for x, _, _ in paths.values()])
+    for ((r, cand), (x, lp, lq)), own in zip(paths.items(), owns, strict=True):
+        alive = _alive(x, lm.eos_token_ids)
+        sides = [("P", lp)] + ([("Q (full)", lq)] if cand == "full" else [])
+        for side, got in sides:
+            err = torch.where(alive, (got - own).abs().nan_to_num(float("inf")), torch.zeros_like(own))
+            worst = max(worst, float(err.max()))
+            beyond = (err > tolerance).any(0).nonzero()
+            if len(beyond) and (first is None or int(beyond[0]) + 1 < first["step"]):
+                t = int(beyond[0])
+                i = int(err[:, t].argmax())
+                first = {"side": side, "candidate": cand, "request": r, "replicate": i, "step": t + 1,
+                         "position": len(prompt) + t, "error": float(err[i, t])}
     return {"max_error": worst, "first": first, "prompt_tokens": len(prompt), "steps": steps,
             "paths": len(SEEDS) * len(CANDIDATES) * REPLICATES, "windows": windows}
 
