@@ -54,7 +54,7 @@ from typing import Any
 
 from collector.checks import RunLedger, audit_document, derive_seed, header_problems
 from collector.config import CollectConfig, PoolConfig, RetryConfig, RoundConfig, Sampling
-from collector.documents import Document, file_sha256, read_jsonl, render_messages
+from collector.documents import Document, file_sha256, prompt_fields, read_jsonl
 from collector.errors import ConfigError, DocumentsError, PermanentError, RetryableError
 from collector.grouped import CandidateSplitter, group_body, groupable, max_candidates
 from collector.journal import DOCUMENTS, Journal, RequestWriter
@@ -178,7 +178,7 @@ def request_body(cfg: CollectConfig, doc: Document, policy: str) -> dict[str, An
     if s.top_p is not None:
         parameters["top_p"] = s.top_p
     body = {
-        "messages": render_messages(doc, cfg.template), "parameters": parameters,
+        **prompt_fields(doc, cfg.template), "parameters": parameters,
         "candidate": policy, "reference": "full", "kind": cfg.kind,
         "replicates": cfg.replicates_for(doc.id, policy), "window": cfg.effective_window, "doc_id": doc.id,
     }

@@ -589,10 +589,22 @@ def speculative_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
     2
     """
     panels = ["tokens_per_call"] + (["speedup"] if "speedup" in agg else [])
-    fig, axes = _panels(len(panels), sharey=False)
+    models = _models(agg)
+    # one row of panels per model (the demo studies two): each model's drafts against its own P
+    fig = _figure(6.4 * len(panels) if len(panels) > 1 else 6.4, 4.2 * len(models))
+    grid = fig.subplots(len(models), len(panels), sharey=False, squeeze=False)
     colors = policy_colors(agg["policy"].values)
     g = agg["gamma"].values
     z = stats.norm.ppf(0.5 + level / 2)
+    for row, model in zip(grid, models, strict=True):
+        one = agg if model is None else agg.sel(model=model)
+        _speculative_panels(list(row), panels, one, model, colors, g, z, level)
+    return fig
+
+
+def _speculative_panels(axes: list, panels: list[str], agg: xr.Dataset, model: Any, colors: dict[str, str],
+                        g: np.ndarray, z: float, level: float) -> None:
+    """One model's speculative panels (tokens per call; speedup with the best γ ringed)."""
     for ax, q in zip(axes, panels, strict=True):
         refused = bool(np.isnan(agg[q + "_low"].values).all())
         for k, pol in enumerate(agg["policy"].values):
@@ -618,9 +630,8 @@ def speculative_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
         ax.set_xlabel(f"γ, drafts per call (bars: {band})")
         ax.set_xticks(g)
         ax.grid(alpha=0.3)
-        _title(ax, "Speculative decoding with the policy as draft" if q != "speedup" else "Speedup", None)
+        _title(ax, "Speculative decoding with the policy as draft" if q != "speedup" else "Speedup", model)
         _legend(ax, agg.sizes["policy"])
-    return fig
 
 
 def pareto_front(kept: np.ndarray, value: np.ndarray, worse: str = "larger") -> np.ndarray:
