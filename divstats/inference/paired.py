@@ -6,7 +6,7 @@ Per-document Monte Carlo error is part of the between-document spread, so the
 tests below are valid without modelling it separately.
 
 Four tests, one- or two-sided (``alternative`` refers to ``A - B``); each tests
-one estimand (:data:`ESTIMANDS`), stated in every result:
+one estimand (:data:`TEST_DESCRIPTIONS`), stated in every result:
 
 - ``wilcoxon``: Wilcoxon signed-rank (the function's default); estimand: the
   pseudo-median of the differences (its null is a law symmetric about 0); effect =
@@ -78,7 +78,8 @@ from divstats.intervals import ConfidenceInterval
 __all__ = [
     "ALTERNATIVES", "MARGIN_ALTERNATIVES", "MARGIN_TESTS", "WORSE", "margin_verdict",
     "EXACT_PERMUTATION_MAX_N", "EXACT_SIGNED_RANK_MAX_N", "TESTS", "Alternative",
-    "ESTIMANDS", "MEAN_CIS", "MIN_DOCS_BY_TEST", "Effect", "PairedTestResult", "TestName", "hodges_lehmann", "holm",
+    "TEST_DESCRIPTIONS", "MEAN_CIS", "MIN_DOCS_BY_TEST", "Effect", "PairedTestResult", "TestName",
+    "hodges_lehmann", "holm",
     "mean_difference_bootstrap", "mean_difference_interval", "mean_difference_t", "not_estimable_reason",
     "margin_not_estimable_reason", "margin_test", "paired_test", "rejects",
     "signed_rank_null_cdf", "signed_rank_test"
@@ -88,8 +89,9 @@ Alternative = Literal["two-sided", "less", "greater", "equivalence", "noninferio
 TestName = Literal["wilcoxon", "ttest", "permutation"]
 
 TESTS: tuple[str, ...] = ("wilcoxon", "ttest", "permutation", "bootstrap-t")
-#: What each test is about (stated in plan results and the report).
-ESTIMANDS: dict[str, str] = {
+#: What each test is about, its estimand in words (a result's ``estimand``; stated in plan results and the
+#: report).  Not the estimand table (``divstats.estimands.ESTIMANDS``): these describe tests, not metrics.
+TEST_DESCRIPTIONS: dict[str, str] = {
     "wilcoxon": "pseudo-median of the paired differences (Hodges-Lehmann location; the null is a law "
                 "symmetric about 0)",
     "ttest": "mean paired difference",
@@ -667,7 +669,7 @@ def _not_estimable(test: str, alternative: str, d: np.ndarray, reason: str,
         test_effect=Effect(nan, nan, nan), mean_effect=Effect(mean, nan, nan), hl_effect=Effect(nan, nan, nan),
         confidence_level=confidence_level,
         exact=False, details={"effect_kind": _effect_kind(test), "n_zero": int(np.sum(d == 0))},
-        reason=reason, estimand=ESTIMANDS[test])
+        reason=reason, estimand=TEST_DESCRIPTIONS[test])
 
 
 def _effect_kind(test: str) -> str:
@@ -843,7 +845,7 @@ def margin_test(d: np.ndarray, test: str, alternative: str, margin: float, worse
         return PairedTestResult(
             test=test, alternative=alternative, n=int(d.size), statistic=nan, pvalue=nan,
             test_effect=Effect(mean, nan, nan), mean_effect=Effect(mean, nan, nan), hl_effect=Effect(nan, nan, nan),
-            confidence_level=level, exact=False, details=details, reason=reason, estimand=ESTIMANDS[test],
+            confidence_level=level, exact=False, details=details, reason=reason, estimand=TEST_DESCRIPTIONS[test],
             margin=margin, worse=worse if alternative == "noninferiority" else "",
             verdict=margin_verdict(alternative, False, margin, worse, estimable=False))
     lo, hi = -math.inf, math.inf
@@ -865,7 +867,7 @@ def margin_test(d: np.ndarray, test: str, alternative: str, margin: float, worse
     return PairedTestResult(
         test=test, alternative=alternative, n=int(d.size), statistic=float(statistic), pvalue=float(pvalue),
         test_effect=effect, mean_effect=effect, hl_effect=Effect(*(float(x) for x in hl)),
-        confidence_level=level, exact=test == "ttest", details=details, estimand=ESTIMANDS[test],
+        confidence_level=level, exact=test == "ttest", details=details, estimand=TEST_DESCRIPTIONS[test],
         margin=margin, worse=worse if alternative == "noninferiority" else "",
         verdict=margin_verdict(alternative, rejects(pvalue, alpha), margin, worse))
 
@@ -990,7 +992,7 @@ def paired_test(a: np.ndarray, b: np.ndarray | float, test: TestName = "wilcoxon
         hl_effect=Effect(float(hl), float(hl_lo), float(hl_hi)),
         confidence_level=confidence_level, exact=exact,
         details={"effect_kind": _effect_kind(test), "mean_ci": mean_ci, "n_zero": int(np.sum(d == 0))},
-        estimand=ESTIMANDS[test], ci_reason=ci_reason,
+        estimand=TEST_DESCRIPTIONS[test], ci_reason=ci_reason,
     )
 
 

@@ -26,7 +26,7 @@ from divstats.errors import NotIdentified, PlanError
 from divstats.estimation.curves import branch_tv
 from divstats.estimation.estimators import estimate
 from divstats.estimation.speculative import SPECULATIVE_METRICS, speculative
-from divstats.inference.paired import ESTIMANDS, MARGIN_ALTERNATIVES, holm, margin_verdict, paired_test, rejects
+from divstats.inference.paired import MARGIN_ALTERNATIVES, TEST_DESCRIPTIONS, holm, margin_verdict, paired_test, rejects
 from divstats.plans.format import (
     FULL,
     WINDOW_METRICS,
@@ -430,7 +430,7 @@ def _row(h: Hypothesis, m: Any, data: _Data, labels: tuple[str, str, str], devs:
         "mean_b": float(np.mean(xb[both])) if both.any() else nan,
         "mean_difference": get("mean_difference"), "mean_ci_low": get("mean_ci_low"),
         "mean_ci_high": get("mean_ci_high"), "hodges_lehmann": get("hodges_lehmann"),
-        "hl_ci_low": get("hl_ci_low"), "hl_ci_high": get("hl_ci_high"), "estimand": ESTIMANDS[h.test],
+        "hl_ci_low": get("hl_ci_low"), "hl_ci_high": get("hl_ci_high"), "estimand": TEST_DESCRIPTIONS[h.test],
         "n_dropped": int((~both).sum()), "deviation": "; ".join(devs),
         "note": note,
         "margin": h.margin if h.margin is not None else nan,
