@@ -28,7 +28,9 @@ from divstats.estimation.resample import MIN_DOCS_MEAN_BOUND
 from divstats.estimation.speculative import aggregate_speculative, speculative
 from divstats.estimation.variance import variance_check
 from divstats.inference.decompose import DecompositionResult, decompose
-from divstats.inference.paired import Effect, PairedTestResult, holm, paired_test
+from divstats.inference.multiplicity import holm
+from divstats.inference.paired import paired_test
+from divstats.inference.results import Effect, PairedTestResult
 from divstats.intervals import ConfidenceInterval
 from divstats.plans.format import Plan, assign_split, load_plan, shipped_plan, shipped_plans
 from divstats.plans.run import PlanResult, run_plan

@@ -50,7 +50,9 @@ from divstats.estimation.components import document_values, paired_document_valu
 from divstats.estimation.curves import branch_tv_window
 from divstats.estimation.resample import MIN_DOCS_MARGIN, MIN_DOCS_MARGIN_T, MIN_DOCS_MEAN_BOUND, too_few_documents
 from divstats.estimation.speculative import SPECULATIVE_METRICS, speculative
-from divstats.inference.paired import MARGIN_ALTERNATIVES, paired_test, signed_rank_null_cdf
+from divstats.inference.choices import MARGIN_ALTERNATIVES
+from divstats.inference.location_tests import signed_rank_null_cdf
+from divstats.inference.paired import paired_test
 from divstats.plans.format import FULL, WINDOW_METRICS, Hypothesis, Plan, load_plan
 from divstats.plans.run import full_model_value
 from divstats.traces.arrays import layout, present_replicates

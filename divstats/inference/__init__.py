@@ -1,5 +1,6 @@
-"""Comparisons between policies: paired tests and Holm (``paired``) and the gap decomposition
-(``decompose``). Imports ``estimation`` and ``traces``.
+"""Comparisons between policies: paired tests (``paired_test`` in ``paired``; the tests, effect
+sizes, refusals, tests at a margin and Holm in the modules beside it, docs/architecture.md) and
+the gap decomposition (``decompose``). Imports ``estimation`` and ``traces``.
 
 Import from the submodules; this package exports nothing itself (docs/architecture.md).
 """

@@ -26,7 +26,10 @@ from divstats.errors import NotIdentified, PlanError
 from divstats.estimation.curves import branch_tv
 from divstats.estimation.estimators import estimate
 from divstats.estimation.speculative import SPECULATIVE_METRICS, speculative
-from divstats.inference.paired import MARGIN_ALTERNATIVES, TEST_DESCRIPTIONS, holm, margin_verdict, paired_test, rejects
+from divstats.inference.choices import MARGIN_ALTERNATIVES, TEST_DESCRIPTIONS
+from divstats.inference.margins import margin_verdict
+from divstats.inference.multiplicity import holm, rejects
+from divstats.inference.paired import paired_test
 from divstats.plans.format import (
     FULL,
     WINDOW_METRICS,

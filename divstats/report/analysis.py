@@ -29,8 +29,8 @@ from divstats.estimation.interval import interval_by_window
 from divstats.estimation.noise_floor import compare_to_floor, control_policy, floor_warnings, noise_floor
 from divstats.estimation.speculative import aggregate_speculative, speculative
 from divstats.estimation.variance import variance_check
+from divstats.inference.choices import MARGIN_ALTERNATIVES
 from divstats.inference.decompose import DecompositionInterval, DecompositionResult, decompose
-from divstats.inference.paired import MARGIN_ALTERNATIVES
 from divstats.plans.format import Plan, PlanSource, load_plan
 from divstats.plans.run import PlanResult, run_plan
 from divstats.traces.chunked import map_docs_many
