@@ -19,6 +19,7 @@ import pandas as pd
 import xarray as xr
 
 from divstats.design.power import hypothesis_pilots, power_at
+from divstats.estimands import OCCURRENCE
 from divstats.estimation.components import replicate_influence
 from divstats.inference.paired import paired_test
 from divstats.truth.studies import PolicyEffect, simulate_study
@@ -60,7 +61,7 @@ def _observed_rejection(influence: xr.DataArray, design: PowerDesign, alpha: flo
 
 
 def power_calibration(designs: Sequence[PowerDesign], effects: tuple[float, float] = (0.05, 0.058), *,
-                      metric: str = "occurrence", kind: str = "residual", horizon: int = 8,
+                      metric: str = OCCURRENCE, kind: str = "residual", horizon: int = 8,
                       pool_docs: int = 40, pool_replicates: int = 64, alpha: float = 0.05,
                       n_studies: int = 1000, n_sims: int = 4000, seed: int = 0) -> pd.DataFrame:
     """Predicted power vs the rejection rate observed on simulated studies.

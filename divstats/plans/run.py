@@ -23,6 +23,7 @@ import pandas as pd
 import xarray as xr
 
 from divstats.errors import NotIdentified, PlanError
+from divstats.estimands import ESTIMANDS
 from divstats.estimation.curves import branch_tv
 from divstats.estimation.estimators import estimate
 from divstats.estimation.speculative import SPECULATIVE_METRICS, speculative
@@ -56,13 +57,12 @@ EXTRA_COLUMNS: tuple[str, ...] = (
     "margin", "worse", "verdict",
 )
 #: The full model's own value of each metric, compared with itself (it never diverges): 0 for
-#: the mismatch-type metrics, the horizon T for rmtd and agreeing_tokens (E[min(tau, T)] with tau > T).
+#: the mismatch-type metrics, the horizon T for rmtd and agreeing_tokens (E[min(tau, T)] with tau > T);
+#: the estimand table's ``full_value``, and 0 for the window metric ``branch_tv``.
 #: Used for ``compare = [A, "full"]`` when the data hold no measured ``full`` control policy.
 FULL_MODEL_VALUES: dict[str, str | float] = {
-    **{m: 0.0 for m in ("occurrence", "exposure", "post_mismatch", "loss", "mismatch_fraction",
-                        "first_mismatch_contribution", "exposure_contribution", "window_mismatch",
-                        "loss_lower", "loss_upper", "branch_tv")},
-    "rmtd": "horizon", "agreeing_tokens": "horizon",
+    **{e.name: 0.0 if e.full_value == "zero" else "horizon" for e in ESTIMANDS if e.full_value != "none"},
+    "branch_tv": 0.0,
 }
 
 
