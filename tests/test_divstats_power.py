@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import divstats
-from divstats.design.power import PowerDesign, hypothesis_pilots, power, power_at, power_calibration
+from divstats.calibration.power import PowerDesign, power_calibration
+from divstats.design.power import hypothesis_pilots, power, power_at
 from divstats.errors import PlanError
 from divstats.truth.studies import PolicyEffect, simulate_study
 

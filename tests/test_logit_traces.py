@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from collector import documents as D
-from collector.collect import CollectConfig, request_body
+from collector.collect import CollectConfig
 from collector.grouped import group_body
+from collector.jobs import request_body
 from gen_service.api.records import TRACE_FIELDS, TRACE_PARAMETERS, parse_trace
 from gen_service.engine.coupling import Sampling, absorb_eos, probs, tv
 from gen_service.engine.facade import Engine

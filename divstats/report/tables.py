@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
-from divstats.estimands import names
+from divstats.estimands import ACCEPTED_PER_CALL, TARGET_CALLS, TOKENS_PER_CALL, names
 from divstats.estimation.noise_floor import NO_CONTROL, NOISE_FLOOR_FACTOR, NOISE_FLOOR_METRICS, compare_to_floor
 from divstats.inference.decompose import PARTS
 from divstats.plans.run import PlanResult
@@ -516,7 +516,7 @@ def noise_floor_rows(an: Analysis) -> list[dict[str, str]]:
 # --------------------------------------------------------------------------- speculative decoding
 
 #: The speculative-decoding table's quantities, in column order.
-SPECULATIVE_QUANTITIES: tuple[str, ...] = ("tokens_per_call", "accepted_per_call", "target_calls", "speedup")
+SPECULATIVE_QUANTITIES: tuple[str, ...] = (TOKENS_PER_CALL, ACCEPTED_PER_CALL, TARGET_CALLS, "speedup")
 
 
 def speculative_status(an: Analysis) -> str:
