@@ -27,15 +27,19 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
-# One test module per worker, a worker per core: module fixtures (a loaded model, a
-# live server) stay shared within their module; the model cache is safe for concurrent
-# writers (gen_service/models.py). TEST_WORKERS=0 runs the suite in one process.
+# A worker per core, one work unit at a time: a unit is a test module (its fixtures, a
+# loaded model or a live server, built once) unless tests name their own xdist_group
+# (tests/conftest.py: the embedded-model tests share one, the power calibration runs
+# alone); units with slow or model tests are sent first, in the conftest's order
+# (--no-loadscope-reorder), so no long unit starts last. The model cache is safe for
+# concurrent writers (gen_service/models.py). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= auto
+TEST_DIST    := --dist loadgroup --no-loadscope-reorder
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST)
 
 test-fast: $(STAMP) lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not model"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) -m "not slow and not model"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -9,7 +9,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.xdist_group("embedded_model")]
 
 DOC = (
     "The Python language reference describes the syntax and core semantics of the language. "
@@ -21,16 +21,10 @@ DOC = (
 
 
 @pytest.fixture(scope="module")
-def engine():
-    pytest.importorskip("gguf")
+def engine(embedded_lm):
     from gen_service.engine import Engine
-    from gen_service.models import embedded_gguf_path, load_model
 
-    try:
-        embedded_gguf_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    return Engine(load_model("embedded", device="cpu"))
+    return Engine(embedded_lm)
 
 
 def test_embedded_model_facts_and_greedy_answer(engine) -> None:
