@@ -32,7 +32,7 @@ venv: $(STAMP)
 # (tests/conftest.py: the embedded-model tests share one, the power calibration runs
 # alone); units with slow or model tests are sent first, in the conftest's order
 # (--no-loadscope-reorder), so no long unit starts last. The model cache is safe for
-# concurrent writers (gen_service/models.py). TEST_WORKERS=0 runs the suite in one process.
+# concurrent writers (gen_service/models/loading.py). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= auto
 TEST_DIST    := --dist loadgroup --no-loadscope-reorder
 test: $(STAMP) lint

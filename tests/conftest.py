@@ -22,7 +22,7 @@ def embedded_lm():
     """SmolLM2-135M on the CPU, loaded once per process; each test module builds its own
     ``Engine`` (the engine's state is its own; the weights are only read)."""
     pytest.importorskip("gguf")
-    from gen_service.models import embedded_gguf_path, load_model
+    from gen_service.models.loading import embedded_gguf_path, load_model
 
     try:
         embedded_gguf_path()

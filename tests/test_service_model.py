@@ -22,13 +22,13 @@ DOC = (
 
 @pytest.fixture(scope="module")
 def engine(embedded_lm):
-    from gen_service.engine import Engine
+    from gen_service.engine.facade import Engine
 
     return Engine(embedded_lm)
 
 
 def test_embedded_model_facts_and_greedy_answer(engine) -> None:
-    from gen_service.coupling import Sampling
+    from gen_service.engine.coupling import Sampling
 
     assert engine.lm.eos_token_id == 2 and engine.lm.vocab_size == 49152
     out = engine.lm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
@@ -41,7 +41,7 @@ def test_embedded_model_facts_and_greedy_answer(engine) -> None:
 
 
 def test_snapkv_step1_exact_step2_diverges(engine) -> None:
-    from gen_service.engine import TraceJob
+    from gen_service.engine.jobs import TraceJob
 
     msgs = [{"role": "user", "content": "Summarise this text.\n\n" + DOC}]
     out = engine.lm.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)

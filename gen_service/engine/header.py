@@ -6,8 +6,8 @@ from typing import Any
 
 from gen_service.engine.jobs import PRODUCER, TraceJob
 from gen_service.engine.sides import Prefilled
-from gen_service.models import LoadedModel
-from gen_service.presses import Policy
+from gen_service.models.loading import LoadedModel
+from gen_service.presses.registry import Policy
 from protocols import Kind, header_record, prompt_digest
 
 __all__ = ["header", "numerics"]

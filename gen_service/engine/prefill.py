@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from gen_service.attention.head_masks import indices_to_mask
 from gen_service.engine.forwards import attention_layers, eager_attention, run_side
 from gen_service.engine.sides import Prefilled, Side, cache_lengths
-from gen_service.head_masks import indices_to_mask
-from gen_service.logits import logits as fp32_logits
-from gen_service.press_traits import wants_eager
-from gen_service.presses import Policy, PressPlan
+from gen_service.models.float_head import logits as fp32_logits
+from gen_service.presses.registry import Policy, PressPlan
+from gen_service.presses.traits import wants_eager
 
 __all__ = ["prefill", "prefill_pair", "prefill_question"]
 
