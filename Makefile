@@ -27,14 +27,13 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
-# A worker per core, one work unit at a time: a unit is a test module (its fixtures, a
-# loaded model or a live server, built once) unless tests name their own xdist_group
-# (tests/conftest.py: the embedded-model tests share one, the power calibration runs
-# alone); units with slow or model tests are sent first, in the conftest's order
-# (--no-loadscope-reorder), so no long unit starts last. The model cache is safe for
-# concurrent writers (gen_service/models/loading.py). TEST_WORKERS=0 runs the suite in one process.
+# One test module per worker at a time, a worker per core: module fixtures (a loaded
+# model, a live server) stay shared within their module. Modules with slow or model tests
+# go first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order), so
+# no long module starts last. The model cache is safe for concurrent writers
+# (gen_service/models/loading.py). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= auto
-TEST_DIST    := --dist loadgroup --no-loadscope-reorder
+TEST_DIST    := --dist loadfile --no-loadscope-reorder
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST)
 

@@ -120,7 +120,6 @@ def calibration_problems(table) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("power_calibration")   # the suite's longest test: its own work unit
 def test_predicted_power_matches_simulated_studies():
     import pandas as pd
 

@@ -362,7 +362,6 @@ def test_reference_traces_carry_the_fields_of_both_laws_on_ps_path(tiny: tuple[E
 
 
 @pytest.mark.model
-@pytest.mark.xdist_group("embedded_model")
 def test_pinsker_on_every_step_of_an_embedded_model_trace(embedded_lm) -> None:
     """KL(P‖Q) >= 2·TV² at every step of real coupled and residual traces (SmolLM2, snapkv@0.25)."""
     engine = Engine(embedded_lm, PolicyRegistry())

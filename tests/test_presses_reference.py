@@ -10,7 +10,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 
 import pytest
 
-pytestmark = [pytest.mark.model, pytest.mark.xdist_group("embedded_model")]
+pytestmark = pytest.mark.model
 
 CONTEXT = (
     "The Python language reference describes the syntax and core semantics of the language. "

@@ -9,7 +9,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
-pytestmark = [pytest.mark.model, pytest.mark.xdist_group("embedded_model")]
+pytestmark = pytest.mark.model
 
 DOC = (
     "The Python language reference describes the syntax and core semantics of the language. "

@@ -196,7 +196,6 @@ def test_replayed_branches_on_the_shared_path(lm):
 
 
 @pytest.mark.model
-@pytest.mark.xdist_group("embedded_model")
 @pytest.mark.parametrize("kind", ["coupled", "residual"])
 def test_embedded_model_tv_within_1e5_of_the_copies(kind, embedded_lm):
     lm = embedded_lm
