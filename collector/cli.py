@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from collector.documents import TEMPLATES
+from collector.documents import TEMPLATE_NAMES
 from protocols import WIRE_KINDS
 
 if TYPE_CHECKING:
@@ -20,17 +20,15 @@ if TYPE_CHECKING:
 
 
 def _split_policies(value: str) -> list[str]:
-    # Policy ids may carry parameters after ':' ("snapkv@0.5:window_size=64") but
-    # never a comma outside them, except between parameters: split only where the
-    # next piece starts a new id, i.e. does not look like "key=value".
-    pieces = [p.strip() for p in value.split(",") if p.strip()]
-    ids: list[str] = []
-    for piece in pieces:
-        if ids and "=" in piece and ":" not in piece and "@" not in piece and "#" not in piece:
-            ids[-1] += "," + piece
-        else:
-            ids.append(piece)
-    return ids
+    # One grammar (protocols.policies): ids, their parameters after ':' and families
+    # ("snapkv@0.9,0.7,0.5", "snapkv@0.9..0.3/0.2") expanded into their members, which
+    # collector.grouped then sends in one request per document.
+    from protocols.policies import PolicyIdError, expand_policies
+
+    try:
+        return expand_policies(value)
+    except PolicyIdError as exc:
+        raise click.BadParameter(str(exc), param_hint="--policies") from None
 
 
 @click.command("collect")
@@ -43,7 +41,9 @@ def _split_policies(value: str) -> list[str]:
               help="Seconds to wait while no listed server answers before stopping (a rerun resumes).")
 @click.option("--docs", "docs_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
               help="JSONL document set (see `kvdiv docs`).")
-@click.option("--policies", required=True, help="Comma-separated candidate policy ids, e.g. snapkv@0.5,recent@0.5.")
+@click.option("--policies", required=True,
+              help="Comma-separated candidate policy ids, e.g. snapkv@0.5,recent@0.5; a family lists several "
+                   "amounts of one method: snapkv@0.9,0.7,0.5 or the range snapkv@0.9..0.3/0.2 (ends included).")
 @click.option("--kind", type=click.Choice(WIRE_KINDS), default="residual", show_default=True)
 @click.option("--replicates", "-R", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--max-new-tokens", "-T", type=click.IntRange(min=1), default=32, show_default=True)
@@ -63,7 +63,9 @@ def _split_policies(value: str) -> list[str]:
 @click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests in flight per server; the default fills `kvdiv serve`'s decoding batch "
                    "(--max-batch-requests 8).")
-@click.option("--template", type=click.Choice(sorted(TEMPLATES)), default="summarise", show_default=True)
+@click.option("--template", type=click.Choice(TEMPLATE_NAMES), default="summarise", show_default=True,
+              help="The prompt: a chat turn (messages), or with -raw the document as raw context and the "
+                   "instruction after it, for a base model without a chat template.")
 @click.option("--max-attempts", type=click.IntRange(min=1), default=6, show_default=True,
               help="Tries per request before it is reported as failed.")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True,

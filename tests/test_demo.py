@@ -31,15 +31,16 @@ def _small(out: Path, **kw) -> DemoConfig:
 
 def test_demo_with_a_running_server_resumes_and_refuses_other_sizes(tmp_path: Path, capsys) -> None:
     with FakeServer() as server:
-        cfg = _small(tmp_path / "demo", servers=[server.url], model="approx")
+        cfg = _small(tmp_path / "demo", servers=[server.url], models=["approx"])
         an = run_demo(cfg)
         assert all((tmp_path / "demo" / name).exists() for name in OUTPUTS)
-        # 4 policies and the control (on by default), and the reference set: 4 docs x 2 drafts
-        assert len(server.requests) == 8 * 5 + 4 * 2
+        # 4 policies, the sweep's 2 and the control (on by default), and the reference set: 4 docs x 2 drafts
+        assert len(server.requests) == 8 * (len(demo_policies(1)) + 1) + 4 * 2
         assert sum(r["kind"] == "reference" for r in server.requests) == 4 * 2
         out = capsys.readouterr().out
         assert "F1-occ-budget" in out and "report: " in out and "snapkv@0.9" in out
         assert "noise floor (full vs full)" in out and "(control: the noise floor)" in out
+        assert "How much can I compress?" in out and "none certified" in out   # 8 documents: refused
         # the reference set's own report, with its Speculative decoding section, and its headline
         assert "tokens per target call" in out and "γ = 4" in out
         spec_report = (tmp_path / "demo" / "speculative" / "report.html").read_text(encoding="utf-8")
@@ -55,10 +56,10 @@ def test_demo_with_a_running_server_resumes_and_refuses_other_sizes(tmp_path: Pa
         assert reference.attrs["kind"] == "reference" and reference.sizes["doc"] == 4
         assert list(reference.policy.values) == ["snapkv@0.5", "recent@0.5"]
         run_demo(cfg)  # everything is complete: nothing is asked again
-        assert len(server.requests) == 8 * 5 + 4 * 2
+        assert len(server.requests) == 8 * (len(demo_policies(budget)) + 1) + 4 * 2
         assert protocols.open_traces(tmp_path / "demo" / "traces.nc").identical(first)
         with pytest.raises(DemoError, match="replicates: 2 there, 3 now"):
-            run_demo(_small(tmp_path / "demo", servers=[server.url], model="approx", replicates=3))
+            run_demo(_small(tmp_path / "demo", servers=[server.url], models=["approx"], replicates=3))
 
 
 def test_demo_plan_is_the_paper_plan_fitted_to_the_window(tmp_path: Path) -> None:
@@ -119,7 +120,7 @@ def test_budget_is_half_the_median_prompt() -> None:
 
 @pytest.mark.service
 def test_demo_starts_and_stops_its_own_server(tmp_path: Path) -> None:
-    cfg = _small(tmp_path / "demo", model="tiny:llama", docs_count=6, target_tokens=200)
+    cfg = _small(tmp_path / "demo", models=["tiny:llama"], docs_count=6, target_tokens=200)
     run_demo(cfg)
     assert all((tmp_path / "demo" / name).exists() for name in OUTPUTS)
     log = (tmp_path / "demo" / "server.log").read_text()
