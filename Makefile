@@ -31,15 +31,18 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
-# One test module per worker, a worker per core: module fixtures (a loaded model, a
-# live server) stay shared within their module; the model cache is safe for concurrent
-# writers (gen_service/models/loading.py). TEST_WORKERS=0 runs the suite in one process.
+# One test module per worker at a time, a worker per core: module fixtures (a loaded
+# model, a live server) stay shared within their module. Modules with slow or model tests
+# go first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order), so
+# no long module starts last. The model cache is safe for concurrent writers
+# (gen_service/models/loading.py). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= auto
+TEST_DIST    := --dist loadfile --no-loadscope-reorder
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST)
 
 test-fast: $(STAMP) lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not model"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) -m "not slow and not model"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
