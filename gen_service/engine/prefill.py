@@ -16,14 +16,16 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from gen_service.attention_plan import layer_windows
 from gen_service.engine.forwards import attention_layers, eager_attention, run_side
 from gen_service.engine.sides import Prefilled, Side, cache_lengths
 from gen_service.head_masks import indices_to_mask
+from gen_service.layered_press import press_applied
 from gen_service.logits import logits as fp32_logits
 from gen_service.press_traits import wants_eager
 from gen_service.presses import Policy, PressPlan
 
-__all__ = ["prefill", "prefill_pair", "prefill_question"]
+__all__ = ["mark_sliding", "prefill", "prefill_pair", "prefill_question"]
 
 
 @torch.inference_mode()
@@ -36,20 +38,33 @@ def prefill(model: torch.nn.Module, policy: Policy, prompt_ids: list[int],
     cache = DynamicCache() if plan.quant is None else plan.quant.cache(model.config.num_hidden_layers)
     positions = torch.arange(len(prompt_ids), device=device)[None]
     press = plan.press  # a decoding-only press's hooks do nothing during prefill
-    with eager_attention(model, wants_eager(press)), (press(model) if press is not None else nullcontext()):
+    applied = press_applied(press, model) if press is not None else nullcontext()
+    with eager_attention(model, wants_eager(press)), applied:
         out = fp32_logits(model, 1, input_ids=ids, past_key_values=cache, position_ids=positions)
     return _finish(model, plan, cache, out[:, -1], len(prompt_ids), question_ids)
 
 
 def _finish(model: torch.nn.Module, plan: PressPlan, cache: DynamicCache, logits: torch.Tensor, context_len: int,
             question_ids: Sequence[int]) -> Prefilled:
+    mark_sliding(model, cache)
     side = Side(cache, context_len, masks=_take_masks(model, cache), press=plan.press if plan.decoding else None)
     if plan.rerotates:  # kept keys were re-rotated to 0..kept-1: continue from there (as kvpress does)
         side.next_pos = cache_lengths(cache)[0]
-    kept = side.kept()
+    kept, layers = side.kept(), side.kept_per_layer()
     if question_ids:
         logits = prefill_question(model, side, list(question_ids))
-    return Prefilled(side, logits, kept, plan, cache_lengths(cache))
+    return Prefilled(side, logits, kept, plan, cache_lengths(cache), layers)
+
+
+def mark_sliding(model: torch.nn.Module, cache: DynamicCache) -> None:
+    """Flag the cache's windowed layers as sliding, every slot kept. transformers builds one
+    mask per layer type from the first layer flagged so (``is_sliding``); unflagged, a
+    windowed layer's mask would be sized from a global layer, which a press compressed
+    (gen_service.layered_press), and the model's own attention over per-row copies could not
+    run. Shared-prompt sides ignore the flag: the cascade applies the window itself."""
+    for layer, window in zip(cache.layers, layer_windows(model.config), strict=False):
+        if window is not None:
+            layer.is_sliding = True
 
 
 def prefill_question(model: torch.nn.Module, side: Side, question_ids: list[int]) -> torch.Tensor:
