@@ -49,7 +49,10 @@ def _finish(model: torch.nn.Module, plan: PressPlan, cache: DynamicCache, logits
     mark_sliding(model, cache)
     side = Side(cache, context_len, masks=_take_masks(model, cache), press=plan.press if plan.decoding else None)
     if plan.rerotates:  # kept keys were re-rotated to 0..kept-1: continue from there (as kvpress does)
-        side.next_pos = cache_lengths(cache)[0]
+        lengths = cache_lengths(cache)
+        # ...except past uncompressed windowed layers, whose slot i is position i: a query
+        # before their last key would see none of its window
+        side.next_pos = max(lengths) if any(w is not None for w in layer_windows(model.config)) else lengths[0]
     kept, layers = side.kept(), side.kept_per_layer()
     if question_ids:
         logits = prefill_question(model, side, list(question_ids))
