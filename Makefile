@@ -29,7 +29,7 @@ venv: $(STAMP)
 
 # One test module per worker, a worker per core: module fixtures (a loaded model, a
 # live server) stay shared within their module; the model cache is safe for concurrent
-# writers (gen_service/models.py). TEST_WORKERS=0 runs the suite in one process.
+# writers (gen_service/models/loading.py). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= auto
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile

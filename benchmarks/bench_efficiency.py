@@ -40,9 +40,10 @@ import xarray as xr  # noqa: E402
 import divstats  # noqa: E402
 from collector import documents as D  # noqa: E402
 from divstats.estimation.components import replicate_influence  # noqa: E402
-from gen_service.engine import Engine, TraceJob  # noqa: E402
-from gen_service.models import load_model  # noqa: E402
-from gen_service.presses import PolicyRegistry  # noqa: E402
+from gen_service.engine.facade import Engine  # noqa: E402
+from gen_service.engine.jobs import TraceJob  # noqa: E402
+from gen_service.models.loading import load_model  # noqa: E402
+from gen_service.presses.registry import PolicyRegistry  # noqa: E402
 from protocols import StreamWriter, assemble  # noqa: E402
 
 METRICS = ("loss", "occurrence", "exposure", "rate")

@@ -8,7 +8,7 @@
    (median of ``--repeats``, the two ways alternately).
 2. **The service against a naive coupled loop** at ``--rows`` × ``--steps``: one
    prefill per side, the prompt cache repeated per row (``DynamicCache``), two forwards
-   per step, the coupling math of ``gen_service.coupling`` and one host read of the
+   per step, the coupling math of ``gen_service.engine.coupling`` and one host read of the
    step's values per step, against ``Engine.trace`` as the server runs it (shared
    prompt, stacked or fused forwards, the readback every k steps). Whole requests,
    prefill included, alternately, after one warm-up of each (the fused-forward
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-# before torch loads OpenMP (see gen_service/server_cli.py)
+# before torch loads OpenMP (see gen_service/api/cli.py)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
@@ -32,12 +32,13 @@ import torch  # noqa: E402
 from common import clock, prose_ids  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-import gen_service.shared_cache as shared_cache  # noqa: E402
-from gen_service.coupling import Sampling, absorb_eos, ended_on, maximal_coupling, probs  # noqa: E402
-from gen_service.engine import Engine, TraceJob  # noqa: E402
+import gen_service.attention.shared_cache as shared_cache  # noqa: E402
+from gen_service.attention.shared_cache import share_prompt  # noqa: E402
+from gen_service.engine.coupling import Sampling, absorb_eos, ended_on, maximal_coupling, probs  # noqa: E402
+from gen_service.engine.facade import Engine  # noqa: E402
+from gen_service.engine.jobs import TraceJob  # noqa: E402
 from gen_service.engine.sides import Forward  # noqa: E402
-from gen_service.models import load_model  # noqa: E402
-from gen_service.shared_cache import share_prompt  # noqa: E402
+from gen_service.models.loading import load_model  # noqa: E402
 
 POLICIES = ["snapkv@0.5", "snapkv#72", "recent@0.5", "snapkv@0.9"]
 # ---------------------------------------------------------------- 1. ops per forward

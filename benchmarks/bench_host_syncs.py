@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-# before torch loads OpenMP (see gen_service/server_cli.py)
+# before torch loads OpenMP (see gen_service/api/cli.py)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
@@ -25,9 +25,10 @@ import importlib.util  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gen_service  # noqa: E402
-from gen_service.coupling import Sampling  # noqa: E402
-from gen_service.engine import Engine, TraceJob  # noqa: E402
-from gen_service.models import load_model  # noqa: E402
+from gen_service.engine.coupling import Sampling  # noqa: E402
+from gen_service.engine.facade import Engine  # noqa: E402
+from gen_service.engine.jobs import TraceJob  # noqa: E402
+from gen_service.models.loading import load_model  # noqa: E402
 
 _READBACK = Path(__file__).resolve().parents[1] / "gen_service" / "engine" / "readback.py"
 

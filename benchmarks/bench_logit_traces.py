@@ -27,8 +27,9 @@ import time  # noqa: E402
 
 from bench_service import prompt_ids  # noqa: E402  (same directory)
 
-from gen_service.engine import Engine, TraceJob  # noqa: E402
-from gen_service.models import load_model  # noqa: E402
+from gen_service.engine.facade import Engine  # noqa: E402
+from gen_service.engine.jobs import TraceJob  # noqa: E402
+from gen_service.models.loading import load_model  # noqa: E402
 from protocols import StreamWriter  # noqa: E402
 
 

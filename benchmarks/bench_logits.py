@@ -1,4 +1,4 @@
-"""Benchmark: what computing the logits in float32 costs (gen_service/logits.py), and what it changes.
+"""Benchmark: what computing the logits in float32 costs (gen_service/models/float_head.py), and what it changes.
 
 On one model, dtype and device, coupled decoding (`full` vs ``--policy``, R rows, T
 steps, the engine's real loop) with three output layers, alternately in this one
@@ -48,10 +48,11 @@ from bench_service import prompt_ids  # noqa: E402  (same directory)
 
 import gen_service.engine.forwards as forwards  # noqa: E402
 import gen_service.engine.prefill as prefill  # noqa: E402
-from gen_service import logits as fp32  # noqa: E402
-from gen_service.coupling import Sampling  # noqa: E402
-from gen_service.engine import Engine, TraceJob  # noqa: E402
-from gen_service.models import load_model  # noqa: E402
+from gen_service.engine.coupling import Sampling  # noqa: E402
+from gen_service.engine.facade import Engine  # noqa: E402
+from gen_service.engine.jobs import TraceJob  # noqa: E402
+from gen_service.models import float_head as fp32  # noqa: E402
+from gen_service.models.loading import load_model  # noqa: E402
 
 CHUNK = 8192   # head rows cast per chunk in fp32-cast
 

@@ -24,8 +24,9 @@ import time  # noqa: E402
 
 from common import clock, prose_ids  # noqa: E402
 
-from gen_service.engine import Engine, TraceJob  # noqa: E402
-from gen_service.models import load_model  # noqa: E402
+from gen_service.engine.facade import Engine  # noqa: E402
+from gen_service.engine.jobs import TraceJob  # noqa: E402
+from gen_service.models.loading import load_model  # noqa: E402
 
 POLICIES = {
     "SnapKV (baseline)": "snapkv@0.5",

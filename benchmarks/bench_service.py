@@ -15,7 +15,7 @@ Measures, on a ~500-token prompt with R rows and horizon T:
    GB/s, else measured by a large on-device copy), and the fraction of that floor the
    measured step reaches.
 
-The engine stores the prompt once per request (gen_service/shared_cache.py);
+The engine stores the prompt once per request (gen_service/attention/shared_cache.py);
 ``--copies`` measures the old path, one copy of the prompt's KV per row.
 
 Usage: ``python benchmarks/bench_service.py [--rows 8] [--steps 32] [--prompt-tokens 500]
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 
-# before torch loads OpenMP (see gen_service/server_cli.py)
+# before torch loads OpenMP (see gen_service/api/cli.py)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
@@ -38,10 +38,11 @@ from collections.abc import Callable  # noqa: E402
 import torch  # noqa: E402
 from common import chat_prompt_ids, clock  # noqa: E402
 
-from gen_service.coupling import Sampling  # noqa: E402
-from gen_service.engine import Engine, TraceJob  # noqa: E402
-from gen_service.models import load_model  # noqa: E402
-from gen_service.shared_cache import share_prompt  # noqa: E402
+from gen_service.attention.shared_cache import share_prompt  # noqa: E402
+from gen_service.engine.coupling import Sampling  # noqa: E402
+from gen_service.engine.facade import Engine  # noqa: E402
+from gen_service.engine.jobs import TraceJob  # noqa: E402
+from gen_service.models.loading import load_model  # noqa: E402
 
 
 def best(fn: Callable[[], float], repeats: int) -> float:
@@ -147,7 +148,7 @@ def step_bytes(engine: Engine, prompt: int, kept: int, rows: int, steps: int) ->
     """Bytes a coupled step must read at least: both sides' weights, P's and Q's prompt
     KV (once when shared, once per row otherwise) and the rows' own tokens (T/2 on
     average over a run)."""
-    from gen_service.memory import ModelShape
+    from gen_service.serving.admission import ModelShape
 
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     token = ModelShape.of(engine.model.config, engine.lm.dtype.itemsize).kv_bytes_per_token

@@ -1,4 +1,4 @@
-"""Benchmark: the prompt stored once per request vs one copy per row (gen_service/shared_cache.py).
+"""Benchmark: the prompt stored once per request vs one copy per row (gen_service/attention/shared_cache.py).
 
 On one model, prompt and horizon T, for each R in ``--rows``:
 
@@ -31,10 +31,11 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 from bench_service import _clock, prompt_ids  # noqa: E402  (same directory)
 
-from gen_service.coupling import Sampling  # noqa: E402
-from gen_service.engine import Engine, TraceJob  # noqa: E402
-from gen_service.models import load_model  # noqa: E402
-from gen_service.shared_cache import SharedPromptCache, share_prompt  # noqa: E402
+from gen_service.attention.shared_cache import SharedPromptCache, share_prompt  # noqa: E402
+from gen_service.engine.coupling import Sampling  # noqa: E402
+from gen_service.engine.facade import Engine  # noqa: E402
+from gen_service.engine.jobs import TraceJob  # noqa: E402
+from gen_service.models.loading import load_model  # noqa: E402
 
 
 def _cache_bytes(cache: Any) -> int:

@@ -8,7 +8,7 @@ accepts draft i with probability min(1, p_i(y_i) / q_i(y_i)), at the first rejec
 emits a token of norm((p_i − q_i)+) and ends the call, after γ acceptances emits a
 bonus token of p_{γ+1}. Rollback is cropping both caches to the accepted prefix
 (``Side.crop``). Sampling is temperature 1 with no truncation, the laws are
-:func:`gen_service.coupling.probs` (float32 logits), EOS is absorbing as in the traces.
+:func:`gen_service.engine.coupling.probs` (float32 logits), EOS is absorbing as in the traces.
 
 The estimate: reference traces of the same prompts (``/v1/traces`` ``kind:
 "reference"`` through the engine: paths from P with log p and log q of each token),
@@ -46,12 +46,13 @@ import torch  # noqa: E402
 
 import divstats  # noqa: E402
 from collector import documents as D  # noqa: E402
-from gen_service.coupling import Sampling, absorb_eos, probs  # noqa: E402
-from gen_service.engine import Engine, TraceJob  # noqa: E402
+from gen_service.engine.coupling import Sampling, absorb_eos, probs  # noqa: E402
+from gen_service.engine.facade import Engine  # noqa: E402
+from gen_service.engine.jobs import TraceJob  # noqa: E402
 from gen_service.engine.sides import Prefilled, Side  # noqa: E402
-from gen_service.logits import logits as fp32_logits  # noqa: E402
-from gen_service.models import load_model  # noqa: E402
-from gen_service.presses import ModelInfo  # noqa: E402
+from gen_service.models.float_head import logits as fp32_logits  # noqa: E402
+from gen_service.models.loading import load_model  # noqa: E402
+from gen_service.presses.registry import ModelInfo  # noqa: E402
 from protocols import StreamWriter, assemble  # noqa: E402
 
 POLICIES = ("snapkv@0.5", "recent@0.5")

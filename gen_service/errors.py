@@ -7,7 +7,8 @@ server and mapped to an :class:`ApiError` (or a stream's error record) at the ed
 
 from __future__ import annotations
 
-__all__ = ["ServiceError", "ApiError", "ConfigError", "RequestTimeout", "invalid"]
+__all__ = ["ServiceError", "ApiError", "ConfigError", "RequestTimeout", "PolicyError", "RequestTooLarge", "Cancelled",
+           "CandidateError", "invalid"]
 
 
 class ServiceError(Exception):
@@ -18,8 +19,47 @@ class ConfigError(ServiceError, ValueError):
     """A server configuration that must not start (e.g. an empty API key)."""
 
 
+class AttentionRefused(ConfigError):
+    """A model whose attention kvdiv's decoding path cannot reproduce (gen_service.attention.plan)."""
+
+
 class RequestTimeout(ServiceError):
     """A request ran past ``--max-request-seconds``; its work was stopped."""
+
+
+class PolicyError(ServiceError, ValueError):
+    """A policy id the server cannot serve (unknown name, bad parameter...); the HTTP
+    layer answers 422 before streaming. ``field`` names the offending part."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class RequestTooLarge(ServiceError, ValueError):
+    """A request whose estimated memory exceeds the whole budget: it can never run."""
+
+
+class Cancelled(ServiceError):
+    """The client went away; work stops between steps."""
+
+
+class CandidateError(ServiceError):
+    """A candidate of a multi-candidate request failed before anything was streamed.
+
+    Attributes
+    ----------
+    index : int
+        Its position in ``candidates``.
+    policy : str
+        Its policy id.
+    cause : BaseException
+        What its prefill raised.
+    """
+
+    def __init__(self, index: int, policy: str, cause: BaseException):
+        super().__init__(f"candidates[{index}] ({policy}): {type(cause).__name__}: {cause}")
+        self.index, self.policy, self.cause = index, policy, cause
 
 
 class ApiError(ServiceError):

@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("divstats.cli.analyze:analyze", "Estimate, test a plan and write a report."),
     "split": ("divstats.cli.analyze:split", "Show the plan's exploratory/confirmatory split."),
     "power": ("divstats.cli.power:power_command", "Power of a plan's hypotheses at a study size, from a pilot."),
-    "serve": ("gen_service.server_cli:serve", "Run the TGI-compatible trace service."),
+    "serve": ("gen_service.api.cli:serve", "Run the TGI-compatible trace service."),
     "collect": ("kvdiv.commands:collect", "Collect traces from one or more servers (adaptive: --target-se)."),
     "pack": ("collector.cli:pack", "Assemble a collection journal into a dataset."),
     "docs": ("kvdiv.commands:docs", "Build a JSONL document set."),

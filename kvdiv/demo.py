@@ -240,13 +240,13 @@ def load_tokenizer(model_id: str | None = None) -> Any | None:
         return None
     from transformers.utils import logging as hf_logging
 
-    from gen_service import models  # the service's loader: ids mean the same thing here
+    from gen_service.models import loading  # the service's loader: ids mean the same thing here
 
     # Counting whole topics before chunking exceeds model_max_length by design; the
     # "sequence length is longer than the maximum" warning would only alarm users.
     hf_logging.set_verbosity_error()
 
-    return models.load_tokenizer(model_id)
+    return loading.load_tokenizer(model_id)
 
 
 def prompt_length(tokenizer: Any | None) -> Callable[[list[dict[str, str]]], int]:

@@ -164,7 +164,7 @@ def logit_vars(ds: Any) -> list[str]:
 
 def law_summaries(p: np.ndarray, q: np.ndarray, k: int) -> dict[str, np.ndarray]:
     """Every logit field of two next-token laws, in numpy: the reference the engine's torch code
-    (``gen_service.logit_traces``) is tested against, and the producer of example traces.
+    (``gen_service.engine.top_logprobs``) is tested against, and the producer of example traces.
 
     Parameters
     ----------

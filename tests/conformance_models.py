@@ -106,7 +106,7 @@ def build(family: Family, seed: int = 0) -> torch.nn.Module:
 
 def loaded(family: Family, seed: int = 0) -> Any:
     """The family's model as gen_service serves it (a LoadedModel without EOS)."""
-    from gen_service.models import LoadedModel, byte_tokenizer
+    from gen_service.models.loading import LoadedModel, byte_tokenizer
 
     model = build(family, seed)
     return LoadedModel(model=model, tokenizer=byte_tokenizer(), name=f"conformance:{family.model_type}",
@@ -250,7 +250,7 @@ def z_of(shared: list[dict], replicate: int) -> list[int]:
 
 
 def _job(loop: Loop, prompt_ids: list[int], seed: int) -> Any:
-    from gen_service.engine import TraceJob
+    from gen_service.engine.jobs import TraceJob
 
     return TraceJob(prompt_ids=prompt_ids, candidate="", candidates=list(loop.candidates),
                     seeds=[seed + i for i in range(len(loop.candidates))], kind=loop.kind, horizon=HORIZON,
@@ -260,8 +260,8 @@ def _job(loop: Loop, prompt_ids: list[int], seed: int) -> Any:
 def run_loop(lm: Any, loop: Loop, seed: int = 3) -> float:
     """max |Δ log p| between what the engine reported along ``loop`` and the model's own
     forward over the same tokens (P's, and Q's for the candidates in ``loop.exact_q``)."""
-    from gen_service.coupling import Sampling
-    from gen_service.engine import Engine
+    from gen_service.engine.coupling import Sampling
+    from gen_service.engine.facade import Engine
 
     engine = Engine(lm)
     engine.fuse, engine.force_replay = loop.fuse, loop.replay
@@ -286,10 +286,10 @@ def run_loop(lm: Any, loop: Loop, seed: int = 3) -> float:
 
 def _batched(engine: Any, loop: Loop, seed: int) -> list[tuple[list[dict], list[int]]]:
     """Three requests of different prompt lengths and kinds decoded in one batch
-    (gen_service.batching), each request's records with its prompt."""
+    (gen_service.serving.batching), each request's records with its prompt."""
     from dataclasses import replace
 
-    from gen_service.batching import BatchEntry, BatchLoop
+    from gen_service.serving.batching import BatchEntry, BatchLoop
 
     class Inline:
         def __init__(self) -> None:

@@ -19,7 +19,7 @@ def write_artifacts(root: Path, restore_tokens: int = 8) -> dict[str, dict[str, 
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import save_file
 
-    from gen_service.models import tiny_model
+    from gen_service.models.loading import tiny_model
 
     model = tiny_model("llama")
     config = model.config

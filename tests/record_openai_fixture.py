@@ -42,9 +42,9 @@ import httpx
 import torch
 import uvicorn
 
-from gen_service.presses import ModelInfo
-from gen_service.requests import Message
-from gen_service.server_cli import build_service
+from gen_service.api.cli import build_service
+from gen_service.presses.registry import ModelInfo
+from gen_service.serving.service import Message
 
 OUT = Path(__file__).resolve().parent / "data" / "openai_logprobs_smollm2.json"
 POLICIES = ("snapkv@0.5", "recent@0.5")

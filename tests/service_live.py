@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 
-from gen_service.server_cli import build_service
+from gen_service.api.cli import build_service
 
 PROMPT = "The quick brown fox jumps over the lazy dog; a lazy dog sleeps under the old tree. " * 2
 

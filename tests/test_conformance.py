@@ -33,10 +33,12 @@ from conformance_models import (
     run_loop,
 )
 
-from gen_service.attention_plan import AttentionRefused, attention_plan, layer_windows
-from gen_service.cascade import prompt_kernel
-from gen_service.engine import Engine, TraceJob
-from gen_service.layered_press import LayerRotary, compressible_layers
+from gen_service.attention.cascade import prompt_kernel
+from gen_service.attention.plan import attention_plan, layer_windows
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
+from gen_service.errors import AttentionRefused
+from gen_service.presses.layered import LayerRotary, compressible_layers
 from protocols import StreamWriter, assemble
 from protocols.stream import StreamError, check_header
 
@@ -116,7 +118,7 @@ def test_an_unknown_layer_type_is_refused() -> None:
 
 
 def _as_lm(model: torch.nn.Module):
-    from gen_service.models import LoadedModel, byte_tokenizer
+    from gen_service.models.loading import LoadedModel, byte_tokenizer
 
     return LoadedModel(model=model.eval(), tokenizer=byte_tokenizer(), name="m", eos_token_id=None,
                        vocab_size=model.config.vocab_size, max_context=512, device=torch.device("cpu"),
@@ -127,7 +129,7 @@ def test_prompt_kernel_is_a_table_not_a_fallback() -> None:
     cpu, f32 = torch.device("cpu"), torch.float32
     assert prompt_kernel(cpu, f32, 64, masked=True) == "cpu-flash"
     assert prompt_kernel(cpu, f32, 64, masked=False, softcap=True) == "explicit"
-    import gen_service.cascade as cascade
+    import gen_service.attention.cascade as cascade
 
     assert not hasattr(cascade, "_NO_FUSED")
 

@@ -109,7 +109,7 @@ def test_budget_is_half_the_median_prompt() -> None:
     template_words = len(D.TEMPLATES["summarise"].format(text="").split())
     words = lambda messages: sum(len(m["content"].split()) for m in messages)  # noqa: E731
     assert budget_for(docs, "summarise", words) == round((20 + template_words) / 2)
-    from gen_service.models import byte_tokenizer
+    from gen_service.models.loading import byte_tokenizer
     from kvdiv.demo import prompt_length
 
     tok = byte_tokenizer()  # a real chat template: the count includes its role markers

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import gen_service
-from gen_service.coupling import Sampling, absorb_eos
-from gen_service.engine import Engine, TraceJob
+from gen_service.engine.coupling import Sampling, absorb_eos
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
 from gen_service.engine.readback import HostReads, Readback
-from gen_service.models import load_model
+from gen_service.models.loading import load_model
 
 ROOT = os.path.dirname(gen_service.__file__)
 T, R = 16, 4

@@ -17,14 +17,16 @@ import torch
 from collector import documents as D
 from collector.collect import CollectConfig, request_body
 from collector.grouped import group_body
-from gen_service.coupling import Sampling, absorb_eos, probs, tv
-from gen_service.engine import Engine, TraceJob
+from gen_service.api.records import TRACE_FIELDS, TRACE_PARAMETERS, parse_trace
+from gen_service.engine.coupling import Sampling, absorb_eos, probs, tv
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
+from gen_service.engine.top_logprobs import at_steps, logit_fields, step_logits
 from gen_service.errors import ApiError
-from gen_service.logit_traces import at_steps, logit_fields, step_logits
-from gen_service.memory import ModelShape, estimate
-from gen_service.models import load_model
-from gen_service.presses import ModelInfo, PolicyRegistry
-from gen_service.requests import TRACE_FIELDS, TRACE_PARAMETERS, RequestLimits, parse_trace
+from gen_service.models.loading import load_model
+from gen_service.presses.registry import ModelInfo, PolicyRegistry
+from gen_service.serving.admission import ModelShape, estimate
+from gen_service.serving.limits import RequestLimits
 from protocols import (
     LOGIT_FIELDS,
     StreamError,

@@ -1,15 +1,16 @@
-"""Logits in float32 whatever the weights' dtype (gen_service/logits.py), and weights
-loaded straight onto the device in the serving dtype (gen_service/models.py)."""
+"""Logits in float32 whatever the weights' dtype (gen_service/models/float_head.py), and weights
+loaded straight onto the device in the serving dtype (gen_service/models/loading.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gen_service.coupling import Sampling
-from gen_service.engine import Engine, TraceJob
-from gen_service.logits import extra_bytes, head32, logits
-from gen_service.models import byte_tokenizer, load_model, pretrained_kwargs, tiny_model
+from gen_service.engine.coupling import Sampling
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
+from gen_service.models.float_head import extra_bytes, head32, logits
+from gen_service.models.loading import byte_tokenizer, load_model, pretrained_kwargs, tiny_model
 
 IDS = [1, 40, 77, 3, 100, 200, 13, 9, 250, 31, 64, 2, 120, 18]
 

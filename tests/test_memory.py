@@ -1,4 +1,4 @@
-"""Requests sized by memory (gen_service/memory.py): the estimate against the caches a
+"""Requests sized by memory (gen_service/serving/admission.py): the estimate against the caches a
 request really builds, the gate's admit/refuse boundary, and the HTTP hook (422 with
 the numbers, the budget in /info)."""
 
@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from gen_service.coupling import Sampling
-from gen_service.engine import Engine, TraceJob
-from gen_service.memory import MemoryGate, ModelShape, RequestTooLarge, estimate, parse_budget
-from gen_service.models import load_model
-from gen_service.shared_cache import SharedPromptCache
+from gen_service.attention.shared_cache import SharedPromptCache
+from gen_service.engine.coupling import Sampling
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
+from gen_service.errors import RequestTooLarge
+from gen_service.models.loading import load_model
+from gen_service.serving.admission import MemoryGate, ModelShape, estimate, parse_budget
 
 SHAPE = ModelShape(layers=30, q_heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536, vocab=49152)
 
@@ -102,7 +104,7 @@ def test_parse_budget():
 def test_http_refuses_a_request_that_can_never_fit():
     from starlette.testclient import TestClient
 
-    from gen_service.server_cli import build_service
+    from gen_service.api.cli import build_service
 
     app, service = build_service("tiny:llama", memory_budget=4 << 20)
     with TestClient(app) as client:
@@ -133,7 +135,7 @@ def _kv_bytes_per_token(lm) -> int:
 
 
 def _describe(gate, engine, policy, prompt_len, kind):
-    from gen_service.presses import ModelInfo
+    from gen_service.presses.registry import ModelInfo
 
     info = ModelInfo.of(engine.lm)
     plan = engine.registry.build(policy, info).plan(prompt_len)
@@ -202,7 +204,7 @@ def test_estimate_bounds_the_measured_peak_of_a_per_row_request(lm, policy, kind
 def test_http_refuses_a_per_row_candidate_the_old_estimate_admitted():
     from starlette.testclient import TestClient
 
-    from gen_service.server_cli import build_service
+    from gen_service.api.cli import build_service
 
     R, T, text = 8, 8, "hello there, " * 20
     app, service = build_service("tiny:llama", memory_budget=1 << 30)
@@ -232,7 +234,7 @@ def _wide_vocab_model(path) -> str:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from gen_service.models import byte_tokenizer
+    from gen_service.models.loading import byte_tokenizer
 
     config = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
@@ -261,7 +263,7 @@ def test_estimate_bounds_the_measured_peak_of_an_eager_prefill(dtype):
 
 
 def test_eager_and_prompt_logprobs_terms_scale_as_l2_and_lv():
-    from gen_service.memory import eager_attention_bytes, prompt_logprobs_bytes
+    from gen_service.serving.admission import eager_attention_bytes, prompt_logprobs_bytes
 
     big = ModelShape(layers=32, q_heads=32, kv_heads=8, head_dim=128, hidden=4096, intermediate=14336,
                      vocab=128256, dtype_bytes=2)
@@ -274,7 +276,7 @@ def test_eager_and_prompt_logprobs_terms_scale_as_l2_and_lv():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_estimate_bounds_the_measured_peak_of_prompt_logprobs(tmp_path, dtype):
-    from gen_service.memory import estimate_generate, prompt_logprobs_bytes
+    from gen_service.serving.admission import estimate_generate, prompt_logprobs_bytes
 
     engine = Engine(load_model(_wide_vocab_model(tmp_path), device="cpu", dtype=dtype))
     gate = MemoryGate.for_engine(engine, 1 << 40)
@@ -291,8 +293,8 @@ def test_estimate_bounds_the_measured_peak_of_prompt_logprobs(tmp_path, dtype):
 def test_http_refuses_prompt_logprobs_and_eager_prefill_that_never_fit(tmp_path):
     from starlette.testclient import TestClient
 
-    from gen_service.memory import estimate_generate
-    from gen_service.server_cli import build_service
+    from gen_service.api.cli import build_service
+    from gen_service.serving.admission import estimate_generate
 
     app, service = build_service(_wide_vocab_model(tmp_path), memory_budget=1 << 30)
     text = "hello there, " * 25

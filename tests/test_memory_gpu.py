@@ -13,9 +13,10 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("kind", ["coupled", "residual"])
 @pytest.mark.parametrize("shared", [True, False])
 def test_estimate_bounds_the_allocated_peak(kind, shared):
-    from gen_service.engine import Engine, TraceJob
-    from gen_service.memory import MemoryGate
-    from gen_service.models import load_model
+    from gen_service.engine.facade import Engine
+    from gen_service.engine.jobs import TraceJob
+    from gen_service.models.loading import load_model
+    from gen_service.serving.admission import MemoryGate
 
     engine = Engine(load_model("random:llama-1b", device="cuda", dtype="bfloat16"), shared_prompt=shared)
     text = "A block is a piece of Python program text that is executed as a unit. " * 100

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gen_service.models import _publish
+from gen_service.models.loading import _publish
 
 FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
 

@@ -16,9 +16,11 @@ import pytest
 import torch
 from press_artifact_files import write_artifacts
 
-from gen_service.engine import Engine, TraceJob
-from gen_service.models import load_model
-from gen_service.presses import PolicyError, PolicyRegistry
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
+from gen_service.errors import PolicyError
+from gen_service.models.loading import load_model
+from gen_service.presses.registry import PolicyRegistry
 
 CONTEXT = "The quick brown fox jumps over the lazy dog; a lazy dog sleeps under the old tree. " * 3
 QUESTION = "Who sleeps?"
@@ -122,7 +124,7 @@ def test_serve_press_option_supplies_the_folder(options) -> None:
     """`kvdiv serve --press-option RestoreKVPress:path=DIR`, end to end over HTTP."""
     from starlette.testclient import TestClient
 
-    from gen_service.server_cli import build_service
+    from gen_service.api.cli import build_service
 
     app, _ = build_service("tiny:llama", max_new_tokens=8, max_replicates=4,
                            press_option=(f"RestoreKVPress:path={options['RestoreKVPress']['path']}",))

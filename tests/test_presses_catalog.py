@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 from press_artifact_files import write_artifacts
 
-from gen_service.engine import Engine, TraceJob
-from gen_service.models import load_model
-from gen_service.press_catalog import CATALOG, markdown_table
-from gen_service.presses import PolicyError, PolicyRegistry
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
+from gen_service.errors import PolicyError
+from gen_service.models.loading import load_model
+from gen_service.presses.catalog import CATALOG, markdown_table
+from gen_service.presses.registry import PolicyRegistry
 from protocols import StreamWriter, assemble
 
 TEXT = "The quick brown fox jumps over the lazy dog; a lazy dog sleeps under the old tree. " * 3

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from gen_service.server_cli import build_service
+from gen_service.api.cli import build_service
 
 pytestmark = pytest.mark.service
 

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from gen_service.presses import ModelInfo, PolicyError, PolicyRegistry
+from gen_service.errors import PolicyError
+from gen_service.presses.registry import ModelInfo, PolicyRegistry
 from protocols import PolicyIdError, parse_policy_id, policy_coords
 
 INFO = ModelInfo(max_context=2048, num_layers=2)
@@ -141,7 +142,7 @@ def test_reported_params_do_not_depend_on_the_hash_seed() -> None:
     import subprocess
     import sys
 
-    code = ("from gen_service.presses import ModelInfo, PolicyRegistry\n"
+    code = ("from gen_service.presses.registry import ModelInfo, PolicyRegistry\n"
             "r = PolicyRegistry(entry_points_group=None)\n"
             "info = ModelInfo(max_context=2048, num_layers=2)\n"
             "for pid in ('kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=64',\n"

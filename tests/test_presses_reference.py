@@ -27,8 +27,8 @@ HORIZON = 16
 @pytest.fixture(scope="module")
 def engine():
     pytest.importorskip("gguf")
-    from gen_service.engine import Engine
-    from gen_service.models import embedded_gguf_path, load_model
+    from gen_service.engine.facade import Engine
+    from gen_service.models.loading import embedded_gguf_path, load_model
 
     try:
         embedded_gguf_path()
@@ -51,8 +51,8 @@ def _ids(pipe) -> tuple[list[int], list[int]]:
 
 
 def _candidate_answer(engine, policy: str, context_ids: list[int], question_ids: list[int]) -> str:
-    from gen_service.coupling import Sampling
-    from gen_service.engine import TraceJob
+    from gen_service.engine.coupling import Sampling
+    from gen_service.engine.jobs import TraceJob
 
     job = TraceJob(prompt_ids=context_ids, question_ids=question_ids, candidate=policy, horizon=HORIZON,
                    replicates=1, sampling=Sampling(do_sample=False), seed=0)

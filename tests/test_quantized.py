@@ -22,11 +22,13 @@ import torch
 from transformers.cache_utils import Cache, QuantizedCache, QuantizedLayer
 
 import divstats
-from gen_service.coupling import Sampling
-from gen_service.engine import Engine, TraceJob
-from gen_service.models import load_model
-from gen_service.presses import PolicyError, PolicyRegistry
-from gen_service.quantized import fake_quantize
+from gen_service.engine.coupling import Sampling
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
+from gen_service.errors import PolicyError
+from gen_service.models.loading import load_model
+from gen_service.presses.quantized import fake_quantize
+from gen_service.presses.registry import PolicyRegistry
 from protocols import PolicyIdError, StreamWriter, assemble, parse_policy_id
 
 TEXT = "The quick brown fox jumps over the lazy dog; a lazy dog sleeps under the old tree. " * 3
@@ -289,7 +291,7 @@ def test_http_quantized_candidate() -> None:
 
     from starlette.testclient import TestClient
 
-    from gen_service.server_cli import build_service
+    from gen_service.api.cli import build_service
 
     app, _ = build_service("tiny:llama", max_new_tokens=16, max_replicates=4)
     with TestClient(app) as client:

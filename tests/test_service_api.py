@@ -254,9 +254,9 @@ def test_metrics_count_responses_by_route_and_status(client: httpx.Client) -> No
 def test_empty_api_key_refuses_to_start() -> None:
     from click.testing import CliRunner
 
+    from gen_service.api.cli import serve
     from gen_service.errors import ConfigError
-    from gen_service.server_cli import serve
-    from gen_service.service import ServiceConfig
+    from gen_service.serving.service import ServiceConfig
 
     with pytest.raises(ConfigError, match="empty"):
         ServiceConfig(api_key="")

@@ -11,9 +11,9 @@ import pytest
 
 from gen_service.errors import ServiceError
 
-MODULES = ["gen_service.app", "gen_service.body", "gen_service.coupling", "gen_service.errors",
-           "gen_service.handlers", "gen_service.requests", "gen_service.server_cli", "gen_service.service",
-           "gen_service.wire_openai", "gen_service.wire_tgi"]
+MODULES = ["gen_service.api.app", "gen_service.api.body", "gen_service.engine.coupling", "gen_service.errors",
+           "gen_service.api.handlers", "gen_service.api.records", "gen_service.api.cli", "gen_service.serving.service",
+           "gen_service.serving.limits", "gen_service.api.openai_wire", "gen_service.api.tgi_wire"]
 SECTIONS = ("Parameters", "Returns", "Raises", "Examples")
 
 
@@ -34,7 +34,7 @@ def test_all_declared_documented_and_examples_run(name: str) -> None:
 
 
 def test_every_service_exception_is_a_service_error() -> None:
-    for name in [*MODULES, "gen_service.engine", "gen_service.presses"]:
+    for name in [*MODULES, "gen_service.engine.jobs", "gen_service.presses.registry"]:
         module = importlib.import_module(name)
         for obj in vars(module).values():
             if inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__.startswith("gen_service"):

@@ -11,10 +11,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
-from gen_service.coupling import History, Sampling, probs, tv
-from gen_service.engine import Engine, TraceJob
-from gen_service.models import load_model
-from gen_service.presses import PolicyRegistry
+from gen_service.engine.coupling import History, Sampling, probs, tv
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
+from gen_service.models.loading import load_model
+from gen_service.presses.registry import PolicyRegistry
 
 TEXT = "The quick brown fox jumps over the lazy dog; a lazy dog sleeps under the old tree. " * 3
 PENALTIES = Sampling(repetition_penalty=3.0, frequency_penalty=0.8, presence_penalty=0.5)

@@ -1,4 +1,4 @@
-"""Continuous batching across ``/v1/traces`` requests (gen_service/batching.py).
+"""Continuous batching across ``/v1/traces`` requests (gen_service/serving/batching.py).
 
 Requests decoded in one batch must each give the trace they give alone: the same
 tokens, TV to floating-point rounding (stacking changes only the batch of the
@@ -23,12 +23,13 @@ import httpx
 import pytest
 from service_live import PROMPT, LiveServer
 
-from gen_service.batching import BatchEntry, BatchLoop
-from gen_service.coupling import Sampling
-from gen_service.engine import Cancelled, CandidateDone, Engine, TraceJob
-from gen_service.errors import ConfigError
-from gen_service.models import load_model
-from gen_service.service import Metrics, ServiceConfig
+from gen_service.engine.coupling import Sampling
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import CandidateDone, TraceJob
+from gen_service.errors import Cancelled, ConfigError
+from gen_service.models.loading import load_model
+from gen_service.serving.batching import BatchEntry, BatchLoop
+from gen_service.serving.service import Metrics, ServiceConfig
 from protocols import assemble, read_stream
 
 DECODING = "kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=64"
@@ -58,7 +59,7 @@ JOBS = [
 
 
 class Stream:
-    """What the batch loop needs of a :class:`~gen_service.service.WorkStream`, recording it."""
+    """What the batch loop needs of a :class:`~gen_service.serving.service.WorkStream`, recording it."""
 
     def __init__(self, stop_after: int | None = None):
         self.items: list[Any] = []

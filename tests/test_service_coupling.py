@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import stats
 
-from gen_service.coupling import History, Sampling, absorb_eos, maximal_coupling, probs, tv
+from gen_service.engine.coupling import History, Sampling, absorb_eos, maximal_coupling, probs, tv
 
 
 def _pair(v: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

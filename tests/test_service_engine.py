@@ -12,11 +12,13 @@ import pytest
 import torch
 from scipy import stats
 
-from gen_service.coupling import Sampling, probs, tv
-from gen_service.engine import Cancelled, Engine, TraceJob
+from gen_service.engine.coupling import Sampling, probs, tv
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
 from gen_service.engine.readback import READBACK_EVERY
-from gen_service.models import load_model
-from gen_service.presses import PolicyError, PolicyRegistry
+from gen_service.errors import Cancelled, PolicyError
+from gen_service.models.loading import load_model
+from gen_service.presses.registry import PolicyRegistry
 from protocols import assemble
 
 TEXT = "The quick brown fox jumps over the lazy dog; a lazy dog sleeps under the old tree. " * 3

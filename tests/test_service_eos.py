@@ -140,7 +140,7 @@ def llama_dirs(tmp_path_factory) -> dict[str, Path]:
 def _client(model_dir: Path, **kw):
     from starlette.testclient import TestClient
 
-    from gen_service.server_cli import build_service
+    from gen_service.api.cli import build_service
 
     app, _ = build_service(str(model_dir), max_new_tokens=16, max_replicates=32, eviction="snapkv@0.5",
                            dtype="float32", device="cpu", **kw)
@@ -166,7 +166,7 @@ def _trace(client, body: dict) -> list[str]:
 
 
 def test_loader_keeps_every_eos_id(llama_dirs) -> None:
-    from gen_service.models import load_model
+    from gen_service.models.loading import load_model
 
     lm = load_model(str(llama_dirs["random"]), device="cpu", dtype="float32")
     assert lm.eos_token_ids == tuple(LLAMA_EOS) and lm.eos_token_id == END_OF_TEXT
@@ -178,7 +178,7 @@ def test_loader_keeps_every_eos_id(llama_dirs) -> None:
 def test_loader_falls_back_to_the_tokenizer_eos() -> None:
     from types import SimpleNamespace
 
-    from gen_service.models import _eos_from
+    from gen_service.models.loading import _eos_from
 
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))
     assert _eos_from(model, SimpleNamespace(eos_token_id=5)) == (5,)
@@ -304,7 +304,7 @@ def test_residual_branches_absorb_on_each_eos_id(leaning, candidate: str) -> Non
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory) -> Path:
-    from gen_service.models import CHATML_TEMPLATE
+    from gen_service.models.loading import CHATML_TEMPLATE
 
     tok = _tokenizer(QWEN_SPECIALS, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                      chat_template=CHATML_TEMPLATE)
@@ -312,7 +312,7 @@ def qwen_dir(tmp_path_factory) -> Path:
 
 
 def test_qwen_shaped_model_loads_and_traces(qwen_dir) -> None:
-    from gen_service.models import load_model
+    from gen_service.models.loading import load_model
 
     lm = load_model(str(qwen_dir), device="cpu", dtype="float32")
     attn = lm.model.model.layers[0].self_attn
@@ -331,7 +331,7 @@ def test_qwen_shaped_model_loads_and_traces(qwen_dir) -> None:
 
 
 def test_a_record_with_one_eos_id_means_that_set() -> None:
-    from gen_service.models import LoadedModel
+    from gen_service.models.loading import LoadedModel
 
     one = LoadedModel(model=torch.nn.Identity(), tokenizer=None, name="m", eos_token_id=2, vocab_size=8,
                       max_context=16, device=torch.device("cpu"), dtype=torch.float32)

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 import divstats
-from gen_service.coupling import Sampling
-from gen_service.engine import Engine, TraceJob
-from gen_service.models import load_model
-from gen_service.presses import PolicyRegistry
+from gen_service.engine.coupling import Sampling
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
+from gen_service.models.loading import load_model
+from gen_service.presses.registry import PolicyRegistry
 from protocols import StreamWriter, assemble
 
 TEXT = "The quick brown fox jumps over the lazy dog; a lazy dog sleeps under the old tree. " * 3

@@ -23,8 +23,8 @@ DOC = (
 @pytest.fixture(scope="module")
 def engine():
     pytest.importorskip("gguf")
-    from gen_service.engine import Engine
-    from gen_service.models import embedded_gguf_path, load_model
+    from gen_service.engine.facade import Engine
+    from gen_service.models.loading import embedded_gguf_path, load_model
 
     try:
         embedded_gguf_path()
@@ -34,7 +34,7 @@ def engine():
 
 
 def test_embedded_model_facts_and_greedy_answer(engine) -> None:
-    from gen_service.coupling import Sampling
+    from gen_service.engine.coupling import Sampling
 
     assert engine.lm.eos_token_id == 2 and engine.lm.vocab_size == 49152
     out = engine.lm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
@@ -47,7 +47,7 @@ def test_embedded_model_facts_and_greedy_answer(engine) -> None:
 
 
 def test_snapkv_step1_exact_step2_diverges(engine) -> None:
-    from gen_service.engine import TraceJob
+    from gen_service.engine.jobs import TraceJob
 
     msgs = [{"role": "user", "content": "Summarise this text.\n\n" + DOC}]
     out = engine.lm.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)

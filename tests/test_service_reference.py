@@ -20,11 +20,14 @@ import numpy as np
 import pytest
 import torch
 
-from gen_service.coupling import History, Sampling, probs, tv
-from gen_service.engine import Cancelled, CandidateDone, Engine, TraceJob
+from gen_service.api.records import parse_trace
+from gen_service.engine.coupling import History, Sampling, probs, tv
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import CandidateDone, TraceJob
 from gen_service.engine.readback import READBACK_EVERY
-from gen_service.models import load_model
-from gen_service.requests import RequestLimits, parse_trace
+from gen_service.errors import Cancelled
+from gen_service.models.loading import load_model
+from gen_service.serving.limits import RequestLimits
 from protocols import StreamWriter, assemble, validate
 
 TEXT = "The quick brown fox jumps over the lazy dog; a lazy dog sleeps under the old tree. " * 3
@@ -187,7 +190,7 @@ def test_request_parsing() -> None:
 
 
 def test_memory_gate_sizes_reference_as_coupled(engine: Engine) -> None:
-    from gen_service.memory import ModelShape, estimate
+    from gen_service.serving.admission import ModelShape, estimate
 
     s = ModelShape(layers=30, q_heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536, vocab=49152)
     assert estimate(s, 16, 500, 32, "reference") == estimate(s, 16, 500, 32, "coupled")

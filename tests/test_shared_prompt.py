@@ -1,4 +1,4 @@
-"""The prompt stored once per request (gen_service/shared_cache.py, gen_service/cascade.py).
+"""The prompt stored once per request (gen_service/attention/shared_cache.py, gen_service/attention/cascade.py).
 
 Cascade attention against SDPA over the concatenated per-row cache; traces with the
 shared prompt against the per-row copy path (same seeds: same tokens, TV to rounding)
@@ -12,11 +12,12 @@ import math
 import pytest
 import torch
 
-from gen_service.cascade import cascade_attention
-from gen_service.coupling import Sampling
-from gen_service.engine import Engine, TraceJob
-from gen_service.models import load_model
-from gen_service.shared_cache import SharedPromptCache, can_share, share_prompt
+from gen_service.attention.cascade import cascade_attention
+from gen_service.attention.shared_cache import SharedPromptCache, can_share, share_prompt
+from gen_service.engine.coupling import Sampling
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
+from gen_service.models.loading import load_model
 
 
 def _reference(q, pk, pv, rk, rv, scaling, row_mask=None, hidden=None):
@@ -198,7 +199,7 @@ def test_replayed_branches_on_the_shared_path(lm):
 @pytest.mark.parametrize("kind", ["coupled", "residual"])
 def test_embedded_model_tv_within_1e5_of_the_copies(kind):
     pytest.importorskip("gguf")
-    from gen_service.models import embedded_gguf_path
+    from gen_service.models.loading import embedded_gguf_path
 
     try:
         embedded_gguf_path()

@@ -17,14 +17,14 @@ TEXT = "The quick brown fox jumps over the lazy dog; a lazy dog sleeps under the
 
 
 def _engine(model: str = "tiny:llama", dtype: str = "bfloat16", shared: bool = True):
-    from gen_service.engine import Engine
-    from gen_service.models import load_model
+    from gen_service.engine.facade import Engine
+    from gen_service.models.loading import load_model
 
     return Engine(load_model(model, device="cuda", dtype=dtype), shared_prompt=shared)
 
 
 def _trace(engine, **kw):
-    from gen_service.engine import TraceJob
+    from gen_service.engine.jobs import TraceJob
 
     ids = list(engine.lm.tokenizer(TEXT).input_ids)
     return list(engine.trace(TraceJob(prompt_ids=ids, seed=7, **kw)))
@@ -44,7 +44,7 @@ def test_bf16_full_against_full_has_zero_tv():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cascade_equals_sdpa_on_the_device(dtype):
-    from gen_service.cascade import cascade_attention
+    from gen_service.attention.cascade import cascade_attention
 
     dt = getattr(torch, dtype)
     torch.manual_seed(0)
@@ -78,7 +78,7 @@ def test_shared_prompt_traces_equal_the_copies_on_the_device(kind):
 
 def test_coupled_and_residual_agree_in_bf16():
     import divstats
-    from gen_service.engine import TraceJob
+    from gen_service.engine.jobs import TraceJob
     from protocols import StreamWriter, assemble
 
     engine = _engine()

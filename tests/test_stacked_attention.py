@@ -1,5 +1,5 @@
-"""One attention call per layer for every stacked group (gen_service.shared_cache._Pool,
-gen_service.cascade.stacked_cascade_attention) against the group-by-group loop."""
+"""One attention call per layer for every stacked group (gen_service.attention.shared_cache._Pool,
+gen_service.attention.cascade.stacked_cascade_attention) against the group-by-group loop."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import gen_service.shared_cache as shared_cache
-from gen_service.cascade import cascade_attention_forward
-from gen_service.shared_cache import SharedPromptCache, StackedPromptCache
+import gen_service.attention.shared_cache as shared_cache
+from gen_service.attention.cascade import cascade_attention_forward
+from gen_service.attention.shared_cache import SharedPromptCache, StackedPromptCache
 
 H, HQ, D = 2, 4, 8
 
@@ -100,10 +100,11 @@ def test_static_shapes_do_not_change_from_step_to_step():
 def test_static_stacked_forwards_give_the_same_traces(kind, monkeypatch):
     """The whole model over static-shape stacks (the form a CUDA graph captures), on CPU:
     the same trace as the dynamic stacks, three candidates, branches included."""
-    from gen_service.coupling import Sampling
-    from gen_service.engine import Engine, TraceJob
+    from gen_service.engine.coupling import Sampling
+    from gen_service.engine.facade import Engine
     from gen_service.engine.forwards import run_stacked
-    from gen_service.models import load_model
+    from gen_service.engine.jobs import TraceJob
+    from gen_service.models.loading import load_model
 
     lm = load_model("tiny:llama")
     job = TraceJob(prompt_ids=list(range(10, 70)), horizon=10, replicates=4, seed=3, sampling=Sampling(),
@@ -134,10 +135,10 @@ def _assert_same_trace(a: list[dict], b: list[dict]) -> None:
 
 
 def test_cuda_graphs_are_refused_without_cuda():
-    from gen_service.engine import Engine
+    from gen_service.api.cli import build_service
+    from gen_service.engine.facade import Engine
     from gen_service.errors import ConfigError
-    from gen_service.models import load_model
-    from gen_service.server_cli import build_service
+    from gen_service.models.loading import load_model
 
     if torch.cuda.is_available():
         pytest.skip("checks the refusal on a machine without CUDA")
@@ -194,9 +195,10 @@ def test_one_call_on_cuda_equals_the_loop():
 def test_cuda_graph_traces_equal_the_eager_ones(kind):
     """Three candidates' stacked forwards replayed from CUDA graphs: the same trace as
     without (fp32; the graph replays the very kernels the eager forward runs)."""
-    from gen_service.coupling import Sampling
-    from gen_service.engine import Engine, TraceJob
-    from gen_service.models import load_model
+    from gen_service.engine.coupling import Sampling
+    from gen_service.engine.facade import Engine
+    from gen_service.engine.jobs import TraceJob
+    from gen_service.models.loading import load_model
 
     lm = load_model("tiny:llama", device="cuda", dtype="float32")
     job = TraceJob(prompt_ids=list(range(10, 70)), horizon=12, replicates=4, seed=3, sampling=Sampling(),

@@ -13,8 +13,11 @@ The package splits deciding from running, as vLLM does:
 module            what it holds
 ================  =====================================================================
 ``jobs``          the request (:class:`TraceJob`) and the signals besides records
-                  (:class:`Cancelled`, :class:`CandidateError`, :class:`CandidateDone`,
-                  :class:`CandidateFailed`)
+                  (:class:`CandidateDone`, :class:`CandidateFailed`; the exceptions
+                  :class:`Cancelled` and :class:`CandidateError` are in ``gen_service.errors``)
+``coupling``      the coupling math (statistics.md §1, §2, §5): sampling, the processed laws,
+                  the maximal coupling
+``top_logprobs``  a step's top-k log-probabilities and KL/entropy (``top_logprobs: k``)
 ``sides``         the data the loops and the scheduler exchange: :class:`Side` (one
                   model's cache and policy state), :class:`Forward`, :class:`Prefilled`
 ``prefill``       prefill under a press, the question after compression, P and Q from
@@ -30,7 +33,7 @@ module            what it holds
                   (and, through a request's steps and asks, over requests)
 ``fusion``        whether P's and Q's stacks run as one forward (measured per shape)
 ``header``        the trace's header record
-``tgi``           TGI's ``/generate`` sampling and prompt log-probabilities
+``generate``      TGI's ``/generate`` sampling and prompt log-probabilities
 ``facade``        :class:`Engine`, the thin object the service calls
 ================  =====================================================================
 
@@ -39,11 +42,8 @@ list a step needs (P's and Q's) and receive the logits back; the scheduler decid
 how those run. Each side's per-head masks and decoding-press hooks are installed
 around that side's forward only, so nothing leaks into the other model's forwards
 through the shared modules.
+
+Import from the submodules; this package exports nothing itself (docs/architecture.md).
 """
 
-from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import PRODUCER, Cancelled, CandidateDone, CandidateError, CandidateFailed, TraceJob
-from gen_service.engine.sides import Forward, Prefilled, Side
-
-__all__ = ["CandidateDone", "CandidateError", "CandidateFailed", "Cancelled", "Engine", "Forward", "Prefilled",
-           "Side", "TraceJob", "PRODUCER"]
+__all__: list[str] = []

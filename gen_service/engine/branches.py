@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from gen_service.coupling import History, absorb_eos, maximal_coupling, probs
 from gen_service.engine.context import LoopContext
+from gen_service.engine.coupling import History, absorb_eos, maximal_coupling, probs
 from gen_service.engine.sides import Forward, Side
-from gen_service.logit_traces import LogitFields, logit_fields
+from gen_service.engine.top_logprobs import LogitFields, logit_fields
 from protocols import branch_record, wire_logits
 
 __all__ = ["Branches", "prefix_branches", "replay_branches"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gen_service.coupling import History, Sampling, ended_on
+from gen_service.engine.coupling import History, Sampling, ended_on
 from gen_service.engine.jobs import TraceJob, check
 from gen_service.engine.readback import READBACK_EVERY, Readback
 from gen_service.engine.sides import Side
@@ -26,7 +26,7 @@ class LoopContext:
     """One candidate's decoding: its job, generator, EOS ids, device and cancellation.
 
     ``eos`` holds every EOS id of the model (empty: none); each is absorbing, and an
-    ended row keeps emitting the id it ended on (:func:`~gen_service.coupling.ended_on`).
+    ended row keeps emitting the id it ended on (:func:`~gen_service.engine.coupling.ended_on`).
     """
 
     job: TraceJob

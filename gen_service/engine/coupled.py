@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from gen_service.coupling import absorb_eos, maximal_coupling, probs
 from gen_service.engine.context import LoopContext
+from gen_service.engine.coupling import absorb_eos, maximal_coupling, probs
 from gen_service.engine.sides import Forward, Prefilled
-from gen_service.logit_traces import PendingLogits
+from gen_service.engine.top_logprobs import PendingLogits
 from protocols import step_record
 
 __all__ = ["coupled"]

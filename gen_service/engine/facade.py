@@ -19,26 +19,26 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from gen_service.attention_plan import attention_plan
-from gen_service.coupling import Sampling
+from gen_service.attention.head_masks import install
+from gen_service.attention.plan import attention_plan
+from gen_service.attention.shared_cache import share_prompt
 from gen_service.engine.context import LoopContext
 from gen_service.engine.coupled import coupled
+from gen_service.engine.coupling import Sampling
 from gen_service.engine.forwards import masked_attention, run_side, run_stacked
+from gen_service.engine.generate import generate, prompt_logprobs
 from gen_service.engine.graphs import CudaGraphs
 from gen_service.engine.header import header
-from gen_service.engine.jobs import Cancelled, CandidateError, TraceJob, check, draw_seed
+from gen_service.engine.jobs import TraceJob, check, draw_seed
 from gen_service.engine.prefill import prefill, prefill_pair
 from gen_service.engine.readback import READBACK_EVERY
 from gen_service.engine.reference import reference
 from gen_service.engine.residual import residual
 from gen_service.engine.scheduler import Runner, drive, run_steps, steps, steps_many
 from gen_service.engine.sides import Forward, Prefilled, Side
-from gen_service.engine.tgi import generate, prompt_logprobs
-from gen_service.errors import ConfigError
-from gen_service.head_masks import install
-from gen_service.models import LoadedModel
-from gen_service.presses import ModelInfo, Policy, PolicyRegistry
-from gen_service.shared_cache import share_prompt
+from gen_service.errors import Cancelled, CandidateError, ConfigError
+from gen_service.models.loading import LoadedModel
+from gen_service.presses.registry import ModelInfo, Policy, PolicyRegistry
 from protocols import Kind
 
 __all__ = ["Engine"]
@@ -49,14 +49,14 @@ class Engine:
     all model work on one worker thread."""
 
     def __init__(self, lm: LoadedModel, registry: PolicyRegistry | None = None, shared_prompt: bool = True):
-        install()  # head-wise masks through SDPA's own mask (gen_service.head_masks)
+        install()  # head-wise masks through SDPA's own mask (gen_service.attention.head_masks)
         self.lm = lm
         self.model = lm.model
         # each attention feature's path, decided now (refuses what no path reproduces)
         self.attention = attention_plan(lm.model, lm.name)
         self.registry = registry or PolicyRegistry()
         self.device = lm.device
-        # store the prompt once for all rows where the side allows (gen_service/shared_cache.py)
+        # store the prompt once for all rows where the side allows (gen_service/attention/shared_cache.py)
         self.shared_prompt = shared_prompt
         # replay residual branches even when they could be prefixes of the survival
         # caches (benchmarks measure the replay's price with it)
@@ -160,7 +160,7 @@ class Engine:
         """:meth:`trace`'s items with each decoding step's forwards left to the caller: the
         records, and a :class:`gen_service.engine.scheduler.Ask` per step, to be sent
         back its logits (:func:`~gen_service.engine.scheduler.run_steps` runs them for
-        this request alone; the service's batch loop, :mod:`gen_service.batching`,
+        this request alone; the service's batch loop, :mod:`gen_service.serving.batching`,
         with other requests')."""
         if job.candidates:
             yield from self._candidates_steps(job, cancelled)

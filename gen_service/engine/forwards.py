@@ -13,12 +13,12 @@ from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
-from gen_service.attention_plan import layer_windows
+from gen_service.attention.head_masks import HIDDEN_ATTR, indices_to_mask, pad
+from gen_service.attention.plan import layer_windows
+from gen_service.attention.shared_cache import StackedPromptCache, attention_route
 from gen_service.engine.sides import Forward, Side, cache_lengths
-from gen_service.head_masks import HIDDEN_ATTR, indices_to_mask, pad
-from gen_service.layered_press import decoding_hooks
-from gen_service.logits import logits as fp32_logits
-from gen_service.shared_cache import StackedPromptCache, attention_route
+from gen_service.models.float_head import logits as fp32_logits
+from gen_service.presses.layered import decoding_hooks
 
 __all__ = ["attention_layers", "eager_attention", "masked_attention", "run_side", "run_stacked", "side_applied"]
 
@@ -32,7 +32,7 @@ def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def run_side(model: torch.nn.Module, side: Side, tokens: torch.Tensor, positions: torch.Tensor,
              mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
     """One forward of ``side`` over (rows, n) tokens -> (rows, V) float32 logits of the
-    last one (:func:`gen_service.logits.logits`: the final norm and the head in float32),
+    last one (:func:`gen_service.models.float_head.logits`: the final norm and the head in float32),
     with that side's head masks and decoding hooks in place."""
     with side_applied(model, side, tokens.shape[1]), attention_route(model, side.cache, mask, positions) as (mask, kw):
         if not kw and any(w is not None for w in layer_windows(model.config)):
@@ -72,7 +72,7 @@ def side_applied(model: torch.nn.Module, side: Side, n_new: int) -> Iterator[Non
         for attn, m, n in zip(attns, side.masks, cache_lengths(side.cache), strict=True):
             setattr(attn, HIDDEN_ATTR, None if m is None else pad(m, n + n_new))
     if side.press is not None:
-        hooks = decoding_hooks(side.press, model)     # the compressible layers only (gen_service.layered_press)
+        hooks = decoding_hooks(side.press, model)     # the compressible layers only (gen_service.presses.layered)
     try:
         yield
     finally:

@@ -1,7 +1,7 @@
 """CUDA graphs of the stacked decoding forward (``kvdiv serve --cuda-graphs``).
 
 A decoding forward of a small model on a GPU is mostly kernel launches from Python.
-With static shapes (:class:`~gen_service.shared_cache.StackedPromptCache` with
+With static shapes (:class:`~gen_service.attention.shared_cache.StackedPromptCache` with
 ``static=True``: the rows' writes at slots held in a tensor, attention over the
 pooled buffers' whole capacity with the unfilled slots masked) every tensor the
 forward reads keeps its address and shape from one step to the next while the same
@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
+from gen_service.attention.shared_cache import StackedPromptCache, attention_route
 from gen_service.engine.forwards import run_stacked
 from gen_service.engine.sides import Forward
-from gen_service.logits import logits as fp32_logits
-from gen_service.shared_cache import StackedPromptCache, attention_route
+from gen_service.models.float_head import logits as fp32_logits
 
 __all__ = ["CudaGraphs"]
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from gen_service.engine.jobs import PRODUCER, TraceJob
 from gen_service.engine.sides import Prefilled
-from gen_service.models import LoadedModel
-from gen_service.presses import Policy
+from gen_service.models.loading import LoadedModel
+from gen_service.presses.registry import Policy
 from protocols import Kind, header_record, prompt_digest
 
 __all__ = ["compression", "header", "numerics"]
@@ -41,7 +41,7 @@ def header(lm: LoadedModel, job: TraceJob, seed: int, cand: Policy, ref: Policy,
            q0: Prefilled, fuse: str | None = None, attention: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``header`` record of one candidate's stream (``kvdiv.trace/1``); ``fuse`` is the server's
     P+Q fusion mode (recorded with the numerics); ``attention`` the model's attention plan
-    (gen_service.attention_plan, its ``header()``)."""
+    (gen_service.attention.plan, its ``header()``)."""
     candidate = cand.describe()
     candidate.update(params=q0.plan.params, note=q0.plan.note)
     reference = ref.describe()

@@ -1,8 +1,8 @@
 """What a trace request asks for, and what the engine says back besides records.
 
 :class:`TraceJob` is the checked ``/v1/traces`` request; the rest are the signals the
-drivers give the HTTP layer: a client gone (:class:`Cancelled`), a candidate failed in
-prefill (:class:`CandidateError`, before anything streams) or while decoding
+drivers give the HTTP layer: a client gone (:class:`~gen_service.errors.Cancelled`), a candidate failed in
+prefill (:class:`~gen_service.errors.CandidateError`, before anything streams) or while decoding
 (:class:`CandidateFailed`, the others go on), a candidate's records all out
 (:class:`CandidateDone`).
 """
@@ -15,35 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gen_service.coupling import Sampling
-from gen_service.errors import ServiceError
+from gen_service.engine.coupling import Sampling
+from gen_service.errors import Cancelled
 
-__all__ = ["PRODUCER", "CandidateDone", "CandidateError", "CandidateFailed", "Cancelled", "TraceJob", "check",
-           "draw_seed"]
+__all__ = ["PRODUCER", "CandidateDone", "CandidateFailed", "TraceJob", "check", "draw_seed"]
 
 PRODUCER = "kvdiv.gen_service"
-
-
-class Cancelled(ServiceError):
-    """The client went away; work stops between steps."""
-
-
-class CandidateError(ServiceError):
-    """A candidate of a multi-candidate request failed before anything was streamed.
-
-    Attributes
-    ----------
-    index : int
-        Its position in ``candidates``.
-    policy : str
-        Its policy id.
-    cause : BaseException
-        What its prefill raised.
-    """
-
-    def __init__(self, index: int, policy: str, cause: BaseException):
-        super().__init__(f"candidates[{index}] ({policy}): {type(cause).__name__}: {cause}")
-        self.index, self.policy, self.cause = index, policy, cause
 
 
 @dataclass(frozen=True)
@@ -82,7 +59,7 @@ class TraceJob:
     # None where the server draws one; ``candidate`` is then unused
     candidates: list[str] = field(default_factory=list)
     seeds: list[int | None] = field(default_factory=list)
-    # logit traces: P's and Q's top-k and KL/entropy at every step (0: none; gen_service.logit_traces)
+    # logit traces: P's and Q's top-k and KL/entropy at every step (0: none; gen_service.engine.top_logprobs)
     top_logprobs: int = 0
 
     @property

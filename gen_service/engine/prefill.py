@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from gen_service.attention_plan import layer_windows
+from gen_service.attention.head_masks import indices_to_mask
+from gen_service.attention.plan import layer_windows
 from gen_service.engine.forwards import attention_layers, eager_attention, run_side
 from gen_service.engine.sides import Prefilled, Side, cache_lengths
-from gen_service.head_masks import indices_to_mask
-from gen_service.layered_press import press_applied
-from gen_service.logits import logits as fp32_logits
-from gen_service.press_traits import wants_eager
-from gen_service.presses import Policy, PressPlan
+from gen_service.models.float_head import logits as fp32_logits
+from gen_service.presses.layered import press_applied
+from gen_service.presses.registry import Policy, PressPlan
+from gen_service.presses.traits import wants_eager
 
 __all__ = ["mark_sliding", "prefill", "prefill_pair", "prefill_question"]
 
@@ -63,7 +63,7 @@ def mark_sliding(model: torch.nn.Module, cache: DynamicCache) -> None:
     """Flag the cache's windowed layers as sliding, every slot kept. transformers builds one
     mask per layer type from the first layer flagged so (``is_sliding``); unflagged, a
     windowed layer's mask would be sized from a global layer, which a press compressed
-    (gen_service.layered_press), and the model's own attention over per-row copies could not
+    (gen_service.presses.layered), and the model's own attention over per-row copies could not
     run. Shared-prompt sides ignore the flag: the cascade applies the window itself."""
     for layer, window in zip(cache.layers, layer_windows(model.config), strict=False):
         if window is not None:

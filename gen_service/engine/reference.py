@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from gen_service.coupling import absorb_eos, probs, tv
 from gen_service.engine.context import LoopContext
+from gen_service.engine.coupling import absorb_eos, probs, tv
 from gen_service.engine.sides import Forward, Prefilled
-from gen_service.logit_traces import PendingLogits
+from gen_service.engine.top_logprobs import PendingLogits
 from protocols import reference_step_record
 
 __all__ = ["reference", "token_logprob"]
@@ -30,7 +30,7 @@ def token_logprob(law: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     Parameters
     ----------
     law : torch.Tensor
-        (rows, V) a processed next-token law (:func:`gen_service.coupling.probs`).
+        (rows, V) a processed next-token law (:func:`gen_service.engine.coupling.probs`).
     tokens : torch.Tensor
         (rows,) token ids.
 

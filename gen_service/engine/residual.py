@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from gen_service.coupling import CoupledDraw, History, absorb_eos, maximal_coupling, probs
 from gen_service.engine.branches import Branches, prefix_branches, replay_branches
 from gen_service.engine.context import LoopContext
+from gen_service.engine.coupling import CoupledDraw, History, absorb_eos, maximal_coupling, probs
 from gen_service.engine.sides import Forward, Prefilled, cache_lengths
-from gen_service.logit_traces import LogitFields, at_steps, logit_fields
-from gen_service.quantized import is_quantized
+from gen_service.engine.top_logprobs import LogitFields, at_steps, logit_fields
+from gen_service.presses.quantized import is_quantized
 from protocols import shared_step_record, wire_logits
 
 __all__ = ["needs_replay", "residual"]

@@ -8,7 +8,7 @@ next forwards and runs them together. Both are a request's *steps* (:func:`steps
 :func:`steps_many`: records, and an :class:`Ask` per decoding step) run by
 :func:`run_steps`; the service's batch loop runs several requests' steps instead,
 merging their asks into one :func:`run_forwards`. Forwards run together are: sides on
-the shared prompt path (:func:`gen_service.shared_cache.stackable`) stacked in one
+the shared prompt path (:func:`gen_service.attention.shared_cache.stackable`) stacked in one
 batch, P rows with P rows and Q rows with Q rows, the two stacks fused into one forward where
 :mod:`gen_service.engine.fusion` says so; any other side alone, exactly as alone.
 """
@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from gen_service.attention.shared_cache import stackable
 from gen_service.engine.fusion import fused
-from gen_service.engine.jobs import Cancelled, CandidateDone, CandidateFailed
+from gen_service.engine.jobs import CandidateDone, CandidateFailed
 from gen_service.engine.sides import Forward
-from gen_service.shared_cache import stackable
+from gen_service.errors import Cancelled
 
 __all__ = ["Ask", "Runner", "drive", "drive_many", "run_forwards", "run_steps", "steps", "steps_many"]
 
@@ -53,7 +54,7 @@ class Ask:
     a single-candidate request), each P's and Q's; answered with the same keys' logits.
     What a request's steps (:func:`steps`, :func:`steps_many`) yield to whoever runs
     them: :func:`run_steps` for the request alone, the service's batch loop
-    (:mod:`gen_service.batching`) for several requests' at once."""
+    (:mod:`gen_service.serving.batching`) for several requests' at once."""
 
     forwards: dict[int, list[Forward]]
 

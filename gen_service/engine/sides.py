@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from gen_service.press_traits import repeat_rows
-from gen_service.presses import PressPlan
+from gen_service.presses.registry import PressPlan
+from gen_service.presses.traits import repeat_rows
 
 __all__ = ["Forward", "Prefilled", "Side", "cache_lengths"]
 

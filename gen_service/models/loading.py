@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from gen_service.logits import head32
+from gen_service.models.float_head import head32
 
 log = logging.getLogger("kvdiv.service")
 
@@ -117,7 +117,7 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
         return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
     # bf16 on GPU halves the weights' memory; the logits are computed in float32 whatever
-    # the weights' dtype (gen_service/logits.py), so TV is never taken from bf16-rounded
+    # the weights' dtype (gen_service/models/float_head.py), so TV is never taken from bf16-rounded
     # logits. What bf16 weights do to the distributions themselves is not measured here.
     # CPU bf16 matmuls are slow, so CPU stays fp32.
     return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -5,7 +5,7 @@ copies of the prompt's keys/values (``batch_repeat_interleave``) and append each
 token by concatenation, copying every layer's whole cache at every step. A
 :class:`SharedPromptCache` keeps, per layer, the prompt once (batch 1, as prefill left
 it, compressed or not) and each row's generated tokens in a buffer allocated for the
-horizon, written in place. Its forwards attend through :mod:`gen_service.cascade`
+horizon, written in place. Its forwards attend through :mod:`gen_service.attention.cascade`
 (prompt part broadcast over rows, row part batched, merged by log-sum-exp), routed by
 :func:`attention_route` for that forward only. A :class:`StackedPromptCache` puts
 several such caches (P's and Q's, or several candidates') in one forward's batch, each
@@ -30,7 +30,7 @@ any cache other than a plain DynamicCache          per-row copies
 (quantized)
 sliding-window layers, soft caps, sinks            shared prompt; the layer's window,
                                                    cap and sinks in the cascade
-                                                   (gen_service.attention_plan)
+                                                   (gen_service.attention.plan)
 ================================================  ===================================
 """
 
@@ -44,7 +44,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from gen_service.cascade import CACHE_KWARG, CASCADE, cascade_attention_forward
+from gen_service.attention.cascade import CACHE_KWARG, CASCADE, cascade_attention_forward
 
 __all__ = ["STACKED_ATTENTION", "SharedPromptCache", "SharedPromptLayer", "StackedPromptCache", "attention_route",
            "can_share", "share_prompt", "stackable"]
@@ -345,7 +345,7 @@ class StackedPromptCache(Cache):
     its own rows) keeps its state; the forward's batch is the groups' rows in order.
     The row-wise parts of the model (projections, MLP, norms, rotary embeddings) run
     once over all rows. Attention also runs once per layer for all groups
-    (:func:`gen_service.cascade.stacked_cascade_attention`): the groups' prompts and
+    (:func:`gen_service.attention.cascade.stacked_cascade_attention`): the groups' prompts and
     rows live in one pooled buffer per layer (:class:`_Pool`, built on the first
     stacked forward and kept while the groups stay), shorter prompts padded and masked,
     so the number of tensor operations per forward does not grow with the groups.

@@ -1,6 +1,6 @@
 """Which path each attention feature of a model takes, decided once at load.
 
-kvdiv decodes through its own cascade attention (:mod:`gen_service.cascade`), not the
+kvdiv decodes through its own cascade attention (:mod:`gen_service.attention.cascade`), not the
 model's attention function. Everything an architecture does to attention beyond plain
 causal softmax attention must therefore be reproduced there, layer by layer, or the model
 refused: P must be the model a user loaded. :func:`attention_plan` reads the features
@@ -23,14 +23,12 @@ from typing import Any
 
 import torch
 
+from gen_service.errors import AttentionRefused
+
 log = logging.getLogger("kvdiv.service")
 
-__all__ = ["FEATURES", "AttentionPlan", "AttentionRefused", "Feature", "LayerAttention", "attention_plan",
+__all__ = ["FEATURES", "AttentionPlan", "Feature", "LayerAttention", "attention_plan",
            "layer_windows"]
-
-
-class AttentionRefused(ValueError):
-    """A model whose attention kvdiv's decoding path cannot reproduce."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("attention sinks", "the attention module's `sinks` (the layer's `s_aux`)",
             "cascade: one more logit per head in the log-sum-exp merge, no value", "none"),
     Feature("final logit soft-cap / logit scale", "config.final_logit_softcapping, logit_scale, logits_scaling",
-            "the float32 head (gen_service.logits)", "none"),
+            "the float32 head (gen_service.models.float_head)", "none"),
     Feature("q/k norms, biases, rope scaling, local/global rope, embedding scale",
             "inside the model's projections and rotary embeddings",
             "the model's own code, before attention, on every path", "none"),
@@ -94,7 +92,7 @@ class AttentionPlan:
 
     @property
     def windowed(self) -> list[int]:
-        """Layers with a sliding window: kept whole by every press (gen_service.layered_press)."""
+        """Layers with a sliding window: kept whole by every press (gen_service.presses.layered)."""
         return [la.index for la in self.layers if la.window is not None]
 
     @property

@@ -1,12 +1,12 @@
 """Route handlers: module-level functions over the app state (``request.app.state.service``).
 
 Every handler follows the same path: read the body within its limits, parse it into
-a typed request (:mod:`gen_service.requests`), take an admission slot, tokenise off
+a typed request (:mod:`gen_service.api.records`), take an admission slot, tokenise off
 the event loop, check the context and build the policies for this prompt, start the
 work, and wait for its first item. Only then is a status sent, so every failure up
 to the first token (or the trace header) is an error status rather than a 200
-followed by an error. Bodies and events are shaped by :mod:`gen_service.wire_tgi`
-and :mod:`gen_service.wire_openai`.
+followed by an error. Bodies and events are shaped by :mod:`gen_service.api.tgi_wire`
+and :mod:`gen_service.api.openai_wire`.
 """
 
 from __future__ import annotations
@@ -26,13 +26,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from gen_service import wire_openai as oai
-from gen_service import wire_tgi as tgi
-from gen_service.body import parse_json, read_body
-from gen_service.engine import Cancelled, CandidateDone, CandidateError, CandidateFailed, TraceJob
-from gen_service.errors import ApiError, RequestTimeout, invalid
-from gen_service.press_catalog import catalog
-from gen_service.requests import (
+from gen_service.api import openai_wire as oai
+from gen_service.api import tgi_wire as tgi
+from gen_service.api.body import parse_json, read_body
+from gen_service.api.records import (
     ChatRequest,
     Decoding,
     parse_chat,
@@ -42,7 +39,10 @@ from gen_service.requests import (
     parse_tokenize,
     parse_trace,
 )
-from gen_service.service import Service, Ticket, WorkStream, failure_error
+from gen_service.engine.jobs import CandidateDone, CandidateFailed, TraceJob
+from gen_service.errors import ApiError, Cancelled, CandidateError, RequestTimeout, invalid
+from gen_service.presses.catalog import catalog
+from gen_service.serving.service import Service, Ticket, WorkStream, failure_error
 from protocols import StreamWriter, error_record
 from protocols import __version__ as VERSION
 
@@ -286,7 +286,7 @@ async def info(request: Request) -> Response:
                   "batch_candidates": svc.engine.batch_candidates,
                   # P's and Q's forwards as one: the setting and each shape's timings
                   "fused_forward": svc.engine.fusion_info(),
-                  # which path each attention feature of the model takes (gen_service.attention_plan)
+                  # which path each attention feature of the model takes (gen_service.attention.plan)
                   "attention": svc.engine.attention.info(),
                   # stacked decoding forwards replayed as CUDA graphs (null: off)
                   "cuda_graphs": None if svc.engine.cuda_graphs is None else svc.engine.cuda_graphs.info(),

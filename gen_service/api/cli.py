@@ -23,7 +23,7 @@ def build_service(model: str | None = None, *, gguf: str | None = None, eviction
     Parameters
     ----------
     model, gguf, device, dtype
-        What :func:`gen_service.models.load_model` loads, and where.
+        What :func:`gen_service.models.loading.load_model` loads, and where.
     eviction : str
         Default policy for TGI and OpenAI requests.
     api_key : str, optional
@@ -34,7 +34,7 @@ def build_service(model: str | None = None, *, gguf: str | None = None, eviction
         ``Class:key=value`` server-side press options (a stats folder,
         ``allow_download=true``), which requests may not set.
     **limits
-        Further :class:`gen_service.service.ServiceConfig` fields (``max_input_bytes``,
+        Further :class:`gen_service.serving.service.ServiceConfig` fields (``max_input_bytes``,
         ``max_body_bytes``, ``body_timeout_s``, ``max_request_seconds``,
         ``memory_budget``, ...).
 
@@ -57,11 +57,12 @@ def build_service(model: str | None = None, *, gguf: str | None = None, eviction
     """
     # imported here, not at the top: ``kvdiv --help`` and the command's own option
     # checks must not load torch (tests/test_cli_imports.py)
-    from gen_service.app import Service, ServiceConfig, create_app
-    from gen_service.engine import Engine
+    from gen_service.api.app import create_app
+    from gen_service.engine.facade import Engine
     from gen_service.errors import ConfigError
-    from gen_service.models import load_model, pick_device
-    from gen_service.presses import PolicyRegistry, load_class, parse_press_option
+    from gen_service.models.loading import load_model, pick_device
+    from gen_service.presses.registry import PolicyRegistry, load_class, parse_press_option
+    from gen_service.serving.service import Service, ServiceConfig
 
     # the configuration first: a refused key must not cost a model load
     config = ServiceConfig(eviction=eviction, max_new_tokens=max_new_tokens, max_replicates=max_replicates,
@@ -163,7 +164,7 @@ def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replic
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries()
     try:
-        from gen_service.memory import parse_budget
+        from gen_service.serving.admission import parse_budget
 
         app, service = build_service(model, gguf=gguf, eviction=eviction, api_key=api_key,
                                      max_new_tokens=max_new_tokens, max_replicates=max_replicates,

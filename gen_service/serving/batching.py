@@ -1,7 +1,7 @@
 """Continuous batching across ``/v1/traces`` requests: one decoding batch on the model thread.
 
 With ``--max-batch-requests N`` above 1 a trace request does not run alone on the model
-thread. Its work is its steps (:meth:`gen_service.engine.Engine.trace_steps`: records,
+thread. Its work is its steps (:meth:`gen_service.engine.facade.Engine.trace_steps`: records,
 and one :class:`~gen_service.engine.scheduler.Ask` per decoding step) and
 :class:`BatchLoop` advances the steps of up to N requests together, as TGI's and
 vLLM's schedulers do: every live request is advanced to its next ask (a request
@@ -15,7 +15,7 @@ live ones'; finished requests leave without stalling the rest.
 
 What stays the request's own: its seeds and generators (each loop draws the same
 random numbers in the same order as alone), its records and their order (sent to its
-own :class:`~gen_service.service.WorkStream`, whose writer holds its digest), its
+own :class:`~gen_service.serving.service.WorkStream`, whose writer holds its digest), its
 cancellation and deadline (checked after each of its records and between its steps),
 and its errors: a request whose prefill or loop fails ends with its error and the
 others go on. A stacked forward that fails has written part of every cache in it, so
@@ -38,13 +38,13 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gen_service.engine.jobs import Cancelled
+from gen_service.attention.shared_cache import stackable
 from gen_service.engine.scheduler import Ask, Runner, run_forwards
-from gen_service.shared_cache import stackable
+from gen_service.errors import Cancelled
 
 
 class WorkStream(Protocol):
-    """What the loop needs of a request's :class:`gen_service.service.WorkStream` (a
+    """What the loop needs of a request's :class:`gen_service.serving.service.WorkStream` (a
     protocol, not an import: the service imports this module)."""
 
     def stopped(self) -> bool: ...
@@ -53,7 +53,7 @@ class WorkStream(Protocol):
 
 
 class Metrics(Protocol):
-    """The gauges and histogram of :class:`gen_service.service.Metrics` the loop sets."""
+    """The gauges and histogram of :class:`gen_service.serving.service.Metrics` the loop sets."""
 
     batch_requests: Any
     batch_rows: Any
@@ -69,7 +69,7 @@ log = logging.getLogger("kvdiv.service")
 class BatchEntry:
     """One request in the batch: its stream, how to make its steps, what it costs.
 
-    ``cost`` is its memory estimate in bytes (:meth:`gen_service.memory.MemoryGate.admit`),
+    ``cost`` is its memory estimate in bytes (:meth:`gen_service.serving.admission.MemoryGate.admit`),
     ``rows`` its decoding rows (R × candidates) for ``/metrics``."""
 
     stream: WorkStream
@@ -234,7 +234,7 @@ class BatchLoop:
 
     @staticmethod
     def _stacks(ask: Ask) -> bool:
-        """Whether every forward of the ask may share a batch (:func:`gen_service.shared_cache.stackable`)."""
+        """Whether every forward of the ask may share a batch (:func:`gen_service.attention.shared_cache.stackable`)."""
         return all(stackable(f.side) for fs in ask.forwards.values() for f in fs)
 
     @staticmethod

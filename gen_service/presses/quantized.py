@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, QuantizedCache, QuantizedLayer
 
-from gen_service.press_params import PolicyError
+from gen_service.errors import PolicyError
 from protocols import QuantTerm
 
 __all__ = ["AXES", "BITS", "KIVIConfig", "FakeQuantizedCache", "FakeQuantizedLayer", "fake_quantize", "is_quantized"]

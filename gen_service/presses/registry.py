@@ -8,12 +8,12 @@ exactly the full model's (step-1 TV = 0) and eviction acts from step 2 on. Press
 that also act while decoding (DecodingPress, PrefillDecodingPress, DMSPress with
 ``decoding=true``, CAMPress) are flagged in the :class:`PressPlan`; the engine runs their
 hooks around the candidate's decoding forwards only. What a press is (acts while
-decoding, re-rotates, ...) is read in :mod:`gen_service.press_traits`.
+decoding, re-rotates, ...) is read in :mod:`gen_service.presses.traits`.
 
 A ``+quant:kivi@<bits>`` suffix (or ``quant:kivi@<bits>`` alone) quantizes the cache
-as well (gen_service/quantized.py): the :class:`PressPlan` carries the quantizer's settings
+as well (gen_service/presses/quantized.py): the :class:`PressPlan` carries the quantizer's settings
 and the engine builds the quantized cache at prefill. Presses whose artifact the
-operator supplies as local files load it from there (gen_service/press_artifacts.py).
+operator supplies as local files load it from there (gen_service/presses/artifacts.py).
 
 Names: the short aliases in :data:`ALIASES` (``snapkv``, ``adakv``, ``pyramidkv``...),
 any kvpress press class (``kvpress:SnapKVPress`` or ``SnapKVPress``), wrappers with
@@ -35,14 +35,15 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
-from gen_service.press_artifacts import LOCAL_ARTIFACTS, OPTION_KEYS, artifact_path, attach, check_options
-from gen_service.press_params import ATTRIBUTE_PARAMS, PolicyError, check_value, param_specs, press_slots
-from gen_service.press_traits import acts_while_decoding, check_quantizable, iter_presses, rerotates
-from gen_service.quantized import KIVIConfig
+from gen_service.errors import PolicyError
+from gen_service.presses.artifacts import LOCAL_ARTIFACTS, OPTION_KEYS, artifact_path, attach, check_options
+from gen_service.presses.params import ATTRIBUTE_PARAMS, check_value, param_specs, press_slots
+from gen_service.presses.quantized import KIVIConfig
+from gen_service.presses.traits import acts_while_decoding, check_quantizable, rerotates
 from protocols import PolicyIdError, PolicySpec, PressTerm, parse_option_value, parse_policy_id
 
-__all__ = ["ALIASES", "ModelInfo", "PressPlan", "Policy", "PolicyError", "PolicyRegistry", "expected_kept",
-           "iter_presses", "load_class", "parse_press_option"]
+__all__ = ["ALIASES", "ModelInfo", "PressPlan", "Policy", "PolicyRegistry", "expected_kept",
+           "load_class", "parse_press_option"]
 
 log = logging.getLogger("kvdiv.service")
 
@@ -106,7 +107,7 @@ class ModelInfo:
 
     @classmethod
     def of(cls, lm: Any) -> ModelInfo:
-        """From a :class:`gen_service.models.LoadedModel` (or anything with those fields)."""
+        """From a :class:`gen_service.models.loading.LoadedModel` (or anything with those fields)."""
         config = getattr(getattr(lm, "model", None), "config", None)
         return cls(max_context=int(lm.max_context), num_layers=int(getattr(config, "num_hidden_layers", 0) or 0))
 

@@ -7,9 +7,9 @@ route), ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 ``GET /metrics`` (Prometheus), ``POST /v1/traces`` (NDJSON, or SSE with
 ``Accept: text/event-stream``) and ``GET /v1/policies``.
 
-This module only wires things together: :mod:`gen_service.handlers` holds the
-handlers, :mod:`gen_service.requests` the typed request layer,
-:mod:`gen_service.service` the shared state, and the two ``wire_*`` modules the
+This module only wires things together: :mod:`gen_service.api.handlers` holds the
+handlers, :mod:`gen_service.api.records` the typed request layer,
+:mod:`gen_service.serving.service` the shared state, and the two ``wire_*`` modules the
 response formats. Around every handler, :func:`guarded` checks the bearer token
 (constant-time) and turns errors into TGI error bodies; internal exception text
 never reaches a client.
@@ -27,12 +27,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gen_service import wire_tgi
+from gen_service.api import tgi_wire
+from gen_service.api.handlers import ROUTES, SSE, Handler
 from gen_service.errors import ApiError
-from gen_service.handlers import ROUTES, SSE, Handler
-from gen_service.service import Service, ServiceConfig
+from gen_service.serving.service import Service
 
-__all__ = ["create_app", "Service", "ServiceConfig", "ApiError", "error_response"]
+__all__ = ["create_app", "error_response"]
 
 log = logging.getLogger("kvdiv.service")
 
@@ -65,7 +65,7 @@ def error_response(exc: ApiError, sse: bool = False) -> Response:
     '1'
     """
     if sse:
-        return Response(wire_tgi.sse(exc.body()), status_code=exc.status, media_type=SSE, headers=exc.headers)
+        return Response(tgi_wire.sse(exc.body()), status_code=exc.status, media_type=SSE, headers=exc.headers)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
@@ -126,7 +126,7 @@ def create_app(service: Service) -> Starlette:
     Parameters
     ----------
     service : Service
-        Built by :func:`gen_service.server_cli.build_service` or directly.
+        Built by :func:`gen_service.api.cli.build_service` or directly.
 
     Returns
     -------
@@ -139,7 +139,7 @@ def create_app(service: Service) -> Starlette:
 
     Examples
     --------
-    >>> from gen_service.server_cli import build_service  # doctest: +SKIP
+    >>> from gen_service.api.cli import build_service  # doctest: +SKIP
     >>> app, service = build_service("tiny:llama")        # doctest: +SKIP
     """
     routes = [Route(path, guarded(path, handler, auth), methods=[method]) for path, method, handler, auth in ROUTES]

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from gen_service.coupling import Sampling, probs
 from gen_service.engine.context import history
+from gen_service.engine.coupling import Sampling, probs
 from gen_service.engine.jobs import check
 from gen_service.engine.sides import Prefilled, Side
-from gen_service.logits import logits as fp32_logits
+from gen_service.models.float_head import logits as fp32_logits
 
 __all__ = ["generate", "prompt_logprobs"]
 
@@ -62,9 +62,9 @@ def _item(logits: torch.Tensor, tid: int, top_n: int) -> dict[str, Any]:
 @torch.inference_mode()
 def prompt_logprobs(model: torch.nn.Module, prompt_ids: list[int]) -> list[float | None]:
     """Log-probabilities of each prompt token under the full model (TGI prefill details), from
-    float32 logits (:func:`gen_service.logits.logits`); no cache is kept. Its peak memory,
+    float32 logits (:func:`gen_service.models.float_head.logits`); no cache is kept. Its peak memory,
     the (L, V) float32 logits and their log-softmax, is admitted by
-    :func:`gen_service.memory.prompt_logprobs_bytes`."""
+    :func:`gen_service.serving.admission.prompt_logprobs_bytes`."""
     ids = torch.tensor([prompt_ids], device=model.device)
     lp = fp32_logits(model, 0, input_ids=ids, use_cache=False)[0].log_softmax(-1)
     lps: list[float | None] = [None]

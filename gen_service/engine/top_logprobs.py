@@ -1,7 +1,7 @@
 """Logit traces on device (docs/contract.md §1, "Logit traces"): one step's top-k and KL/entropy.
 
 A request with ``top_logprobs: k`` gets, at every step and for every row, P's and Q's top-k
-tokens of the *processed* laws the coupling uses (:func:`gen_service.coupling.probs`, after
+tokens of the *processed* laws the coupling uses (:func:`gen_service.engine.coupling.probs`, after
 absorbing EOS), each model's log-probability of both top-k sets, and KL(P‖Q), KL(Q‖P), H(P),
 H(Q) on the whole vocabulary. :func:`logit_fields` computes all of it for every row at once
 in a few (rows, V) kernels; :meth:`LogitFields.host` brings it over in two copies (ids,

@@ -19,31 +19,15 @@ import numpy as np
 from starlette.requests import Request
 
 from gen_service.errors import ApiError, invalid
+from gen_service.serving.limits import BodyLimits
 
-__all__ = ["BodyLimits", "read_body", "parse_json"]
+__all__ = ["read_body", "parse_json"]
 
 # JSON strings (with escapes), removed before the bracket count: brackets inside
 # strings do not nest. The unrolled form runs [^"\\]* as one tight loop: 2 ms on a
 # 1 MB string, where the alternation (?:[^"\\]|\\.)* took 270 ms holding the loop.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NUMBER_DIGITS = 40  # a JSON number longer than this is not a parameter anyone means
-
-
-class BodyLimits:
-    """The body limits of one server (bytes, seconds, nesting depth).
-
-    Parameters
-    ----------
-    max_bytes : int
-        Largest body accepted (422 beyond it, as the spec and TGI answer).
-    timeout_s : float
-        Time allowed to receive the whole body (408 beyond it).
-    max_depth : int
-        Deepest nesting of arrays/objects accepted (422 beyond it).
-    """
-
-    def __init__(self, max_bytes: int = 1 << 20, timeout_s: float = 10.0, max_depth: int = 32):
-        self.max_bytes, self.timeout_s, self.max_depth = max_bytes, timeout_s, max_depth
 
 
 async def read_body(request: Request, limits: BodyLimits) -> bytes:

@@ -17,18 +17,9 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from gen_service.errors import ServiceError
+from gen_service.errors import PolicyError
 
-__all__ = ["ATTRIBUTE_PARAMS", "ParamSpec", "param_specs", "press_slots", "check_value", "SERVER_SIDE", "PolicyError"]
-
-
-class PolicyError(ServiceError, ValueError):
-    """A policy id the server cannot serve (unknown name, bad parameter...); the HTTP
-    layer answers 422 before streaming. ``field`` names the offending part."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
+__all__ = ["ATTRIBUTE_PARAMS", "ParamSpec", "param_specs", "press_slots", "check_value", "SERVER_SIDE"]
 
 
 # Parameters that name files, folders, datasets, hub repositories or models: only

@@ -9,7 +9,7 @@ Admission is a bounded count of queued + running requests; beyond it the answer 
 429 with ``Retry-After``. A client that disconnects, or a request that runs past
 ``--max-request-seconds``, sets the request's cancel flag, which the engine checks
 between decoding steps. Trace requests share the model thread's decoding batch
-(``--max-batch-requests``, :mod:`gen_service.batching`); every other piece of model
+(``--max-batch-requests``, :mod:`gen_service.serving.batching`); every other piece of model
 work runs alone on the thread, in turns with the batch.
 """
 
@@ -27,19 +27,27 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gen_service.batching import BatchEntry, BatchLoop
-from gen_service.body import BodyLimits
-from gen_service.engine import Cancelled, Engine, TraceJob
-from gen_service.errors import ApiError, ConfigError, RequestTimeout, invalid
-from gen_service.memory import MemoryGate, RequestTooLarge
-from gen_service.models import context_question_ids
-from gen_service.press_traits import wants_eager
-from gen_service.presses import ModelInfo, PolicyError
-from gen_service.requests import MAX_CANDIDATES, Message, RequestLimits
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
+from gen_service.errors import ApiError, Cancelled, ConfigError, PolicyError, RequestTimeout, RequestTooLarge, invalid
+from gen_service.models.loading import context_question_ids
+from gen_service.presses.registry import ModelInfo
+from gen_service.presses.traits import wants_eager
+from gen_service.serving.admission import MemoryGate
+from gen_service.serving.batching import BatchEntry, BatchLoop
+from gen_service.serving.limits import MAX_CANDIDATES, BodyLimits, RequestLimits
 
-__all__ = ["ServiceConfig", "Admission", "Ticket", "Metrics", "WorkStream", "Service", "failure_error"]
+__all__ = ["Message", "ServiceConfig", "Admission", "Ticket", "Metrics", "WorkStream", "Service", "failure_error"]
 
 log = logging.getLogger("kvdiv.service")
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message (text content only)."""
+
+    role: str
+    content: str
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,7 @@ class ServiceConfig:
     eviction: str = "full"              # default policy for TGI requests
     max_new_tokens: int = 1024          # T limit
     max_replicates: int = 1024          # R limit; the memory budget may allow fewer
-    memory_budget: float | None = None  # bytes, or a fraction of free memory (None: gen_service/memory.py's default)
+    memory_budget: float | None = None  # bytes, or a fraction of free memory (None: serving/admission.py's default)
     max_queue: int = 16                 # queued + running requests
     max_body_bytes: int = 1 << 20
     max_input_bytes: int = 1 << 20      # text of inputs / messages, checked before tokenising
@@ -140,7 +148,7 @@ class Metrics:
                                   registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
         self.cancelled = Counter("kvdiv_cancelled", "requests cancelled by client disconnect", registry=r)
         self.timeouts = Counter("kvdiv_timeouts", "requests stopped by --max-request-seconds", registry=r)
-        # continuous batching (gen_service/batching.py): how full the decoding batch is
+        # continuous batching (gen_service/serving/batching.py): how full the decoding batch is
         self.batch_requests = Gauge("kvdiv_batch_requests", "trace requests in the decoding batch", registry=r)
         self.batch_rows = Gauge("kvdiv_batch_rows", "decoding rows (R x candidates) of the batch's requests",
                                 registry=r)
@@ -300,7 +308,7 @@ class Service:
         The loaded model and its policy registry.
     config : ServiceConfig, optional
         RequestLimits and options; ``max_batch_requests`` above 1 runs trace requests in
-        one decoding batch (:class:`gen_service.batching.BatchLoop`).
+        one decoding batch (:class:`gen_service.serving.batching.BatchLoop`).
 
     Raises
     ------
@@ -353,7 +361,7 @@ class Service:
 
     def start_trace(self, job: TraceJob, ticket: Ticket, cost: int = 0) -> WorkStream:
         """Queue a ``/v1/traces`` request: alone on the model thread (``--max-batch-requests 1``),
-        or into the decoding batch (:mod:`gen_service.batching`) with its memory estimate
+        or into the decoding batch (:mod:`gen_service.serving.batching`) with its memory estimate
         ``cost`` (bytes) counted against the budget with the live requests'."""
         if self.batch is None:
             return self.start(lambda cancelled: self.engine.trace(job, cancelled), ticket)
@@ -423,7 +431,7 @@ class Service:
     def encode_context(self, context: str, question: str = "") -> tuple[list[int], list[int]]:
         """Token ids of ``context`` (what a press compresses) and of ``question`` with the
         chat template's tail (prefilled after compression), split as kvpress's pipeline
-        splits them (:func:`gen_service.models.context_question_ids`)."""
+        splits them (:func:`gen_service.models.loading.context_question_ids`)."""
         return context_question_ids(self.tokenizer, context, question)
 
     def chat_text(self, messages: tuple[Message, ...]) -> str:
@@ -450,7 +458,7 @@ class Service:
     def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str, candidates: int = 1,
                      policies: tuple[str, ...] = (), reference: str = "full",
                      context_tokens: int | None = None, top_logprobs: int = 0) -> int:
-        """422 when the request's estimated memory can never fit the budget (gen_service/memory.py);
+        """422 when the request's estimated memory can never fit the budget (gen_service/serving/admission.py);
         a multi-candidate request counts every candidate's caches and rows. Returns the
         estimate's bytes (what the decoding batch counts for it, :meth:`start_trace`).
 
@@ -476,7 +484,7 @@ class Service:
         """422 on ``field`` when a plain generation can never fit the memory budget: its
         cache, its prefill (eager attention for a press scoring with the attention
         weights) and, with ``prompt_logprobs``, the prompt's (L, V) float32 logits
-        (gen_service/memory.py :func:`~gen_service.memory.estimate_generate`). The policy
+        (gen_service/serving/admission.py :func:`~gen_service.serving.admission.estimate_generate`). The policy
         is already checked by :meth:`check_policy`."""
         plan = self.engine.registry.build(policy_id, self.model_info).plan(prompt_tokens)
         try:

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import MethodType
 from typing import Any
 
-from gen_service.press_params import PolicyError
+from gen_service.errors import PolicyError
 
 __all__ = ["LOCAL_ARTIFACTS", "OPTION_KEYS", "artifact_path", "attach", "check_options"]
 

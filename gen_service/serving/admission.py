@@ -7,7 +7,7 @@ weights (both sides, P and Q, whatever the candidate keeps):
 - ``prompt_kv``: the prompt's keys/values, per candidate and per side as the engine
   will hold them (:class:`CandidateMemory`, :class:`SideMemory`, described from the
   built policies by :meth:`MemoryGate.describe`): once on the shared prompt path
-  (gen_service/shared_cache.py), R times for a side that keeps per-row copies (a
+  (gen_service/attention/shared_cache.py), R times for a side that keeps per-row copies (a
   press acting while decoding, a quantized cache, the copy path); the residual kind
   keeps one more batch-1 copy (the snapshot), and a per-row side whose branches are
   replayed up to R more for the branch rows;
@@ -24,7 +24,7 @@ weights (both sides, P and Q, whatever the candidate keeps):
   the shared sides' prompts, padded to the prompt's length, and of the rows' buffers
   that stacked forwards build once, docs/service.md "One attention call per layer");
   a multi-candidate request counts every candidate's rows;
-- logit traces (``top_logprobs`` k > 0, gen_service/logit_traces.py): :data:`LOGIT_TENSORS`
+- logit traces (``top_logprobs`` k > 0, gen_service/engine/top_logprobs.py): :data:`LOGIT_TENSORS`
   more (R, vocab) float32 tensors per step in ``activations``, and in ``row_kv`` the
   survival path's fields a residual request keeps for its branch points (T × R × (6k + 4)
   numbers of 4 bytes).
@@ -37,7 +37,7 @@ the (L, V) float32 logits and their log-softmax) when asked for.
 the device's free memory, or of available RAM on CPU, measured at start) and refuses
 one that never can with :class:`RequestTooLarge`, whose message carries the numbers
 and names the candidates that keep per-row copies of the prompt.
-With continuous batching (``--max-batch-requests``, gen_service/batching.py) several
+With continuous batching (``--max-batch-requests``, gen_service/serving/batching.py) several
 trace requests decode at once: a request that fits joins the batch only while its
 estimate and the live requests' add up to the budget, and waits otherwise; alone it
 always fits.
@@ -50,11 +50,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gen_service.errors import ServiceError
-from gen_service.press_traits import wants_eager
+from gen_service.errors import RequestTooLarge
+from gen_service.presses.traits import wants_eager
 from protocols import WIRE_KINDS, Kind
 
-__all__ = ["CandidateMemory", "MemoryEstimate", "MemoryGate", "ModelShape", "RequestTooLarge", "SideMemory",
+__all__ = ["CandidateMemory", "MemoryEstimate", "MemoryGate", "ModelShape", "SideMemory",
            "available_memory", "eager_attention_bytes", "estimate", "estimate_generate", "parse_budget",
            "prefill_bytes", "prompt_logprobs_bytes"]
 
@@ -66,10 +66,6 @@ COUPLING_TENSORS = 12
 # log p, log q and the terms of one KL or entropy sum with its mask.
 LOGIT_TENSORS = 4
 PREFILL_TILE = 1024   # key columns a tiled attention kernel holds per query block
-
-
-class RequestTooLarge(ServiceError, ValueError):
-    """A request whose estimated memory exceeds the whole budget: it can never run."""
 
 
 @dataclass(frozen=True)
@@ -145,13 +141,13 @@ class SideMemory:
     Parameters
     ----------
     shared : bool
-        The prompt stored once for all rows (gen_service/shared_cache.py), or once per
+        The prompt stored once for all rows (gen_service/attention/shared_cache.py), or once per
         row (a press acting while decoding, a quantized cache, the copy path).
     prompt_tokens : int or None
         Prompt slots the side keeps (an upper bound); None for the request's whole
         prompt, the safe bound.
     quantized : bool
-        A quantized cache (gen_service/quantized.py), whose flushes re-quantize a whole
+        A quantized cache (gen_service/presses/quantized.py), whose flushes re-quantize a whole
         layer at once (:data:`FLUSH_TRANSIENT`).
     decoding : bool
         A press acting while decoding (DecodingPress, DMS with ``decoding=true`` ...).
@@ -223,7 +219,7 @@ def eager_attention_bytes(shape: ModelShape, tokens: int) -> int:
 
 def prefill_bytes(shape: ModelShape, tokens: int, eager: bool = False) -> int:
     """Activations of one batch-1 prefill over ``tokens`` tokens: hidden states and MLP,
-    the float32 final hidden state (gen_service/logits.py), and one layer's attention:
+    the float32 final hidden state (gen_service/models/float_head.py), and one layer's attention:
     a tiled block (SDPA's fused kernels) or, under eager attention, every score at once."""
     mlp = shape.hidden * 6 + shape.intermediate * 3
     attention = (eager_attention_bytes(shape, tokens) if eager
@@ -232,7 +228,7 @@ def prefill_bytes(shape: ModelShape, tokens: int, eager: bool = False) -> int:
 
 
 def prompt_logprobs_bytes(shape: ModelShape, tokens: int) -> int:
-    """TGI's ``decoder_input_details`` (:func:`gen_service.engine.tgi.prompt_logprobs`): a
+    """TGI's ``decoder_input_details`` (:func:`gen_service.engine.generate.prompt_logprobs`): a
     full-model forward over the prompt, no cache kept, then the (L, V) float32 logits
     and their log-softmax, both alive at once, besides the float32 final hidden state.
 
@@ -360,7 +356,7 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
             prompt_kv += cand.prompt_copies(side, rows, kind) * kept * token
             transient += side.transient(shape) * rows * (kept + slots) * token // shape.layers
             # stacked forwards pool the shared sides' prompts, padded to the longest
-            # (gen_service.shared_cache._Pool), next to the old tensors while it is built
+            # (gen_service.attention.shared_cache._Pool), next to the old tensors while it is built
             pooled += prompt_tokens * token if side.shared else 0
     rows *= len(sides)   # every candidate's rows, decoded together
     row_kv = 2 * rows * slots * token
@@ -456,11 +452,11 @@ class MemoryGate:
     def for_engine(cls, engine: Any, budget: float | None = None) -> MemoryGate:
         """For an engine's model; ``budget`` in bytes, a fraction (<= 1) of the memory
         free now, or None for :data:`DEFAULT_FRACTION` of it."""
-        from gen_service.logits import extra_bytes  # lazily: this module does not import torch
+        from gen_service.models.float_head import extra_bytes  # lazily: this module does not import torch
 
         lm = engine.lm
         shape = ModelShape.of(lm.model.config, dtype_bytes=lm.dtype.itemsize)
-        head = extra_bytes(lm.model)   # made at load (gen_service/models.py): already out of the free memory
+        head = extra_bytes(lm.model)   # made at load (gen_service/models/loading.py): already out of the free memory
         if budget is None or budget <= 1:
             budget = (budget or DEFAULT_FRACTION) * available_memory(lm.device)
         return cls(shape, int(budget), getattr(engine, "shared_prompt", True), head)
@@ -472,7 +468,7 @@ class MemoryGate:
         ----------
         policy : str
             The candidate's policy id.
-        reference, candidate : gen_service.presses.PressPlan
+        reference, candidate : gen_service.presses.registry.PressPlan
             :meth:`Policy.plan` of the reference and of the candidate for this prompt
             (``decoding``: a press acting while decoding; ``quant``: a quantized cache).
         kind : str
@@ -481,7 +477,7 @@ class MemoryGate:
         Returns
         -------
         CandidateMemory
-            A side keeps per-row copies where the engine's :func:`gen_service.shared_cache.can_share`
+            A side keeps per-row copies where the engine's :func:`gen_service.attention.shared_cache.can_share`
             will refuse the shared prompt: a press acting while decoding, a quantized
             cache, or an engine without the shared path. Those sides replay their
             residual branches. The prompt slots kept are bounded by the whole prompt

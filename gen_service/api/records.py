@@ -22,19 +22,20 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from gen_service.coupling import Sampling
+from gen_service.engine.coupling import Sampling
 from gen_service.errors import invalid
+from gen_service.serving.limits import RequestLimits
+from gen_service.serving.service import Message
 from protocols import MAX_TOP_LOGPROBS, WIRE_KINDS, Kind
 
 __all__ = [
-    "RequestLimits", "Reader", "Decoding", "Message", "GenerateRequest", "ChatRequest", "CompletionRequest",
+    "Reader", "Decoding", "GenerateRequest", "ChatRequest", "CompletionRequest",
     "TraceRequest", "TokenizeRequest", "parse_generate", "parse_chat", "parse_chat_messages", "parse_completion",
-    "parse_trace", "parse_tokenize", "refuse_unknown", "SEED_MAX", "MAX_CANDIDATES", "TRACE_FIELDS",
+    "parse_trace", "parse_tokenize", "refuse_unknown", "SEED_MAX", "TRACE_FIELDS",
     "TRACE_PARAMETERS",
 ]
 
 SEED_MAX = 2**63 - 1  # seeds are int64 in the trace contract and in torch
-MAX_CANDIDATES = 64  # candidates in one /v1/traces request
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for frequency and presence penalties
 #: Every key a /v1/traces body may have at its top level, and in its ``parameters``.
 TRACE_FIELDS = frozenset({
@@ -45,19 +46,6 @@ TRACE_PARAMETERS = frozenset({
     "max_new_tokens", "temperature", "top_k", "top_p", "typical_p", "do_sample", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "seed",
 })
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one server accepts (set by ``kvdiv serve`` flags)."""
-
-    max_new_tokens: int = 1024
-    max_replicates: int = 1024
-    max_input_bytes: int = 1 << 20
-    max_stop: int = 4
-    max_top_n: int = 32
-    default_eviction: str = "full"
-    max_candidates: int = 64
 
 
 class Reader:
@@ -219,14 +207,6 @@ class Decoding:
     stop: tuple[str, ...] = ()
     top_n_tokens: int = 0
     eviction: str = "full"
-
-
-@dataclass(frozen=True)
-class Message:
-    """One chat message (text content only)."""
-
-    role: str
-    content: str
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ them; on ``Gemma3ForCausalLM``, Mistral, Qwen 2/3 with windows, GPT-OSS, Cohere 
 it hooks every layer. Here the rule holds for every model: :func:`press_applied` enters
 the press's own context (whatever its class does there), then takes the hooks it put on
 windowed layers off again, so those layers keep every slot (slot i is then position i,
-which the cascade's window reads: gen_service.cascade). A model whose every layer is
+which the cascade's window reads: gen_service.attention.cascade). A model whose every layer is
 windowed (Mistral, Phi-3 with a window) is therefore left uncompressed, and the trace
 header says so (``compressed_layers: []``, ``cache_retention: 1``).
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gen_service.attention_plan import layer_windows
+from gen_service.attention.plan import layer_windows
 
 __all__ = ["LayerRotary", "compressible_layers", "decoding_hooks", "press_applied", "rotary_free"]
 

@@ -17,7 +17,7 @@ with M = max(m_1, m_2): the same numbers as one softmax over all keys, up to rou
 
 :func:`cascade_attention_forward` has transformers' attention-function signature and
 is registered in ``AttentionInterface`` as :data:`CASCADE`; the cache it reads
-(:class:`gen_service.shared_cache.SharedPromptCache`) arrives through the forward's
+(:class:`gen_service.attention.shared_cache.SharedPromptCache`) arrives through the forward's
 keyword arguments under :data:`CACHE_KWARG`.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gen_service.head_masks import HIDDEN_ATTR
+from gen_service.attention.head_masks import HIDDEN_ATTR
 
 __all__ = ["CACHE_KWARG", "CASCADE", "PLAIN", "ScoreMods", "cascade_attention", "cascade_attention_forward",
            "prompt_kernel", "stacked_cascade_attention"]
@@ -375,7 +375,7 @@ def cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     buffers (:func:`stacked_cascade_attention`), each group's rows over its own prompt
     and slots; or group by group (``STACKED_ATTENTION = "loop"``). ``attention_mask`` is unused (the shared cache
     carries the mask over its rows' own slots; head-wise presses' masks come from the
-    module, as gen_service.head_masks leaves them for one forward). The argument order is
+    module, as gen_service.attention.head_masks leaves them for one forward). The argument order is
     transformers' SDPA function's: kvpress's attention patch passes ``dropout``
     positionally when it wraps the registered functions.
 
@@ -398,7 +398,7 @@ def cascade_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         mods = _mods(window, softcap, sinks, cache, [cache], idx, key.shape[-2])
         return cascade_attention(query, layer.prompt_keys, layer.prompt_values, key, value, scaling, cache.row_mask,
                                  hidden=hidden, mods=mods), None
-    # several groups stacked in one batch (gen_service.shared_cache.StackedPromptCache)
+    # several groups stacked in one batch (gen_service.attention.shared_cache.StackedPromptCache)
     layer = cache.layers[idx]
     if layer.pool is not None:    # every group in one call, over the pooled buffers
         pool = layer.pool
@@ -433,6 +433,6 @@ def _mods(window: int | None, softcap: float | None, sinks: torch.Tensor | None,
             # slot i is position i only in a layer kept whole: never guess positions
             raise RuntimeError(f"layer {idx} has a sliding window of {window} but its prompt cache was compressed "
                                f"({slots} of {group.prompt_len} slots); windowed layers must be left as the model "
-                               "keeps them (gen_service.layered_press)")
+                               "keeps them (gen_service.presses.layered)")
     return ScoreMods(window=int(window), softcap=softcap, sinks=sinks, q_pos=cache.q_pos,
                      row_pos=cache.row_positions(m))

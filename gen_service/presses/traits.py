@@ -7,8 +7,8 @@ continues from the kept count), does it score with attention weights (prefill un
 eager attention), which per-row state does it keep across forwards (repeated when one
 prefilled row becomes R), and can it compress a quantized cache exactly as kvpress does.
 
-This module imports no other press module of gen_service: :mod:`gen_service.presses`
-(the registry) and :mod:`gen_service.quantized` (the caches) both read it.
+This module imports no other press module of gen_service: :mod:`gen_service.presses.registry`
+(the registry) and :mod:`gen_service.presses.quantized` (the caches) both read it.
 kvpress is imported inside the functions that need its classes: importing it costs
 seconds, and the registry's parsing and ``kvdiv --help`` must not pay it.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from gen_service.press_params import PolicyError
+from gen_service.errors import PolicyError
 
 __all__ = ["ROW_STATE", "acts_while_decoding", "check_quantizable", "iter_presses", "repeat_rows", "rerotates",
            "wants_eager"]
