@@ -19,6 +19,10 @@ class ConfigError(ServiceError, ValueError):
     """A server configuration that must not start (e.g. an empty API key)."""
 
 
+class AttentionRefused(ConfigError):
+    """A model whose attention kvdiv's decoding path cannot reproduce (gen_service.attention.plan)."""
+
+
 class RequestTimeout(ServiceError):
     """A request ran past ``--max-request-seconds``; its work was stopped."""
 

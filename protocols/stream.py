@@ -197,6 +197,34 @@ def check_header(rec: Mapping[str, Any]) -> None:
     sha = rec.get("prompt_sha256")
     if sha is not None and not (isinstance(sha, str) and _HEX64.fullmatch(sha)):
         raise StreamError(f"header: prompt_sha256 {sha!r} is not 64 lowercase hex digits")
+    _check_compression(rec)
+
+
+def _layer_list(value: Any, name: str) -> None:
+    if not (isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**16
+                                            for i in value)):
+        raise StreamError(f"header: {name} {value!r} is not a list of layer indices")
+
+
+def _check_compression(rec: Mapping[str, Any]) -> None:
+    """The optional ``compressed_layers``, ``cache_retention`` and ``attention`` (docs/contract.md §3)."""
+    if rec.get("compressed_layers") is not None:
+        _layer_list(rec["compressed_layers"], "compressed_layers")
+    ret = rec.get("cache_retention")
+    if ret is not None and not (isinstance(ret, (int, float)) and not isinstance(ret, bool) and 0 <= ret <= 1):
+        raise StreamError(f"header: cache_retention {ret!r} is not a number in [0, 1]")
+    att = rec.get("attention")
+    if att is None:
+        return
+    if not isinstance(att, dict):
+        raise StreamError(f"header: attention {att!r} is not an object")
+    for key in ("windowed_layers", "explicit_layers"):
+        if att.get(key) is not None:
+            _layer_list(att[key], f"attention.{key}")
+    windows = att.get("windows")
+    if windows is not None and not (isinstance(windows, list) and all(
+            isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in windows)):
+        raise StreamError(f"header: attention.windows {windows!r} is not a list of positive integers")
 
 
 @dataclass(frozen=True)

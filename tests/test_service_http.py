@@ -37,6 +37,9 @@ def test_health_info_policies_metrics(client: httpx.Client) -> None:
     assert client.get("/health").json()["status"] == "ok"
     info = client.get("/info").json()
     assert info["model_id"] == "tiny:llama" and info["max_total_tokens"] == 2048
+    # which path each attention feature takes (gen_service.attention.plan): plain attention here
+    assert info["kvdiv"]["attention"]["layer_types"] == {"full": [0, 1]}
+    assert info["kvdiv"]["attention"]["windows"] == []
     assert "snapkv#512" in client.get("/v1/policies").json()["examples"]
     assert "kvdiv_requests_total" in client.get("/metrics").text
 

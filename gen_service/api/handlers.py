@@ -289,6 +289,8 @@ async def info(request: Request) -> Response:
                   "batch_candidates": svc.engine.batch_candidates,
                   # P's and Q's forwards as one: the setting and each shape's timings
                   "fused_forward": svc.engine.fusion_info(),
+                  # which path each attention feature of the model takes (gen_service.attention.plan)
+                  "attention": svc.engine.attention.info(),
                   # stacked decoding forwards replayed as CUDA graphs (null: off)
                   "cuda_graphs": None if svc.engine.cuda_graphs is None else svc.engine.cuda_graphs.info(),
                   # concurrent /v1/traces requests decoded in one batch, and why that many (docs/service.md)

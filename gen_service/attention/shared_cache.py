@@ -27,7 +27,10 @@ CriticalAdaKV ...)                                 is shared by the rows too
 decoding-time presses (DecodingPress, DMS &        per-row copies (the press edits
 co.)                                               the cache it is handed)
 any cache other than a plain DynamicCache          per-row copies
-(quantized, sliding-window layers)
+(quantized)
+sliding-window layers, soft caps, sinks            shared prompt; the layer's window,
+                                                   cap and sinks in the cascade
+                                                   (gen_service.attention.plan)
 ================================================  ===================================
 """
 
@@ -164,11 +167,45 @@ class SharedPromptCache(Cache):
     def __init__(self, layers: list[SharedPromptLayer]):
         super().__init__(layers=layers)
         self.row_mask: torch.Tensor | None = None
+        # the prompt's slots in a layer kept whole: slot i is position i there
+        self.prompt_len = max(layer.prompt_keys.shape[-2] for layer in layers)
+        # positions: of this forward's queries (rows, n), and of each row's own slots
+        # (rows, capacity), which a sliding window needs (prefix branches leave gaps)
+        self.q_pos: torch.Tensor | None = None
+        self.row_pos: torch.Tensor | None = None
 
     @classmethod
     def from_dynamic(cls, cache: DynamicCache, capacity: int) -> SharedPromptCache:
         """Take over a batch-1 cache's tensors (no copy) as the shared prompt."""
         return cls([SharedPromptLayer(layer.keys, layer.values, capacity) for layer in cache.layers])
+
+    def note_positions(self, positions: torch.Tensor) -> None:
+        """Record this forward's (rows, n) positions: the queries', and those of the slots
+        its tokens are about to be written to (every layer writes the same slots)."""
+        rows, n = positions.shape
+        at = self.layers[0].filled
+        need = max(at + n, self.layers[0].capacity)
+        if self.row_pos is None or self.row_pos.shape[0] != rows or self.row_pos.shape[1] < need:
+            grown = positions.new_zeros(rows, max(need, 2 * (0 if self.row_pos is None else self.row_pos.shape[1])))
+            if self.row_pos is not None and self.row_pos.shape[0] == rows and at:
+                grown[:, :at] = self.row_pos[:, :at]
+            self.row_pos = grown
+        self.row_pos[:, at:at + n] = positions
+        self.q_pos = positions
+
+    def row_positions(self, m: int) -> torch.Tensor:
+        """(rows, m) positions of each row's first m own slots."""
+        return self.row_pos[:, :m]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.row_pos is not None:
+            self.row_pos = self.row_pos.repeat_interleave(repeats, 0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.row_pos is not None:
+            self.row_pos = self.row_pos[indices]
 
     def row_bytes(self) -> int:
         return sum(layer.row_bytes() for layer in self.layers)
@@ -343,12 +380,33 @@ class StackedPromptCache(Cache):
         bounds = [(a, a + n) for a, n in zip(starts, rows, strict=True)]
         self.groups, self.bounds, self.masks = caches, bounds, masks
         self.rows = sum(rows)
+        self.q_pos: torch.Tensor | None = None
+        self._row_pos: torch.Tensor | None = None
         self.batched = static or STACKED_ATTENTION == "batched"
         self.static = static
         layers = [_StackedLayer([c.layers[i] for c in caches], bounds, self) for i in range(len(caches[0].layers))]
         super().__init__(layers=layers)
         if self.batched:
             self._plan(caches, rows, masks)
+
+    def note_positions(self, positions: torch.Tensor) -> None:
+        """Each group records its rows' (rows, 1) positions (a sliding window reads them)."""
+        for group, (a, b) in zip(self.groups, self.bounds, strict=True):
+            group.note_positions(positions[a:b])
+        self.q_pos = positions
+        self._row_pos: torch.Tensor | None = None
+
+    def row_positions(self, m: int) -> torch.Tensor:
+        """(rows, m) positions of every row's first m own slots, made once per forward."""
+        if self._row_pos is None or self._row_pos.shape[1] != m:
+            parts = []
+            for group in self.groups:
+                pos = group.row_pos[:, :m]
+                if pos.shape[1] < m:     # slots beyond a group's buffer are masked anyway
+                    pos = torch.cat([pos, pos.new_zeros(pos.shape[0], m - pos.shape[1])], 1)
+                parts.append(pos)
+            self._row_pos = torch.cat(parts)
+        return self._row_pos
 
     def _plan(self, caches: list[SharedPromptCache], rows: list[int], masks: list[torch.Tensor | None]) -> None:
         """What every layer of this forward shares, made once: where each row writes, which
@@ -413,15 +471,18 @@ def share_prompt(side: Any, capacity: int) -> bool:
 
 
 @contextmanager
-def attention_route(model: torch.nn.Module, cache: Any,
-                    mask: torch.Tensor | None) -> Iterator[tuple[torch.Tensor | None, dict[str, Any]]]:
+def attention_route(model: torch.nn.Module, cache: Any, mask: torch.Tensor | None,
+                    positions: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor | None, dict[str, Any]]]:
     """For one forward: ``(attention_mask, extra model kwargs)``. With a shared prompt
     cache, attention goes through the cascade function (the model's attention setting
-    is switched for this forward only) and the mask travels on the cache; otherwise
-    the forward is left as it was."""
+    is switched for this forward only) and the mask travels on the cache, as do the
+    forward's (rows, n) ``positions`` (a sliding window reads them); otherwise the
+    forward is left as it was."""
     if not isinstance(cache, (SharedPromptCache, StackedPromptCache)):
         yield mask, {}
         return
+    if positions is not None:
+        cache.note_positions(positions)
     config = model.config
     before = config._attn_implementation_internal
     config._attn_implementation_internal = CASCADE

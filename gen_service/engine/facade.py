@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from gen_service.attention.head_masks import install
+from gen_service.attention.plan import attention_plan
 from gen_service.attention.shared_cache import share_prompt
 from gen_service.engine.context import LoopContext
 from gen_service.engine.coupled import coupled
@@ -51,6 +52,8 @@ class Engine:
         install()  # head-wise masks through SDPA's own mask (gen_service.attention.head_masks)
         self.lm = lm
         self.model = lm.model
+        # each attention feature's path, decided now (refuses what no path reproduces)
+        self.attention = attention_plan(lm.model, lm.name)
         self.registry = registry or PolicyRegistry()
         self.device = lm.device
         # store the prompt once for all rows where the side allows (gen_service/attention/shared_cache.py)
@@ -133,6 +136,11 @@ class Engine:
             return
         if self.device.type != "cuda":
             raise ConfigError(f"--cuda-graphs needs a CUDA device; this server runs on {self.device.type}")
+        if self.attention.windowed:
+            # a window reads the rows' positions, written on the host at each forward: a replayed
+            # graph would not write them
+            raise ConfigError(f"--cuda-graphs: {self.lm.name} has sliding-window layers "
+                              f"{self.attention.windowed}, which the captured graphs do not reproduce")
         self.cuda_graphs = CudaGraphs(self.model)
 
     def _runner(self) -> Runner:
@@ -148,7 +156,7 @@ class Engine:
 
     def header(self, job: TraceJob, seed: int, cand: Policy, ref: Policy, p0: Prefilled,
                q0: Prefilled) -> dict[str, Any]:
-        return header(self.lm, job, seed, cand, ref, p0, q0, fuse=self.fuse)
+        return header(self.lm, job, seed, cand, ref, p0, q0, fuse=self.fuse, attention=self.attention.header())
 
     def trace(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Any]:
         """Yield the stream's records (header, steps / shared steps + branches /

@@ -14,9 +14,11 @@ from contextlib import AbstractContextManager, contextmanager
 import torch
 
 from gen_service.attention.head_masks import HIDDEN_ATTR, indices_to_mask, pad
+from gen_service.attention.plan import layer_windows
 from gen_service.attention.shared_cache import StackedPromptCache, attention_route
 from gen_service.engine.sides import Forward, Side, cache_lengths
 from gen_service.models.float_head import logits as fp32_logits
+from gen_service.presses.layered import decoding_hooks
 
 __all__ = ["attention_layers", "eager_attention", "masked_attention", "run_side", "run_stacked", "side_applied"]
 
@@ -32,7 +34,13 @@ def run_side(model: torch.nn.Module, side: Side, tokens: torch.Tensor, positions
     """One forward of ``side`` over (rows, n) tokens -> (rows, V) float32 logits of the
     last one (:func:`gen_service.models.float_head.logits`: the final norm and the head in float32),
     with that side's head masks and decoding hooks in place."""
-    with side_applied(model, side, tokens.shape[1]), attention_route(model, side.cache, mask) as (mask, kw):
+    with side_applied(model, side, tokens.shape[1]), attention_route(model, side.cache, mask, positions) as (mask, kw):
+        if not kw and any(w is not None for w in layer_windows(model.config)):
+            # the model's own attention over per-row copies: its window mask reads the
+            # slots from cache_position, which transformers would take from layer 0's
+            # length (compressed, where layer 0 is global); windowed layers keep every slot
+            start = max(cache_lengths(side.cache))
+            kw = {"cache_position": torch.arange(start, start + tokens.shape[1], device=tokens.device)}
         out = fp32_logits(model, logits_to_keep, input_ids=tokens, past_key_values=side.cache,
                           position_ids=positions, attention_mask=mask, use_cache=True, **kw)
     return out[:, -1]
@@ -45,7 +53,7 @@ def run_stacked(model: torch.nn.Module, forwards: list[Forward], static: bool = 
     stack = StackedPromptCache([f.side.cache for f in forwards], [f.mask for f in forwards], static=static)
     tokens = torch.cat([f.tokens for f in forwards])[:, None]
     positions = torch.cat([f.positions for f in forwards])[:, None]
-    with attention_route(model, stack, None) as (_, kw):
+    with attention_route(model, stack, None, positions) as (_, kw):
         out = fp32_logits(model, 0, input_ids=tokens, past_key_values=stack, position_ids=positions,
                           use_cache=True, **kw)
     return list(out[:, -1].split([f.tokens.shape[0] for f in forwards]))
@@ -64,7 +72,7 @@ def side_applied(model: torch.nn.Module, side: Side, n_new: int) -> Iterator[Non
         for attn, m, n in zip(attns, side.masks, cache_lengths(side.cache), strict=True):
             setattr(attn, HIDDEN_ATTR, None if m is None else pad(m, n + n_new))
     if side.press is not None:
-        hooks = [attn.register_forward_hook(side.press.forward_hook, with_kwargs=True) for attn in attns]
+        hooks = decoding_hooks(side.press, model)     # the compressible layers only (gen_service.presses.layered)
     try:
         yield
     finally:

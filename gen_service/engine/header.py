@@ -10,7 +10,7 @@ from gen_service.models.loading import LoadedModel
 from gen_service.presses.registry import Policy
 from protocols import Kind, header_record, prompt_digest
 
-__all__ = ["header", "numerics"]
+__all__ = ["compression", "header", "numerics"]
 
 
 def numerics(lm: LoadedModel, fuse: str | None) -> dict[str, Any]:
@@ -27,10 +27,21 @@ def numerics(lm: LoadedModel, fuse: str | None) -> dict[str, Any]:
     return out
 
 
+def compression(p0: Prefilled, q0: Prefilled) -> dict[str, Any]:
+    """Which layers Q's policy compressed (fewer visible slots than P's) and the share of
+    P's cache it kept over every layer (``cache_retention``, slots summed over layers)."""
+    p, q = p0.kept_layers, q0.kept_layers
+    if not p or len(p) != len(q):
+        return {}
+    return {"compressed_layers": [i for i, (a, b) in enumerate(zip(p, q, strict=True)) if b < a],
+            "cache_retention": round(sum(q) / sum(p), 6) if sum(p) > 0 else 1.0}
+
+
 def header(lm: LoadedModel, job: TraceJob, seed: int, cand: Policy, ref: Policy, p0: Prefilled,
-           q0: Prefilled, fuse: str | None = None) -> dict[str, Any]:
+           q0: Prefilled, fuse: str | None = None, attention: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``header`` record of one candidate's stream (``kvdiv.trace/1``); ``fuse`` is the server's
-    P+Q fusion mode (recorded with the numerics)."""
+    P+Q fusion mode (recorded with the numerics); ``attention`` the model's attention plan
+    (gen_service.attention.plan, its ``header()``)."""
     candidate = cand.describe()
     candidate.update(params=q0.plan.params, note=q0.plan.note)
     reference = ref.describe()
@@ -38,6 +49,9 @@ def header(lm: LoadedModel, job: TraceJob, seed: int, cand: Policy, ref: Policy,
     extra: dict[str, Any] = {"question_tokens": nq} if nq else {}
     if job.top_logprobs:   # k of the records' logits objects (docs/contract.md §3)
         extra["top_logprobs"] = job.top_logprobs
+    extra.update(compression(p0, q0))
+    if attention is not None:
+        extra["attention"] = attention
     return header_record(
         kind=job.kind, horizon=job.horizon, model=lm.name,
         # reference traces observe nothing after divergence (window 0, docs/contract.md)

@@ -24,13 +24,16 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from gen_service.attention.head_masks import indices_to_mask
+from gen_service.attention.plan import layer_windows
 from gen_service.engine.forwards import attention_layers, eager_attention, run_side
 from gen_service.engine.sides import Prefilled, Side, cache_lengths
 from gen_service.models.float_head import logits as fp32_logits
+from gen_service.presses.layered import compressible_layers, press_applied
 from gen_service.presses.registry import Policy, PressPlan
 from gen_service.presses.traits import compresses_after_attention, wants_eager
 
-__all__ = ["derives_from_full_forward", "prefill", "prefill_document", "prefill_pair", "prefill_question"]
+__all__ = ["derives_from_full_forward", "mark_sliding", "prefill", "prefill_document", "prefill_pair",
+           "prefill_question"]
 
 
 @torch.inference_mode()
@@ -43,21 +46,37 @@ def prefill(model: torch.nn.Module, policy: Policy, prompt_ids: list[int],
     cache = DynamicCache() if plan.quant is None else plan.quant.cache(model.config.num_hidden_layers)
     positions = torch.arange(len(prompt_ids), device=device)[None]
     press = plan.press  # a decoding-only press's hooks do nothing during prefill
-    with eager_attention(model, wants_eager(press)), (press(model) if press is not None else nullcontext()):
+    applied = press_applied(press, model) if press is not None else nullcontext()
+    with eager_attention(model, wants_eager(press)), applied:
         out = fp32_logits(model, 1, input_ids=ids, past_key_values=cache, position_ids=positions)
     return _finish(model, plan, cache, out[:, -1], len(prompt_ids), question_ids)
 
 
 def _finish(model: torch.nn.Module, plan: PressPlan, cache: DynamicCache, logits: torch.Tensor, context_len: int,
             question_ids: Sequence[int], indices: list[Any] | None = None) -> Prefilled:
+    mark_sliding(model, cache)
     masks = _take_masks(model, cache) if indices is None else _masks_of(indices, cache)
     side = Side(cache, context_len, masks=masks, press=plan.press if plan.decoding else None)
     if plan.rerotates:  # kept keys were re-rotated to 0..kept-1: continue from there (as kvpress does)
-        side.next_pos = cache_lengths(cache)[0]
-    kept = side.kept()
+        lengths = cache_lengths(cache)
+        # ...except past uncompressed windowed layers, whose slot i is position i: a query
+        # before their last key would see none of its window
+        side.next_pos = max(lengths) if any(w is not None for w in layer_windows(model.config)) else lengths[0]
+    kept, layers = side.kept(), side.kept_per_layer()
     if question_ids:
         logits = prefill_question(model, side, list(question_ids))
-    return Prefilled(side, logits, kept, plan, cache_lengths(cache))
+    return Prefilled(side, logits, kept, plan, cache_lengths(cache), layers)
+
+
+def mark_sliding(model: torch.nn.Module, cache: DynamicCache) -> None:
+    """Flag the cache's windowed layers as sliding, every slot kept. transformers builds one
+    mask per layer type from the first layer flagged so (``is_sliding``); unflagged, a
+    windowed layer's mask would be sized from a global layer, which a press compressed
+    (gen_service.presses.layered), and the model's own attention over per-row copies could not
+    run. Shared-prompt sides ignore the flag: the cascade applies the window itself."""
+    for layer, window in zip(cache.layers, layer_windows(model.config), strict=False):
+        if window is not None:
+            layer.is_sliding = True
 
 
 def prefill_question(model: torch.nn.Module, side: Side, question_ids: list[int]) -> torch.Tensor:
@@ -165,8 +184,9 @@ class _Derived:
     """One candidate's press run inside the document's forward on a copy of each layer's
     full keys and values, as kvpress's own hook would run it inside a forward of its own."""
 
-    def __init__(self, plan: PressPlan):
+    def __init__(self, plan: PressPlan, compressible: set[int]):
         self.plan, self.cache = plan, DynamicCache()
+        self.compressible = compressible   # the layered rule (gen_service.presses.layered): windowed layers kept whole
         self.indices: list[Any] = []     # per layer: the press's masked_key_indices (head-wise presses)
         self.error: Exception | None = None
         self.hook = plan.press.forward_hook   # bound now: kvpress's context gets a stand-in (below)
@@ -176,7 +196,7 @@ class _Derived:
         full = kwargs["past_key_values"].layers[idx]
         # a copy (DynamicLayer.update concatenates): the press compresses its own
         self.cache.update(full.keys, full.values, idx)
-        if self.error is None:
+        if self.error is None and idx in self.compressible:
             try:
                 self.hook(module, args, {**kwargs, "past_key_values": self.cache}, output)
             except Exception as exc:   # this candidate's failure: the forward goes on for the others
@@ -187,12 +207,13 @@ class _Derived:
     @contextlib.contextmanager
     def setup(self, model: torch.nn.Module) -> Iterator[None]:
         """kvpress's own context for the press (``post_init_from_model``, the layers'
-        ``rotary_emb``), with a hook that does nothing in place of the press's: the
+        ``rotary_emb``) under the layered rule (each compressed layer's own rotary
+        embedding), with a hook that does nothing in place of the press's: the
         candidate's hook is :meth:`__call__`."""
         press = self.plan.press
         press.forward_hook = _unhooked
         try:
-            with press(model):
+            with press_applied(press, model):
                 yield
         finally:
             del press.forward_hook
@@ -228,7 +249,8 @@ def prefill_document(model: torch.nn.Module, ref: Policy, cands: Sequence[Policy
     if ref_plan.press is not None or ref_plan.quant is not None:
         return [_attempt(lambda c=c: prefill_pair(model, ref, c, prompt_ids, question_ids)) for c in cands]
     plans = [c.plan(L) for c in cands]
-    derived = {i: _Derived(plan) for i, plan in enumerate(plans)
+    compressible = set(compressible_layers(model))
+    derived = {i: _Derived(plan, compressible) for i, plan in enumerate(plans)
                if plan.press is not None and derives_from_full_forward(plan)}
     cache = DynamicCache()
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)

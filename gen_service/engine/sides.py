@@ -66,13 +66,17 @@ class Side:
                     None if self.masks is None else [None if m is None else m.clone() for m in self.masks],
                     copy.deepcopy(self.press))
 
-    def kept(self) -> int:
-        """Prompt slots visible on average over layers and heads (masked keys excluded)."""
-        total = 0.0
+    def kept_per_layer(self) -> list[float]:
+        """Slots visible per layer, on average over heads (masked keys excluded)."""
+        out = []
         for i, n in enumerate(cache_lengths(self.cache)):
             m = self.masks[i] if self.masks else None
-            total += n - (0.0 if m is None else float(m[0].sum()) / m.shape[1])
-        return int(round(total / max(len(self.cache.layers), 1)))
+            out.append(n - (0.0 if m is None else float(m[0].sum()) / m.shape[1]))
+        return out
+
+    def kept(self) -> int:
+        """Prompt slots visible on average over layers and heads (masked keys excluded)."""
+        return int(round(sum(self.kept_per_layer()) / max(len(self.cache.layers), 1)))
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,8 @@ class Prefilled:
     kept: int              # prompt slots in the cache after compression (mean over layers)
     plan: PressPlan
     kept_slots: list[int] = field(default_factory=list)  # cache slots per layer before decoding
+    # slots visible per layer after compression (head masks counted), before any question
+    kept_layers: list[float] = field(default_factory=list)
 
     @property
     def cache(self) -> DynamicCache:
