@@ -157,3 +157,25 @@ def test_a_failing_press_fails_its_candidate_only(engine, monkeypatch):
     with pytest.raises(CandidateError) as err:
         list(engine.trace(job))
     assert err.value.index == 1 and "knorm@0.5" in str(err.value)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "cohere2"])
+@pytest.mark.parametrize("policy", ["snapkv@0.5", "kvpress:KeyRerotationPress(KnormPress)@0.5"])
+def test_derived_compression_follows_the_layered_rule(family, policy):
+    """On a model with windowed layers the press derived from the document's forward
+    compresses only the global layers, each with its own rotary embedding, exactly as
+    the candidate's own prefill (gen_service.presses.layered) does."""
+    import conformance_models as cm
+    from gen_service.presses.layered import compressible_layers
+
+    eng = Engine(cm.loaded(cm.BY_NAME[family]))
+    ids = cm.prompt(n=cm.PROMPT_LEN)
+    ref, cand = _build(eng, "full"), _build(eng, policy)
+    (p0, q0), = prefill_document(eng.model, ref, [cand], ids)
+    own = prefill_pair(eng.model, ref, cand, ids)
+    _assert_same_state(p0, own[0])
+    _assert_same_state(q0, own[1])
+    global_layers = set(compressible_layers(eng.model))
+    assert global_layers and len(global_layers) < len(q0.cache.layers)
+    for i, layer in enumerate(q0.cache.layers):   # windowed layers keep every slot
+        assert (layer.keys.shape[-2] < len(ids)) == (i in global_layers), i
