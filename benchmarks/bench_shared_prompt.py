@@ -29,12 +29,14 @@ import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
-from bench_service import _clock, prompt_ids  # noqa: E402  (same directory)
+from common import chat_prompt_ids, clock  # noqa: E402  (same directory)
 
 from gen_service.attention.shared_cache import SharedPromptCache, share_prompt  # noqa: E402
 from gen_service.engine.coupling import Sampling  # noqa: E402
 from gen_service.engine.facade import Engine  # noqa: E402
-from gen_service.engine.jobs import TraceJob  # noqa: E402
+from gen_service.engine.jobs import TraceJob, seeded  # noqa: E402
+from gen_service.engine.loops import decode  # noqa: E402
+from gen_service.engine.scheduler import drive  # noqa: E402
 from gen_service.models.loading import load_model  # noqa: E402
 
 
@@ -55,9 +57,10 @@ def coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int,
     if engine.shared_prompt:
         share_prompt(p0.side, steps)
         share_prompt(q0.side, steps)
-    gen = engine.generator(0)
+    gen = seeded(engine.device, 0)
     records, stamps = [], []
-    for rec in engine._drive(engine._coupled(job, p0, q0, gen, lambda: False)):
+    for rec in drive(decode(job, p0, q0, gen, engine.lm.eos_token_ids, engine.device,
+                          readback_every=engine.readback_every), engine._runner()):
         stamps.append(time.perf_counter())
         records.append(rec)
     sec = statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False))
@@ -76,7 +79,7 @@ def request_phases(engine: Engine, ids: list[int], policy: str, kind: str, rows:
     record (decoding / survival), the rest (branches)."""
     job = TraceJob(prompt_ids=ids, candidate=policy, kind=kind, horizon=steps, replicates=rows, seed=0,
                    sampling=Sampling())
-    t0 = _clock(engine)
+    t0 = clock(engine.device)
     marks: dict[str, float] = {}
     for rec in engine.trace(job):
         now = time.perf_counter()
@@ -84,7 +87,7 @@ def request_phases(engine: Engine, ids: list[int], policy: str, kind: str, rows:
             marks["prefill"] = now - t0
         elif rec.get("type") in ("step", "shared_step"):
             marks["steps"] = now - t0
-    total = _clock(engine) - t0
+    total = clock(engine.device) - t0
     return {"prefill": marks["prefill"], "steps": marks["steps"] - marks["prefill"],
             "branches": total - marks["steps"], "total": total}
 
@@ -111,7 +114,7 @@ def main() -> None:
     hf_logging.set_verbosity_error()
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     shared, copies = Engine(lm, shared_prompt=True), Engine(lm, shared_prompt=False)
-    ids = prompt_ids(shared, args.prompt_tokens)
+    ids = chat_prompt_ids(shared.lm.tokenizer, args.prompt_tokens)
     T, pol = args.steps, args.policy
     print(f"model={lm.name} device={lm.device} dtype={lm.dtype} prompt={len(ids)} tokens T={T} "
           f"policy={pol} repeats={args.repeats} torch threads={torch.get_num_threads()}")
