@@ -20,17 +20,15 @@ if TYPE_CHECKING:
 
 
 def _split_policies(value: str) -> list[str]:
-    # Policy ids may carry parameters after ':' ("snapkv@0.5:window_size=64") but
-    # never a comma outside them, except between parameters: split only where the
-    # next piece starts a new id, i.e. does not look like "key=value".
-    pieces = [p.strip() for p in value.split(",") if p.strip()]
-    ids: list[str] = []
-    for piece in pieces:
-        if ids and "=" in piece and ":" not in piece and "@" not in piece and "#" not in piece:
-            ids[-1] += "," + piece
-        else:
-            ids.append(piece)
-    return ids
+    # One grammar (protocols.policies): ids, their parameters after ':' and families
+    # ("snapkv@0.9,0.7,0.5", "snapkv@0.9..0.3/0.2") expanded into their members, which
+    # collector.grouped then sends in one request per document.
+    from protocols.policies import PolicyIdError, expand_policies
+
+    try:
+        return expand_policies(value)
+    except PolicyIdError as exc:
+        raise click.BadParameter(str(exc), param_hint="--policies") from None
 
 
 @click.command("collect")
@@ -43,7 +41,9 @@ def _split_policies(value: str) -> list[str]:
               help="Seconds to wait while no listed server answers before stopping (a rerun resumes).")
 @click.option("--docs", "docs_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
               help="JSONL document set (see `kvdiv docs`).")
-@click.option("--policies", required=True, help="Comma-separated candidate policy ids, e.g. snapkv@0.5,recent@0.5.")
+@click.option("--policies", required=True,
+              help="Comma-separated candidate policy ids, e.g. snapkv@0.5,recent@0.5; a family lists several "
+                   "amounts of one method: snapkv@0.9,0.7,0.5 or the range snapkv@0.9..0.3/0.2 (ends included).")
 @click.option("--kind", type=click.Choice(WIRE_KINDS), default="residual", show_default=True)
 @click.option("--replicates", "-R", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--max-new-tokens", "-T", type=click.IntRange(min=1), default=32, show_default=True)

@@ -19,6 +19,7 @@ from divstats.design.power import power
 from divstats.design.rounds import RoundPlan, counted_replicates, plan_round
 from divstats.errors import DivstatsError, NotIdentified, OutputError, PlanError
 from divstats.estimands import ESTIMANDS, SPECULATIVE_ESTIMANDS, Estimand
+from divstats.estimation.budget_curves import budget_curves
 from divstats.estimation.components import variance_components
 from divstats.estimation.curves import branch_tv, branch_tv_window, logit_curves, survival
 from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
@@ -26,7 +27,9 @@ from divstats.estimation.interval import interval_by_window, sharp_interval
 from divstats.estimation.noise_floor import noise_floor
 from divstats.estimation.resample import MIN_DOCS_MEAN_BOUND
 from divstats.estimation.speculative import aggregate_speculative, speculative
+from divstats.estimation.sweeps import kv_kept, sweep_families
 from divstats.estimation.variance import variance_check
+from divstats.inference.certify import CertifyResult, certify_budget, certify_family
 from divstats.inference.decompose import DecompositionResult, decompose
 from divstats.inference.paired import Effect, PairedTestResult, holm, paired_test
 from divstats.intervals import ConfidenceInterval
@@ -39,6 +42,7 @@ from divstats.truth.speculative import SpeculativeExact, SpeculativeRuns, exact_
 from divstats.truth.studies import PolicyEffect, markov_kernels, simulate_study
 
 __all__ = [
+    "CertifyResult", "budget_curves", "certify_budget", "certify_family", "kv_kept", "sweep_families",
     "ConfidenceInterval", "DecompositionResult", "DivstatsError", "ESTIMANDS", "Effect", "Estimand", "ExactResult",
     "MIN_DOCS_MEAN_BOUND", "NotIdentified", "OutputError", "PairedTestResult", "Plan", "PlanError", "PlanResult",
     "PolicyEffect", "RoundPlan", "SPECULATIVE_ESTIMANDS", "SpeculativeExact", "SpeculativeRuns", "aggregate",

@@ -7,7 +7,8 @@ Steps (each shown on stderr as it runs):
 2. build the built-in document set (CPython's language reference, chunked with the
    model's tokenizer) while the server loads;
 3. collect residual-branch traces for the paper's policies: ``snapkv@0.5``,
-   ``snapkv#N`` with N about half the median prompt, ``recent@0.5`` and ``snapkv@0.9``;
+   ``snapkv#N`` with N about half the median prompt, ``recent@0.5`` and ``snapkv@0.9``, and the
+   sweep of "How much can I compress?" (``SWEEP``: snapkv and recent at 0.3 besides);
    then a small reference set for the speculative-decoding section: paths from the
    full model scored by ``snapkv@0.5`` and ``recent@0.5`` on the first few documents
    (``kvdiv collect --kind reference``, in ``reference/``);
@@ -271,8 +272,43 @@ def budget_for(docs: Sequence[D.Document], template: str,
     return max(1, int(round(statistics.median(prompts) / 2)))
 
 
+#: The sweep of "How much can I compress?" (docs/plans.md): each method at these retentions. The paper's
+#: policies already hold snapkv@0.9, snapkv@0.5 and recent@0.5, so it adds two candidates to each
+#: document's grouped request (their prompt is shared; the demo's wall time grows by about 2/5 of collecting).
+SWEEP: dict[str, tuple[float, ...]] = {"snapkv": (0.9, 0.5, 0.3), "recent": (0.5, 0.3)}
+#: What the demo plan certifies for each swept method: the mismatch fraction at this margin, all documents.
+CERTIFY_METRIC, CERTIFY_MARGIN = "mismatch_fraction", 0.05
+
+
+def with_sweep(policies: Sequence[str]) -> list[str]:
+    """``policies`` and the members of :data:`SWEEP` they lack (a family's budgets, in one grouped request)."""
+    extra = [f"{method}@{r:g}" for method, rs in SWEEP.items() for r in rs]
+    return list(policies) + [p for p in extra if p not in policies]
+
+
 def demo_policies(budget: int) -> list[str]:
-    return ["snapkv@0.5", f"snapkv#{budget}", "recent@0.5", "snapkv@0.9"]
+    return with_sweep(["snapkv@0.5", f"snapkv#{budget}", "recent@0.5", "snapkv@0.9"])
+
+
+def certify_toml() -> str:
+    """The demo plan's ``[[certify]]`` tables: one per swept method (docs/plans.md, "How much can I compress?")."""
+    return "".join(f'\n[[certify]]\nid = "compress-{m}"\nfamily = "{m}"\nmetric = "{CERTIFY_METRIC}"\n'
+                   f'margin = {CERTIFY_MARGIN}\nsplit = "all"\n' for m in SWEEP)
+
+
+def certify_headline(an: Any) -> str:
+    """The certified budget per method (and model), in words, for the printed headline."""
+    pr = getattr(an, "plan_result", None)
+    if pr is None or not len(pr.certify):
+        return ""
+    lines = [f"\n  How much can I compress? ({CERTIFY_METRIC} within {CERTIFY_MARGIN:g} of the full model, "
+             f"fixed-sequence, α = {float(pr.certify['alpha'].iloc[0]):g}):"]
+    for r in pr.certify.itertuples(index=False):
+        who = f"{r.family}" + ("" if r.model is None else f" [{r.model}]")
+        said = (f"certified down to {r.certified} (KV kept {_num(r.certified_kept)})" if r.certified
+                else f"none certified — {r.reason}")
+        lines.append(f"  {who:<24} {said}")
+    return "\n".join(lines)
 
 
 def select_balanced(docs: Sequence[D.Document], count: int, plan: Path) -> list[D.Document]:
@@ -418,7 +454,8 @@ def write_demo_plan(source: Path, target: Path, budget: int, window: int, confir
               f"W = {window}, {PLANNED_BUDGET_POLICY} -> snapkv#{budget}"
               + (f"; directions two-sided ({confirmatory_docs} confirmatory documents, one-sided tests "
                  f"of a mean need {MIN_DOCS_MEAN_BOUND})" if two_sided else "") + ".\n")
-    text = header + text.rstrip("\n") + f'\n\n[aliases]\n"{PLANNED_BUDGET_POLICY}" = "snapkv#{budget}"\n'
+    text = (header + text.rstrip("\n") + f'\n\n[aliases]\n"{PLANNED_BUDGET_POLICY}" = "snapkv#{budget}"\n'
+            + certify_toml())
     from divstats import load_plan
 
     load_plan(text)  # refuse to write a plan that does not load
@@ -451,7 +488,7 @@ def run_demo(cfg: DemoConfig) -> Any:
 
 def _run(cfg: DemoConfig) -> Any:
     t0 = time.monotonic()
-    _say(f"kvdiv demo → {cfg.out}  ({cfg.docs_count} docs × 4 policies, R={cfg.replicates}, "
+    _say(f"kvdiv demo → {cfg.out}  ({cfg.docs_count} docs × {len(demo_policies(1))} policies, R={cfg.replicates}, "
          f"T={cfg.max_new_tokens}, W={cfg.window}, residual traces)")
     with _serving(cfg) as server:
         if server is not None:
@@ -490,7 +527,7 @@ def _run(cfg: DemoConfig) -> Any:
     an = _analyse(cfg, traces, plan, budget)
     spec = _analyse_reference(cfg, cfg.out / "reference.nc") if cfg.reference_docs else None
     elapsed = time.monotonic() - t0
-    print(headline(an))
+    print(headline(an) + certify_headline(an))
     if spec is not None:
         print(speculative_headline(spec))
     print(f"\nreport: {cfg.out / 'report.html'}   summary: {cfg.out / 'summary.md'}")

@@ -25,9 +25,13 @@ from protocols.policies import (
     PolicySpec,
     PressTerm,
     QuantTerm,
+    expand_policies,
+    expand_policy_family,
+    family_key,
     parse_option_value,
     parse_policy_id,
     policy_coords,
+    policy_families,
 )
 from protocols.schema import (
     COUPLING,
@@ -68,7 +72,8 @@ __all__ = [
     "assemble", "branch_record", "combine", "converters", "coupled_dataset", "dataset_lines", "encode_line",
     "end_record", "eos_ids", "error_record", "from_eval_logs", "from_openai_logprobs",
     "from_probabilities", "header_record", "open_traces",
-    "parse_policy_id", "policy_coords", "reference_dataset", "residual_dataset", "residual_from_probabilities",
+    "parse_policy_id", "policy_coords", "expand_policies", "expand_policy_family", "family_key",
+    "policy_families", "reference_dataset", "residual_dataset", "residual_from_probabilities",
     "reference_step_record",
     "sampling_params", "save_traces", "shared_step_record", "step_record", "validate",
     # logit traces (protocols.logit_fields)

@@ -34,12 +34,13 @@ def test_demo_with_a_running_server_resumes_and_refuses_other_sizes(tmp_path: Pa
         cfg = _small(tmp_path / "demo", servers=[server.url], model="approx")
         an = run_demo(cfg)
         assert all((tmp_path / "demo" / name).exists() for name in OUTPUTS)
-        # 4 policies and the control (on by default), and the reference set: 4 docs x 2 drafts
-        assert len(server.requests) == 8 * 5 + 4 * 2
+        # 4 policies, the sweep's 2 and the control (on by default), and the reference set: 4 docs x 2 drafts
+        assert len(server.requests) == 8 * (len(demo_policies(1)) + 1) + 4 * 2
         assert sum(r["kind"] == "reference" for r in server.requests) == 4 * 2
         out = capsys.readouterr().out
         assert "F1-occ-budget" in out and "report: " in out and "snapkv@0.9" in out
         assert "noise floor (full vs full)" in out and "(control: the noise floor)" in out
+        assert "How much can I compress?" in out and "none certified" in out   # 8 documents: refused
         # the reference set's own report, with its Speculative decoding section, and its headline
         assert "tokens per target call" in out and "γ = 4" in out
         spec_report = (tmp_path / "demo" / "speculative" / "report.html").read_text(encoding="utf-8")
@@ -55,7 +56,7 @@ def test_demo_with_a_running_server_resumes_and_refuses_other_sizes(tmp_path: Pa
         assert reference.attrs["kind"] == "reference" and reference.sizes["doc"] == 4
         assert list(reference.policy.values) == ["snapkv@0.5", "recent@0.5"]
         run_demo(cfg)  # everything is complete: nothing is asked again
-        assert len(server.requests) == 8 * 5 + 4 * 2
+        assert len(server.requests) == 8 * (len(demo_policies(budget)) + 1) + 4 * 2
         assert protocols.open_traces(tmp_path / "demo" / "traces.nc").identical(first)
         with pytest.raises(DemoError, match="replicates: 2 there, 3 now"):
             run_demo(_small(tmp_path / "demo", servers=[server.url], model="approx", replicates=3))

@@ -54,7 +54,8 @@ def analysis(traces):
 
 def test_every_figure_is_a_figure(analysis):
     figs = make_figures(analysis)
-    assert set(figs) == {"survival", "decomposition", "gap", "branch_tv", "interval", "variance"}
+    # snapkv@0.5 and snapkv@0.9 are a family: the "How much can I compress?" curve
+    assert set(figs) == {"survival", "decomposition", "gap", "branch_tv", "interval", "variance", "compression"}
     assert all(isinstance(f, Figure) for f in figs.values())
     assert all(f.axes for f in figs.values())
     # Window shading of the plan's early/late windows is drawn on the branch-TV figure.

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from divstats.design.allocation import design
+from divstats.design.certify_power import certify_power
 from divstats.design.power import power
 from divstats.errors import DivstatsError
 from divstats.plans.format import load_plan, parse_aliases, shipped_plans
@@ -63,6 +64,25 @@ def format_design_table(table, target: float) -> list[str]:
     return lines
 
 
+def format_certify_power(table, target: float) -> list[str]:
+    """Per [[certify]] and budget: the pilot's difference, power by study size, and the documents needed."""
+    lines: list[str] = []
+    sizes = sorted(table["docs"].unique())
+    for (cid, model), rows in table.groupby(["id", "model"], sort=False, dropna=False):
+        where = f"certify {cid}" + ("" if model is None or model != model else f" [{model}]")
+        lines.append(f"{where}: power to certify each budget (fixed sequence, margin {rows['margin'].iloc[0]:g})")
+        head = f"  {'budget':<22} {'kept':>6} {'pilot diff':>10} " + "".join(f"{'N=' + str(n):>8}" for n in sizes) + \
+            f"  documents for power {target:g}"
+        lines.append(head)
+        for budget, b in rows.groupby("budget", sort=False):
+            needed = b["docs_needed"].iloc[0]
+            lines.append(f"  {budget:<22} {_fmt(b['kept'].iloc[0]):>6} {_fmt(b['pilot_difference'].iloc[0]):>10} "
+                         + "".join(f"{_fmt(p, 2):>8}" for p in b["power"])
+                         + f"  {'more than ' + str(max(sizes)) if not math.isfinite(needed) else int(needed)}"
+                         + (f"  ({b['note'].iloc[0]})" if b["note"].iloc[0] else ""))
+    return lines
+
+
 @click.command("power")
 @click.argument("traces", type=click.Path(exists=True, path_type=Path))
 @click.option("--plan", "plan_source", required=True, metavar="NAME|PATH",
@@ -107,12 +127,17 @@ def power_command(traces: Path, plan_source: str, docs: tuple[int, ...], replica
         click.echo(f"plan {plan.name} sha256={plan.sha256}")
         click.echo(f"pilot {traces}: {res.pilot_docs} documents, {res.pilot_replicates:g} replicates; "
                    f"range: {level:g} bootstrap interval of the standardised effect")
-        for line in format_power_table(res.table):
+        for line in format_power_table(res.table) if len(res.table) else []:
             click.echo(line)
         for note in res.notes:
             click.echo(f"note: {note}")
         for line in row_notes(res.table, res.notes):
             click.echo(line)
+        if plan.certifications:
+            cert = certify_power(plan, pilot, docs=list(docs) or None, target=target or 0.8,
+                                 n_sims=min(sims, 200), seed=seed, window=window)
+            for line in format_certify_power(cert, target or 0.8):
+                click.echo(line)
         if target is not None:
             des = design(plan, pilot, target, use="low" if conservative else "point", aliases=alias_map,
                          window=window, n_sims=min(sims, 1000), seed=seed)

@@ -1,5 +1,5 @@
-"""Comparisons between policies: paired tests and Holm (``paired``) and the gap decomposition
-(``decompose``). Imports ``estimation`` and ``traces``.
+"""Comparisons between policies: paired tests and Holm (``paired``) the gap decomposition
+(``decompose``) and the certified budget of a policy family (``certify``). Imports ``estimation`` and ``traces``.
 
 Import from the submodules; this package exports nothing itself (docs/architecture.md).
 """

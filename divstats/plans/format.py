@@ -32,9 +32,10 @@ from divstats.errors import PlanError
 from divstats.estimands import by_name
 from divstats.estimation.speculative import SPECULATIVE_METRICS
 from divstats.inference.paired import ALTERNATIVES, MARGIN_ALTERNATIVES, MARGIN_TESTS, TESTS, WORSE
+from protocols.policies import PolicyIdError, expand_policy_family
 
 __all__ = [
-    "CORRECTIONS", "FULL", "SPLITS", "WINDOW_METRICS", "Hypothesis", "Plan", "PlanError", "PlanSource",
+    "CORRECTIONS", "FULL", "SPLITS", "WINDOW_METRICS", "Certification", "Hypothesis", "Plan", "PlanError", "PlanSource",
     "assign_split", "load_plan", "parse_aliases", "shipped_plan", "shipped_plans", "split_disagreement_note",
     "split_table", "split_uniform",
 ]
@@ -49,7 +50,9 @@ FULL = "full"
 _PLAN_KEYS = {"name", "description", "alpha", "salt", "confirmatory_fraction"}
 _HYP_KEYS = {"id", "family", "metric", "compare", "policy", "window", "direction", "test",
              "correction", "split", "alpha", "model", "description", "margin", "worse", "gamma"}
-_TOP_KEYS = {"plan", "windows", "aliases", "hypothesis"}
+_CERT_KEYS = {"id", "family", "metric", "margin", "worse", "alpha", "split", "reference", "model", "test",
+              "description"}
+_TOP_KEYS = {"plan", "windows", "aliases", "hypothesis", "certify"}
 #: Where the shipped plans live inside the divstats package.
 _SHIPPED_DIR = "shipped_plans"
 
@@ -85,6 +88,28 @@ class Hypothesis:
 
 
 @dataclass(frozen=True)
+class Certification:
+    """One prespecified ``[[certify]]``: the smallest budget of a policy family non-inferior at a margin.
+
+    Run by ``divstats.certify_family`` (fixed-sequence tests from the most to the least KV
+    kept; docs/statistics.md §11): its own familywise error is controlled at ``alpha``
+    without Holm, so it is in no ``family`` of hypotheses.
+    """
+
+    id: str
+    family: str                  # the policy family: "snapkv", "snapkv@*", "snapkv@0.9,0.7,0.5"
+    metric: str                  # an estimand of divstats.ESTIMANDS
+    margin: float                # delta > 0 (the worse side's sign is accepted and dropped)
+    worse: str = "larger"        # default: the estimand table's
+    alpha: float = 0.05
+    split: str = "confirmatory"
+    reference: str | float = FULL  # "full": the measured control, else the full model's known value; or a number
+    model: str | None = None
+    test: str = "bootstrap-t"
+    description: str = ""
+
+
+@dataclass(frozen=True)
 class Plan:
     """A validated plan. ``sha256`` identifies the exact plan text (or canonical JSON)."""
 
@@ -98,6 +123,7 @@ class Plan:
     description: str = ""
     sha256: str = ""
     source: str = ""
+    certifications: tuple[Certification, ...] = ()
 
     def families(self) -> dict[str, list[Hypothesis]]:
         out: dict[str, list[Hypothesis]] = {}
@@ -246,12 +272,92 @@ def _validate(raw: dict[str, Any], problems: list[str]) -> Plan | None:
     name, alpha, salt, fraction = _validate_head(head, problems)
     windows = _validate_windows(raw.get("windows", {}), problems)
     aliases = _validate_aliases(raw.get("aliases", {}), problems)
-    hyps = _validate_hypotheses(raw.get("hypothesis"), windows, alpha, problems)
+    certs = _validate_certifications(raw.get("certify", []), alpha, problems)
+    hyps = (_validate_hypotheses(raw.get("hypothesis"), windows, alpha, problems)
+            if "hypothesis" in raw or not certs else [])
+    ids = [h.id for h in hyps] + [c.id for c in certs]
+    for dup in sorted({i for i in ids if ids.count(i) > 1}):
+        problems.append(f"id {dup!r} is used by a [[hypothesis]] and a [[certify]]")
     if problems:
         return None
     return Plan(name=name, alpha=alpha, salt=salt, confirmatory_fraction=fraction,
                 windows=windows, hypotheses=tuple(hyps), aliases=aliases,
-                description=str(head.get("description", "")))
+                description=str(head.get("description", "")), certifications=tuple(certs))
+
+
+def _validate_certifications(raw: Any, alpha: float, problems: list[str]) -> list[Certification]:
+    """The ``[[certify]]`` tables (problems appended, each naming its table)."""
+    if not isinstance(raw, list):
+        problems.append("[[certify]] must be an array of tables")
+        return []
+    out: list[Certification] = []
+    seen: set[str] = set()
+    for i, c in enumerate(raw, start=1):
+        where = f"[[certify]] #{i}" + (f" ({c.get('id')!r})" if isinstance(c, Mapping) and "id" in c else "")
+        if not isinstance(c, Mapping):
+            problems.append(f"{where}: must be a table")
+            continue
+        found: list[str] = []
+        cert = _validate_certification(c, where, alpha, seen, found)
+        problems.extend(found)
+        if cert is not None and not found:
+            out.append(cert)
+    return out
+
+
+def _validate_certification(c: Mapping[str, Any], where: str, alpha: float, seen: set[str],
+                            found: list[str]) -> Certification | None:
+    """One [[certify]] table: its problems appended to ``found``; the Certification if none."""
+    for key in sorted(set(c) - _CERT_KEYS):
+        found.append(f"{where}: unknown key {key!r} (expected {sorted(_CERT_KEYS)})")
+    for key in ("id", "family", "metric"):
+        if not isinstance(c.get(key), str) or not c.get(key):
+            found.append(f"{where}: {key!r} must be a non-empty string")
+    if isinstance(c.get("id"), str):
+        if c["id"] in seen:
+            found.append(f"{where}: duplicate id {c['id']!r}")
+        seen.add(c["id"])
+    try:
+        by_name(str(c.get("metric")))
+    except KeyError:
+        found.append(f"{where}: 'metric' must be an estimand of divstats.ESTIMANDS, got {c.get('metric')!r}")
+    if isinstance(c.get("family"), str):
+        found.extend(f"{where}: {p}" for p in _family_problems(c["family"]))
+    margin, worse = _check_margin({**c, "direction": "noninferiority", "test": c.get("test", "bootstrap-t")},
+                                  None, where, found)
+    _check_choice(c, "test", MARGIN_TESTS, "bootstrap-t", where, found)
+    _check_choice(c, "split", SPLITS, "confirmatory", where, found)
+    c_alpha = c.get("alpha", alpha)
+    if not _is_number(c_alpha) or not 0 < c_alpha < 1:
+        found.append(f"{where}: 'alpha' must be in (0, 1), got {c_alpha!r}")
+    reference = c.get("reference", FULL)
+    if reference != FULL and not (_is_number(reference) and math.isfinite(reference)):
+        found.append(f"{where}: 'reference' must be {FULL!r} or a number, got {reference!r}")
+    model = c.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        found.append(f"{where}: 'model' must be a model name")
+    if found or margin is None:
+        return None
+    return Certification(id=c["id"], family=c["family"], metric=c["metric"], margin=margin, worse=worse,
+                         alpha=float(c_alpha), split=c.get("split", "confirmatory"),
+                         reference=reference if reference == FULL else float(reference), model=model,
+                         test=c.get("test", "bootstrap-t"), description=str(c.get("description", "")))
+
+
+def _family_problems(family: str) -> list[str]:
+    """A certify's ``family``: a bare press name, a family key (``snapkv@*``) or a family written out."""
+    if "@" not in family and "#" not in family:
+        return []
+    if family.endswith(("@*", "#*")) or "@*:" in family or "#*:" in family:
+        return []
+    try:
+        members = expand_policy_family(family)
+    except PolicyIdError as exc:
+        return [f"'family': {exc}"]
+    if len(members) < 2:
+        return [f"'family' {family!r} has one member; a family lists several amounts "
+                f"(e.g. {family.split('@')[0]}@0.9,0.7,0.5 or a bare name such as 'snapkv')"]
+    return []
 
 
 def _validate_head(head: Mapping[str, Any], problems: list[str]) -> tuple[Any, float, Any, float]:

@@ -15,21 +15,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import xarray as xr
 
-from divstats.errors import NotIdentified, PlanError
+from divstats.errors import DivstatsError, NotIdentified, PlanError
 from divstats.estimation.curves import branch_tv
 from divstats.estimation.estimators import estimate
 from divstats.estimation.speculative import SPECULATIVE_METRICS, speculative
+from divstats.inference.certify import CertifyResult, certify_family
 from divstats.inference.paired import ESTIMANDS, MARGIN_ALTERNATIVES, holm, margin_verdict, paired_test, rejects
 from divstats.plans.format import (
     FULL,
     WINDOW_METRICS,
+    Certification,
     Hypothesis,
     Plan,
     PlanSource,
@@ -39,8 +41,8 @@ from divstats.plans.format import (
 )
 from protocols import Kind
 
-__all__ = ["EXTRA_COLUMNS", "FULL_MODEL_VALUES", "TABLE_COLUMNS", "PlanResult", "full_model_value", "run_plan",
-           "window_mean"]
+__all__ = ["CERTIFY_COLUMNS", "EXTRA_COLUMNS", "FULL_MODEL_VALUES", "TABLE_COLUMNS", "PlanResult", "full_model_value",
+           "run_plan", "window_mean"]
 
 TABLE_COLUMNS: tuple[str, ...] = (
     "id", "family", "metric", "n_docs", "statistic", "p_value", "p_adjusted", "reject",
@@ -55,6 +57,12 @@ EXTRA_COLUMNS: tuple[str, ...] = (
 #: The full model's own value of each metric, compared with itself (it never diverges): 0 for
 #: the mismatch-type metrics, the horizon T for rmtd and agreeing_tokens (E[min(tau, T)] with tau > T).
 #: Used for ``compare = [A, "full"]`` when the data hold no measured ``full`` control policy.
+#: The columns of :attr:`PlanResult.certify`.
+CERTIFY_COLUMNS: tuple[str, ...] = (
+    "id", "family", "metric", "model", "split", "n_docs", "margin", "worse", "alpha", "reference", "budgets",
+    "tested", "certified", "certified_kept", "reason", "verdict", "confirmatory",
+)
+
 FULL_MODEL_VALUES: dict[str, str | float] = {
     **{m: 0.0 for m in ("occurrence", "exposure", "post_mismatch", "loss", "mismatch_fraction",
                         "first_mismatch_contribution", "exposure_contribution", "window_mismatch",
@@ -105,6 +113,10 @@ class PlanResult:
     split: pd.DataFrame
     deviations: list[str]
     notes: list[str]
+    #: One row per [[certify]] (and model): :data:`CERTIFY_COLUMNS`.
+    certify: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(CERTIFY_COLUMNS)))
+    #: (certify id, model or None) -> its :class:`~divstats.inference.certify.CertifyResult`.
+    certified: dict[tuple[str, str | None], CertifyResult] = field(default_factory=dict)
 
     @property
     def plan_sha256(self) -> str:
@@ -312,13 +324,51 @@ def run_plan(ds: xr.Dataset, plan: PlanSource, *,
     deviations: list[str] = []
     for h in plan.hypotheses:
         rows.extend(_run_hypothesis(h, plan, data, split, aliases, deviations, n_resamples, seed))
+    certified: dict[tuple[str, str | None], CertifyResult] = {}
+    cert_rows = [row for c in plan.certifications
+                 for row in _run_certification(c, data, split, certified, n_resamples, seed)]
     notes.extend(data.notes)
-    table = _correct(pd.DataFrame(rows), plan)
+    table = _correct(pd.DataFrame(rows, columns=None if rows else list(TABLE_COLUMNS + EXTRA_COLUMNS)), plan)
     table.attrs.update({"plan_name": plan.name, "plan_sha256": plan.sha256})
-    return PlanResult(plan=plan, table=table, split=split, deviations=sorted(set(deviations)), notes=notes)
+    return PlanResult(plan=plan, table=table, split=split, deviations=sorted(set(deviations)), notes=notes,
+                      certify=pd.DataFrame(cert_rows, columns=list(CERTIFY_COLUMNS)), certified=certified)
 
 
-def _models_for(data: _Data, h: Hypothesis) -> list[Any]:
+def _run_certification(c: Certification, data: _Data, split: pd.DataFrame,
+                       out: dict[tuple[str, str | None], CertifyResult], n_resamples: int,
+                       seed: int) -> list[dict[str, Any]]:
+    """One [[certify]]: :func:`divstats.certify_family` per model on the certification's split."""
+    docs = _docs_for(c.split, split)
+    if not docs:
+        raise PlanError(f"certify {c.id!r}: the {c.split!r} split has no documents in the data")
+    if c.metric not in data.est:
+        raise PlanError(f"certify {c.id!r}: metric {c.metric!r} is not a variable of divstats.estimate(ds)")
+    reference: str | float = c.reference
+    if reference == FULL and FULL not in [str(p) for p in data.ds["policy"].values]:
+        reference = full_model_value(c.metric, data.ds.attrs.get("horizon"))
+    rows = []
+    for m in _models_for(data, c):
+        model = None if m is None else str(m)
+        try:
+            res = certify_family(data.est, c.family, c.metric, c.margin, alpha=c.alpha, worse=c.worse,
+                                 reference=reference, model=model, docs=docs, test=c.test,
+                                 n_resamples=n_resamples, seed=seed)
+        except DivstatsError as exc:
+            raise PlanError(f"certify {c.id!r}: {exc}") from None
+        out[(c.id, model)] = res
+        if res.certified is None:
+            data.notes.append(f"certify {c.id!r}{'' if m is None else f' (model {m})'}: {res.reason}")
+        kept = res.kept[res.certified_index] if res.certified is not None else float("nan")
+        rows.append({"id": c.id, "family": c.family, "metric": c.metric, "model": model, "split": c.split,
+                     "n_docs": int(res.n_docs.min()) if res.n_docs.size else 0, "margin": res.margin,
+                     "worse": res.worse, "alpha": c.alpha, "reference": res.reference,
+                     "budgets": ",".join(res.budgets), "tested": res.tested,
+                     "certified": res.certified or "", "certified_kept": float(kept), "reason": res.reason,
+                     "verdict": res.verdict, "confirmatory": c.split == "confirmatory"})
+    return rows
+
+
+def _models_for(data: _Data, h: Hypothesis | Certification) -> list[Any]:
     if "model" not in data.ds.dims:
         if h.model is not None and h.model != str(data.ds.attrs.get("model", "")):
             raise PlanError(f"hypothesis {h.id!r}: model {h.model!r} is not in the data "

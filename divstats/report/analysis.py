@@ -13,6 +13,7 @@ rows and every comparison is exploratory.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,16 +24,19 @@ import numpy as np
 import xarray as xr
 
 from divstats.errors import PlanError
+from divstats.estimands import by_name
+from divstats.estimation.budget_curves import budget_curves
 from divstats.estimation.curves import branch_tv, logit_curves, survival
 from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
 from divstats.estimation.interval import interval_by_window
 from divstats.estimation.noise_floor import compare_to_floor, control_policy, floor_warnings, noise_floor
 from divstats.estimation.speculative import aggregate_speculative, speculative
+from divstats.estimation.sweeps import sweep_families
 from divstats.estimation.variance import variance_check
 from divstats.inference.decompose import DecompositionInterval, DecompositionResult, decompose
 from divstats.inference.paired import MARGIN_ALTERNATIVES
 from divstats.plans.format import Plan, PlanSource, load_plan
-from divstats.plans.run import PlanResult, run_plan
+from divstats.plans.run import PlanResult, full_model_value, run_plan
 from divstats.traces.chunked import map_docs_many
 from protocols import Kind, logit_vars
 from protocols.chunks import is_lazy
@@ -76,6 +80,9 @@ class Analysis:
     speculative: xr.Dataset | None = None
     #: :func:`divstats.estimation.curves.logit_curves` of traces that carry logit traces (else None).
     logit_curves: xr.Dataset | None = None
+    #: "How much can I compress?": :func:`divstats.estimation.budget_curves.budget_curves` of every policy
+    #: family with two or more members (None when there is none); the certifications are ``plan_result.certify``.
+    compression: xr.Dataset | None = None
 
 
 def default_interval_windows(ds: xr.Dataset) -> list[int]:
@@ -316,6 +323,7 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
                         n_resamples=n_resamples, seed=seed)
     notes += floor_warnings(compare_to_floor(agg, floor))
     spec = _speculative(traces, cost_ratio, level, n_resamples, seed, notes)
+    comp = _compression(est, pres, level, n_resamples, seed, notes)
     options = {"window": -1 if window is None else int(window), "seed": int(seed),
                "n_resamples": int(n_resamples), "level": float(level),
                "policy_aliases": json.dumps(dict(policy_aliases or {}), sort_keys=True),
@@ -324,7 +332,39 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
     return Analysis(traces=traces, plan=plan, estimates=est, aggregate=agg, aggregate_ci=agg_ci, survival=surv,
                     branch_tv=bt, interval=ivw, variance=vc, plan_result=pres, decompositions=decs,
                     notes=notes + (pres.notes if pres is not None else []), options=options, noise_floor=floor,
-                    speculative=spec, logit_curves=lc)
+                    speculative=spec, logit_curves=lc, compression=comp)
+
+
+def _compression(est: xr.Dataset, pres: PlanResult | None, level: float, n_resamples: int, seed: int,
+                 notes: list[str]) -> xr.Dataset | None:
+    """The curves of "How much can I compress?": the first [[certify]]'s metric and margin, else mismatch fraction.
+
+    ``attrs``: ``metric``, ``worse``, ``margin`` (signed; NaN without a certification) and
+    ``reference_level`` (the full model's value, or the control's mean), so that the
+    figure draws the margin where the certification puts it (reference + margin).
+    """
+    if not sweep_families(est):
+        return None
+    cert = pres.plan.certifications[0] if pres is not None and pres.plan.certifications else None
+    metric = cert.metric if cert is not None else next(
+        (m for m in ("mismatch_fraction", "occurrence") if m in est and bool(np.isfinite(est[m]).any())), "occurrence")
+    worse = cert.worse if cert is not None else by_name(metric).worse
+    margin = math.nan if cert is None else (cert.margin if worse == "larger" else -cert.margin)
+    ref = math.nan
+    if cert is not None:
+        if cert.reference != "full":
+            ref = float(cert.reference)
+        elif "full" in [str(p) for p in est["policy"].values]:
+            ref = float(est[metric].sel(policy="full").mean())
+        else:
+            ref = full_model_value(metric, est.attrs.get("horizon"))
+    curves = budget_curves(est, metric, level=level, cross=None if cert is None else ref + margin, worse=worse,
+                           n_resamples=min(n_resamples, 1999), seed=seed)
+    curves.attrs.update(margin=margin, reference_level=ref, certify_id="" if cert is None else cert.id)
+    for fam, why in zip(curves["family"].values, np.ravel(curves["reason"].values), strict=False):
+        if why:
+            notes.append(f"How much can I compress? ({fam}): {why}")
+    return curves
 
 
 def _speculative(traces: xr.Dataset, cost_ratio: float | None, level: float, n_resamples: int, seed: int,

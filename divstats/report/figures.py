@@ -621,3 +621,78 @@ def speculative_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
         _title(ax, "Speculative decoding with the policy as draft" if q != "speedup" else "Speedup", None)
         _legend(ax, agg.sizes["policy"])
     return fig
+
+
+def pareto_front(kept: np.ndarray, value: np.ndarray, worse: str = "larger") -> np.ndarray:
+    """Indices of the points no other point beats on both KV kept (less is better) and value.
+
+    Examples
+    --------
+    >>> pareto_front(np.array([0.9, 0.5, 0.5, 0.3]), np.array([0.01, 0.02, 0.05, 0.2])).tolist()
+    [0, 1, 3]
+    """
+    v = value if worse == "larger" else -value
+    ok = np.isfinite(kept) & np.isfinite(v)
+    front = []
+    for i in np.flatnonzero(ok):
+        beaten = ok & (kept <= kept[i]) & (v <= v[i]) & ((kept < kept[i]) | (v < v[i]))
+        if not beaten.any():
+            front.append(i)
+    return np.array(sorted(front, key=lambda i: -kept[i]), dtype=int)
+
+
+def compression_figure(curves: xr.Dataset, certified: Mapping[tuple[str, Any], str] | None = None) -> Figure:
+    """Each family's curve against KV kept, with its simultaneous band, the margin and the certified budget.
+
+    Parameters
+    ----------
+    curves : xarray.Dataset
+        :func:`divstats.estimation.budget_curves.budget_curves` (with ``margin`` and
+        ``reference_level`` in its attrs when a certification set them).
+    certified : mapping, optional
+        (family, model) -> the certified policy id ("" for none): marked with a star.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One panel per model: lines with pointwise error bars, the shaded band, the
+        dashed margin (reference + margin), stars at certified budgets, and the grey
+        Pareto front of all the methods' points.
+    """
+    models = _models(curves)
+    fig, axes = _panels(len(models), 6.8, 4.4)
+    fams = [str(f) for f in curves["family"].values]
+    colors = {f: _PALETTE[i % len(_PALETTE)] for i, f in enumerate(fams)}
+    metric, worse = curves.attrs.get("metric", ""), curves.attrs.get("worse", "larger")
+    line = float(curves.attrs.get("reference_level", np.nan)) + float(curves.attrs.get("margin", np.nan))
+    for ax, m in zip(axes, models, strict=True):
+        one = curves.sel(model=m) if m is not None else curves
+        pts_k, pts_v = [], []
+        for f in fams:
+            c = one.sel(family=f)
+            k, y = c["kept"].values, c["mean"].values
+            ok = np.isfinite(k) & np.isfinite(y)
+            ax.fill_between(k[ok], c["band_low"].values[ok], c["band_high"].values[ok], color=colors[f], alpha=0.15,
+                            lw=0)
+            err = np.vstack([y - c["low"].values, c["high"].values - y])[:, ok]
+            ax.errorbar(k[ok], y[ok], yerr=np.where(np.isfinite(err), err, 0), color=colors[f], marker="o",
+                        ms=4, capsize=2, label=f)
+            pts_k += list(k[ok])
+            pts_v += list(y[ok])
+            star = (certified or {}).get((f, None if m is None else str(m)), "")
+            if star:
+                j = [str(p) for p in c["policy"].values].index(star)
+                ax.plot([k[j]], [y[j]], marker="*", ms=16, color=colors[f], mec="black", zorder=5)
+        if pts_k:
+            front = pareto_front(np.array(pts_k), np.array(pts_v), worse)
+            ax.plot(np.array(pts_k)[front], np.array(pts_v)[front], color="#777777", lw=1, ls=":",
+                    label="Pareto front")
+        if np.isfinite(line):
+            ax.axhline(line, color="#c44e52", ls="--", lw=1, label="margin")
+        ax.invert_xaxis()
+        ax.set_xlabel("KV kept (fraction of the prompt cache) → more compression")
+        ax.set_ylabel(f"mean {metric} over documents")
+        ax.grid(alpha=0.3)
+        _title(ax, "How much can I compress?", m)
+        _legend(ax, len(fams) + 2)
+    return fig

@@ -19,6 +19,10 @@ from divstats.report import figures as F
 from divstats.report.tables import (
     EXPLORATORY,
     branch_tv_rows,
+    certified_map,
+    compression_rows,
+    compression_status,
+    crossing_rows,
     data_summary,
     decomposition_rows,
     decomposition_table,
@@ -86,6 +90,8 @@ def make_figures(an: Analysis) -> dict[str, Figure]:
         figs["margins"] = F.margin_figure(margins)
     if an.speculative is not None:
         figs["speculative"] = F.speculative_figure(an.speculative, level=an.options["level"])
+    if an.compression is not None:
+        figs["compression"] = F.compression_figure(an.compression, certified_map(an))
     return figs
 
 
@@ -168,6 +174,8 @@ def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
         variance_rows=variance_rows(an.variance) if an.variance is not None else [],
         noise_floor_status=noise_floor_status(an), noise_floor_rows=noise_floor_rows(an),
         speculative_status=speculative_status(an), speculative_rows=speculative_rows(an),
+        compression_status=compression_status(an), compression_rows=compression_rows(an),
+        crossing_rows=crossing_rows(an),
         images={k: base64.b64encode(v).decode() for k, v in figs.items()}, reproduce=reproduce_snippet(an))
 
 
@@ -269,6 +277,12 @@ def render_markdown(an: Analysis) -> str:
     if an.speculative is not None:
         lines += [f"## Speculative decoding — {EXPLORATORY}", "", speculative_status(an), "",
                   _md_table(speculative_rows(an)), ""]
+    if an.compression is not None:
+        lines += ["## How much can I compress?", "", compression_status(an), ""]
+        lines += [f"- {r['certify']} ({r['family']}{'' if r['model'] == '—' else ', ' + r['model']}): {r['verdict']}"
+                  for r in compression_rows(an)] + [""]
+        if crossing_rows(an):
+            lines += [_md_table(crossing_rows(an)), ""]
     dec = decomposition_table(an, shares=False)
     if dec:
         lines += [f"## Gap decomposition — {EXPLORATORY}", "", _md_table(dec), ""]

@@ -144,6 +144,8 @@ def results_dataset(an: Analysis) -> xr.Dataset:
     parts += _plan_parts(an)
     if an.speculative is not None:
         parts.append(_prefixed(an.speculative.drop_attrs(), "speculative_"))
+    if an.compression is not None:
+        parts.append(_compression_dataset(an))
     floor = an.noise_floor
     if floor is not None and floor.data_vars:
         parts.append(_prefixed(floor.drop_attrs(), "noise_floor_"))
@@ -154,6 +156,26 @@ def results_dataset(an: Analysis) -> xr.Dataset:
     out.attrs = _global_attrs(an)
     if floor is not None:  # the control's policy id, or the sentence saying there was none
         out.attrs["noise_floor"] = str(floor.attrs.get("control") or floor.attrs.get("note", ""))
+    return out
+
+
+def _compression_dataset(an: Analysis) -> xr.Dataset:
+    """"How much can I compress?": the curves over (compression_family, compression_budget[, model]) and
+    one row per certification (and model) over ``certification``; every name prefixed, so nothing clashes
+    with the estimates' ``policy``."""
+    c = an.compression
+    names = {n: f"compression_{n}" for n in [*c.data_vars, "family", "budget", "policy", "kept"]}
+    out = c.drop_attrs().rename(names)
+    for v in out.data_vars:
+        if out[v].dtype == object:
+            out[v] = out[v].astype(str)
+    out["compression_policy"] = out["compression_policy"].astype(str)
+    pr = an.plan_result
+    if pr is not None and len(pr.certify):
+        t = pr.certify.reset_index(drop=True)
+        out = out.assign({f"certify_{col}": ("certification", np.array(
+            ["" if v is None else str(v) for v in t[col]], dtype=object) if t[col].dtype == object
+            else t[col].to_numpy()) for col in t.columns})
     return out
 
 

@@ -6,6 +6,7 @@ Markdown summary and any other renderer show the same digits.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
     from divstats.report.analysis import Analysis
 
 __all__ = [
-    "EXPLORATORY", "SUMMARY_QUANTITIES", "branch_tv_rows", "data_summary", "decomposition_rows",
+    "EXPLORATORY", "SUMMARY_QUANTITIES", "branch_tv_rows", "certified_map", "compression_rows", "compression_status",
+    "crossing_rows", "data_summary", "decomposition_rows",
     "decomposition_table", "estimate_rows", "fmt", "fmt_ci", "fmt_p", "noise_floor_rows", "noise_floor_status",
     "plan_rows", "SPECULATIVE_QUANTITIES", "speculative_rows", "speculative_status", "unify", "variance_rows",
 ]
@@ -592,3 +594,85 @@ def speculative_rows(an: Analysis) -> list[dict[str, str]]:
                     row[q] = f"{fmt(cell[q])} {fmt_ci(cell[q + '_low'], cell[q + '_high'])}"
             rows.append(row)
     return rows
+
+
+def certified_map(an: Analysis) -> dict[tuple[str, str | None], str]:
+    """(family key, model) -> the certified policy id ("" for none), for the figure's stars."""
+    out: dict[tuple[str, str | None], str] = {}
+    pr, curves = an.plan_result, an.compression
+    if pr is None or curves is None:
+        return out
+    cid = curves.attrs.get("certify_id", "")
+    for (c_id, model), res in pr.certified.items():
+        if c_id != cid or not res.budgets:
+            continue
+        for fam in curves["family"].values:
+            one = curves.sel(model=model) if model is not None and "model" in curves.dims else curves
+            members = [str(p) for p in one.sel(family=fam)["policy"].values if str(p)]
+            if members == list(res.budgets):
+                out[(str(fam), model)] = res.certified or ""
+    return out
+
+
+def compression_rows(an: Analysis) -> list[dict[str, str]]:
+    """"How much can I compress?": one row per certification (and model), then each family's crossing.
+
+    Returns
+    -------
+    list of dict
+        Display rows: family, model, metric, margin, budgets tested, certified budget with its KV kept,
+        and the verdict in words; empty without policy families.
+    """
+    rows: list[dict[str, str]] = []
+    pr, curves = an.plan_result, an.compression
+    if curves is None:
+        return rows
+    if pr is not None and len(pr.certify):
+        for r in pr.certify.itertuples(index=False):
+            rows.append({"certify": str(r.id), "family": str(r.family), "model": str(r.model or "—"),
+                         "metric": str(r.metric), "margin": f"{r.margin:g}",
+                         "budgets (most KV first)": str(r.budgets).replace(",", ", "),
+                         "tested": str(r.tested), "certified": r.certified or "none",
+                         "KV kept": fmt(r.certified_kept) if r.certified else "—", "verdict": str(r.verdict),
+                         "label": "confirmatory" if r.confirmatory else "exploratory"})
+    return rows
+
+
+def crossing_rows(an: Analysis) -> list[dict[str, str]]:
+    """Each family's crossing of reference + margin (descriptive): KV kept where its curve meets the line."""
+    curves = an.compression
+    if curves is None or not np.isfinite(curves.attrs.get("margin", math.nan)):
+        return []
+    rows = []
+    models = list(curves["model"].values) if "model" in curves.dims else [None]
+    for m in models:
+        one = curves.sel(model=m) if m is not None else curves
+        for fam in one["family"].values:
+            c = one.sel(family=fam)
+            x, lo, hi = (float(c[v]) for v in ("crossing", "crossing_low", "crossing_high"))
+            rows.append({"family": str(fam), "model": "—" if m is None else str(m),
+                         "documents": str(int(c["n_docs"])),
+                         "crossing (KV kept)": fmt(x) if np.isfinite(x) else "not within the family",
+                         "band interval": (f"[{fmt(lo)}, {fmt(hi)}]" if np.isfinite(lo) and np.isfinite(hi)
+                                           else "—")})
+    return rows
+
+
+def compression_status(an: Analysis) -> str:
+    """The section's first sentence: what the curves show and what was certified (or why not)."""
+    curves = an.compression
+    if curves is None:
+        return ""
+    metric, level = curves.attrs.get("metric", ""), curves.attrs.get("level", 0.95)
+    text = (f"Mean {metric} over documents against the KV each policy keeps, per policy family; bars: pointwise "
+            f"{level:.0%} intervals, shaded: a band simultaneous over the family's budgets (studentized max-|t| "
+            f"bootstrap over documents, docs/statistics.md §11); dotted: the Pareto front of every method's points.")
+    if np.isfinite(curves.attrs.get("margin", math.nan)):
+        text += (f" Dashed: reference + margin ({fmt(curves.attrs['reference_level'])} + "
+                 f"{fmt(curves.attrs['margin'])}); ★: the budget certified non-inferior by fixed-sequence tests "
+                 f"from the most to the least KV kept (no adjustment needed; below 50 documents the tests are "
+                 f"refused).")
+    else:
+        text += (" No [[certify]] in the plan: no margin, nothing certified "
+                 "(docs/plans.md, \"How much can I compress?\").")
+    return text
