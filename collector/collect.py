@@ -224,14 +224,32 @@ class _RequestCheck:
         self.ledger.record(header, job.doc.id)
 
 
+# The share of one request's work a streamed record stands for, by record type: a
+# residual request's survival steps and its branches take about as long each
+# (docs/service.md), and it sends one branch record per replicate at most.
+_RECORD_SHARE: dict[str, Callable[[int, int], float]] = {
+    "step": lambda steps, replicates: 1 / steps,
+    "reference_step": lambda steps, replicates: 1 / steps,
+    "shared_step": lambda steps, replicates: 0.5 / steps,
+    "branch": lambda steps, replicates: 0.5 / replicates,
+}
+_UNFINISHED_CAP = 0.99   # a request's bar share before its end record (it may send fewer records)
+
+
 class _Progress:
-    """tqdm on stderr: requests done, tokens/s, retries, servers busy, ETA."""
+    """tqdm on stderr: requests' work done (records streamed, in requests), tokens/s,
+    retries, servers busy, ETA.
+
+    The bar moves with every step record, not only when a request ends: with many
+    requests decoded together, all of them end late and at once."""
 
     def __init__(self, total: int, initial: int, enabled: bool) -> None:
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total, initial=initial, unit="req", desc="collect", file=sys.stderr,
-                        disable=not enabled, dynamic_ncols=True, smoothing=0.1)
+                        disable=not enabled, dynamic_ncols=True, smoothing=0.1,
+                        bar_format="{l_bar}{bar}| {n:.1f}/{total} req [{elapsed}<{remaining}{postfix}]")
+        self.shares: dict[str, float] = {}   # request key -> its share counted so far, in requests
         self.start = time.monotonic()
         self.tokens = 0
         self.retries = 0
@@ -241,9 +259,23 @@ class _Progress:
         self.tokens += n
         self._postfix()
 
-    def done(self) -> None:
-        self.bar.update(1)
+    def record(self, key: str, record_type: str, steps: int, replicates: int) -> None:
+        """A record of request ``key`` arrived: move the bar by the share of work it stands for."""
+        share = _RECORD_SHARE.get(record_type)
+        if share is None:
+            return
+        before = self.shares.get(key, 0.0)
+        after = min(before + share(steps, replicates), _UNFINISHED_CAP)
+        self.shares[key] = after
+        self.bar.update(after - before)
+
+    def done(self, key: str) -> None:
+        self.bar.update(1 - self.shares.pop(key, 0.0))
         self._postfix()
+
+    def undo(self, key: str) -> None:
+        """A request's attempt failed: what it streamed is not work done."""
+        self.bar.update(-self.shares.pop(key, 0.0))
 
     def retry(self) -> None:
         self.retries += 1
@@ -602,6 +634,9 @@ class Collector:
             n = _tokens_in(record)
             stream.job.tokens += n
             self.progress.add_tokens(n)
+            job = stream.job
+            self.progress.record(job.key, record["type"], self.cfg.max_new_tokens,
+                                 self.cfg.replicates_for(job.doc.id, job.policy))
 
     def _complete(self, stream: _Stream) -> None:
         """Check the whole stream and its header, assemble it, then make the request complete."""
@@ -625,9 +660,11 @@ class Collector:
 
     def _settle(self, job: _Job, error: Exception | None) -> None:
         """What one request's attempt comes to: complete, retried or failed."""
+        if error is not None:   # what the attempt streamed is not work done
+            self.progress.undo(job.key)
         if error is None:
             self.result.completed += 1
-            self.progress.done()
+            self.progress.done(job.key)
             self._finish(job, None)
         elif isinstance(error, RetryableError):
             self._retry(job, error)

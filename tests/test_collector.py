@@ -183,3 +183,47 @@ def test_cli_collect_and_pack(fake_server: FakeServer, docs_file: Path, tmp_path
     next((run / "requests").glob("doc1--recent*.ndjson")).unlink()
     res = CliRunner().invoke(pack_cmd, [str(run), "-o", str(tmp_path / "u.nc")])
     assert res.exit_code != 0 and "doc1: recent@0.5" in res.output
+
+
+def test_progress_counts_records_streamed_not_only_finished_requests() -> None:
+    from collector.collect import _Progress
+
+    bar = _Progress(total=3, initial=1, enabled=True)   # one request skipped (already complete)
+    for _ in range(2):
+        bar.record("a", "step", 4, 2)           # coupled: 1/T of a request per step
+    assert bar.bar.n == pytest.approx(1.5)
+    bar.record("b", "shared_step", 4, 2)        # residual: survival half, then branches half
+    bar.record("b", "branch", 4, 2)
+    bar.record("b", "header", 4, 2)             # not work
+    assert bar.bar.n == pytest.approx(1.5 + 0.125 + 0.25)
+    for _ in range(9):
+        bar.record("b", "branch", 4, 2)         # more records than expected: capped below done
+    assert bar.bar.n == pytest.approx(1.5 + 0.99)
+    bar.undo("b")                               # a failed attempt's records are not work done
+    bar.done("a")
+    assert bar.bar.n == pytest.approx(2.0)
+    bar.close()
+
+
+def test_collection_progress_moves_before_any_request_ends(fake_server: FakeServer, docs_file: Path,
+                                                           tmp_path: Path, monkeypatch) -> None:
+    import collector.collect as C
+
+    seen: list[tuple[float, int]] = []
+
+    class Watched(C._Progress):
+        def record(self, *args):
+            super().record(*args)
+            seen.append((self.bar.n, done[0]))
+
+        def done(self, key):
+            done[0] += 1
+            super().done(key)
+            final[0] = self.bar.n
+
+    done, final = [0], [0.0]
+    monkeypatch.setattr(C, "_Progress", Watched)
+    result = collect(_cfg([fake_server.url], docs_file, tmp_path / "run", progress=True))
+    assert result.ok and result.completed == 6
+    assert any(n > 0 and d == 0 for n, d in seen)   # the bar moved before the first request ended
+    assert final[0] == pytest.approx(6)

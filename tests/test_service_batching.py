@@ -28,7 +28,7 @@ from gen_service.engine.facade import Engine
 from gen_service.engine.jobs import CandidateDone, TraceJob
 from gen_service.errors import Cancelled, ConfigError
 from gen_service.models.loading import load_model
-from gen_service.serving.batching import BatchEntry, BatchLoop
+from gen_service.serving.batching import BatchEntry, BatchingChoice, BatchLoop
 from gen_service.serving.service import Metrics, ServiceConfig
 from protocols import assemble, read_stream
 
@@ -214,6 +214,27 @@ def test_the_budget_and_max_requests_bound_the_batch(lm, monkeypatch):
 def test_max_batch_requests_config():
     with pytest.raises(ConfigError, match="--max-batch-requests"):
         ServiceConfig(max_batch_requests=0)
+    assert ServiceConfig().max_batch_requests is None   # chosen by device when the server starts
+
+
+@pytest.mark.parametrize("device, flag, expected, why", [
+    ("cpu", None, 1, "0.77x"),          # measured slower batched on CPU: one at a time
+    ("cuda", None, 8, "CUDA default"),
+    ("mps", None, 1, "without a measurement"),
+    ("cpu", 8, 8, "--max-batch-requests 8"),   # the flag wins
+])
+def test_max_batch_requests_default_by_device(device, flag, expected, why):
+    choice = BatchingChoice.for_device(device, flag)
+    assert choice.max_requests == expected and why in choice.why
+    assert choice.info() == {"max_batch_requests": expected, "max_batch_requests_why": choice.why}
+
+
+@pytest.mark.service
+def test_a_cpu_server_runs_one_request_at_a_time_by_default():
+    from gen_service.api.cli import build_service
+
+    _, service = build_service("tiny:llama")
+    assert service.batch is None and service.batching == BatchingChoice.for_device("cpu", None)
     with pytest.raises(ValueError, match="max_requests"):
         BatchLoop(Inline(), lambda: None, 0, 1, Metrics())
 
@@ -273,7 +294,8 @@ def test_http_max_batch_requests_1_runs_each_request_alone():
     try:
         assert s.service.batch is None   # the unbatched path: Engine.trace alone on the model thread
         with httpx.Client(base_url=s.url, timeout=60) as c:
-            assert c.get("/info").json()["kvdiv"]["max_batch_requests"] == 1
+            info = c.get("/info").json()["kvdiv"]
+            assert info["max_batch_requests"] == 1 and info["max_batch_requests_why"] == "--max-batch-requests 1"
             r = c.post("/v1/traces", json={"inputs": PROMPT, "candidate": "snapkv@0.5", "replicates": 2,
                                            "parameters": {"max_new_tokens": 4, "seed": 3}})
             assert r.status_code == 200

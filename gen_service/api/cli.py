@@ -146,9 +146,10 @@ def _quiet_libraries() -> None:
 @click.option("--cuda-graphs/--no-cuda-graphs", default=False, show_default=True,
               help="Capture the stacked decoding forward as a CUDA graph and replay it at each step "
                    "(static shapes; CUDA only, refused on another device).")
-@click.option("--max-batch-requests", default=8, show_default=True, type=click.IntRange(1),
+@click.option("--max-batch-requests", default=None, type=click.IntRange(1),
               help="Concurrent /v1/traces requests decoded in one batch (continuous batching; traces equal each "
-                   "request's alone to rounding); 1: one request at a time.")
+                   "request's alone to rounding); 1: one request at a time. Default: by device, what was "
+                   "measured faster (CPU 1, CUDA 8; /info says which and why).")
 @click.option("--log-level", default="info", show_default=True)
 def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replicates, memory_budget, max_queue,
           device, dtype, press, press_option, max_input_bytes, max_body_bytes, body_timeout, max_request_seconds,

@@ -288,8 +288,8 @@ async def info(request: Request) -> Response:
                   "fused_forward": svc.engine.fusion_info(),
                   # stacked decoding forwards replayed as CUDA graphs (null: off)
                   "cuda_graphs": None if svc.engine.cuda_graphs is None else svc.engine.cuda_graphs.info(),
-                  # concurrent /v1/traces requests decoded in one batch (docs/service.md)
-                  "max_batch_requests": cfg.max_batch_requests,
+                  # concurrent /v1/traces requests decoded in one batch, and why that many (docs/service.md)
+                  **svc.batching.info(),
                   **svc.memory.info()},
     })
 

@@ -2,7 +2,7 @@
 
 A thin facade over the package's functions (prefill, the decoding loops, the
 scheduler, TGI generate): it holds the model, the policy registry and the settings the
-operator and the benchmarks change on a live engine (``shared_prompt``,
+operator and the benchmarks change on a live engine (``shared_prompt``, ``shared_prefill``,
 ``force_replay``, ``batch_candidates``, ``fuse``, ``readback_every``). Its underscored methods are the
 seams the tests and benchmarks patch or call (``_decode``, ``_run_forward``, ``_forward_stacked``):
 the facade routes through them so a patch on an instance takes effect. Choosing the
@@ -29,7 +29,7 @@ from gen_service.engine.graphs import CudaGraphs
 from gen_service.engine.header import header
 from gen_service.engine.jobs import TraceJob, check, draw_seed, seeded
 from gen_service.engine.loops import decode
-from gen_service.engine.prefill import prefill, prefill_pair
+from gen_service.engine.prefill import prefill, prefill_document, prefill_pair
 from gen_service.engine.readback import READBACK_EVERY
 from gen_service.engine.scheduler import Runner, run_steps, steps, steps_many
 from gen_service.engine.sides import Forward, Prefilled, Side
@@ -52,6 +52,9 @@ class Engine:
         self.device = lm.device
         # store the prompt once for all rows where the side allows (gen_service/attention/shared_cache.py)
         self.shared_prompt = shared_prompt
+        # a multi-candidate request prefills P's prompt once for all its candidates
+        # (False: one prefill per candidate, the earlier way; benchmarks compare the two)
+        self.shared_prefill = True
         # replay residual branches even when they could be prefixes of the survival
         # caches (benchmarks measure the replay's price with it)
         self.force_replay = False
@@ -77,6 +80,15 @@ class Engine:
                      question_ids: Sequence[int] = ()) -> tuple[Prefilled, Prefilled]:
         """P's and Q's prompt states (:func:`gen_service.engine.prefill.prefill_pair`)."""
         return prefill_pair(self.model, ref, cand, prompt_ids, question_ids)
+
+    def prefill_document(self, ref: Policy, cands: Sequence[Policy], prompt_ids: list[int],
+                         question_ids: Sequence[int] = ()) -> list[tuple[Prefilled, Prefilled] | Exception]:
+        """Every candidate's P and Q prompt states for one document: P's prompt prefilled and
+        stored once (:func:`gen_service.engine.prefill.prefill_document`), or, with
+        ``shared_prefill`` off, one :meth:`prefill_pair` per candidate as before."""
+        if self.shared_prefill:
+            return prefill_document(self.model, ref, cands, prompt_ids, question_ids)
+        return [_attempt(lambda c=c: self.prefill_pair(ref, c, prompt_ids, question_ids)) for c in cands]
 
     def forward(self, side: Side, tokens: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
@@ -170,19 +182,20 @@ class Engine:
         """Several candidates against one reference, on one prompt, in one request
         (:meth:`trace` of a job with ``candidates``).
 
-        Each candidate is prefilled exactly as its own request would be
-        (:meth:`prefill_pair`: kvpress compresses inside the prefill forward, so every
-        candidate needs its forward over the prompt; P's full cache comes out of the
-        same forward) and decodes with its own generator seeded with its own seed,
-        drawing the same random numbers in the same order as its own request. Only the
-        forwards are shared (:func:`gen_service.engine.scheduler.drive_many`): sides on
-        the shared prompt path run stacked in one batch, P rows with P rows and Q rows
-        with Q rows; sides that cannot stack (per-head masks, decoding-time presses,
-        per-row copies) run their own forwards, exactly as alone. Stacking changes only
-        the batch of the row-wise matmuls, whose last bits depend on the batch size on
-        CPU, so traces equal one request per candidate to floating-point rounding (the
-        tests find the same tokens); ``batch_candidates = False`` runs every forward
-        alone and gives bit-identical traces.
+        P's prompt is prefilled once for all candidates (:meth:`prefill_document`):
+        every candidate whose press compresses after each layer's attention derives its
+        cache from that one forward, bit for bit what its own forward would give; the
+        others prefill Q by a forward of their own. Each candidate then decodes with its
+        own generator seeded with its own seed, drawing the same random numbers in the
+        same order as its own request. Only the forwards are shared
+        (:func:`gen_service.engine.scheduler.drive_many`): sides on the shared prompt
+        path run stacked in one batch, P rows with P rows and Q rows with Q rows; sides
+        that cannot stack (per-head masks, decoding-time presses, per-row copies) run
+        their own forwards, exactly as alone. Stacking changes only the batch of the
+        row-wise matmuls, whose last bits depend on the batch size on CPU, so traces
+        equal one request per candidate to floating-point rounding (the tests find the
+        same tokens); ``batch_candidates = False`` runs every forward alone and gives
+        bit-identical traces.
 
         Yields
         ------
@@ -205,15 +218,18 @@ class Engine:
         ref = self.registry.build(job.reference, info)
         runs, headers = [], []
         seeds = job.seeds or [None] * len(job.candidates)
-        for i, (policy, seed) in enumerate(zip(job.candidates, seeds, strict=True)):
-            check(cancelled)
-            try:
-                cand = self.registry.build(policy, info)
-                p0, q0 = self.prefill_pair(ref, cand, job.prompt_ids, job.question_ids)
-            except Cancelled:
-                raise
-            except Exception as exc:
-                raise CandidateError(i, policy, exc) from exc
+        cands = [_attempt(lambda p=policy: self.registry.build(p, info)) for policy in job.candidates]
+        check(cancelled)
+        built = [c for c in cands if not isinstance(c, Exception)]
+        pairs = iter(self.prefill_document(ref, built, job.prompt_ids, job.question_ids))
+        check(cancelled)
+        for i, (policy, seed, cand) in enumerate(zip(job.candidates, seeds, cands, strict=True)):
+            pair = cand if isinstance(cand, Exception) else next(pairs)
+            if isinstance(pair, Cancelled):
+                raise pair
+            if isinstance(pair, Exception):   # the first failing candidate is the request's 422
+                raise CandidateError(i, policy, pair) from pair
+            p0, q0 = pair
             seed = seed if seed is not None else draw_seed()
             one = replace(job, candidate=policy, seed=seed, candidates=[], seeds=[])
             runs.append((one, seed, p0, q0))
@@ -240,3 +256,11 @@ class Engine:
     def prompt_logprobs(self, prompt_ids: list[int]) -> list[float | None]:
         """Log-probabilities of each prompt token under the full model (TGI prefill details)."""
         return prompt_logprobs(self.model, prompt_ids)
+
+
+def _attempt(make: Callable[[], Any]) -> Any:
+    """``make()``, or the exception it raised (one candidate's failure, reported in order)."""
+    try:
+        return make()
+    except Exception as exc:
+        return exc

@@ -4,26 +4,33 @@ kvpress compresses inside the prefill forward: each layer attends to the whole p
 and its cache is compressed right after that layer, so the step-1 logits are the full
 model's whatever the press. A question is prefilled after compression, as kvpress's
 pipeline does, and is never compressed.
+
+A document's several candidates share one forward (:func:`prefill_document`): P's
+full cache is that forward's, and every press that only compresses after each layer's
+attention (:func:`gen_service.presses.traits.compresses_after_attention`) compresses a
+copy of each layer's keys and values inside it, as its own forward would have.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from gen_service.attention.head_masks import indices_to_mask
 from gen_service.engine.forwards import attention_layers, eager_attention, run_side
 from gen_service.engine.sides import Prefilled, Side, cache_lengths
 from gen_service.models.float_head import logits as fp32_logits
 from gen_service.presses.registry import Policy, PressPlan
-from gen_service.presses.traits import wants_eager
+from gen_service.presses.traits import compresses_after_attention, wants_eager
 
-__all__ = ["prefill", "prefill_pair", "prefill_question"]
+__all__ = ["derives_from_full_forward", "prefill", "prefill_document", "prefill_pair", "prefill_question"]
 
 
 @torch.inference_mode()
@@ -42,8 +49,9 @@ def prefill(model: torch.nn.Module, policy: Policy, prompt_ids: list[int],
 
 
 def _finish(model: torch.nn.Module, plan: PressPlan, cache: DynamicCache, logits: torch.Tensor, context_len: int,
-            question_ids: Sequence[int]) -> Prefilled:
-    side = Side(cache, context_len, masks=_take_masks(model, cache), press=plan.press if plan.decoding else None)
+            question_ids: Sequence[int], indices: list[Any] | None = None) -> Prefilled:
+    masks = _take_masks(model, cache) if indices is None else _masks_of(indices, cache)
+    side = Side(cache, context_len, masks=masks, press=plan.press if plan.decoding else None)
     if plan.rerotates:  # kept keys were re-rotated to 0..kept-1: continue from there (as kvpress does)
         side.next_pos = cache_lengths(cache)[0]
     kept = side.kept()
@@ -71,11 +79,19 @@ def prefill_question(model: torch.nn.Module, side: Side, question_ids: list[int]
 def _take_masks(model: torch.nn.Module, cache: DynamicCache) -> list[torch.Tensor | None] | None:
     """Move head-wise masks (kvpress's ``masked_key_indices``, left on the shared
     modules for batch 1) into the side that owns them, as boolean (1, heads, slots)."""
-    masks: list[torch.Tensor | None] = []
-    for attn, layer in zip(attention_layers(model), cache.layers, strict=True):
-        idx = getattr(attn, "masked_key_indices", None)
-        attn.masked_key_indices = None
-        masks.append(None if idx is None else indices_to_mask(idx, 1, layer.keys.shape[1], layer.keys.shape[-2]))
+    return _masks_of([_take_indices(attn) for attn in attention_layers(model)], cache)
+
+
+def _take_indices(attn: torch.nn.Module) -> Any:
+    idx = getattr(attn, "masked_key_indices", None)
+    attn.masked_key_indices = None
+    return idx
+
+
+def _masks_of(indices: list[Any], cache: DynamicCache) -> list[torch.Tensor | None] | None:
+    """Per-layer ``masked_key_indices`` as boolean (1, heads, slots) masks (None: no layer masks)."""
+    masks = [None if idx is None else indices_to_mask(idx, 1, layer.keys.shape[1], layer.keys.shape[-2])
+             for idx, layer in zip(indices, cache.layers, strict=True)]
     return masks if any(m is not None for m in masks) else None
 
 
@@ -117,3 +133,130 @@ def prefill_pair(model: torch.nn.Module, ref: Policy, cand: Policy, prompt_ids: 
         logits = prefill_question(model, q0.side, list(question_ids))
         q0 = replace(q0, logits=logits, kept_slots=cache_lengths(q0.cache))   # slots after the question
     return p0, q0
+
+
+def derives_from_full_forward(plan: PressPlan) -> bool:
+    """Whether a policy's prompt state comes out of the document's one full forward
+    (:func:`prefill_document`): no press, or one that only compresses after each
+    layer's attention, on a plain (not quantized) cache."""
+    return plan.quant is None and not plan.decoding and compresses_after_attention(plan.press)
+
+
+def _aliased(cache: DynamicCache) -> DynamicCache:
+    """A cache object of its own over the same tensors. Nothing edits a prompt's tensors
+    in place (decoding appends by concatenation or into buffers of its own, and the
+    shared prompt path copies the prompt into its pool), so sides may share them."""
+    out = DynamicCache()
+    for layer in cache.layers:
+        new = DynamicLayer()
+        new.lazy_initialization(layer.keys, layer.values)
+        new.keys, new.values = layer.keys, layer.values
+        out.layers.append(new)
+    return out
+
+
+def _shared(pre: Prefilled, plan: PressPlan | None = None) -> Prefilled:
+    """``pre`` over the same tensors, in a side of its own (each candidate decodes its own rows)."""
+    side = Side(_aliased(pre.cache), pre.side.next_pos, pre.side.masks, pre.side.press)
+    return replace(pre, side=side, plan=pre.plan if plan is None else plan)
+
+
+class _Derived:
+    """One candidate's press run inside the document's forward on a copy of each layer's
+    full keys and values, as kvpress's own hook would run it inside a forward of its own."""
+
+    def __init__(self, plan: PressPlan):
+        self.plan, self.cache = plan, DynamicCache()
+        self.indices: list[Any] = []     # per layer: the press's masked_key_indices (head-wise presses)
+        self.error: Exception | None = None
+        self.hook = plan.press.forward_hook   # bound now: kvpress's context gets a stand-in (below)
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        idx = module.layer_idx
+        full = kwargs["past_key_values"].layers[idx]
+        # a copy (DynamicLayer.update concatenates): the press compresses its own
+        self.cache.update(full.keys, full.values, idx)
+        if self.error is None:
+            try:
+                self.hook(module, args, {**kwargs, "past_key_values": self.cache}, output)
+            except Exception as exc:   # this candidate's failure: the forward goes on for the others
+                self.error = exc
+        # head-wise presses leave their indices on the shared module: each candidate keeps its own
+        self.indices.append(_take_indices(module))
+
+    @contextlib.contextmanager
+    def setup(self, model: torch.nn.Module) -> Iterator[None]:
+        """kvpress's own context for the press (``post_init_from_model``, the layers'
+        ``rotary_emb``), with a hook that does nothing in place of the press's: the
+        candidate's hook is :meth:`__call__`."""
+        press = self.plan.press
+        press.forward_hook = _unhooked
+        try:
+            with press(model):
+                yield
+        finally:
+            del press.forward_hook
+
+
+def _unhooked(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    return None
+
+
+@torch.inference_mode()
+def prefill_document(model: torch.nn.Module, ref: Policy, cands: Sequence[Policy], prompt_ids: list[int],
+                     question_ids: Sequence[int] = ()) -> list[tuple[Prefilled, Prefilled] | Exception]:
+    """P's and every candidate's Q's prompt states for one document, P's prompt prefilled once.
+
+    One forward of the full model over the prompt gives P's cache. Each candidate whose
+    press only compresses after each layer's attention (:func:`derives_from_full_forward`)
+    compresses a copy of each layer's keys and values inside that forward, handed the
+    hidden states and keyword arguments its own forward would hand it (they are the
+    full model's: compression follows each layer's attention), so its cache is bit for
+    bit the one its own forward builds. The others (presses that change the forward,
+    act while decoding or score with attention weights; quantized caches) prefill Q by
+    a forward of their own and share P. Every candidate's P side holds the same tensors,
+    and so does the full control's Q side: the prompt is stored once. With a press on
+    the reference, every candidate is prefilled on its own (:func:`prefill_pair`).
+
+    Returns
+    -------
+    list
+        Per candidate, ``(p0, q0)``, or the exception its prefill raised.
+    """
+    L = len(prompt_ids)
+    ref_plan = ref.plan(L)
+    if ref_plan.press is not None or ref_plan.quant is not None:
+        return [_attempt(lambda c=c: prefill_pair(model, ref, c, prompt_ids, question_ids)) for c in cands]
+    plans = [c.plan(L) for c in cands]
+    derived = {i: _Derived(plan) for i, plan in enumerate(plans)
+               if plan.press is not None and derives_from_full_forward(plan)}
+    cache = DynamicCache()
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
+    positions = torch.arange(L, device=model.device)[None]
+    with contextlib.ExitStack() as stack:
+        for d in derived.values():
+            stack.enter_context(d.setup(model))
+        for attn in attention_layers(model):
+            for d in derived.values():   # each layer: every candidate's press, in candidate order
+                stack.callback(attn.register_forward_hook(d, with_kwargs=True).remove)
+        logits = fp32_logits(model, 1, input_ids=ids, past_key_values=cache, position_ids=positions)[:, -1]
+    p0 = _finish(model, ref_plan, cache, logits, L, question_ids, [None] * len(cache.layers))
+    results: list[tuple[Prefilled, Prefilled] | Exception] = []
+    for i, (cand, plan) in enumerate(zip(cands, plans, strict=True)):
+        d = derived.get(i)
+        if d is not None:
+            results.append(d.error or _attempt(lambda d=d: (_shared(p0), _finish(
+                model, d.plan, d.cache, logits, L, question_ids, d.indices))))
+        elif plan.press is None and plan.quant is None:    # the full control: Q is P
+            results.append((_shared(p0), _shared(p0, plan)))
+        else:
+            results.append(_attempt(lambda c=cand: (_shared(p0), prefill(model, c, prompt_ids, question_ids))))
+    return results
+
+
+def _attempt(prefill_one: Callable[[], Any]) -> Any:
+    """``prefill_one()``, or the exception it raised (it is that candidate's alone)."""
+    try:
+        return prefill_one()
+    except Exception as exc:
+        return exc

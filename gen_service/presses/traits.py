@@ -23,8 +23,8 @@ from typing import Any
 from gen_service.errors import PolicyError
 from gen_service.presses.table import PRESSES, lineage
 
-__all__ = ["ROW_STATE", "acts_while_decoding", "check_quantizable", "iter_presses", "repeat_rows", "rerotates",
-           "wants_eager"]
+__all__ = ["ROW_STATE", "acts_while_decoding", "check_quantizable", "compresses_after_attention", "iter_presses",
+           "repeat_rows", "rerotates", "wants_eager"]
 
 # Per-layer state a decoding press keeps across forwards, batch first (the table's
 # ``row_state``): kvpress's DecodingPress buffers its hidden states, DMSPress its scores,
@@ -67,6 +67,35 @@ def rerotates(press: Any) -> bool:
 def wants_eager(press: Any) -> bool:
     """Presses that score with the attention weights (only eager attention returns them)."""
     return press is not None and any(_has(p, "eager") for p in iter_presses(press))
+
+
+def compresses_after_attention(press: Any) -> bool:
+    """Whether the press only compresses each layer's cache in kvpress's hook after that
+    layer's attention, reading what the full model's forward computes there.
+
+    Such a press leaves the forward the full model's, so its compressed cache can be
+    derived from the one forward a document's prefill runs for P (and for every other
+    candidate of that kind): :func:`gen_service.engine.prefill.prefill_document`. Not
+    so, and prefilled by a forward of their own: presses that change the forward or
+    the model (their own context manager: FinchPress, KVzip & co.), that have their own
+    hook (decoding-time presses, DMS, CAM, RestoreKV, ...), that score with attention
+    weights (eager attention: ObservedAttention, KVCompose), and those that draw from
+    the global random generator (an unseeded RandomPress: the draws would interleave
+    with the other candidates' layer by layer). :data:`None` (no press) qualifies.
+    """
+    if press is None:
+        return True
+    from kvpress import BasePress, ComposedPress, PerLayerCompressionPress, RandomPress
+
+    delegating = (ComposedPress, PerLayerCompressionPress)   # their hooks call their inner presses' hooks
+    if wants_eager(press) or acts_while_decoding(press):
+        return False
+    for p in iter_presses(press):
+        own_hook = type(p).forward_hook is not BasePress.forward_hook and not isinstance(p, delegating)
+        own_context = type(p).__call__ is not BasePress.__call__
+        if own_hook or own_context or (isinstance(p, RandomPress) and p.seed is None):
+            return False
+    return True
 
 
 def repeat_rows(press: Any, n: int) -> None:

@@ -37,10 +37,13 @@ the (L, V) float32 logits and their log-softmax) when asked for.
 the device's free memory, or of available RAM on CPU, measured at start) and refuses
 one that never can with :class:`RequestTooLarge`, whose message carries the numbers
 and names the candidates that keep per-row copies of the prompt.
-With continuous batching (``--max-batch-requests``, gen_service/serving/batching.py) several
-trace requests decode at once: a request that fits joins the batch only while its
-estimate and the live requests' add up to the budget, and waits otherwise; alone it
-always fits.
+With continuous batching (``--max-batch-requests``, gen_service/serving/batching.py)
+several trace requests decode at once: a request that fits joins the batch only while
+the merged batch's estimate fits the budget, and waits otherwise; alone it always fits.
+A merged batch pads every prompt to the longest in it (the stacked forwards' pooled
+prompts) and sizes every row's buffers for the largest T, so :func:`batch_bytes`
+counts each request (:class:`TraceSize`) at the batch's longest prompt and largest T,
+not at its own.
 """
 
 from __future__ import annotations
@@ -54,9 +57,9 @@ from gen_service.errors import RequestTooLarge
 from gen_service.presses.traits import wants_eager
 from protocols import WIRE_KINDS, Kind
 
-__all__ = ["CandidateMemory", "MemoryEstimate", "MemoryGate", "ModelShape", "SideMemory",
-           "available_memory", "eager_attention_bytes", "estimate", "estimate_generate", "parse_budget",
-           "prefill_bytes", "prompt_logprobs_bytes"]
+__all__ = ["CandidateMemory", "MemoryEstimate", "MemoryGate", "ModelShape", "SideMemory", "TraceSize",
+           "available_memory", "batch_bytes", "eager_attention_bytes", "estimate", "estimate_generate",
+           "parse_budget", "prefill_bytes", "prompt_logprobs_bytes"]
 
 DEFAULT_FRACTION = 0.8
 # (R, vocab) float32 tensors alive at once in a coupled step: P's and Q's logits and
@@ -287,7 +290,8 @@ class CandidateMemory:
 
 def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
              shared_prompt: bool = True, candidates: int = 1,
-             sides: Sequence[CandidateMemory] | None = None, top_logprobs: int = 0) -> MemoryEstimate:
+             sides: Sequence[CandidateMemory] | None = None, top_logprobs: int = 0,
+             batch_prompt_tokens: int | None = None) -> MemoryEstimate:
     """Peak memory of one trace request beyond the weights.
 
     Parameters
@@ -314,6 +318,10 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
         candidates whose sides all follow ``shared_prompt``.
     top_logprobs : int
         k of the logit traces (0: none), see the module docstring.
+    batch_prompt_tokens : int, optional
+        The longest prompt of the decoding batch the request shares (:func:`batch_bytes`):
+        its pooled prompt is padded to it and its rows attend over that many slots. Its
+        own caches and prefill keep ``prompt_tokens``.
 
     Returns
     -------
@@ -349,6 +357,7 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
                          f"{horizon}, {len(sides)}")
     token = shape.kv_bytes_per_token
     slots = horizon * (2 if kind == Kind.RESIDUAL else 1)
+    padded = max(prompt_tokens, batch_prompt_tokens or 0)
     prompt_kv = transient = pooled = 0
     for cand in sides:
         for side in (cand.p, cand.q):
@@ -357,7 +366,7 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
             transient += side.transient(shape) * rows * (kept + slots) * token // shape.layers
             # stacked forwards pool the shared sides' prompts, padded to the longest
             # (gen_service.attention.shared_cache._Pool), next to the old tensors while it is built
-            pooled += prompt_tokens * token if side.shared else 0
+            pooled += padded * token if side.shared else 0
     rows *= len(sides)   # every candidate's rows, decoded together
     row_kv = 2 * rows * slots * token
     transient += pooled + (row_kv if pooled else 0)   # and the rows' buffers, copied once into it
@@ -368,7 +377,7 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
     # prefills run one at a time (the question after it is short): the largest counts
     eager = any(side.eager for cand in sides for side in (cand.p, cand.q))
     prefill = prefill_bytes(shape, prompt_tokens, eager)
-    keys = prompt_tokens + slots
+    keys = padded + slots
     decode = (2 * rows * mlp * b                       # P's and Q's rows in one forward when fused
               + 2 * shape.q_heads * rows * keys * 4         # one layer's scores and weights, float32
               + (COUPLING_TENSORS + (LOGIT_TENSORS if top_logprobs else 0)) * rows * shape.vocab * 4
@@ -502,6 +511,12 @@ class MemoryGate:
         return estimate(self.shape, rows, prompt_tokens, horizon, kind, self.shared_prompt, candidates, sides,
                         top_logprobs)
 
+    def size(self, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled", candidates: int = 1,
+             sides: Sequence[CandidateMemory] | None = None, top_logprobs: int = 0) -> TraceSize:
+        """A request's :class:`TraceSize` with the gate's shapes (what the batch counts)."""
+        return TraceSize(self.shape, rows, prompt_tokens, horizon, kind, self.shared_prompt, candidates,
+                         None if sides is None else tuple(sides), top_logprobs)
+
     def admit(self, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
               candidates: int = 1, sides: Sequence[CandidateMemory] | None = None,
               top_logprobs: int = 0) -> MemoryEstimate:
@@ -597,6 +612,64 @@ class MemoryGate:
         """What /info reports: the budget and the shapes it sizes requests with."""
         return {"memory_budget": self.budget, "kv_bytes_per_token": self.shape.kv_bytes_per_token,
                 "shared_prompt": self.shared_prompt, "fp32_head_bytes": self.head_bytes}
+
+
+@dataclass(frozen=True)
+class TraceSize:
+    """One trace request's memory as the decoding batch counts it: its own estimate, and
+    its estimate inside a merged batch (:func:`batch_bytes`).
+
+    Examples
+    --------
+    >>> s = ModelShape(layers=2, q_heads=4, kv_heads=2, head_dim=16, hidden=64, intermediate=128, vocab=320)
+    >>> a, b = TraceSize(s, rows=8, prompt_tokens=50, horizon=64), TraceSize(s, rows=8, prompt_tokens=400, horizon=8)
+    >>> a.within(400, 64) > a.total and a.within(10, 8) == a.total
+    True
+    """
+
+    shape: ModelShape
+    rows: int
+    prompt_tokens: int
+    horizon: int
+    kind: str = "coupled"
+    shared_prompt: bool = True
+    candidates: int = 1
+    sides: tuple[CandidateMemory, ...] | None = None
+    top_logprobs: int = 0
+
+    @property
+    def total(self) -> int:
+        """Its estimate alone (what the 422 check compares with the budget)."""
+        return self.within(self.prompt_tokens, self.horizon)
+
+    def within(self, prompt_tokens: int, horizon: int) -> int:
+        """Its estimate in a batch whose longest prompt and largest T are these (never
+        below its own): its pooled prompt padded to the longest, its rows' buffers sized
+        for the largest T, its attention over both; its own caches and prefill as alone."""
+        return estimate(self.shape, self.rows, self.prompt_tokens, max(horizon, self.horizon), self.kind,
+                        self.shared_prompt, self.candidates, self.sides, self.top_logprobs,
+                        batch_prompt_tokens=prompt_tokens).total
+
+
+def batch_bytes(sizes: Sequence[TraceSize]) -> int:
+    """What a merged decoding batch of these requests holds at its peak (an upper bound):
+    every request at the batch's longest prompt and largest T. The stacked forwards pool
+    every group's prompt padded to the longest (gen_service.attention.shared_cache._Pool) and size
+    every row's buffer for the largest capacity, and one layer's attention over them.
+
+    Examples
+    --------
+    >>> s = ModelShape(layers=2, q_heads=4, kv_heads=2, head_dim=16, hidden=64, intermediate=128, vocab=320)
+    >>> small = [TraceSize(s, rows=8, prompt_tokens=50, horizon=64)] * 7
+    >>> big = TraceSize(s, rows=8, prompt_tokens=50, horizon=256)
+    >>> batch_bytes(small + [big]) > sum(x.total for x in small + [big])
+    True
+    """
+    if not sizes:
+        return 0
+    longest = max(x.prompt_tokens for x in sizes)
+    widest = max(x.horizon for x in sizes)
+    return sum(x.within(longest, widest) for x in sizes)
 
 
 def parse_budget(text: str | float | None) -> float | None:

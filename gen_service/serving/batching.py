@@ -41,6 +41,53 @@ from typing import Any, Protocol
 from gen_service.attention.shared_cache import stackable
 from gen_service.engine.scheduler import Ask, Runner, run_forwards
 from gen_service.errors import Cancelled
+from gen_service.serving.admission import TraceSize, batch_bytes
+
+# ``--max-batch-requests`` when the flag is not given, by the device type the model runs
+# on: (requests, why). Batching must never make a collection slower than one request at
+# a time, so a device keeps 1 until a measurement on it says otherwise.
+BATCH_DEFAULTS: dict[str, tuple[int, str]] = {
+    "cpu": (1, "CPU default: continuous batching measured 0.77x one request at a time on a 2-core CPU "
+               "(8 documents x 4 policies + control, SmolLM2, R=4, T=8; docs/service.md): a CPU step is "
+               "compute-bound, and merging pads every prompt to the batch's longest"),
+    "cuda": (8, "CUDA default: a decoding step is bound by launches and weight reads, which merged "
+                "requests share"),
+}
+_UNMEASURED = (1, "default for a device type without a measurement: one request at a time is never slower")
+
+
+@dataclass(frozen=True)
+class BatchingChoice:
+    """How many ``/v1/traces`` requests decode in one batch, and why (``/info``).
+
+    Examples
+    --------
+    >>> BatchingChoice.for_device("cpu", None).max_requests
+    1
+    >>> BatchingChoice.for_device("cpu", 8).why
+    '--max-batch-requests 8'
+    """
+
+    max_requests: int
+    why: str
+
+    @classmethod
+    def for_device(cls, device_type: str, flag: int | None) -> BatchingChoice:
+        """The flag when given, else the device type's row of :data:`BATCH_DEFAULTS`."""
+        if flag is not None:
+            return cls(flag, f"--max-batch-requests {flag}")
+        return cls(*BATCH_DEFAULTS.get(device_type, _UNMEASURED))
+
+    def info(self) -> dict[str, Any]:
+        return {"max_batch_requests": self.max_requests, "max_batch_requests_why": self.why}
+
+
+def merged_bytes(entries: list[BatchEntry]) -> int:
+    """What these requests hold decoded together: the sized ones each at the batch's
+    longest prompt and largest T (:func:`gen_service.serving.admission.batch_bytes`: the stacked
+    forwards pad to both), plus the fixed costs."""
+    sized = [e.cost for e in entries if isinstance(e.cost, TraceSize)]
+    return batch_bytes(sized) + sum(e.cost or 0 for e in entries if not isinstance(e.cost, TraceSize))
 
 
 class WorkStream(Protocol):
@@ -60,7 +107,7 @@ class Metrics(Protocol):
     batch_waiting: Any
     batch_occupancy: Any
 
-__all__ = ["BatchLoop", "BatchEntry"]
+__all__ = ["BatchLoop", "BatchEntry", "BatchingChoice", "BATCH_DEFAULTS", "merged_bytes"]
 
 log = logging.getLogger("kvdiv.service")
 
@@ -69,12 +116,14 @@ log = logging.getLogger("kvdiv.service")
 class BatchEntry:
     """One request in the batch: its stream, how to make its steps, what it costs.
 
-    ``cost`` is its memory estimate in bytes (:meth:`gen_service.serving.admission.MemoryGate.admit`),
-    ``rows`` its decoding rows (R × candidates) for ``/metrics``."""
+    ``cost`` is its memory: a :class:`gen_service.serving.admission.TraceSize`, counted at
+    the merged batch's longest prompt and largest T
+    (:func:`~gen_service.serving.admission.batch_bytes`), or fixed bytes; ``rows`` its
+    decoding rows (R × candidates) for ``/metrics``."""
 
     stream: WorkStream
     make: Callable[[Callable[[], bool]], Iterator[Any]]
-    cost: int = 0
+    cost: TraceSize | int | None = 0
     rows: int = 0
     steps: Iterator[Any] | None = None
     answer: Any = None
@@ -151,13 +200,10 @@ class BatchLoop:
         should give the thread back (nothing live, and nothing admissible now)."""
         with self._lock:
             st = self._state
-            used = sum(e.cost for e in live)
             while st.pending and len(live) < self.max_requests and not st.plain_waiting:
-                if live and used + st.pending[0].cost > self.budget:
+                if live and merged_bytes([*live, st.pending[0]]) > self.budget:
                     break
-                entry = st.pending.popleft()
-                live.append(entry)
-                used += entry.cost
+                live.append(st.pending.popleft())
             self.metrics.batch_waiting.set(len(st.pending))
             if live:
                 return True

@@ -33,8 +33,8 @@ from gen_service.errors import ApiError, Cancelled, ConfigError, PolicyError, Re
 from gen_service.models.loading import context_question_ids
 from gen_service.presses.registry import ModelInfo
 from gen_service.presses.traits import wants_eager
-from gen_service.serving.admission import MemoryGate
-from gen_service.serving.batching import BatchEntry, BatchLoop
+from gen_service.serving.admission import MemoryGate, TraceSize
+from gen_service.serving.batching import BatchEntry, BatchingChoice, BatchLoop
 from gen_service.serving.limits import MAX_CANDIDATES, BodyLimits, RequestLimits
 
 __all__ = ["Message", "ServiceConfig", "Admission", "Ticket", "Metrics", "WorkStream", "Service", "failure_error"]
@@ -75,7 +75,7 @@ class ServiceConfig:
     batch_candidates: bool = True       # stack the candidates' forwards (False: bit-identical to separate requests)
     fuse: str = "auto"                  # P's and Q's forwards as one: auto (measured per shape), on, off
     cuda_graphs: bool = False           # stacked decoding forwards as CUDA graphs (CUDA only)
-    max_batch_requests: int = 8         # /v1/traces requests decoded in one batch (1: one request at a time)
+    max_batch_requests: int | None = None  # traces decoded in one batch (1: one at a time; None: by device)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -85,7 +85,7 @@ class ServiceConfig:
             raise ConfigError("--max-request-seconds must be > 0")
         if self.fuse not in ("auto", "on", "off"):
             raise ConfigError(f"--fuse must be auto, on or off, not {self.fuse!r}")
-        if self.max_batch_requests < 1:
+        if self.max_batch_requests is not None and self.max_batch_requests < 1:
             raise ConfigError("--max-batch-requests must be >= 1")
         if not 1 <= self.max_candidates <= MAX_CANDIDATES:
             raise ConfigError(f"--max-candidates must be in 1..{MAX_CANDIDATES}")
@@ -326,9 +326,10 @@ class Service:
         self.admission = Admission(self.config.max_queue)
         self.memory = MemoryGate.for_engine(engine, self.config.memory_budget)
         self.metrics = Metrics()
+        self.batching = BatchingChoice.for_device(engine.lm.device.type, self.config.max_batch_requests)
         # --max-batch-requests 1: every request alone on the model thread, as before batching
-        self.batch = (BatchLoop(self.executor, engine._runner, self.config.max_batch_requests, self.memory.budget,
-                                self.metrics) if self.config.max_batch_requests > 1 else None)
+        self.batch = (BatchLoop(self.executor, engine._runner, self.batching.max_requests, self.memory.budget,
+                                self.metrics) if self.batching.max_requests > 1 else None)
         self.created = int(time.time())
         self.tokenizer = engine.lm.tokenizer
         self.special_ids = frozenset(self.tokenizer.all_special_ids)  # a property that rebuilds a list per access
@@ -359,10 +360,11 @@ class Service:
             self.batch.plain_work(1)   # the batch loop admits no trace request while this waits
         return WorkStream(self, make, ticket, self._deadline())
 
-    def start_trace(self, job: TraceJob, ticket: Ticket, cost: int = 0) -> WorkStream:
+    def start_trace(self, job: TraceJob, ticket: Ticket, cost: TraceSize | None = None) -> WorkStream:
         """Queue a ``/v1/traces`` request: alone on the model thread (``--max-batch-requests 1``),
-        or into the decoding batch (:mod:`gen_service.serving.batching`) with its memory estimate
-        ``cost`` (bytes) counted against the budget with the live requests'."""
+        or into the decoding batch (:mod:`gen_service.serving.batching`) with its memory
+        size ``cost`` counted against the budget with the live requests' (the merged
+        batch's estimate, :func:`gen_service.serving.admission.batch_bytes`)."""
         if self.batch is None:
             return self.start(lambda cancelled: self.engine.trace(job, cancelled), ticket)
         rows = job.replicates * max(1, len(job.candidates))
@@ -457,10 +459,12 @@ class Service:
 
     def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str, candidates: int = 1,
                      policies: tuple[str, ...] = (), reference: str = "full",
-                     context_tokens: int | None = None, top_logprobs: int = 0) -> int:
-        """422 when the request's estimated memory can never fit the budget (gen_service/serving/admission.py);
-        a multi-candidate request counts every candidate's caches and rows. Returns the
-        estimate's bytes (what the decoding batch counts for it, :meth:`start_trace`).
+                     context_tokens: int | None = None, top_logprobs: int = 0) -> TraceSize:
+        """422 when the request's estimated memory can never fit the budget
+        (gen_service/serving/admission.py); a multi-candidate request counts every
+        candidate's caches and rows. Returns its
+        :class:`~gen_service.serving.admission.TraceSize` (what the decoding batch counts
+        for it, at the merged batch's longest prompt and largest T: :meth:`start_trace`).
 
         With ``policies`` (the candidates' ids, already checked by :meth:`check_policy`)
         each candidate's sides are described from its plan and the reference's for this
@@ -475,9 +479,10 @@ class Service:
             sides = [self.memory.describe(p, ref, self.engine.registry.build(p, info).plan(length), kind)
                      for p in policies]
         try:
-            return self.memory.admit(rows, prompt_tokens, horizon, kind, candidates, sides, top_logprobs).total
+            self.memory.admit(rows, prompt_tokens, horizon, kind, candidates, sides, top_logprobs)
         except RequestTooLarge as exc:
             raise invalid("replicates", str(exc)) from exc
+        return self.memory.size(rows, prompt_tokens, horizon, kind, candidates, sides, top_logprobs)
 
     def check_generate_memory(self, prompt_tokens: int, new_tokens: int, policy_id: str,
                               prompt_logprobs: bool = False, field: str = "inputs") -> None:
