@@ -16,7 +16,13 @@ from gen_service.presses.artifacts import LOCAL_ARTIFACTS
 from gen_service.presses.params import ATTRIBUTE_PARAMS
 from gen_service.presses.registry import ALIASES, PolicyRegistry
 from gen_service.presses.table import PRESSES, Artifact, PressSpec, by_name, catalog, lineage, markdown_table
-from gen_service.presses.traits import ROW_STATE, acts_while_decoding, rerotates, wants_eager
+from gen_service.presses.traits import (
+    ROW_STATE,
+    acts_while_decoding,
+    compresses_after_attention,
+    rerotates,
+    wants_eager,
+)
 from protocols import parse_policy_id
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "service.md"
@@ -62,6 +68,17 @@ def test_each_alias_names_its_rows_class() -> None:
 def test_traits_come_from_the_rows(policy: str, decoding: bool, rotated: bool, eager: bool) -> None:
     press = PolicyRegistry(entry_points_group=None).build(policy).plan(200).press
     assert (acts_while_decoding(press), rerotates(press), wants_eager(press)) == (decoding, rotated, eager)
+
+
+@pytest.mark.parametrize("policy, after_attention", [
+    ("kvpress:RandomPress@0.5", False),            # the row's seed attribute is None: torch's global generator
+    ("kvpress:RandomPress@0.5:seed=0", True),
+    ("kvpress:ComposedPress(SnapKVPress@0.5, KnormPress@0.5)", True),   # a delegating hook
+    ("kvpress:DecodingPress(KnormPress)#64", False),
+])
+def test_shared_prefill_reads_the_rows(policy: str, after_attention: bool) -> None:
+    press = PolicyRegistry(entry_points_group=None).build(policy).plan(200).press
+    assert compresses_after_attention(press) is after_attention
 
 
 def test_lineage_is_nearest_first_and_kvpress_only() -> None:

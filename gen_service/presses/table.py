@@ -11,7 +11,7 @@ reads it from here:
 * request validation (``presses/params.py``): ``attributes`` are request-settable;
 * operator artifacts (``presses/artifacts.py``): ``artifact.files``, ``artifact.loader``;
 * the traits the engine asks about (``presses/traits.py``): ``decoding``, ``rerotates``,
-  ``eager``, ``per_head``, ``delegates_hook``, ``row_state``;
+  ``eager``, ``per_head``, ``delegates_hook``, ``row_state``, ``seed``;
 * ``GET /v1/policies`` (:func:`catalog`), the coverage table in docs/service.md
   (:func:`markdown_table`, checked by tests/test_presses_table.py) and the catalog test
   (tests/test_presses_catalog.py runs every ``example`` in every claimed kind on
@@ -151,6 +151,9 @@ class PressSpec:
         Its forward hook only calls its inner presses' hooks.
     row_state : tuple of str
         Per-layer state it keeps across forwards, batch first (repeated when one row becomes R).
+    seed : str
+        It draws random numbers, from torch's global generator when this attribute is None
+        (its prefill cannot be shared with other candidates'; traits.compresses_after_attention).
     """
 
     name: str
@@ -170,6 +173,7 @@ class PressSpec:
     per_head: bool = False
     delegates_hook: bool = False
     row_state: tuple[str, ...] = ()
+    seed: str = ""
 
     def __post_init__(self) -> None:
         if not self.name.endswith("Press"):
@@ -275,7 +279,7 @@ PRESSES: tuple[PressSpec, ...] = (
     _P("QFilterPress", _example("QFilterPress"),
        artifact=Artifact("Q-filters for the model", "hub repo nthngdy/<model>_qfilt", "path=DIR",
                          {"path": ("config.json",)}, qfilters)),
-    _P("RandomPress", "kvpress:RandomPress@0.5:seed=0"),
+    _P("RandomPress", "kvpress:RandomPress@0.5:seed=0", seed="seed"),
     _P("RestoreKVPress", _example("RestoreKVPress"),
        artifact=Artifact("RestoreKV weights for the model (a PEFT LoRA adapter and restore embeddings)",
                          "hub repo higokri/RestoreKV-<model>", "path=DIR",

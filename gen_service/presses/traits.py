@@ -85,17 +85,22 @@ def compresses_after_attention(press: Any) -> bool:
     """
     if press is None:
         return True
-    from kvpress import BasePress, ComposedPress, PerLayerCompressionPress, RandomPress
+    from kvpress import BasePress
 
-    delegating = (ComposedPress, PerLayerCompressionPress)   # their hooks call their inner presses' hooks
     if wants_eager(press) or acts_while_decoding(press):
         return False
     for p in iter_presses(press):
-        own_hook = type(p).forward_hook is not BasePress.forward_hook and not isinstance(p, delegating)
+        # a delegating press's hook calls its inner presses' hooks (ComposedPress, PerLayerCompressionPress)
+        own_hook = type(p).forward_hook is not BasePress.forward_hook and not _has(p, "delegates_hook")
         own_context = type(p).__call__ is not BasePress.__call__
-        if own_hook or own_context or (isinstance(p, RandomPress) and p.seed is None):
+        if own_hook or own_context or _unseeded(p):
             return False
     return True
+
+
+def _unseeded(press: Any) -> bool:
+    """Whether the press draws from torch's global generator (its row's ``seed`` attribute is None)."""
+    return any(spec.seed and getattr(press, spec.seed, None) is None for spec in lineage(type(press)))
 
 
 def repeat_rows(press: Any, n: int) -> None:
