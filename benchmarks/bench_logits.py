@@ -6,10 +6,10 @@ process so that load hits them alike:
 
 - ``bf16-head``: the logits as transformers returns them, in the weights' dtype, then
   ``.float()`` (the engine before float32 logits);
-- ``fp32-head``: the final norm and the head in float32 with the cached float32 head
-  weight (the engine now);
-- ``fp32-cast``: the same, casting the head weight to float32 chunk by chunk at every
-  step instead of caching it (the alternative that saves the copy's memory).
+- ``fp32-copy``: the final norm and the head in float32 with a cached float32 copy of
+  the head weight (the engine before this change: 2.1 GB more for an 8B model);
+- ``fp32-head``: the engine now: the head's own bf16 weight, float32 products and
+  output (``split`` on CUDA with ``torch.mm(out_dtype=)``, else ``chunked``).
 
 Reports per variant the median step time (over the T − 1 steps of a run, then over
 ``--repeats`` runs), row-steps/s (a row-step is one P token and one Q token), the
@@ -19,13 +19,19 @@ then the output layer alone on R rows (the variants interleaved call by call, me
 over ``--head-calls``: the cost without the rest of the step's noise); then, on the
 prompt's last R positions, how far the bf16-rounded logits are from the
 float32 ones: the largest |Δlogit| and the mean and largest TV
-between the two next-token laws at temperature 1. For a float32 model the variants
-are the same computation (ratio ~1, Δ = 0).
+between the two next-token laws at temperature 1; then ``numerics``: the largest
+|Δ logit| and |Δ log p| of each way of computing the float32 product (the copy, the
+chunked cast, the split GEMM — emulated with float32 products where ``torch.mm`` has no
+``out_dtype``, as on CPU — and the bf16 head) against float64, on the model's head over
+the prompt's final hidden states and, with ``--random-head V H``, on a random bf16
+head of that shape, with the bytes each holds. For a float32 model the variants are
+the same computation (ratio ~1, Δ = 0).
 
 Usage (CPU, bf16 weights): ``python benchmarks/bench_logits.py --model embedded --dtype bfloat16
---rows 16 --steps 16 --prompt-tokens 400``; on a CUDA machine: ``python benchmarks/bench_logits.py
---model random:llama-8b --device cuda --dtype bfloat16 --rows 64 --steps 32 --prompt-tokens 2000``
-(the 8B shapes: a 128k x 4096 head; the float32 copy takes 2.1 GB).
+--rows 16 --steps 16 --prompt-tokens 400``; numerics only, with Llama's 128k × 4096 head:
+``python benchmarks/bench_logits.py --model embedded --dtype bfloat16 --prompt-tokens 200
+--numerics-only --random-head 128256 4096``; on a CUDA machine: ``python benchmarks/bench_logits.py
+--model random:llama-8b --device cuda --dtype bfloat16 --rows 64 --steps 32 --prompt-tokens 2000``.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from bench_service import prompt_ids  # noqa: E402  (same directory)
+from common import chat_prompt_ids  # noqa: E402  (same directory)
 
 import gen_service.engine.forwards as forwards  # noqa: E402
 import gen_service.engine.prefill as prefill  # noqa: E402
@@ -54,7 +60,7 @@ from gen_service.engine.jobs import TraceJob  # noqa: E402
 from gen_service.models import float_head as fp32  # noqa: E402
 from gen_service.models.loading import load_model  # noqa: E402
 
-CHUNK = 8192   # head rows cast per chunk in fp32-cast
+_COPIES: dict[int, torch.Tensor] = {}
 
 
 def bf16_head(model: torch.nn.Module, logits_to_keep: int = 0, **inputs: Any) -> torch.Tensor:
@@ -62,8 +68,16 @@ def bf16_head(model: torch.nn.Module, logits_to_keep: int = 0, **inputs: Any) ->
     return model(**inputs, logits_to_keep=logits_to_keep).logits.float()
 
 
-def fp32_cast(model: torch.nn.Module, logits_to_keep: int = 0, **inputs: Any) -> torch.Tensor:
-    """Float32 logits without the cached copy: the head weight cast chunk by chunk each call."""
+def _copy(model: torch.nn.Module) -> torch.Tensor:
+    """The float32 copy of the head the engine used to keep (made once per model here)."""
+    w = model.get_output_embeddings().weight
+    if id(model) not in _COPIES:
+        _COPIES[id(model)] = w.detach().float()
+    return _COPIES[id(model)]
+
+
+def fp32_copy(model: torch.nn.Module, logits_to_keep: int = 0, **inputs: Any) -> torch.Tensor:
+    """Float32 logits from a cached float32 copy of the head (the engine before)."""
     head = fp32.head32(model)
     decoder, norm, lin = fp32._parts(model)
     hook = None if head.norm is None else norm.register_forward_hook(lambda m, a, o: head.norm(a[0].float()))
@@ -74,13 +88,11 @@ def fp32_cast(model: torch.nn.Module, logits_to_keep: int = 0, **inputs: Any) ->
             hook.remove()
     if logits_to_keep:
         hidden = hidden[:, -logits_to_keep:]
-    hidden = hidden.float()
-    w = lin.weight
-    return torch.cat([F.linear(hidden, w[i:i + CHUNK].float()) for i in range(0, w.shape[0], CHUNK)], -1)
+    return F.linear(hidden.float(), _copy(model), head.bias)
 
 
-VARIANTS: dict[str, Callable[..., torch.Tensor]] = {"bf16-head": bf16_head, "fp32-head": fp32.logits,
-                                                     "fp32-cast": fp32_cast}
+VARIANTS: dict[str, Callable[..., torch.Tensor]] = {"bf16-head": bf16_head, "fp32-copy": fp32_copy,
+                                                     "fp32-head": fp32.logits}
 
 
 @contextmanager
@@ -112,10 +124,10 @@ def head_seconds(engine: Engine, rows: int, calls: int) -> dict[str, float]:
     head = fp32.head32(model)
     w = model.get_output_embeddings().weight
     h = torch.randn(rows, 1, w.shape[1], device=dev)
+    copy = _copy(model)
     runs = {"bf16-head": lambda: F.linear(h.to(w.dtype), w).float(),
-            "fp32-head": lambda: F.linear(h, head.weight),
-            "fp32-cast": lambda: torch.cat([F.linear(h, w[i:i + CHUNK].float()) for i in range(0, w.shape[0], CHUNK)],
-                                           -1)}
+            "fp32-copy": lambda: F.linear(h, copy),
+            "fp32-head": lambda: fp32.project(head, h)}
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(calls):
         for name, fn in runs.items():
@@ -142,6 +154,61 @@ def rounding(engine: Engine, ids: list[int], rows: int) -> dict[str, float]:
     return {"max_abs_dlogit": float((a - b).abs().max()), "mean_tv": float(tv.mean()), "max_tv": float(tv.max())}
 
 
+def _emulated_mm(a: torch.Tensor, b: torch.Tensor, *args: Any, out_dtype: torch.dtype | None = None,
+                 **kw: Any) -> torch.Tensor:
+    """``torch.mm`` with ``out_dtype`` where torch has none (CPU): float32 products of the
+    bf16 inputs, as a GEMM with float32 accumulation computes them."""
+    if out_dtype is None:
+        return _MM(a, b, *args, **kw)
+    return _MM(a.float(), b.float()).to(out_dtype)
+
+
+_MM = torch.mm
+
+
+@torch.inference_mode()
+def head_numerics(w: torch.Tensor, x: torch.Tensor) -> dict[str, Any]:
+    """Each way of computing the float32 head on float32 hidden states ``x`` (n, H)
+    against float64: the largest |Δ logit| and |Δ log p|, and the bytes it holds."""
+    ref = x.double() @ w.double().T
+    ref_lp = ref.log_softmax(-1)
+    emulate = not fp32._splittable(w)
+    if emulate:
+        torch.mm = _emulated_mm
+    try:
+        split = fp32._split(x, w)
+    finally:
+        torch.mm = _MM
+    buffer = fp32._buffer(w)
+    ways = {"fp32-copy": (F.linear(x, w.float()), w.numel() * 4),
+            "chunked": (fp32._chunked(x, w, buffer), buffer.numel() * 4),
+            "split" + (" (emulated)" if emulate else ""): (split, 0),
+            "bf16-head": (F.linear(x.to(w.dtype), w).float(), 0)}
+    out: dict[str, Any] = {"shape": list(w.shape), "rows": x.shape[0], "max_abs_logit": float(ref.abs().max())}
+    for name, (y, held) in ways.items():
+        out[name] = {"max_abs_dlogit": float((y.double() - ref).abs().max()),
+                     "max_abs_dlogp": float((y.double().log_softmax(-1) - ref_lp).abs().max()),
+                     "max_abs_dlogit_vs_fp32_copy": float((y - ways["fp32-copy"][0]).abs().max()),
+                     "held_MiB": round(held / 2**20, 1)}
+    return out
+
+
+@torch.inference_mode()
+def model_hidden(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """The float32 final hidden states (after the float32 norm) over the prompt."""
+    model = engine.lm.model
+    head = fp32.head32(model)
+    decoder, _, _ = fp32._parts(model)
+    seen: dict[str, torch.Tensor] = {}
+    hook = model.model.norm.register_forward_hook(lambda m, a, o: seen.setdefault("h", a[0]))
+    try:
+        decoder(input_ids=torch.tensor([ids], device=engine.lm.device))
+    finally:
+        hook.remove()
+    h = seen["h"][0].float()
+    return (head.norm(h) if head.norm is not None else model.model.norm(h)).float()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="embedded")
@@ -154,10 +221,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--head-calls", type=int, default=30, help="interleaved calls of the output layer alone")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--numerics-only", action="store_true", help="only the numerics of the head's computations")
+    ap.add_argument("--random-head", nargs=2, type=int, metavar=("V", "H"),
+                    help="numerics also on a random bf16 head of V x H (N(0, 0.02) weights, N(0, 4) hidden states)")
     args = ap.parse_args()
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     engine = Engine(lm)
-    ids = prompt_ids(engine, args.prompt_tokens)
+    ids = chat_prompt_ids(engine.lm.tokenizer, args.prompt_tokens)
+    head_w = lm.model.get_output_embeddings().weight.detach()
+    numerics = {"model_head": head_numerics(head_w, model_hidden(engine, ids))}
+    if args.random_head:
+        gen = torch.Generator(device=lm.device).manual_seed(0)
+        V, H = args.random_head
+        w = (torch.randn(V, H, generator=gen, device=lm.device) * 0.02).to(torch.bfloat16)
+        numerics["random_head"] = head_numerics(w, torch.randn(16, H, generator=gen, device=lm.device) * 2.0)
+        del w
+    if args.numerics_only:
+        print(json.dumps({"model": lm.name, "device": str(lm.device), "method": fp32.head32(lm.model).method,
+                          "numerics": numerics}, indent=1))
+        return
     times: dict[str, list[float]] = {v: [] for v in args.variants}
     with output_layer(VARIANTS[args.variants[0]]):
         step_seconds(engine, ids, args.policy, args.rows, 3)   # warm-up
@@ -182,6 +264,8 @@ def main() -> None:
     out["head_only"] = {name: {"ms": round(sec * 1e3, 3), "time_vs_bf16-head": round(sec / heads["bf16-head"], 3)}
                         for name, sec in heads.items()}
     out["rounding"] = rounding(engine, ids, min(args.rows, len(ids)))
+    out["method"] = fp32.head32(lm.model).method
+    out["numerics"] = numerics
     print(json.dumps(out, indent=1))
 
 

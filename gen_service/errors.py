@@ -7,8 +7,8 @@ server and mapped to an :class:`ApiError` (or a stream's error record) at the ed
 
 from __future__ import annotations
 
-__all__ = ["ServiceError", "ApiError", "ConfigError", "RequestTimeout", "PolicyError", "RequestTooLarge", "Cancelled",
-           "CandidateError", "invalid"]
+__all__ = ["ServiceError", "ApiError", "ConfigError", "NonFiniteLogits", "RequestTimeout", "PolicyError",
+           "RequestTooLarge", "Cancelled", "CandidateError", "invalid"]
 
 
 class ServiceError(Exception):
@@ -21,6 +21,32 @@ class ConfigError(ServiceError, ValueError):
 
 class RequestTimeout(ServiceError):
     """A request ran past ``--max-request-seconds``; its work was stopped."""
+
+
+class NonFiniteLogits(ServiceError):
+    """A forward gave NaN or inf logits: the request (or candidate) they belong to ends
+    with an error record naming the step; its batch-mates go on
+    (:class:`gen_service.engine.readback.FiniteGuard`).
+
+    Parameters
+    ----------
+    step : str
+        Where: ``"step 5"`` of a coupled, residual or reference loop, ``"branch step 2"``,
+        ``"token 3"`` of a plain generation.
+    side : str
+        The side(s) whose logits were not finite (``"P"``, ``"Q"``, ``"P and Q"``).
+    rows : int
+        How many rows of that step were.
+    of : int
+        The step's rows.
+    t : int, optional
+        The loop's step number (None for a branch step or a generated token).
+    """
+
+    def __init__(self, step: str, side: str, rows: int, of: int, t: int | None = None):
+        super().__init__(f"non-finite logits (NaN or inf) at {step} on {side}'s side in {rows} of {of} rows; "
+                         "the request ends here")
+        self.step, self.side, self.rows, self.of, self.t = step, side, rows, of, t
 
 
 class PolicyError(ServiceError, ValueError):

@@ -42,13 +42,18 @@ def test_without_cuda_the_check_fails_naming_cuda(tmp_path):
 
 @pytest.mark.slow
 def test_dry_run_runs_every_step(tmp_path):
-    r = _run(tmp_path, "--dry-run", timeout=600)
+    r = _run(tmp_path, "--dry-run", timeout=1800)   # 4x step limits on shared cores
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     table = (tmp_path / "gpu_check.md").read_text()
-    for row in ("(a) GPU-marked tests", "(b) noise floor", "(c) coupled vs residual", "(d) memory estimate",
-                "shared prompt", "per-row", "eager", "quantized", "(e) row-steps/s", "floor bytes/step"):
+    for row in ("(a) GPU-marked tests", "(b) control `full` exactly 0", "(c) coupled vs residual",
+                "(d) memory estimate", "shared prompt", "per-row", "eager", "quantized",
+                "(e) decoding step vs its floor", "(f) memory estimate ≥ peak, 8 requests batched",
+                "(g) control TV exactly 0 in the batch", "128k vocabulary", "152k vocabulary",
+                "floor per step = max(bytes / bandwidth, FLOPs / matmul rate)"):
         assert row in table, row
+    for section in ("attention", "MLP", "head", "coupling", "host"):   # the per-step breakdown, both models
+        assert table.count(f"{section} ") >= 2, section
     assert "FAIL" not in table and "did not finish" not in table
     assert "interpreter: " + sys.executable in out
     assert (tmp_path / "logs" / "study.log").exists()
@@ -74,3 +79,30 @@ def test_the_bandwidth_floor_counts_what_a_step_reads():
     assert mod.kept("snapkv@0.5", 2048) == 1024 and mod.kept("snapkv#512", 2048) == 512
     assert mod.kept("snapkv#512", 100) == 100 and mod.kept("full", 2048) == 2048
     assert mod.kept("snapkv@0.9", 2000) == 1800
+
+
+def test_the_step_check_fails_below_the_stated_fraction_of_the_floor():
+    mod = _helper()
+    assert 0 < mod.MIN_FLOOR_FRACTION < 0.1 < 1 < mod.MAX_FLOOR_FRACTION
+    assert not mod.verdict(mod.MIN_FLOOR_FRACTION / 2, dry=False)        # too slow: fails
+    assert mod.verdict(mod.MIN_FLOOR_FRACTION, dry=False) and mod.verdict(0.5, dry=False)
+    assert not mod.verdict(1.2, dry=False)                              # faster than the floor: the floor is wrong
+    assert mod.verdict(mod.MIN_FLOOR_FRACTION / 2, dry=True) and not mod.verdict(0.0, dry=True)
+
+
+def test_the_serving_plan_is_what_the_check_promises():
+    """8 requests, residual, T = 256, a 4k prompt, two controls; and the step count is
+    timed at the batch loop's step boundaries inside the survival path."""
+    mod = _helper()
+    plan = mod.serving_plan(dry=False)
+    assert len(plan["prompts"]) == len(mod.SERVING_POLICIES) == 8 and plan["T"] == 256 and max(plan["prompts"]) == 4096
+    assert mod.SERVING_POLICIES.count(mod.CONTROL) == 2
+    assert mod.LLAMA_8B["vocab_size"] == 128256 and mod.QWEN_7B["vocab_size"] == 152064
+
+
+def test_a_control_tv_above_zero_fails_the_study_row():
+    """Row (b) passes only when the control's occurrence and TV are exactly 0 (before:
+    when no larger than snapkv@0.5's)."""
+    mod = _helper()
+    assert mod.control_exact(0.0, 0.0)
+    assert not mod.control_exact(0.0, 4e-6) and not mod.control_exact(1e-3, 0.0)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import gen_service.models.float_head as head_module
 from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
 from gen_service.engine.jobs import TraceJob
-from gen_service.models.float_head import extra_bytes, head32, logits
+from gen_service.models.float_head import CHUNK_BYTES, extra_bytes, head32, logits
 from gen_service.models.loading import byte_tokenizer, load_model, pretrained_kwargs, tiny_model
 
 IDS = [1, 40, 77, 3, 100, 200, 13, 9, 250, 31, 64, 2, 120, 18]
@@ -73,13 +75,70 @@ def test_bf16_logits_are_the_float32_last_layer_of_the_same_weights(bf16):
     assert 0.5 * (ours.double().softmax(-1) - p).abs().sum(-1).max() < 1e-6
 
 
-def test_bf16_head_is_copied_once_and_counted(bf16):
+def test_bf16_head_holds_no_float32_copy_and_is_counted(bf16):
     model = bf16.model
     made = head32(model)
     assert made is head32(model)                   # cached, built when the model was loaded
     V, H = model.lm_head.weight.shape
-    assert made.weight.dtype == torch.float32 and torch.equal(made.weight, model.lm_head.weight.float())
-    assert extra_bytes(model) == V * H * 4 + H * 4  # the head and the final norm's weight
+    assert made.weight.data_ptr() == model.lm_head.weight.data_ptr() and made.weight.dtype == torch.bfloat16
+    assert made.method == "chunked"                # CPU: no bf16 GEMM with float32 output
+    rows = min(V, CHUNK_BYTES // (4 * H))
+    assert made.buffer.shape == (rows, H)
+    assert extra_bytes(model) == rows * H * 4 + H * 4  # the chunk buffer and the final norm's weight
+
+
+def _fake_mm(real):
+    """``torch.mm`` with ``out_dtype`` as a GEMM with float32 accumulation computes it
+    (float32 products of the bf16 inputs): the split head's CUDA call, on CPU."""
+    def mm(a, b, *args, out_dtype=None, **kw):
+        return real(a, b, *args, **kw) if out_dtype is None else real(a.float(), b.float()).to(out_dtype)
+    return mm
+
+
+@pytest.mark.parametrize("chunk_rows", [7, 1000, None])
+def test_chunked_and_split_heads_equal_the_float32_product_of_a_128k_head(chunk_rows, monkeypatch):
+    """A random bf16 head of Llama's vocabulary (narrow, to stay fast): the chunked cast
+    with the default buffer is the float32 copy's product bit for bit on CPU, and with
+    any chunk size (the last one ragged) within float32 rounding of it (the GEMM kernel
+    may sum in another order for another width); the split GEMM (emulated) is within
+    float32 rounding of float64."""
+    gen = torch.Generator().manual_seed(0)
+    V, H = 128256, 64
+    w = (torch.randn(V, H, generator=gen) * 0.3).bfloat16()
+    x = torch.randn(5, H, generator=gen) * 3
+    ref32 = F.linear(x, w.float())
+    ref64 = x.double() @ w.double().T
+    fp32_err = (ref32.double() - ref64).abs().max()
+    if chunk_rows is None:
+        assert torch.equal(head_module._chunked(x, w, head_module._buffer(w)), ref32)
+    else:
+        assert (head_module._chunked(x, w, torch.empty(chunk_rows, H)).double() - ref64).abs().max() <= 2 * fp32_err
+    monkeypatch.setattr(torch, "mm", _fake_mm(torch.mm))
+    split = head_module._split(x, w)
+    scale = ref64.abs().max().item()
+    assert (split.double() - ref64).abs().max() <= 4 * fp32_err + 1e-7 * scale
+    bf = F.linear(x.bfloat16(), w).float()
+    assert (bf.double() - ref64).abs().max() > 100 * (split.double() - ref64).abs().max()
+
+
+def test_the_split_head_is_chosen_only_where_it_agrees(monkeypatch):
+    """The choice at load: split where torch.mm has out_dtype on the device and its result
+    agrees with the chunked product; the chunked head, logged, where it fails or differs."""
+    w = (torch.randn(300, 32) * 0.3).bfloat16()
+    assert not head_module._splittable(w)                       # CPU weights never split
+    monkeypatch.setattr(head_module, "_splittable", lambda w: True)
+    real = torch.mm
+    monkeypatch.setattr(torch, "mm", _fake_mm(real))
+    assert head_module._choose(w, None) == ("split", None)
+    x = torch.randn(3, 2, 32)
+    head = head_module.Head32(w, None, None, (), 0, "split")
+    assert torch.allclose(head_module.project(head, x), F.linear(x, w.float()), atol=1e-5)
+    monkeypatch.setattr(torch, "mm", real)                      # no out_dtype: the call raises
+    method, buf = head_module._choose(w, None)
+    assert method == "chunked" and buf.dtype == torch.float32
+    monkeypatch.setattr(torch, "mm", lambda a, b, *r, out_dtype=None, **k: real(a.float(), b.float()) + 1 if
+                        out_dtype else real(a, b, *r, **k))     # runs but wrong
+    assert head_module._choose(w, None)[0] == "chunked"
 
 
 def test_engine_paths_give_float32_logits_in_bf16(bf16):
@@ -115,8 +174,26 @@ def test_pretrained_weights_go_straight_to_the_device_in_the_serving_dtype(tmp_p
     byte_tokenizer().save_pretrained(tmp_path)
     lm = load_model(str(tmp_path), device="cpu", dtype="bfloat16")
     assert {(p.dtype, p.device.type) for p in lm.model.parameters()} == {(torch.bfloat16, "cpu")}
-    assert lm.dtype is torch.bfloat16 and head32(lm.model).weight.dtype == torch.float32
+    assert lm.dtype is torch.bfloat16 and head32(lm.model).method == "chunked"
     # CPU float32 as before: the same weights bit for bit as the model built in memory
     again = load_model(str(tmp_path), device="cpu", dtype="float32")
     for (name, a), b in zip(again.model.state_dict().items(), fp32.model.state_dict().values(), strict=True):
         assert a.dtype == torch.float32 and torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_bf16_head_gives_float32_logits_without_a_copy():
+    """On the device: the method chosen at load (split where torch.mm takes out_dtype),
+    no float32 copy held, logits within float32 rounding of the float64 product."""
+    lm = load_model("random:llama-1b", device="cuda", dtype="bfloat16")
+    model, x = lm.model, torch.tensor([IDS], device="cuda")
+    made = head32(model)
+    assert made.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    assert made.method == ("split" if "dtype" in torch.ops.aten.mm.overloads() else "chunked"), made.method
+    assert extra_bytes(model) <= CHUNK_BYTES + 4 * model.config.hidden_size
+    h, _ = _prenorm(model, input_ids=x)
+    ref = _reference(model, h)
+    with torch.inference_mode():
+        ours = logits(model, 0, input_ids=x)
+    assert (ours.double() - ref).abs().max() <= 1e-5 * ref.abs().max()

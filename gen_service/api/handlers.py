@@ -40,7 +40,7 @@ from gen_service.api.records import (
     parse_trace,
 )
 from gen_service.engine.jobs import CandidateDone, CandidateFailed, TraceJob
-from gen_service.errors import ApiError, Cancelled, CandidateError, RequestTimeout, invalid
+from gen_service.errors import ApiError, Cancelled, CandidateError, NonFiniteLogits, RequestTimeout, invalid
 from gen_service.presses.table import catalog
 from gen_service.serving.service import Service, Ticket, WorkStream, failure_error
 from protocols import StreamWriter, error_record
@@ -142,6 +142,9 @@ def stream_error(exc: BaseException) -> dict[str, str]:
     """The error record ending a stream that already sent its 200 (no internals)."""
     if isinstance(exc, RequestTimeout):
         return {"error": str(exc), "error_type": "timeout"}
+    if isinstance(exc, NonFiniteLogits):   # the model's numbers, not the server's internals: say where
+        log.error("%s", exc)
+        return {"error": str(exc), "error_type": "non_finite_logits"}
     if isinstance(exc, ApiError):
         return exc.body()
     log.error("stream failed after its first item", exc_info=exc)

@@ -26,6 +26,7 @@ import torch
 
 from gen_service.engine.context import LoopContext
 from gen_service.engine.coupling import History, absorb_eos, maximal_coupling, probs
+from gen_service.engine.readback import FiniteGuard
 from gen_service.engine.sides import Forward, Side
 from gen_service.engine.top_logprobs import LogitFields, logit_fields
 from protocols import branch_record, wire_logits
@@ -69,9 +70,21 @@ class Branches:
         self._ages.append((rows, list(at) if at is not None else list(range(len(rows))),
                            torch.stack([d.tv.double(), d.x.double(), d.y.double()]), lg))
 
-    def records(self) -> Iterator[dict[str, Any]]:
+    def records(self, guard: FiniteGuard | None = None) -> Iterator[dict[str, Any]]:
+        """Every branch's record; with ``guard``, its flags ride in the same host copy
+        and a flagged branch step raises :class:`~gen_service.errors.NonFiniteLogits`
+        before any branch record."""
         if self._ages:   # every age's draws in one device-to-host copy, appended in age order
-            host = torch.cat([v for _, _, v, _ in self._ages], 1).tolist()
+            draws = torch.cat([v for _, _, v, _ in self._ages], 1)
+            if guard is not None:
+                flat = torch.cat([draws.flatten(), guard.take().double()]).tolist()
+                cols = draws.shape[1]
+                host = [flat[i * cols:(i + 1) * cols] for i in range(3)]
+                failed = guard.failure(flat[3 * cols:])
+                if failed is not None:
+                    raise failed
+            else:
+                host = draws.tolist()
             col = 0
             for rows, at, v, lg in self._ages:
                 lh = lg.host() if lg is not None else None
@@ -134,6 +147,7 @@ def _branch_loop(ctx: LoopContext, sides: tuple[Side, Side], rows: list[int], br
         pmask, qmask = torch.cat([pmask, ones], 1), torch.cat([qmask, ones], 1)
         lp, lq = yield [Forward(ps, x, ps.next_pos + tstar + k - 2, pmask, eager),
                         Forward(qs, y, qs.next_pos + tstar + k - 2, qmask, eager)]
+        lp, lq = ctx.finite(None, f"branch step {k}", lp, lq)
         p = absorb_eos(probs(lp, sampling, hp), x_end >= 0, x_end)
         q = absorb_eos(probs(lq, sampling, hq), y_end >= 0, y_end)
         d = maximal_coupling(p, q, ctx.gen)
@@ -184,6 +198,7 @@ def replay_branches(ctx: LoopContext, start: tuple[Side, Side], shared: torch.Te
         yin = torch.where(before, z[:, s - 1], torch.where(at, br.y0[idx], y))
         n = len(rows)
         lp, lq = yield [Forward(ps, xin, ctx.pos(ps, n, s)), Forward(qs, yin, ctx.pos(qs, n, s))]
+        lp, lq = ctx.finite(None, f"branch replay step {s}", lp, lq)
         if hp is not None:
             hp, hq = hp.add(xin), hq.add(yin)
         p = absorb_eos(probs(lp, sampling, hp), x_end >= 0, x_end)

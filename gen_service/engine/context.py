@@ -15,7 +15,7 @@ import torch
 
 from gen_service.engine.coupling import History, Sampling, ended_on
 from gen_service.engine.jobs import TraceJob, check
-from gen_service.engine.readback import READBACK_EVERY, Readback
+from gen_service.engine.readback import READBACK_EVERY, FiniteGuard, Readback
 from gen_service.engine.sides import Side
 
 __all__ = ["LoopContext", "history"]
@@ -38,10 +38,16 @@ class LoopContext:
     readback_every: int = READBACK_EVERY
     #: ``eos`` on the device, made once (not a host-to-device copy every step)
     eos_ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    #: the loop's non-finite logits guard (its flags ride in the readback's host copies)
+    guard: FiniteGuard = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.eos:
-            object.__setattr__(self, "eos_ids", torch.tensor(self.eos, dtype=torch.long, device=self.device))
+            ids = torch.tensor(self.eos, dtype=torch.long)
+            if self.device.type == "cuda":   # from pinned memory, asynchronously: no host synchronisation
+                ids = ids.pin_memory()
+            object.__setattr__(self, "eos_ids", ids.to(self.device, non_blocking=True))
+        object.__setattr__(self, "guard", FiniteGuard(self.device))
 
     def running(self, rows: int) -> torch.Tensor:
         """Per-row EOS ids before any step: -1, every row still running."""
@@ -52,8 +58,14 @@ class LoopContext:
         return ended_on(end, tokens, self.eos_ids)
 
     def readback(self, build: Callable[..., Any]) -> Readback:
-        """A :class:`~gen_service.engine.readback.Readback` building records with ``build``."""
-        return Readback(self.readback_every, build)
+        """A :class:`~gen_service.engine.readback.Readback` building records with ``build``
+        (and reading the guard's flags in the same copies)."""
+        return Readback(self.readback_every, build, self.guard)
+
+    def finite(self, t: int | None, label: str, lp: torch.Tensor, lq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """P's and Q's logits of one step with non-finite rows made safe to sample and
+        flagged (:class:`~gen_service.engine.readback.FiniteGuard`); before any sampling."""
+        return self.guard(t, label, lp, lq)
 
     def check(self) -> None:
         """Stop between steps once the client has gone."""

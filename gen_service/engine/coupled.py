@@ -32,13 +32,14 @@ def coupled(ctx: LoopContext, p0: Prefilled, q0: Prefilled) -> Iterator[dict[str
                                                       logits.wire(t)))
     for t in range(1, T + 1):
         ctx.check()
+        lp, lq = ctx.finite(t, f"step {t}", lp, lq)
         p = absorb_eos(probs(lp, job.sampling, hp), x_end >= 0, x_end)
         q = absorb_eos(probs(lq, job.sampling, hq), y_end >= 0, y_end)
         d = maximal_coupling(p, q, ctx.gen)
         if hp is not None:
             hp, hq = hp.add(d.x), hq.add(d.y)
         logits.keep(t, p, q)
-        yield from out.add(t, d.tv, d.x, d.y) + (out.flush() if t == T else [])
+        yield from out.emit(t, d.tv, d.x, d.y, last=t == T)
         x_end, y_end = ctx.ended(x_end, d.x), ctx.ended(y_end, d.y)
         if t < T:
             lp, lq = yield [Forward(ps, d.x, ctx.pos(ps, R, t)), Forward(qs, d.y, ctx.pos(qs, R, t))]

@@ -10,6 +10,7 @@ import torch
 from gen_service.engine.context import history
 from gen_service.engine.coupling import Sampling, probs
 from gen_service.engine.jobs import check
+from gen_service.engine.readback import FiniteGuard
 from gen_service.engine.sides import Prefilled, Side
 from gen_service.models.float_head import logits as fp32_logits
 
@@ -29,11 +30,16 @@ def generate(pre: Prefilled, step: Step, gen: torch.Generator, eos: Collection[i
     logits, side = pre.logits, pre.side
     out: list[int] = []
     hist = history(sampling, prompt_ids, 1, logits.shape[-1], device)
+    guard = FiniteGuard(device)   # a NaN row must not reach multinomial (a device-side assert on CUDA)
     for t in range(1, max_new_tokens + 1):
         check(cancelled)
+        (logits,) = guard(t, f"token {t}", logits)
         p = probs(logits, sampling, hist)
         tok = p.argmax(-1) if sampling.greedy else torch.multinomial(p, 1, generator=gen).squeeze(-1)
-        tid = int(tok)
+        tid, *bad = torch.cat([tok.reshape(1), guard.take()]).tolist()   # one host copy, as int(tok) was
+        failed = guard.failure(bad)
+        if failed is not None:
+            raise failed
         if hist is not None:
             hist = hist.add(tok.reshape(1))
         out.append(tid)

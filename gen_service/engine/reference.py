@@ -70,11 +70,12 @@ def reference(ctx: LoopContext, p0: Prefilled, q0: Prefilled) -> Iterator[dict[s
     for t in range(1, T + 1):
         ctx.check()
         done = x_end >= 0
+        lp, lq = ctx.finite(t, f"step {t}", lp, lq)
         p = absorb_eos(probs(lp, job.sampling, hist), done, x_end)
         q = absorb_eos(probs(lq, job.sampling, hist), done, x_end)
         x = torch.multinomial(p, 1, generator=ctx.gen).squeeze(-1)
         logits.keep(t, p, q)
-        yield from out.add(t, tv(p, q), x, token_logprob(p, x), token_logprob(q, x)) + (out.flush() if t == T else [])
+        yield from out.emit(t, tv(p, q), x, token_logprob(p, x), token_logprob(q, x), last=t == T)
         if hist is not None:
             hist = hist.add(x)
         x_end = ctx.ended(x_end, x)

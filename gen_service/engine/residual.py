@@ -110,16 +110,17 @@ def residual(ctx: LoopContext, p0: Prefilled, q0: Prefilled,
                                                   else None))
     for t in range(1, T + 1):
         ctx.check()
+        lp, lq = ctx.finite(t, f"step {t}", lp, lq)
         p = absorb_eos(probs(lp, job.sampling, hz), z_end >= 0, z_end)
         q = absorb_eos(probs(lq, job.sampling, hz), z_end >= 0, z_end)
         d = maximal_coupling(p, q, gen)
         if job.top_logprobs:
             shared_logits.append(logit_fields(p, q, job.top_logprobs))
-        records = out.add(t, d.tv, d.overlap, state.alive, state.alive & ~d.stop)
+        records = out.emit(t, d.tv, d.overlap, state.alive, state.alive & ~d.stop, last=t == T)
         state = state.after(t, d, gen, hz)
         if hz is not None:
             hz = hz.add(d.overlap)
-        yield from records + (out.flush() if t == T else [])
+        yield from records
         z_end = ctx.ended(z_end, d.overlap)
         shared.append(d.overlap)
         if t < T:
@@ -130,4 +131,4 @@ def residual(ctx: LoopContext, p0: Prefilled, q0: Prefilled,
         yield from replay_branches(ctx, start, torch.stack(shared, 1), branch, h0)
     elif branch.rows:
         yield from prefix_branches(ctx, ps, qs, p0.kept_slots, q0.kept_slots, branch, state.h_star)
-    yield from branch.records()
+    yield from branch.records(ctx.guard)

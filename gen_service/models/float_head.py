@@ -5,17 +5,33 @@ output and the output projection's result to bf16; at logits of 8–32 one bf16 
 6–12 % of a token's probability, which TV would then measure. Here the decoder body
 runs as the model's own ``forward`` would run it (``model.model(...)``: every kvpress
 hook and patched forward still applies), the final norm is recomputed in float32 from
-its (unrounded) input, and the head is ``F.linear`` of that float32 hidden state with a
-float32 copy of the head's weight, made once per model (:func:`head32`, built when the
-model is loaded; :func:`extra_bytes` is what it costs beyond the weights). A model
-already in float32 gets no copy and no extra norm: the same operations on the same
-tensors as ``model(...).logits``, bit for bit.
+its (unrounded) input, and the head multiplies that float32 hidden state by the
+head's own bf16 weight with float32 products, accumulation and output, without a
+float32 copy of the weight (2.1 GB for Llama-3.1-8B's 128k × 4096 head, 0.4 GB for
+Llama-3.2-1B's). A bf16 value is exactly a float32 value, so that is the float32
+product of the same numbers; two ways compute it, the one used decided when the model
+is loaded (:func:`head32`, logged, ``Head32.method``):
 
-A cached copy rather than casting the weight chunk by chunk at every step: a cast reads
-the bf16 weight, writes and reads float32 again (10 bytes per parameter per step
-against 4 for the copy, 2 today), and decoding steps are bound by the bytes they read.
-The copy costs vocabulary × hidden × 4 bytes once (2.1 GB for Llama-3.1-8B's
-128k × 4096 head, 0.4 GB for Llama-3.2-1B's).
+- ``"split"`` (CUDA, where ``torch.mm`` takes ``out_dtype``): the float32 hidden state
+  is written exactly enough as the sum of three bf16 parts (hi + mid + lo: 24
+  significant bits, float32's), the three stacked as rows of one bf16 GEMM with
+  float32 accumulation and output, and the three results added in float32. The
+  weight is read once, at 2 bytes per parameter, as by the bf16 head; the rows triple
+  (decoding has tens to hundreds of rows: the GEMM stays bound by reading the weight).
+  ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False`` alone
+  would not do: the GEMM's output would still be rounded to bf16. At load it is
+  checked against the chunked product on a slice of the head; a mismatch or an error
+  falls back to ``"chunked"``, logged;
+- ``"chunked"`` (CPU, and CUDA without ``out_dtype``): the weight is cast to float32
+  :data:`CHUNK_BYTES` at a time into one reusable buffer and each chunk multiplied in
+  float32 (10 bytes moved per parameter and step against 2; on CPU, where no bf16
+  GEMM with float32 output exists, the only exact way).
+
+TF32 was not chosen: it needs float32 weights (the copy) and rounds the hidden state's
+mantissa to 10 bits. :func:`extra_bytes` is what the head holds beyond the weights
+(the buffer and a float32 copy of the final norm). A model already in float32 gets no
+buffer and no extra norm: the same operations on the same tensors as
+``model(...).logits``, bit for bit (``"float32"``).
 
 Models whose head is not a plain ``nn.Linear`` after a final ``norm`` fall back to the
 model's own logits, cast to float32 (logged once).
@@ -34,16 +50,26 @@ import torch.nn.functional as F
 
 log = logging.getLogger("kvdiv.service")
 
-__all__ = ["Head32", "extra_bytes", "head32", "logits"]
+__all__ = ["CHUNK_BYTES", "Head32", "extra_bytes", "head32", "logits", "project"]
+
+#: the float32 buffer the chunked head casts the weight into, a chunk of rows at a time
+#: (64 MiB: 4,096 rows of a 4,096-wide head, 32 chunks for 128k tokens; fewer, larger
+#: chunks launch fewer kernels, smaller ones hold less)
+CHUNK_BYTES = 64 << 20
+#: rows of hidden states per split GEMM (its float32 output is 3 × rows × vocabulary)
+SPLIT_ROWS = 1024
 
 
 @dataclass(frozen=True)
 class Head32:
-    """A model's output layer in float32.
+    """A model's output layer computed in float32.
 
-    ``weight``/``bias`` are the head's own tensors when they are float32 already (no
-    copy); ``norm`` is a float32 copy of the final norm module, or None when the norm is
-    float32 already (the decoder's own norm output is then used as is).
+    ``weight`` is the head's own weight (no copy), ``bias`` the bias in float32;
+    ``norm`` is a float32 copy of the final norm module, or None when the norm is float32
+    already (the decoder's own norm output is then used as is). ``method`` says how the
+    product is computed: ``"float32"`` (float32 weights: ``F.linear`` as the model does),
+    ``"split"`` or ``"chunked"`` (see the module); ``buffer`` is the chunked method's
+    float32 buffer (None otherwise).
     """
 
     weight: torch.Tensor
@@ -51,6 +77,8 @@ class Head32:
     norm: torch.nn.Module | None
     source: tuple[Any, ...]       # the head weight it was made from (rebuilt when that changes)
     copied_bytes: int             # bytes held beyond the model's weights
+    method: str = "float32"
+    buffer: torch.Tensor | None = None
 
 
 _HEADS: weakref.WeakKeyDictionary[torch.nn.Module, Head32 | None] = weakref.WeakKeyDictionary()
@@ -82,8 +110,8 @@ def head32(model: torch.nn.Module) -> Head32 | None:
     cached = _HEADS.get(model)
     if cached is not None and cached.source == source:
         return cached
-    copies = [t for t in (w, head.bias) if t is not None and t.dtype != torch.float32]
     bias = None if head.bias is None else head.bias.detach().float()
+    copies = [head.bias] if head.bias is not None and head.bias.dtype != torch.float32 else []
     tensors = [t for t in (*norm.parameters(), *norm.buffers()) if t.is_floating_point()]
     norm32 = None
     if any(t.dtype != torch.float32 for t in tensors):
@@ -91,10 +119,96 @@ def head32(model: torch.nn.Module) -> Head32 | None:
         norm32._forward_hooks.clear()
         norm32._forward_pre_hooks.clear()
         copies += tensors
-    made = Head32(weight=w.detach().float(), bias=bias, norm=norm32, source=source,
-                  copied_bytes=sum(t.numel() * 4 for t in copies))
+    copied = sum(t.numel() * 4 for t in copies)
+    if w.dtype == torch.float32:
+        made = Head32(weight=w.detach(), bias=bias, norm=norm32, source=source, copied_bytes=copied)
+    else:
+        method, buffer = _choose(w.detach(), bias)
+        made = Head32(weight=w.detach(), bias=bias, norm=norm32, source=source, method=method, buffer=buffer,
+                      copied_bytes=copied + (0 if buffer is None else buffer.numel() * 4))
+        log.info("float32 logits from the %s head: %s product (%.1f MiB held beyond the weights; a float32 copy "
+                 "would hold %.1f MiB)", w.dtype, method, made.copied_bytes / 2**20, w.numel() * 4 / 2**20)
     _HEADS[model] = made
     return made
+
+
+def _buffer(w: torch.Tensor) -> torch.Tensor:
+    """The chunked head's float32 buffer: :data:`CHUNK_BYTES` of ``w``'s rows at most.
+    A normal tensor even when made under inference mode (it is written in place by
+    calls outside it too)."""
+    rows = max(1, min(w.shape[0], CHUNK_BYTES // (4 * w.shape[1])))
+    with torch.inference_mode(False):
+        return torch.empty(rows, w.shape[1], dtype=torch.float32, device=w.device)
+
+
+def _splittable(w: torch.Tensor) -> bool:
+    """Whether this torch has a GEMM of ``w``'s dtype with float32 output on its device."""
+    if w.device.type != "cuda" or w.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return "dtype" in torch.ops.aten.mm.overloads()
+
+
+def _choose(w: torch.Tensor, bias: torch.Tensor | None) -> tuple[str, torch.Tensor | None]:
+    """``("split", None)`` where the split GEMM runs and agrees with the chunked product
+    on a slice of the head, else ``("chunked", buffer)``; logged either way."""
+    if not _splittable(w):
+        return "chunked", _buffer(w)
+    part = w[:256]
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    x = torch.randn(8, w.shape[1], device=w.device, generator=gen) * 4
+    try:
+        got = _split(x, part)
+        want = _chunked(x, part, _buffer(part))
+        err = float((got - want).abs().max())
+        scale = float(want.abs().max())
+    except Exception as exc:   # noqa: BLE001  (any failure of the fast path: use the exact slow one)
+        log.warning("the split float32 head does not run here (%s: %s); the chunked one is used",
+                    type(exc).__name__, exc)
+        return "chunked", _buffer(w)
+    if not err <= 1e-5 * max(scale, 1.0):
+        log.warning("the split float32 head differs from the chunked one by %.3g (scale %.3g); the chunked one "
+                    "is used", err, scale)
+        return "chunked", _buffer(w)
+    return "split", None
+
+
+def _chunked(x: torch.Tensor, w: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """(n, H) float32 ``x`` times ``w``ᵀ, ``w`` cast into ``buffer`` a chunk of rows at a time."""
+    V, rows = w.shape[0], buffer.shape[0]
+    out = torch.empty(x.shape[0], V, dtype=torch.float32, device=x.device)
+    for i in range(0, V, rows):
+        chunk = buffer[:min(rows, V - i)]
+        chunk.copy_(w[i:i + rows])
+        torch.mm(x, chunk.T, out=out[:, i:i + rows])
+    return out
+
+
+def _split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(n, H) float32 ``x`` times the bf16/fp16 ``w``ᵀ in float32: ``x`` as hi + mid + lo
+    in ``w``'s dtype (hi is ``x`` rounded, mid the rest rounded, lo what is left rounded),
+    one GEMM over the three with float32 output, summed smallest first."""
+    outs = []
+    for j in range(0, x.shape[0], SPLIT_ROWS):
+        rows = x[j:j + SPLIT_ROWS]
+        hi = rows.to(w.dtype)
+        rest = rows - hi.float()
+        mid = rest.to(w.dtype)
+        lo = (rest - mid.float()).to(w.dtype)
+        n = rows.shape[0]
+        parts = torch.mm(torch.cat([hi, mid, lo]), w.T, out_dtype=torch.float32)
+        outs.append((parts[2 * n:] + parts[n:2 * n]) + parts[:n])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def project(head: Head32, hidden: torch.Tensor) -> torch.Tensor:
+    """The head on float32 ``hidden`` (..., H) -> float32 (..., V), by ``head.method``."""
+    if head.method == "float32":
+        return F.linear(hidden, head.weight, head.bias)
+    x = hidden.reshape(-1, hidden.shape[-1])
+    out = _split(x, head.weight) if head.method == "split" else _chunked(x, head.weight, head.buffer)
+    if head.bias is not None:
+        out += head.bias
+    return out.reshape(*hidden.shape[:-1], out.shape[-1])
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -107,7 +221,8 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 def extra_bytes(model: torch.nn.Module) -> int:
-    """Bytes the float32 head holds beyond the model's weights (0 for a float32 model)."""
+    """Bytes the float32 head holds beyond the model's weights (its chunk buffer and the
+    final norm's float32 copy; 0 for a float32 model)."""
     made = head32(model)
     return 0 if made is None else made.copied_bytes
 
@@ -156,5 +271,5 @@ def logits(model: torch.nn.Module, logits_to_keep: int = 0, **inputs: Any) -> to
             hook.remove()
     if logits_to_keep:
         hidden = hidden[:, -logits_to_keep:, :]
-    out = F.linear(hidden.float(), head.weight, head.bias)
+    out = project(head, hidden.float())
     return _postprocess(model.config, out)
