@@ -25,7 +25,7 @@ import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
-from bench_service import prompt_ids  # noqa: E402  (same directory)
+from common import chat_prompt_ids  # noqa: E402  (same directory)
 
 from gen_service.engine.facade import Engine  # noqa: E402
 from gen_service.engine.jobs import TraceJob  # noqa: E402
@@ -61,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
     lm = load_model(args.model)
     engine = Engine(lm)
-    ids = prompt_ids(engine, args.prompt_tokens)
+    ids = chat_prompt_ids(engine.lm.tokenizer, args.prompt_tokens)
     ks = [0, *args.k]
     print(f"model {lm.name}, vocab {lm.vocab_size}, policy {args.policy}, R={args.rows}, T={args.steps}, "
           f"prompt {len(ids)} tokens, repeats {args.repeats}")

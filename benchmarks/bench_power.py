@@ -4,7 +4,7 @@ For each design (test, direction, documents n, replicates R) a pool of simulated
 documents (``divstats.truth.studies.simulate_study``, residual traces, two policies)
 is the population; studies are drawn from it and tested with ``paired_test``, and
 the rejection rate is compared with ``power_at`` computed with the pool as the
-pilot (``divstats.design.power.power_calibration``).  The designs are those of
+pilot (``divstats.calibration.power.power_calibration``).  The designs are those of
 tests/test_divstats_power.py (12 designs; the slow test asserts |difference| <= 0.05).
 
 Usage: python benchmarks/bench_power.py [--studies N]
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_divstats_power import DESIGNS  # noqa: E402  (one list of designs for test and benchmark)
 
-from divstats.design.power import power_calibration  # noqa: E402
+from divstats.calibration.power import power_calibration  # noqa: E402
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from collector.documents import TEMPLATES
+from collector.documents import TEMPLATE_NAMES
 from protocols import WIRE_KINDS
 
 if TYPE_CHECKING:
@@ -63,7 +63,9 @@ def _split_policies(value: str) -> list[str]:
 @click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests in flight per server; the default fills `kvdiv serve`'s decoding batch "
                    "(--max-batch-requests 8).")
-@click.option("--template", type=click.Choice(sorted(TEMPLATES)), default="summarise", show_default=True)
+@click.option("--template", type=click.Choice(TEMPLATE_NAMES), default="summarise", show_default=True,
+              help="The prompt: a chat turn (messages), or with -raw the document as raw context and the "
+                   "instruction after it, for a base model without a chat template.")
 @click.option("--max-attempts", type=click.IntRange(min=1), default=6, show_default=True,
               help="Tries per request before it is reported as failed.")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True,

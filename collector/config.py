@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from collector.checks import asked_replicates
-from collector.documents import TEMPLATES
+from collector.documents import TEMPLATE_NAMES
 from collector.errors import ConfigError
 from protocols import MAX_TOP_LOGPROBS, WIRE_KINDS, Kind
 
@@ -318,8 +318,8 @@ class CollectConfig:
             problems.append(f"duplicate policies in {self.policies}")
         if self.kind not in WIRE_KINDS:
             problems.append(f"--kind must be one of {WIRE_KINDS}, not {self.kind!r}")
-        if self.template not in TEMPLATES:
-            problems.append(f"--template must be one of {sorted(TEMPLATES)}, not {self.template!r}")
+        if self.template not in TEMPLATE_NAMES:
+            problems.append(f"--template must be one of {list(TEMPLATE_NAMES)}, not {self.template!r}")
         if min(self.replicates, self.max_new_tokens, self.pool.concurrency, self.retry.max_attempts) < 1:
             problems.append("--replicates, --max-new-tokens, --concurrency and attempts must be >= 1")
         if self.window is not None and not 1 <= self.window <= self.max_new_tokens:

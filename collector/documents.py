@@ -29,7 +29,8 @@ from collector.errors import DocumentsError
 __all__ = [
     "DEFAULT_QUESTION", "TEMPLATES", "Document", "DocumentsError", "TokenCounter", "approx_token_count",
     "chunk_text", "file_sha256", "iter_summary", "load_source", "paragraphs", "pydoc_documents", "read_jsonl",
-    "read_txt_dir", "render_messages", "select", "select_key", "server_token_counter", "token_counter",
+    "read_txt_dir", "prompt_fields", "render_messages", "RAW_SUFFIX",
+    "TEMPLATE_NAMES", "select", "select_key", "server_token_counter", "token_counter",
     "write_jsonl",
 ]
 
@@ -529,6 +530,36 @@ TEMPLATES: dict[str, str] = {
     "summarise": "{text}\n\nSummarise the text above in a few sentences.",
     "qa": "{text}\n\nAnswer the question about the text above.\nQuestion: {question}",
 }
+
+
+#: A template name with this suffix (``summarise-raw``) is for a base model without a chat
+#: template: the document goes in as raw ``context`` (after the model's BOS) and the
+#: template's instruction after it as ``question`` (kvpress's split: the press compresses
+#: the document only).
+RAW_SUFFIX = "-raw"
+#: Every template name ``--template`` takes: the chat ones and their raw forms.
+TEMPLATE_NAMES: tuple[str, ...] = tuple(sorted(TEMPLATES)) + tuple(sorted(t + RAW_SUFFIX for t in TEMPLATES))
+
+
+def prompt_fields(doc: Document, template: str) -> dict[str, Any]:
+    """The request's prompt fields for one document: ``messages`` under a chat template
+    name, ``context`` and ``question`` under its raw form (:data:`RAW_SUFFIX`).
+
+    Examples
+    --------
+    >>> prompt_fields(Document("a", "Body."), "summarise-raw")
+    {'context': 'Body.', 'question': '\\n\\nSummarise the text above in a few sentences.'}
+    >>> list(prompt_fields(Document("a", "Body."), "summarise"))
+    ['messages']
+    """
+    if not template.endswith(RAW_SUFFIX):
+        return {"messages": render_messages(doc, template)}
+    base = template[:-len(RAW_SUFFIX)]
+    if base not in TEMPLATES:
+        raise DocumentsError(f"unknown template {template!r}; choose from {list(TEMPLATE_NAMES)}")
+    question = str(doc.meta.get("question") or DEFAULT_QUESTION)
+    head, _, tail = TEMPLATES[base].partition("{text}")
+    return {"context": head.format(question=question) + doc.text, "question": tail.format(question=question)}
 
 
 def render_messages(doc: Document, template: str) -> list[dict[str, str]]:

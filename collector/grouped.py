@@ -53,7 +53,7 @@ def group_body(bodies: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     Parameters
     ----------
     bodies : sequence of mapping
-        ``/v1/traces`` bodies (``collector.collect.request_body``) that agree on
+        ``/v1/traces`` bodies (``collector.jobs.request_body``) that agree on
         everything but ``candidate`` and ``parameters.seed`` (:func:`groupable`).
 
     Returns

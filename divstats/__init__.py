@@ -31,7 +31,9 @@ from divstats.estimation.sweeps import kv_kept, sweep_families
 from divstats.estimation.variance import variance_check
 from divstats.inference.certify import CertifyResult, certify_budget, certify_family
 from divstats.inference.decompose import DecompositionResult, decompose
-from divstats.inference.paired import Effect, PairedTestResult, holm, paired_test
+from divstats.inference.multiplicity import holm
+from divstats.inference.paired import paired_test
+from divstats.inference.results import Effect, PairedTestResult
 from divstats.intervals import ConfidenceInterval
 from divstats.plans.format import Plan, assign_split, load_plan, shipped_plan, shipped_plans
 from divstats.plans.run import PlanResult, run_plan

@@ -10,7 +10,12 @@ Every list of estimand names in divstats is derived from :data:`ESTIMANDS`
 * the post-divergence quantities marked not identified when W < T − 1: ``post_dependent``;
 * ``INTERVAL_QUANTITIES`` (``aggregate_intervals``): ``interval``;
 * ``divstats.estimation.components.METRICS``: ``component``;
-* ``divstats.report.tables.SUMMARY_QUANTITIES``: ``summary``.
+* ``divstats.report.tables.SUMMARY_QUANTITIES``: ``summary``;
+* ``divstats.plans.run.FULL_MODEL_VALUES`` (what a plan compares with the full model): ``full_value``.
+
+An estimand's name is spelled here and where its formula is, nowhere else in divstats: the
+figures, plans, noise floor and defaults use the name constants at the end of this module
+(``MISMATCH_FRACTION``, ``TAIL_CAPACITY``, ...; tests/test_divstats_estimands.py scans the sources).
 
 The speculative-decoding estimands (docs/statistics.md §10) are one per (doc, policy,
 γ) rather than per (doc, policy), so they are a table of their own,
@@ -28,7 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["AGGREGATIONS", "ESTIMANDS", "Estimand", "SPECULATIVE_ESTIMANDS", "by_name", "markdown_table", "names"]
+__all__ = [
+    "ACCEPTED_PER_CALL", "AGGREGATIONS", "ESTIMANDS", "EXPOSURE_CONTRIBUTION", "Estimand",
+    "FIRST_MISMATCH_CONTRIBUTION", "FULL_VALUES", "LOSS", "MISMATCH_FRACTION", "OCCURRENCE", "SPECULATIVE_ESTIMANDS",
+    "TAIL_CAPACITY", "TARGET_CALLS", "TOKENS_PER_CALL", "WINDOW_MISMATCH", "by_name", "markdown_table", "names",
+]
 
 #: How an estimand combines over documents (equal document weights, docs/statistics.md §3).
 AGGREGATIONS: dict[str, str] = {
@@ -36,6 +45,10 @@ AGGREGATIONS: dict[str, str] = {
     "ratio": "ratio of document means",
     "derived": "derived from the aggregated parts",
 }
+
+#: The full model's own value of an estimand (compared with itself it never diverges), as
+#: ``markdown_table`` prints it: 0, the horizon T, or none (undefined, e.g. a rate without exposure).
+FULL_VALUES: dict[str, str] = {"zero": "0", "horizon": "T", "none": ""}
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,9 @@ class Estimand:
         Its range, [0, 1], [0, T] or unbounded (intervals are clipped to it).
     plan : bool
         A plan may test it (a quantity that does not depend on the policy may not).
+    full_value : {"zero", "horizon", "none"}
+        The full model's own value (:data:`FULL_VALUES`): what a plan compares a policy with
+        when the data hold no measured ``full`` control (``divstats.plans.run.FULL_MODEL_VALUES``).
     """
 
     name: str
@@ -80,6 +96,7 @@ class Estimand:
     worse: Literal["larger", "smaller"] = "larger"
     bounds: Literal["unit", "horizon", "none"] = "none"
     plan: bool = True
+    full_value: Literal["zero", "horizon", "none"] = "none"
 
     def __post_init__(self) -> None:
         if self.aggregate not in AGGREGATIONS:
@@ -88,6 +105,8 @@ class Estimand:
             raise ValueError(f"{self.name}: worse must be 'larger' or 'smaller'")
         if self.bounds not in ("unit", "horizon", "none"):
             raise ValueError(f"{self.name}: bounds must be 'unit', 'horizon' or 'none'")
+        if self.full_value not in FULL_VALUES:
+            raise ValueError(f"{self.name}: full_value must be one of {tuple(FULL_VALUES)}")
         if self.summary and not self.interval:
             raise ValueError(f"{self.name}: the summary table shows an interval, so summary needs interval")
 
@@ -97,38 +116,38 @@ _E = Estimand
 #: The estimands, in the order of ``divstats.estimate``'s variables.
 ESTIMANDS: tuple[Estimand, ...] = (
     _E("occurrence", "P(tau <= T): probability that the branches diverge within the horizon",
-       "mean", interval=True, summary=True, replicate=0, bounds="unit"),
+       "mean", interval=True, summary=True, replicate=0, bounds="unit", full_value="zero"),
     _E("rmtd", ("sum_{t=0}^{T-1} S(t) = E[min(tau, T)]: restricted mean time to divergence (docs/statistics.md §3 "
                 "definition; its gloss E[min(tau - 1, T)] equals this minus occurrence, see "
                 "docs/statistics.md)"),
-       "mean", interval=True, summary=True, replicate=2, worse="smaller", bounds="horizon"),
+       "mean", interval=True, summary=True, replicate=2, worse="smaller", bounds="horizon", full_value="horizon"),
     _E("agreeing_tokens", ("rmtd - occurrence = E[min(tau - 1, T)]: expected number of agreeing tokens before "
                            "the divergence (the tokens both models emit identically)"),
-       "mean", interval=True, component=False, summary=True, worse="smaller"),
+       "mean", interval=True, component=False, summary=True, worse="smaller", full_value="horizon"),
     _E("exposure", "E[(T - tau)+]: expected post-divergence steps inside the horizon",
-       "mean", interval=True, summary=True, replicate=1, bounds="horizon"),
+       "mean", interval=True, summary=True, replicate=1, bounds="horizon", full_value="zero"),
     _E("post_mismatch", "E[R], R = sum_{t > tau} D_t: expected mismatches after the first one",
-       "mean", post_dependent=True, replicate=3, bounds="horizon"),
+       "mean", post_dependent=True, replicate=3, bounds="horizon", full_value="zero"),
     _E("rate", "post_mismatch / exposure (ratio of expectations); NaN when exposure = 0",
        "ratio", post_dependent=True, interval=True, summary=True, bounds="unit"),
     _E("loss", "E[L] = occurrence + exposure * rate: expected number of mismatched tokens",
-       "derived", post_dependent=True, bounds="horizon"),
+       "derived", post_dependent=True, bounds="horizon", full_value="zero"),
     _E("mismatch_fraction", "loss / T = first_mismatch_contribution + exposure_contribution",
-       "derived", post_dependent=True, interval=True, summary=True, bounds="unit"),
+       "derived", post_dependent=True, interval=True, summary=True, bounds="unit", full_value="zero"),
     _E("first_mismatch_contribution", "occurrence / T",
-       "derived", interval=True, summary=True, bounds="unit"),
+       "derived", interval=True, summary=True, bounds="unit", full_value="zero"),
     _E("exposure_contribution", "(exposure / T) * rate (0 when exposure = 0, since then R = 0 on every path)",
-       "derived", post_dependent=True, interval=True, summary=True, bounds="unit"),
+       "derived", post_dependent=True, interval=True, summary=True, bounds="unit", full_value="zero"),
     _E("window_mismatch", ("E[sum_{tau < t <= tau + W} D_t]: mismatches observed in the W-step window "
                            "after divergence"),
-       "mean", replicate=4, bounds="horizon"),
+       "mean", replicate=4, bounds="horizon", full_value="zero"),
     _E("tail_capacity", ("E[(T - tau - K) 1[not both ended at tau + K]; tau <= T], K = min(W, T - tau): "
                          "steps after the window that could still disagree"),
        "mean", replicate=5, bounds="horizon"),
     _E("loss_lower", "occurrence + window_mismatch: lower end of the sharp interval for loss (docs/statistics.md §6)",
-       "derived", interval=True, summary=True, bounds="horizon"),
+       "derived", interval=True, summary=True, bounds="horizon", full_value="zero"),
     _E("loss_upper", "occurrence + window_mismatch + tail_capacity: upper end of the sharp interval for loss",
-       "derived", interval=True, summary=True, bounds="horizon"),
+       "derived", interval=True, summary=True, bounds="horizon", full_value="zero"),
 )
 
 #: The speculative-decoding estimands with Q as the draft and P as the target, one per
@@ -219,9 +238,34 @@ def markdown_table(rows: tuple[Estimand, ...] = ESTIMANDS) -> str:
         return "yes" if flag else ""
 
     lines = ["| name | over documents | needs post-divergence | interval | component | summary | replicate value "
-             "| worse | range | plan metric |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| worse | range | plan metric | full model |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in rows:
         lines.append(f"| `{e.name}` | {AGGREGATIONS[e.aggregate]} | {yes(e.post_dependent)} | {yes(e.interval)} "
                     f"| {yes(e.component)} | {yes(e.summary)} | {'' if e.replicate is None else e.replicate} "
-                    f"| {e.worse} | {e.bounds} | {yes(e.plan)} |")
+                    f"| {e.worse} | {e.bounds} | {yes(e.plan)} | {FULL_VALUES[e.full_value]} |")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- names by role
+
+def _spelled(name: str) -> str:
+    """``name``, checked against the tables on import: a renamed row fails here, not in a figure."""
+    if name not in {e.name for e in ESTIMANDS + SPECULATIVE_ESTIMANDS}:
+        raise KeyError(f"{name!r} is not a row of ESTIMANDS or SPECULATIVE_ESTIMANDS")
+    return name
+
+
+# The estimands other modules name for a role of their own (the figures' parts of the mismatch
+# fraction, the noise floor's metrics, defaults, the speculative table's columns).  An estimand's
+# name is spelled in this module and where its formula is, nowhere else in divstats
+# (tests/test_divstats_estimands.py scans the sources).
+OCCURRENCE = _spelled("occurrence")
+LOSS = _spelled("loss")
+MISMATCH_FRACTION = _spelled("mismatch_fraction")
+FIRST_MISMATCH_CONTRIBUTION = _spelled("first_mismatch_contribution")
+EXPOSURE_CONTRIBUTION = _spelled("exposure_contribution")
+WINDOW_MISMATCH = _spelled("window_mismatch")
+TAIL_CAPACITY = _spelled("tail_capacity")
+TARGET_CALLS = _spelled("target_calls")
+TOKENS_PER_CALL = _spelled("tokens_per_call")
+ACCEPTED_PER_CALL = _spelled("accepted_per_call")

@@ -43,9 +43,10 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from collector.collect import CollectConfig, CollectResult, collect
+from collector.collect import CollectConfig, collect
 from collector.errors import ConfigError, ManifestMismatch
 from collector.journal import Journal
+from collector.result import CollectResult
 from divstats import RoundPlan
 from protocols import Kind
 
@@ -313,7 +314,7 @@ class AdaptiveResult:
     Attributes
     ----------
     results : dict
-        round -> the collector's :class:`collector.collect.CollectResult`.
+        round -> the collector's :class:`collector.result.CollectResult`.
     plans : dict
         round -> the :class:`RoundPlan` that allocated it (and the final one, with
         the reason to stop, under the next round's index).

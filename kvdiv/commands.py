@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import click
 
 from collector.cli import collect as collector_collect
+from kvdiv.demo import DEFAULT_MODELS as _DEMO_MODELS
 from kvdiv.demo import DemoConfig
 
 if TYPE_CHECKING:
@@ -87,7 +88,10 @@ def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: b
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--server", "servers", multiple=True,
               help="Use these running servers instead of starting one (e.g. a GPU box).")
-@click.option("--model", default="embedded", show_default=True, help="Model for the server the demo starts.")
+@click.option("--models", default=",".join(_DEMO_MODELS), show_default=True,
+              help="The models studied, comma-separated, one server each in turn (the embedded models: "
+                   "smollm2-135m, gemma3-270m; any `kvdiv serve --model` id); one model with --server.")
+@click.option("--model", default=None, hidden=True, help="One model: the same as --models MODEL.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=None,
               help=f"Requests in flight per server.  [default: {_DEMO.concurrency}]")
 @click.option("--api-key", default=None, envvar="KVDIV_API_KEY")
@@ -99,7 +103,8 @@ def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: b
               help="Documents of the small reference set (speculative decoding; 0 skips it).  "
                    f"[default: {_DEMO.reference_docs}]")
 def demo(out: Path, docs_count: int | None, replicates: int | None, max_new_tokens: int | None,
-         window: int | None, target_tokens: int | None, seed: int, servers: tuple[str, ...], model: str,
+         window: int | None, target_tokens: int | None, seed: int, servers: tuple[str, ...], models: str,
+         model: str | None,
          concurrency: int | None, api_key: str | None, plan: Path | None, control: bool,
          reference_docs: int | None) -> None:
     """The paper's study end to end: documents, server, traces, plan, report."""
@@ -109,7 +114,10 @@ def demo(out: Path, docs_count: int | None, replicates: int | None, max_new_toke
                                        window=window, target_tokens=target_tokens,
                                        concurrency=concurrency, reference_docs=reference_docs).items()
                  if v is not None}
-    cfg = DemoConfig(out=out, seed=seed, servers=list(servers), model=model, api_key=api_key, plan=plan,
+    chosen = [model] if model else [m.strip() for m in models.split(",") if m.strip()]
+    if not chosen or len(set(chosen)) != len(chosen):
+        raise click.BadParameter(f"give distinct model ids, not {models!r}", param_hint="--models")
+    cfg = DemoConfig(out=out, seed=seed, servers=list(servers), models=chosen, api_key=api_key, plan=plan,
                      control=control, **overrides)
     try:
         run_demo(cfg)

@@ -1,9 +1,17 @@
-"""``kvdiv demo``: the paper's study end to end on the embedded model, on a laptop CPU.
+"""``kvdiv demo``: the paper's study end to end on the two embedded models, on a laptop CPU.
 
-Steps (each shown on stderr as it runs):
+As the paper studies two models, the demo studies SmolLM2-135M-Instruct (a chat model)
+and Gemma 3 270M (a base model: its documents go in as raw text, the instruction after
+them, no chat template), the same documents, policies and sizes on each, one model
+after the other (``--models`` picks one or both). Each model's traces are collected
+into its own folder (``--out``/MODEL/), then combined along a ``model`` dim
+(``protocols.combine``) and analysed once: the plan's hypotheses per model, Holm
+spanning both, every report section per model, the headline table per model.
 
-1. start ``kvdiv serve`` (embedded SmolLM2-135M-Instruct) on a free loopback port,
-   unless ``--server`` URLs are given;
+Steps for each model (each shown on stderr as it runs):
+
+1. start ``kvdiv serve --model MODEL`` on a free loopback port, unless ``--server``
+   URLs are given (one model then: the servers' own);
 2. build the built-in document set (CPython's language reference, chunked with the
    model's tokenizer) while the server loads;
 3. collect residual-branch traces for the paper's policies: ``snapkv@0.5``,
@@ -12,7 +20,8 @@ Steps (each shown on stderr as it runs):
    then a small reference set for the speculative-decoding section: paths from the
    full model scored by ``snapkv@0.5`` and ``recent@0.5`` on the first few documents
    (``kvdiv collect --kind reference``, in ``reference/``);
-4. stop the server, pack ``traces.nc`` (and ``reference.nc``);
+4. stop the server, pack ``traces.nc`` (and ``reference.nc``); with several models,
+   combine them along ``model`` into ``--out``/traces.nc (and reference.nc);
 5. run the shipped plan (``paper``, divstats package data) with ``snapkv#512`` substituted by
    ``snapkv#N`` (a recorded deviation: the two budget rows are labelled
    exploratory), writing ``results.nc``, ``report.html`` and ``summary.md``.
@@ -51,6 +60,9 @@ REFERENCE_POLICIES = ("snapkv@0.5", "recent@0.5")
 SERVER_READY = "kvdiv serve ready: "
 # Tokens the chat template adds around the user turn (ChatML: role markers, newlines).
 CHAT_OVERHEAD_TOKENS = 8
+#: The models the demo studies by default, as the paper studies two: the embedded chat
+#: model and the embedded base model (gen_service.models.EMBEDDED_MODELS).
+DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
 
 
 class DemoError(RuntimeError):
@@ -59,17 +71,21 @@ class DemoError(RuntimeError):
 
 @dataclass
 class DemoConfig:
-    """Demo sizes. Defaults fit ~6 minutes on 2 CPU cores (docs/collector.md has the measurement)."""
+    """Demo sizes. Defaults are sized so that both models fit ``make demo``'s 10 minutes on 2 CPU
+    cores, the install included (docs/collector.md, "What the second model costs"). Every model
+    gets the same documents, policies, R, T and W: traces combine along ``model`` only when they
+    agree on those."""
 
     out: Path = Path("runs/demo")
-    docs_count: int = 14
+    docs_count: int = 10
     target_tokens: int = 128
     replicates: int = 8
     max_new_tokens: int = 10
     window: int = 9   # W = T - 1: branches reach the horizon, so every estimand is identified
     seed: int = 0
     servers: list[str] = field(default_factory=list)
-    model: str = "embedded"
+    #: the models studied, one after the other (short ids as ``kvdiv serve --model`` takes)
+    models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
     concurrency: int = 8   # fills the local server's decoding batch (kvdiv serve --max-batch-requests)
     api_key: str | None = None
     template: str = "summarise"
@@ -92,7 +108,42 @@ class DemoConfig:
         """The settings that decide the traces (compared on resume)."""
         return {k: v for k, v in asdict(self).items()
                 if k in ("docs_count", "target_tokens", "replicates", "max_new_tokens", "window", "seed",
-                         "template", "model")}
+                         "template", "models")}
+
+    def parts(self) -> list[ModelPart]:
+        """One part per model: its folder (``out`` itself for a single model, as before) and template."""
+        many = len(self.models) > 1
+        return [ModelPart(m, self.out / model_slug(m) if many else self.out, template_for(m, self.template))
+                for m in self.models]
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    """One model's part of the study: its model id, its folder (journal, traces, server
+    log) and its prompt template (the raw form for a base model)."""
+
+    model: str
+    out: Path
+    template: str
+
+
+def model_slug(model: str) -> str:
+    """A folder name for a model id (``tiny:llama`` -> ``tiny-llama``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", model).strip("-") or "model"
+
+
+def template_for(model: str, template: str) -> str:
+    """The template a model reads its documents with: a base model (no chat template,
+    e.g. ``gemma3-270m``) gets the raw form (``summarise-raw``: the document as raw
+    text, the instruction after it)."""
+    if model in ("approx",) or template.endswith(D.RAW_SUFFIX):
+        return template
+    try:
+        from gen_service.models.loading import EMBEDDED_MODELS
+    except ModuleNotFoundError:   # a base install: no server here, the servers' models are chat models
+        return template
+    embedded = EMBEDDED_MODELS.get(model)
+    return template + D.RAW_SUFFIX if embedded is not None and not embedded.chat else template
 
 
 def _say(message: str) -> None:
@@ -215,12 +266,12 @@ def _wait_health(url: str, timeout_s: float = 60.0) -> None:
 
 
 @contextmanager
-def _serving(cfg: DemoConfig) -> Iterator[ServerProcess | None]:
+def _serving(cfg: DemoConfig, part: ModelPart) -> Iterator[ServerProcess | None]:
     """A started server (stopped on exit, Ctrl-C included), or None when --server is given."""
     if cfg.servers:
         yield None
         return
-    server = ServerProcess(cfg.model, cfg.out / "server.log", cfg.api_key)
+    server = ServerProcess(part.model, part.out / "server.log", cfg.api_key)
     try:
         yield server
     finally:
@@ -347,8 +398,10 @@ def _prepare_documents(cfg: DemoConfig) -> tuple[Path, int]:
                             "Rerun with the same options to resume it, or pass a new --out.")
         _say(f"      reusing {docs_path} ({saved['n_docs']} documents, snapkv#{saved['budget']})")
         return docs_path, int(saved["budget"])
-    _say(f"      loading the {cfg.model} tokenizer and chunking pydoc_data.topics to ~{cfg.target_tokens} tokens")
-    tokenizer = load_tokenizer(cfg.model)
+    # one document set for every model (traces combine along model only over the same
+    # documents), chunked with the first model's tokenizer
+    _say(f"      loading the {cfg.models[0]} tokenizer and chunking pydoc_data.topics to ~{cfg.target_tokens} tokens")
+    tokenizer = load_tokenizer(cfg.models[0])
     docs = select_balanced(D.pydoc_documents(tokenizer, target_tokens=cfg.target_tokens), cfg.docs_count,
                            cfg.plan or shipped_plan())
     budget = budget_for(docs, cfg.template, prompt_length(tokenizer))
@@ -371,25 +424,45 @@ def shipped_plan() -> Traversable:
 
 
 def headline(an: Any) -> str:
-    """The plan table, one line per hypothesis, plus per-policy occurrence and rmtd."""
+    """The plan table, one block per model (one line per hypothesis), plus each model's
+    per-policy occurrence and rmtd and its noise floor."""
     table = an.plan_result.table
-    lines = [f"plan {an.plan.name} (sha256 {an.plan.sha256[:12]}…), {int(table['n_docs'].max())} confirmatory docs"]
-    lines.append(f"  {'hypothesis':<18} {'A − B':<34} {'mean A':>8} {'mean B':>8} {'effect':>8} "
-                 f"{'p (Holm)':>9}  reject  label")
-    for r in table.itertuples(index=False):
-        comp = f"{r.a} − {r.b}" + (f" ({r.policy})" if r.policy else "")
-        lines.append(f"  {r.id:<18} {comp:<34} {_num(r.mean_a):>8} {_num(r.mean_b):>8} {_num(r.effect):>8} "
-                     f"{_num(r.p_adjusted):>9}  {'yes' if r.reject else 'no':<6}  {r.label}")
     agg = an.aggregate
-    shown = [q for q in ("occurrence", "rmtd", "exposure") if q in agg.data_vars]
-    if shown and "model" not in agg.dims:
-        lines.append("")
-        lines.append(f"  {'policy':<14}" + "".join(f"{q:>12}" for q in shown) + "   (all docs, descriptive)")
-        for pol in agg["policy"].values:
-            lines.append(f"  {str(pol):<14}" + "".join(f"{_num(float(agg[q].sel(policy=pol))):>12}" for q in shown)
-                         + ("   (control: the noise floor)" if pol == _control(an) else ""))
-    lines.append(_floor_line(an))
+    models = [str(m) for m in agg["model"].values] if "model" in agg.dims else [None]
+    lines = [f"plan {an.plan.name} (sha256 {an.plan.sha256[:12]}…)"
+             + (f", Holm within each family over {len(models)} models" if len(models) > 1 else "")]
+    for model in models:
+        rows = table if model is None else table[table["model"] == model]
+        n_docs = int(rows["n_docs"].max()) if len(rows) else 0
+        lines.append(("" if model is None else f"\n  model {model}: ") + f"{n_docs} confirmatory docs")
+        lines += _plan_lines(rows)
+        lines += _policy_lines(an, None if model is None else agg.sel(model=model))
+        lines.append(_floor_line(an, model))
     return "\n".join(lines)
+
+
+def _plan_lines(rows: Any) -> list[str]:
+    lines = [f"  {'hypothesis':<18} {'A − B':<34} {'mean A':>8} {'mean B':>8} {'effect':>8} "
+             f"{'p (Holm)':>9}  reject  label"]
+    for r in rows.itertuples(index=False):
+        comp = f"{r.a} − {r.b}" + (f" ({r.policy})" if r.policy else "")
+        hid = r.id.split("[")[0]     # the model is the block's
+        lines.append(f"  {hid:<18} {comp:<34} {_num(r.mean_a):>8} {_num(r.mean_b):>8} {_num(r.effect):>8} "
+                     f"{_num(r.p_adjusted):>9}  {'yes' if r.reject else 'no':<6}  {r.label}")
+    return lines
+
+
+def _policy_lines(an: Any, agg: Any | None) -> list[str]:
+    """One model's occurrence, rmtd and exposure per policy, over all documents (descriptive)."""
+    agg = an.aggregate if agg is None else agg
+    shown = [q for q in ("occurrence", "rmtd", "exposure") if q in agg.data_vars]
+    if not shown:
+        return []
+    lines = ["", f"  {'policy':<14}" + "".join(f"{q:>12}" for q in shown) + "   (all docs, descriptive)"]
+    for pol in agg["policy"].values:
+        lines.append(f"  {str(pol):<14}" + "".join(f"{_num(float(agg[q].sel(policy=pol))):>12}" for q in shown)
+                     + ("   (control: the noise floor)" if pol == _control(an) else ""))
+    return lines
 
 
 def _control(an: Any) -> str | None:
@@ -397,13 +470,15 @@ def _control(an: Any) -> str | None:
     return (floor.attrs.get("control") or None) if floor is not None else None
 
 
-def _floor_line(an: Any) -> str:
-    """The noise floor in one line: the control's occurrence and max TV, or that none was collected."""
+def _floor_line(an: Any, model: str | None = None) -> str:
+    """The noise floor in one line (one model's): the control's occurrence and max TV, or that none was collected."""
     floor = getattr(an, "noise_floor", None)
     if floor is None or not floor.attrs.get("control"):
         return "\n  noise floor: no control collected"
     if "model" in floor.dims:
-        return f"\n  noise floor ({floor.attrs['control']} vs full): per model, see the report"
+        if model is None:
+            return f"\n  noise floor ({floor.attrs['control']} vs full): per model, see the report"
+        floor = floor.sel(model=model)
     return (f"\n  noise floor ({floor.attrs['control']} vs full): occurrence "
             f"{_num(float(floor['aggregate_occurrence']))}, max TV {float(floor['aggregate_max_tv']):.3g}")
 
@@ -488,44 +563,36 @@ def run_demo(cfg: DemoConfig) -> Any:
 
 def _run(cfg: DemoConfig) -> Any:
     t0 = time.monotonic()
-    _say(f"kvdiv demo → {cfg.out}  ({cfg.docs_count} docs × {len(demo_policies(1))} policies, R={cfg.replicates}, "
-         f"T={cfg.max_new_tokens}, W={cfg.window}, residual traces)")
-    with _serving(cfg) as server:
-        if server is not None:
-            _say(f"[1/5] starting `kvdiv serve --model {cfg.model}` (log: {server.log_path})")
-        else:
-            _say(f"[1/5] using running server(s): {', '.join(cfg.servers)}")
-        _say("[2/5] documents")
-        docs_path, budget = _prepare_documents(cfg)
-        urls = list(cfg.servers) if server is None else [server.wait_ready(cfg.server_timeout_s)]
-        if server is not None:
-            _say(f"      server ready at {urls[0]} after {time.monotonic() - t0:.0f} s")
-        policies = demo_policies(budget)
-        plan = cfg.plan or write_demo_plan(shipped_plan(), cfg.out / "plan.toml", budget, cfg.window,
-                                           confirmatory_docs=(cfg.docs_count + 1) // 2)
-        _say(f"      plan: {plan}")
-        _say(f"[3/5] collecting traces: {', '.join(policies)}" + (" + the control full" if cfg.control else ""))
-        result = collect(CollectConfig.flat(
-            servers=urls, docs_file=docs_path, policies=policies, out=cfg.out / "journal", kind="residual",
-            replicates=cfg.replicates, max_new_tokens=cfg.max_new_tokens, window=cfg.window,
-            temperature=1.0, seed=cfg.seed, template=cfg.template, api_key=cfg.api_key,
-            concurrency=cfg.concurrency, progress=cfg.progress, control=cfg.control),
-            stop_reason=server.exit_reason if server is not None else None)
-        _say(f"      {result.summary()}")
-        if not result.ok:
-            gone = server.exit_reason() if server is not None else None
-            raise DemoError(gone or f"{len(result.failed)} requests failed; rerun the same command to retry "
-                            f"them ({cfg.out / 'journal'} keeps every complete request)")
-        if cfg.reference_docs:
-            _collect_reference(cfg, urls, docs_path, server)
-    _say("[4/5] packing traces.nc" + (" and reference.nc" if cfg.reference_docs else ""))
-    traces = save_dataset(pack_run(cfg.out / "journal", progress=False), cfg.out / "traces.nc", overwrite=True)
-    if cfg.reference_docs:
-        save_dataset(pack_run(cfg.out / "reference" / "journal", progress=False), cfg.out / "reference.nc",
-                     overwrite=True)
+    if cfg.servers and len(cfg.models) > 1:
+        raise DemoError(f"--server serves one model; pass one of --models ({', '.join(cfg.models)}) with it")
+    _say(f"kvdiv demo → {cfg.out}  ({', '.join(cfg.models)}: {cfg.docs_count} docs × "
+         f"{len(demo_policies(1))} policies, "
+         f"R={cfg.replicates}, T={cfg.max_new_tokens}, W={cfg.window}, residual traces)")
+    parts = cfg.parts()
+    docs_path, budget, plan = None, 0, cfg.plan
+    for part in parts:
+        tag = f"[{part.model}] " if len(parts) > 1 else ""
+        with _serving(cfg, part) as server:
+            if server is not None:
+                _say(f"{tag}[1/5] starting `kvdiv serve --model {part.model}` (log: {server.log_path})")
+            else:
+                _say(f"{tag}[1/5] using running server(s): {', '.join(cfg.servers)}")
+            if docs_path is None:   # built once, while the first server loads
+                _say(f"{tag}[2/5] documents")
+                docs_path, budget = _prepare_documents(cfg)
+                plan = cfg.plan or write_demo_plan(shipped_plan(), cfg.out / "plan.toml", budget, cfg.window,
+                                                   confirmatory_docs=(cfg.docs_count + 1) // 2)
+                _say(f"      plan: {plan}")
+            urls = list(cfg.servers) if server is None else [server.wait_ready(cfg.server_timeout_s)]
+            if server is not None:
+                _say(f"      server ready at {urls[0]} after {time.monotonic() - t0:.0f} s")
+            _collect_part(cfg, part, urls, docs_path, budget, server, tag)
+        _say(f"{tag}[4/5] packing traces.nc" + (" and reference.nc" if cfg.reference_docs else ""))
+        _pack_part(cfg, part)
+    traces, reference = _combined(cfg, parts)
     _say(f"[5/5] analysing with {plan}")
     an = _analyse(cfg, traces, plan, budget)
-    spec = _analyse_reference(cfg, cfg.out / "reference.nc") if cfg.reference_docs else None
+    spec = _analyse_reference(cfg, reference) if reference is not None else None
     elapsed = time.monotonic() - t0
     print(headline(an) + certify_headline(an))
     if spec is not None:
@@ -533,8 +600,53 @@ def _run(cfg: DemoConfig) -> Any:
     print(f"\nreport: {cfg.out / 'report.html'}   summary: {cfg.out / 'summary.md'}")
     print(f"traces: {traces}   results: {cfg.out / 'results.nc'}   ({elapsed:.0f} s)")
     if spec is not None:
-        print(f"speculative decoding: {spec.paths['report.html']}   reference traces: {cfg.out / 'reference.nc'}")
+        print(f"speculative decoding: {spec.paths['report.html']}   reference traces: {reference}")
     return an
+
+
+def _collect_part(cfg: DemoConfig, part: ModelPart, urls: list[str], docs_path: Path, budget: int,
+                  server: ServerProcess | None, tag: str) -> None:
+    """One model's traces: the residual set (and the control), then the reference set."""
+    policies = demo_policies(budget)
+    _say(f"{tag}[3/5] collecting traces: {', '.join(policies)}" + (" + the control full" if cfg.control else "")
+         + (f" (template {part.template})" if part.template != cfg.template else ""))
+    result = collect(CollectConfig.flat(
+        servers=urls, docs_file=docs_path, policies=policies, out=part.out / "journal", kind="residual",
+        replicates=cfg.replicates, max_new_tokens=cfg.max_new_tokens, window=cfg.window,
+        temperature=1.0, seed=cfg.seed, template=part.template, api_key=cfg.api_key,
+        concurrency=cfg.concurrency, progress=cfg.progress, control=cfg.control),
+        stop_reason=server.exit_reason if server is not None else None)
+    _say(f"      {result.summary()}")
+    if not result.ok:
+        gone = server.exit_reason() if server is not None else None
+        raise DemoError(gone or f"{len(result.failed)} requests failed; rerun the same command to retry "
+                        f"them ({part.out / 'journal'} keeps every complete request)")
+    if cfg.reference_docs:
+        _collect_reference(cfg, part, urls, docs_path, server)
+
+
+def _pack_part(cfg: DemoConfig, part: ModelPart) -> None:
+    save_dataset(pack_run(part.out / "journal", progress=False), part.out / "traces.nc", overwrite=True)
+    if cfg.reference_docs:
+        save_dataset(pack_run(part.out / "reference" / "journal", progress=False), part.out / "reference.nc",
+                     overwrite=True)
+
+
+def _combined(cfg: DemoConfig, parts: list[ModelPart]) -> tuple[Path, Path | None]:
+    """The traces (and reference traces) to analyse: one model's own files, or every
+    model's combined along ``model`` (named by the short ids) into ``cfg.out``."""
+    reference = "reference.nc" if cfg.reference_docs else None
+    if len(parts) == 1:
+        return parts[0].out / "traces.nc", (parts[0].out / reference if reference else None)
+    import protocols
+
+    _say(f"      combining {', '.join(p.model for p in parts)} along model")
+    names = [p.model for p in parts]
+    out = {}
+    for name in ("traces.nc",) + ((reference,) if reference else ()):
+        sets = [protocols.open_traces(p.out / name).load() for p in parts]
+        out[name] = save_dataset(protocols.combine(sets, "model", models=names), cfg.out / name, overwrite=True)
+    return out["traces.nc"], out.get(reference) if reference else None
 
 
 def _analyse_reference(cfg: DemoConfig, traces: Path) -> Any:
@@ -556,7 +668,17 @@ def speculative_headline(an: Any) -> str:
     gammas = [int(g) for g in spec["gamma"].values]
     lines = ["", f"  speculative decoding with the evicted model as draft ({int(spec['n_docs'].max())} docs): "
              "tokens per target call, 95% interval over documents"]
-    lines.append(f"  {'draft':<12}" + "".join(f"{'γ = ' + str(g):>20}" for g in gammas))
+    models = [str(m) for m in spec["model"].values] if "model" in spec.dims else [None]
+    for model in models:
+        one = spec if model is None else spec.sel(model=model)
+        if model is not None:
+            lines.append(f"  model {model}")
+        lines += _speculative_rows(one, gammas)
+    return "\n".join(lines)
+
+
+def _speculative_rows(spec: Any, gammas: list[int]) -> list[str]:
+    lines = [f"  {'draft':<12}" + "".join(f"{'γ = ' + str(g):>20}" for g in gammas)]
     for pol in spec["policy"].values:
         cells = []
         for g in gammas:
@@ -566,15 +688,16 @@ def speculative_headline(an: Any) -> str:
                 f"± {float(c['tokens_per_call_se']):.2f}"
             cells.append(f"{float(c['tokens_per_call']):.2f} {band}")
         lines.append(f"  {str(pol):<12}" + "".join(f"{x:>20}" for x in cells))
-    return "\n".join(lines)
+    return lines
 
 
-def _collect_reference(cfg: DemoConfig, urls: list[str], docs_path: Path, server: ServerProcess | None) -> None:
+def _collect_reference(cfg: DemoConfig, part: ModelPart, urls: list[str], docs_path: Path,
+                       server: ServerProcess | None) -> None:
     """The reference set: the first ``cfg.reference_docs`` documents, each scored by :data:`REFERENCE_POLICIES`.
 
-    Its own journal (``reference/journal``), so that a rerun resumes it like the main one.
+    Its own journal (``reference/journal`` in the model's folder), so that a rerun resumes it like the main one.
     """
-    root = cfg.out / "reference"
+    root = part.out / "reference"
     docs = D.read_jsonl(docs_path)[:cfg.reference_docs]
     ref_docs = D.write_jsonl(docs, root / "documents.jsonl")
     _say(f"      reference traces: {len(docs)} docs × {', '.join(REFERENCE_POLICIES)}, "
@@ -582,7 +705,7 @@ def _collect_reference(cfg: DemoConfig, urls: list[str], docs_path: Path, server
     result = collect(CollectConfig.flat(
         servers=urls, docs_file=ref_docs, policies=list(REFERENCE_POLICIES), out=root / "journal",
         kind="reference", replicates=cfg.reference_replicates, max_new_tokens=cfg.max_new_tokens,
-        temperature=1.0, seed=cfg.seed, template=cfg.template, api_key=cfg.api_key,
+        temperature=1.0, seed=cfg.seed, template=part.template, api_key=cfg.api_key,
         concurrency=cfg.concurrency, progress=cfg.progress, control=False),
         stop_reason=server.exit_reason if server is not None else None)
     _say(f"      {result.summary()}")

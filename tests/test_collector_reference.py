@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from collector import documents as D
-from collector.collect import CollectConfig, collect, request_body
+from collector.collect import CollectConfig, collect
 from collector.errors import ConfigError
+from collector.jobs import request_body
 from collector.pack import pack_run
 from protocols import validate
 

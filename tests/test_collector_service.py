@@ -10,8 +10,9 @@ import pytest
 import xarray as xr
 
 from collector import documents as D
-from collector.collect import CollectConfig, Collector, collect, prepare_run
+from collector.collect import CollectConfig, Collector, collect
 from collector.pack import pack_run
+from collector.prepare import prepare_run
 from kvdiv.demo import ServerProcess
 
 pytestmark = pytest.mark.service

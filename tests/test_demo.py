@@ -31,7 +31,7 @@ def _small(out: Path, **kw) -> DemoConfig:
 
 def test_demo_with_a_running_server_resumes_and_refuses_other_sizes(tmp_path: Path, capsys) -> None:
     with FakeServer() as server:
-        cfg = _small(tmp_path / "demo", servers=[server.url], model="approx")
+        cfg = _small(tmp_path / "demo", servers=[server.url], models=["approx"])
         an = run_demo(cfg)
         assert all((tmp_path / "demo" / name).exists() for name in OUTPUTS)
         # 4 policies, the sweep's 2 and the control (on by default), and the reference set: 4 docs x 2 drafts
@@ -59,7 +59,7 @@ def test_demo_with_a_running_server_resumes_and_refuses_other_sizes(tmp_path: Pa
         assert len(server.requests) == 8 * (len(demo_policies(budget)) + 1) + 4 * 2
         assert protocols.open_traces(tmp_path / "demo" / "traces.nc").identical(first)
         with pytest.raises(DemoError, match="replicates: 2 there, 3 now"):
-            run_demo(_small(tmp_path / "demo", servers=[server.url], model="approx", replicates=3))
+            run_demo(_small(tmp_path / "demo", servers=[server.url], models=["approx"], replicates=3))
 
 
 def test_demo_plan_is_the_paper_plan_fitted_to_the_window(tmp_path: Path) -> None:
@@ -120,7 +120,7 @@ def test_budget_is_half_the_median_prompt() -> None:
 
 @pytest.mark.service
 def test_demo_starts_and_stops_its_own_server(tmp_path: Path) -> None:
-    cfg = _small(tmp_path / "demo", model="tiny:llama", docs_count=6, target_tokens=200)
+    cfg = _small(tmp_path / "demo", models=["tiny:llama"], docs_count=6, target_tokens=200)
     run_demo(cfg)
     assert all((tmp_path / "demo" / name).exists() for name in OUTPUTS)
     log = (tmp_path / "demo" / "server.log").read_text()

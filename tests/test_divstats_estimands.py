@@ -113,3 +113,79 @@ def test_interval_ranges_come_from_the_table():
     q = estimators.INTERVAL_QUANTITIES
     np.testing.assert_array_equal(lower, [0.0 if n in old_upper else -np.inf for n in q])
     np.testing.assert_array_equal(upper, [float(old_upper.get(n, np.inf)) for n in q])
+
+
+# --------------------------------------------------------------------------- where a name is spelled
+
+#: The modules that may spell an estimand's name (a string literal equal to it): the table and
+#: the modules where formulas are.  Everywhere else derives the name from the table (a row's flag,
+#: or a constant of divstats.estimands such as TAIL_CAPACITY).
+SPELLED_IN: dict[str, str] = {
+    "estimands.py": "the table itself",
+    "traces/replicates.py": "the per-replicate formulas, one function per trace kind",
+    "estimation/estimators.py": "the ratio and derived estimands' formulas (estimate, aggregate)",
+    "estimation/components.py": "each estimand's per-replicate influence",
+    "estimation/interval.py": "the sharp interval's ends, loss_lower and loss_upper",
+    "estimation/variance.py": "loss per replicate, in the variance-dominance check",
+    "estimation/speculative.py": "the speculative-decoding estimands' formulas",
+    "inference/decompose.py": "the gap decomposition: its parts are named after the estimands they vary",
+}
+#: The old FULL_MODEL_VALUES, before it was derived from the table.
+OLD_FULL_MODEL_VALUES = {
+    **{m: 0.0 for m in ("occurrence", "exposure", "post_mismatch", "loss", "mismatch_fraction",
+                        "first_mismatch_contribution", "exposure_contribution", "window_mismatch",
+                        "loss_lower", "loss_upper", "branch_tv")},
+    "rmtd": "horizon", "agreeing_tokens": "horizon",
+}
+
+
+def spelled_names(package: Path, estimand_names: set[str]) -> list[str]:
+    """``file:line name`` for each string literal equal to an estimand's name outside SPELLED_IN (docstrings aside)."""
+    import ast
+
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        if rel in SPELLED_IN:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        found += [f"{package.name}/{rel}:{node.lineno} {node.value}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and node.value in estimand_names and id(node) not in docstrings]
+    return found
+
+
+ALL_NAMES = {e.name for e in ESTIMANDS + SPECULATIVE_ESTIMANDS}
+
+
+def test_an_estimand_name_is_spelled_only_in_the_table_and_where_its_formula_is() -> None:
+    found = spelled_names(ROOT / "divstats", ALL_NAMES)
+    assert not found, "derive these from divstats.estimands (a flag, or a name constant):\n" + "\n".join(found)
+    assert all((ROOT / "divstats" / rel).is_file() for rel in SPELLED_IN)
+
+
+def test_the_spelling_check_catches_a_planted_name(tmp_path: Path) -> None:
+    pkg = tmp_path / "divstats"
+    (pkg / "report").mkdir(parents=True)
+    (pkg / "estimation").mkdir()
+    (pkg / "report" / "figures.py").write_text('"""Plots the tail_capacity."""\n\ndef f(sub):\n'
+                                               '    """tail_capacity"""\n    return sub["tail_capacity"]\n')
+    (pkg / "estimation" / "interval.py").write_text('X = "tail_capacity"\n')
+    assert spelled_names(pkg, ALL_NAMES) == ["divstats/report/figures.py:5 tail_capacity"]
+
+
+def test_full_model_values_come_from_the_table() -> None:
+    from divstats.plans.run import FULL_MODEL_VALUES
+
+    assert FULL_MODEL_VALUES == OLD_FULL_MODEL_VALUES
+
+
+def test_the_name_constants_are_rows() -> None:
+    from divstats import estimands
+
+    constants = {k: v for k, v in vars(estimands).items() if k.isupper() and isinstance(v, str)}
+    assert constants and set(constants.values()) <= ALL_NAMES
+    assert all(k == v.upper() for k, v in constants.items())

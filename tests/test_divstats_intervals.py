@@ -10,7 +10,10 @@ import pytest
 import divstats
 from divstats.estimation import resample
 from divstats.estimation.estimators import aggregate_statistic
-from divstats.inference import paired
+from divstats.inference.choices import TESTS
+from divstats.inference.effects import mean_difference_t
+from divstats.inference.location_tests import studentized_resamples
+from divstats.inference.results import Effect
 from divstats.intervals import ConfidenceInterval
 from divstats.truth.studies import PolicyEffect, simulate_study
 
@@ -27,7 +30,7 @@ def test_confidence_interval_is_scipys_shape():
 def test_every_confidence_interval_is_one():
     rng = np.random.default_rng(1)
     a, b = rng.exponential(size=20), rng.exponential(size=20)
-    for test in paired.TESTS:
+    for test in TESTS:
         res = divstats.paired_test(a, b, test, n_resamples=499)
         ci = res.confidence_interval()
         assert isinstance(ci, ConfidenceInterval) and ci == (res.ci_low, res.ci_high)
@@ -35,8 +38,8 @@ def test_every_confidence_interval_is_one():
                                    else (res.mean_difference, res.mean_ci_low, res.mean_ci_high))
         for eff in (res.test_effect, res.mean_effect, res.hl_effect):
             assert isinstance(eff.interval, ConfidenceInterval) and eff.confidence_interval() == eff.interval
-    m = paired.mean_difference_t(a - b)
-    assert isinstance(m, paired.Effect) and m.interval == (m[1], m[2])
+    m = mean_difference_t(a - b)
+    assert isinstance(m, Effect) and m.interval == (m[1], m[2])
     x = rng.exponential(size=(7, 15))
     di = resample.document_interval(tuple(x), aggregate_statistic(12), n_resamples=99)
     assert isinstance(di.confidence_interval, ConfidenceInterval)
@@ -48,7 +51,7 @@ def test_every_confidence_interval_is_one():
 
 
 def _old_paired_resamples(d, n_resamples, seed):
-    """inference/paired.py's studentized resamples before there was one bootstrap-t (verbatim)."""
+    """inference/paired.py's (now location_tests') studentized resamples before there was one bootstrap-t (verbatim)."""
     rng = np.random.default_rng(seed)
     n, mean = d.size, d.mean()
     out = np.empty(n_resamples)
@@ -82,7 +85,7 @@ def _old_interval_resamples(arrays, statistic, point, n_resamples, seed):
 def test_the_one_bootstrap_t_draws_what_both_old_ones_drew(n):
     rng = np.random.default_rng(n)
     d = np.round(rng.exponential(size=n), 1)   # ties: some resamples have no spread
-    np.testing.assert_array_equal(paired._studentized_resamples(d, 4321, 7), _old_paired_resamples(d, 4321, 7))
+    np.testing.assert_array_equal(studentized_resamples(d, 4321, 7), _old_paired_resamples(d, 4321, 7))
     arrays = tuple(rng.exponential(size=(7, n)))
     stat = aggregate_statistic(12)
     point = np.asarray(stat(*arrays), dtype=float)

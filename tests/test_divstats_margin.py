@@ -10,7 +10,8 @@ from scipy import stats
 
 from divstats.calibration.coverage import margin_calibration
 from divstats.estimation.resample import MIN_DOCS_MARGIN, MIN_DOCS_MARGIN_T
-from divstats.inference.paired import margin_test, margin_verdict, paired_test
+from divstats.inference.margins import margin_test, margin_verdict
+from divstats.inference.paired import paired_test
 
 
 def _diffs(n: int, mean: float, sd: float = 0.05, seed: int = 0) -> np.ndarray:

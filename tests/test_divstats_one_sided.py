@@ -19,7 +19,8 @@ import pytest
 import divstats as dv
 from divstats.calibration.coverage import paired_calibration
 from divstats.estimation.resample import MIN_DOCS_MEAN_BOUND, MIN_DOCS_MEAN_DIFFERENCE
-from divstats.inference.paired import MIN_DOCS_BY_TEST, not_estimable_reason, rejects
+from divstats.inference.multiplicity import rejects
+from divstats.inference.refusals import MIN_DOCS_BY_TEST, not_estimable_reason
 from divstats.truth.studies import PolicyEffect, simulate_study
 
 ALPHA = 0.05

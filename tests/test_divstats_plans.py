@@ -16,7 +16,10 @@ import pytest
 import xarray as xr
 from scipy import stats
 
-from divstats.inference.paired import hodges_lehmann, holm, paired_test, signed_rank_null_cdf
+from divstats.inference.effects import hodges_lehmann
+from divstats.inference.location_tests import signed_rank_null_cdf
+from divstats.inference.multiplicity import holm
+from divstats.inference.paired import paired_test
 from divstats.plans.format import (
     PlanError,
     assign_split,

@@ -134,7 +134,7 @@ def test_hl_interval_excludes_zero_iff_wilcoxon_rejects(alternative) -> None:
 
 
 def test_hl_interval_is_the_inverted_test_at_its_ends() -> None:
-    from divstats.inference.paired import signed_rank_test
+    from divstats.inference.location_tests import signed_rank_test
 
     rng = np.random.default_rng(3)
     for _ in range(50):
@@ -156,7 +156,7 @@ def test_hl_interval_is_the_inverted_test_at_its_ends() -> None:
 def test_wilcoxon_matches_scipy_with_ties_and_zeros() -> None:
     from scipy import stats
 
-    from divstats.inference.paired import signed_rank_test
+    from divstats.inference.location_tests import signed_rank_test
 
     rng = np.random.default_rng(8)
     for _ in range(12):                  # scipy's permutation path is slow (~0.5 s a call)
@@ -172,7 +172,7 @@ def test_wilcoxon_matches_scipy_with_ties_and_zeros() -> None:
 # --------------------------------------------------------------------------- item 7
 
 def test_one_rejection_rule_at_the_boundary() -> None:
-    from divstats.inference.paired import holm, rejects
+    from divstats.inference.multiplicity import holm, rejects
 
     reject, adjusted = holm(np.array([0.025, 0.025]), 0.05)
     np.testing.assert_allclose(adjusted, [0.05, 0.05])

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from collector import documents as D
-from collector.collect import CollectConfig, request_body
+from collector.collect import CollectConfig
 from collector.grouped import group_body
+from collector.jobs import request_body
 from gen_service.api.records import TRACE_FIELDS, TRACE_PARAMETERS, parse_trace
 from gen_service.engine.coupling import Sampling, absorb_eos, probs, tv
 from gen_service.engine.facade import Engine
@@ -362,9 +363,9 @@ def test_reference_traces_carry_the_fields_of_both_laws_on_ps_path(tiny: tuple[E
 
 
 @pytest.mark.model
-def test_pinsker_on_every_step_of_an_embedded_model_trace() -> None:
+def test_pinsker_on_every_step_of_an_embedded_model_trace(embedded_lm) -> None:
     """KL(P‖Q) >= 2·TV² at every step of real coupled and residual traces (SmolLM2, snapkv@0.25)."""
-    engine = Engine(load_model("embedded"), PolicyRegistry())
+    engine = Engine(embedded_lm, PolicyRegistry())
     ids = list(engine.lm.tokenizer(TEXT * 2).input_ids)
     checked = 0
     for kind in ("coupled", "residual"):

@@ -25,16 +25,10 @@ HORIZON = 16
 
 
 @pytest.fixture(scope="module")
-def engine():
-    pytest.importorskip("gguf")
+def engine(embedded_lm):
     from gen_service.engine.facade import Engine
-    from gen_service.models.loading import embedded_gguf_path, load_model
 
-    try:
-        embedded_gguf_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    return Engine(load_model("embedded", device="cpu"))
+    return Engine(embedded_lm)
 
 
 @pytest.fixture(scope="module")

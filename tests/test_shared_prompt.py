@@ -197,15 +197,8 @@ def test_replayed_branches_on_the_shared_path(lm):
 
 @pytest.mark.model
 @pytest.mark.parametrize("kind", ["coupled", "residual"])
-def test_embedded_model_tv_within_1e5_of_the_copies(kind):
-    pytest.importorskip("gguf")
-    from gen_service.models.loading import embedded_gguf_path
-
-    try:
-        embedded_gguf_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    lm = load_model("embedded", device="cpu")
+def test_embedded_model_tv_within_1e5_of_the_copies(kind, embedded_lm):
+    lm = embedded_lm
     text = "Kernel caches keep the keys and values of every token a model has read. " * 12
     ids = list(lm.tokenizer(text).input_ids)
     job = dict(prompt_ids=ids, candidate="snapkv@0.5", kind=kind, horizon=8, replicates=4, seed=3,

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from divstats.estimation.budget_curves import simultaneous_band
-from divstats.inference.paired import margin_test
+from divstats.inference.margins import margin_test
 
 __all__ = ["SCENARIOS", "band_calibration", "broken_all_budgets", "certified_index", "certify_calibration",
            "scenario_means",

@@ -29,7 +29,10 @@ import numpy as np
 from divstats.estimation.estimators import INTERVAL_QUANTITIES, aggregate_statistic
 from divstats.estimation.resample import MIN_DOCS_AGGREGATE, MIN_DOCS_INTERVAL, document_interval
 from divstats.inference.decompose import PARTS, parts_and_shares, split_gap
-from divstats.inference.paired import margin_test, mean_difference_interval, paired_test, rejects
+from divstats.inference.effects import mean_difference_interval
+from divstats.inference.margins import margin_test
+from divstats.inference.multiplicity import rejects
+from divstats.inference.paired import paired_test
 
 __all__ = [
     "POPULATIONS", "AggregateCoverage", "DecompositionCoverage", "MeanIntervalCoverage", "PairedCalibration",
@@ -147,7 +150,7 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
     Parameters
     ----------
     test : str
-        The paired test (``divstats.inference.paired.TESTS``).
+        The paired test (``divstats.inference.choices.TESTS``).
     n_docs, n_sims : int
         Documents per simulated study and studies.
     shift : float
@@ -168,7 +171,7 @@ def paired_calibration(test: str = "wilcoxon", *, n_docs: int = 20, n_sims: int 
         For ``bootstrap-t``: also measure the rejection rate without the refusal of
         one-sided tests below ``divstats.estimation.resample.MIN_DOCS_MEAN_BOUND`` (the test
         rejects exactly when its dual interval, computed without threshold by
-        ``divstats.inference.paired.mean_difference_interval``, excludes 0), i.e. the
+        ``divstats.inference.effects.mean_difference_interval``, excludes 0), i.e. the
         behaviour before that refusal.
 
     Returns
@@ -320,7 +323,7 @@ class MeanIntervalCoverage:
 def mean_interval_coverage(method: str = "bootstrap-t", *, n_docs: int = 10, n_sims: int = 400,
                            alternative: str = "two-sided", level: float = 0.95, population: str = "skewed",
                            seed: int = 0, n_resamples: int = 999) -> MeanIntervalCoverage:
-    """Coverage of a mean-difference interval (``divstats.inference.paired.mean_difference_interval``) of the true mean.
+    """Coverage of a mean-difference interval (``inference.effects.mean_difference_interval``) of the true mean.
 
     Measured without the refusal threshold of ``paired_test``, so that the
     threshold can be read off; the truth is the population's mean (0).
@@ -328,7 +331,7 @@ def mean_interval_coverage(method: str = "bootstrap-t", *, n_docs: int = 10, n_s
     Parameters
     ----------
     method : {"bootstrap-t", "t", "bootstrap"}
-        ``divstats.inference.paired.MEAN_CIS``.
+        ``divstats.inference.choices.MEAN_CIS``.
     n_docs, n_sims : int
         Documents per simulated study and studies.
     alternative : {"two-sided", "less", "greater"}

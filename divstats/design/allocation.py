@@ -33,6 +33,7 @@ import xarray as xr
 from scipy.optimize import nnls
 
 from divstats.design.power import HypothesisPilot, hypothesis_pilots, power_at, power_range
+from divstats.estimands import LOSS
 from divstats.estimation.components import document_values
 from divstats.traces.replicates import replicate_values
 
@@ -254,7 +255,7 @@ def _targets(target_se: float | Mapping[str, float], metrics: Sequence[str]) -> 
     return xr.DataArray([float(target_se[m]) for m in metrics], dims="metric", coords={"metric": list(metrics)})
 
 
-def allocate(pilot: xr.Dataset, metrics: str | Sequence[str] = "loss", *,
+def allocate(pilot: xr.Dataset, metrics: str | Sequence[str] = LOSS, *,
              target_se: float | Mapping[str, float] | None = None, budget: float | None = None,
              cost: CostModel | None = None, by: str = "cell", min_replicates: int = 2, floor: float = 0.1,
              counted: xr.DataArray | None = None) -> xr.DataArray:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import xarray as xr
 
+from divstats.estimands import MISMATCH_FRACTION, OCCURRENCE
 from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
 
 __all__ = ["CONTROL_POLICY", "NOISE_FLOOR_FACTOR", "NOISE_FLOOR_METRICS", "NO_CONTROL", "compare_to_floor",
@@ -39,7 +40,7 @@ NO_CONTROL = "no control collected (run `kvdiv collect --control` to measure the
 NOISE_FLOOR_FACTOR = 3.0
 
 #: The metrics the noise floor is reported on (estimates' names, and ``max_tv``).
-NOISE_FLOOR_METRICS: tuple[str, ...] = ("occurrence", "max_tv", "mismatch_fraction")
+NOISE_FLOOR_METRICS: tuple[str, ...] = (OCCURRENCE, "max_tv", MISMATCH_FRACTION)
 
 #: TV between P's and Q's laws at the same history: coupled ``tv``, residual ``shared_tv``. The
 #: branches' ``branch_tv`` compares two different histories (after divergence), which is no
@@ -164,7 +165,7 @@ def noise_floor(ds: xr.Dataset, *, control: str | None = None, window: int | Non
     out = xr.Dataset(attrs={"control": control, "factor": NOISE_FLOOR_FACTOR, "level": level,
                             "interval_method": str(ci.attrs.get("methods_used", "")),
                             "interval_reason": str(ci.attrs.get("reason", "")), "note": ""})
-    for m in ("occurrence", "mismatch_fraction"):
+    for m in (OCCURRENCE, MISMATCH_FRACTION):
         out[m] = est[m].sel(policy=control, drop=True)
         out[m + "_se"] = est[m + "_se"].sel(policy=control, drop=True)
         out["aggregate_" + m] = agg[m].sel(policy=control, drop=True)

@@ -41,7 +41,7 @@ estimates' intervals (``divstats.estimation.estimators.aggregate_intervals``) ar
 built here, and estimation may import only ``traces/``.  Moving
 ``aggregate_intervals`` to inference would split the estimators' module; instead
 the resampling primitives sit one room lower, where the estimators and the
-inference room (``divstats.inference.paired``, ``decompose``) may both import
+inference room (``divstats.inference.effects``, ``location_tests``, ``decompose``) may both import
 them.  They depend on numpy and scipy only.
 """
 
@@ -233,7 +233,7 @@ def bootstrap_t(arrays: tuple[np.ndarray, ...], statistic: Callable[..., np.ndar
 
     The one bootstrap-t of divstats: the intervals over documents
     (:func:`document_interval`, ``bootstrap-t`` and ``hybrid-t``) take quantiles of
-    t*, the paired ``bootstrap-t`` test (``divstats.inference.paired``) its p-value
+    t*, the paired ``bootstrap-t`` test (``divstats.inference.location_tests``) its p-value
     and dual interval from the order statistics of t*.
 
     Parameters

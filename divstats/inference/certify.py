@@ -14,7 +14,7 @@ The order must be fixed before the data are seen: here it is the order of KV kep
 which the family's definition fixes.  Its adjusted p-values are the running maximum of
 the raw ones, and budget j is shown exactly when max(p_1..p_j) <= α.
 
-Each test is ``divstats.inference.paired.margin_test`` (bootstrap-t by default) with its
+Each test is ``divstats.inference.margins.margin_test`` (bootstrap-t by default) with its
 refusal discipline: below ``MIN_DOCS_MARGIN`` documents (50, where its size at the
 margin holds) it is refused with the number, and the sequence stops there.
 """
@@ -31,7 +31,8 @@ import xarray as xr
 from divstats.errors import DivstatsError
 from divstats.estimands import ESTIMANDS, by_name
 from divstats.estimation.sweeps import family_values
-from divstats.inference.paired import PairedTestResult, margin_test
+from divstats.inference.margins import margin_test
+from divstats.inference.results import PairedTestResult
 from divstats.intervals import ConfidenceInterval
 
 __all__ = ["CertifyResult", "certify_budget", "certify_family"]
@@ -168,7 +169,7 @@ def certify_budget(values: np.ndarray, margin: float, *, alpha: float = 0.05, wo
     kept : sequence of float, optional
         KV kept by each budget (reported; the order is the columns').
     test : {"bootstrap-t", "ttest"}
-        The non-inferiority test (``divstats.inference.paired.margin_test``).
+        The non-inferiority test (``divstats.inference.margins.margin_test``).
     n_resamples, seed : int
         Bootstrap resamples and their seed (the same seed for every budget).
     min_docs : int, optional

@@ -31,7 +31,7 @@ import pandas as pd
 from divstats.errors import PlanError
 from divstats.estimands import by_name
 from divstats.estimation.speculative import SPECULATIVE_METRICS
-from divstats.inference.paired import ALTERNATIVES, MARGIN_ALTERNATIVES, MARGIN_TESTS, TESTS, WORSE
+from divstats.inference.choices import ALTERNATIVES, MARGIN_ALTERNATIVES, MARGIN_TESTS, TESTS, WORSE
 from protocols.policies import PolicyIdError, expand_policy_family
 
 __all__ = [

@@ -23,11 +23,15 @@ import pandas as pd
 import xarray as xr
 
 from divstats.errors import DivstatsError, NotIdentified, PlanError
+from divstats.estimands import ESTIMANDS
 from divstats.estimation.curves import branch_tv
 from divstats.estimation.estimators import estimate
 from divstats.estimation.speculative import SPECULATIVE_METRICS, speculative
 from divstats.inference.certify import CertifyResult, certify_family
-from divstats.inference.paired import ESTIMANDS, MARGIN_ALTERNATIVES, holm, margin_verdict, paired_test, rejects
+from divstats.inference.choices import MARGIN_ALTERNATIVES, TEST_DESCRIPTIONS
+from divstats.inference.margins import margin_verdict
+from divstats.inference.multiplicity import holm, rejects
+from divstats.inference.paired import paired_test
 from divstats.plans.format import (
     FULL,
     WINDOW_METRICS,
@@ -55,7 +59,8 @@ EXTRA_COLUMNS: tuple[str, ...] = (
     "margin", "worse", "verdict",
 )
 #: The full model's own value of each metric, compared with itself (it never diverges): 0 for
-#: the mismatch-type metrics, the horizon T for rmtd and agreeing_tokens (E[min(tau, T)] with tau > T).
+#: the mismatch-type metrics, the horizon T for rmtd and agreeing_tokens (E[min(tau, T)] with tau > T);
+#: the estimand table's ``full_value``, and 0 for the window metric ``branch_tv``.
 #: Used for ``compare = [A, "full"]`` when the data hold no measured ``full`` control policy.
 #: The columns of :attr:`PlanResult.certify`.
 CERTIFY_COLUMNS: tuple[str, ...] = (
@@ -64,10 +69,8 @@ CERTIFY_COLUMNS: tuple[str, ...] = (
 )
 
 FULL_MODEL_VALUES: dict[str, str | float] = {
-    **{m: 0.0 for m in ("occurrence", "exposure", "post_mismatch", "loss", "mismatch_fraction",
-                        "first_mismatch_contribution", "exposure_contribution", "window_mismatch",
-                        "loss_lower", "loss_upper", "branch_tv")},
-    "rmtd": "horizon", "agreeing_tokens": "horizon",
+    **{e.name: 0.0 if e.full_value == "zero" else "horizon" for e in ESTIMANDS if e.full_value != "none"},
+    "branch_tv": 0.0,
 }
 
 
@@ -480,7 +483,7 @@ def _row(h: Hypothesis, m: Any, data: _Data, labels: tuple[str, str, str], devs:
         "mean_b": float(np.mean(xb[both])) if both.any() else nan,
         "mean_difference": get("mean_difference"), "mean_ci_low": get("mean_ci_low"),
         "mean_ci_high": get("mean_ci_high"), "hodges_lehmann": get("hodges_lehmann"),
-        "hl_ci_low": get("hl_ci_low"), "hl_ci_high": get("hl_ci_high"), "estimand": ESTIMANDS[h.test],
+        "hl_ci_low": get("hl_ci_low"), "hl_ci_high": get("hl_ci_high"), "estimand": TEST_DESCRIPTIONS[h.test],
         "n_dropped": int((~both).sum()), "deviation": "; ".join(devs),
         "note": note,
         "margin": h.margin if h.margin is not None else nan,

@@ -24,7 +24,7 @@ import numpy as np
 import xarray as xr
 
 from divstats.errors import PlanError
-from divstats.estimands import by_name
+from divstats.estimands import MISMATCH_FRACTION, OCCURRENCE, by_name
 from divstats.estimation.budget_curves import budget_curves
 from divstats.estimation.curves import branch_tv, logit_curves, survival
 from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
@@ -33,8 +33,8 @@ from divstats.estimation.noise_floor import compare_to_floor, control_policy, fl
 from divstats.estimation.speculative import aggregate_speculative, speculative
 from divstats.estimation.sweeps import sweep_families
 from divstats.estimation.variance import variance_check
+from divstats.inference.choices import MARGIN_ALTERNATIVES
 from divstats.inference.decompose import DecompositionInterval, DecompositionResult, decompose
-from divstats.inference.paired import MARGIN_ALTERNATIVES
 from divstats.plans.format import Plan, PlanSource, load_plan
 from divstats.plans.run import PlanResult, full_model_value, run_plan
 from divstats.traces.chunked import map_docs_many
@@ -347,7 +347,7 @@ def _compression(est: xr.Dataset, pres: PlanResult | None, level: float, n_resam
         return None
     cert = pres.plan.certifications[0] if pres is not None and pres.plan.certifications else None
     metric = cert.metric if cert is not None else next(
-        (m for m in ("mismatch_fraction", "occurrence") if m in est and bool(np.isfinite(est[m]).any())), "occurrence")
+        (m for m in (MISMATCH_FRACTION, OCCURRENCE) if m in est and bool(np.isfinite(est[m]).any())), OCCURRENCE)
     worse = cert.worse if cert is not None else by_name(metric).worse
     margin = math.nan if cert is None else (cert.margin if worse == "larger" else -cert.margin)
     ref = math.nan

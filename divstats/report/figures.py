@@ -20,6 +20,16 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from scipy import stats
 
+from divstats.estimands import (
+    EXPOSURE_CONTRIBUTION,
+    FIRST_MISMATCH_CONTRIBUTION,
+    MISMATCH_FRACTION,
+    TAIL_CAPACITY,
+    TOKENS_PER_CALL,
+    WINDOW_MISMATCH,
+)
+from divstats.inference.decompose import PARTS
+
 __all__ = [
     "margin_figure",
     "branch_tv_figure", "decomposition_figure", "doc_band", "gap_figure", "interval_figure", "logit_figure",
@@ -200,24 +210,24 @@ def decomposition_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
         sub = agg if model is None else agg.sel(model=model)
         pols = [str(p) for p in sub["policy"].values]
         y = np.arange(len(pols))
-        first = sub["first_mismatch_contribution"].values
-        expo = sub["exposure_contribution"].values
+        first = sub[FIRST_MISMATCH_CONTRIBUTION].values
+        expo = sub[EXPOSURE_CONTRIBUTION].values
         ax.barh(y, first, color="#4c72b0", label="first mismatch (occurrence / T)")
         identified = np.isfinite(expo)
         if identified.any():
             ax.barh(y[identified], expo[identified], left=first[identified], color="#dd8452",
                     label="after divergence (exposure / T × rate)")
         if (~identified).any():
-            win = (sub["window_mismatch"].values / T)[~identified]
-            tail = (sub["tail_capacity"].values / T)[~identified]
+            win = (sub[WINDOW_MISMATCH].values / T)[~identified]
+            tail = (sub[TAIL_CAPACITY].values / T)[~identified]
             ax.barh(y[~identified], win, left=first[~identified], color="#dd8452")
             ax.barh(y[~identified], tail, left=first[~identified] + win, color="none",
                     edgecolor="#dd8452", hatch="///", label="unobserved tail (sharp interval)")
-        total = sub["mismatch_fraction"].values
-        if "mismatch_fraction_sd_docs" in sub and n_docs > 1:
-            half = z * sub["mismatch_fraction_sd_docs"].values / np.sqrt(n_docs)
+        total = sub[MISMATCH_FRACTION].values
+        if f"{MISMATCH_FRACTION}_sd_docs" in sub and n_docs > 1:
+            half = z * sub[f"{MISMATCH_FRACTION}_sd_docs"].values / np.sqrt(n_docs)
         else:
-            half = z * sub["mismatch_fraction_se"].values
+            half = z * sub[f"{MISMATCH_FRACTION}_se"].values
         ok = np.isfinite(total)
         ax.errorbar(total[ok], y[ok], xerr=half[ok], fmt="none", ecolor="black", capsize=3, lw=1)
         ax.set_yticks(y, pols)
@@ -253,8 +263,10 @@ def gap_figure(rows: Sequence[Mapping[str, Any]]) -> Figure:
     >>> len(gap_figure([row]).axes) >= 1
     True
     """
-    parts = [("first", "Δ first mismatch", "#4c72b0"), ("exposure", "Δ exposure", "#dd8452"),
-             ("rate", "Δ rate", "#55a868"), ("gap", "gap (total)", "#333333")]
+    # the decomposition's PARTS (gap, first, exposure, rate; named after the estimands they vary), gap drawn last
+    style = dict(zip(PARTS, (("gap (total)", "#333333"), ("Δ first mismatch", "#4c72b0"), ("Δ exposure", "#dd8452"),
+                             ("Δ rate", "#55a868")), strict=True))
+    parts = [(name, *style[name]) for name in (*PARTS[1:], PARTS[0])]
     n = max(len(rows), 1)
     fig = _figure(7.2, 0.9 * n + 1.6)
     ax = fig.subplots()
@@ -428,14 +440,14 @@ def interval_figure(ivw: xr.Dataset, full: xr.Dataset | None = None) -> Figure:
         for pol in sub["policy"].values:
             s = sub.sel(policy=pol)
             c = colors[str(pol)]
-            lo, hi = s["mismatch_fraction_lower"].values, s["mismatch_fraction_upper"].values
+            lo, hi = s[f"{MISMATCH_FRACTION}_lower"].values, s[f"{MISMATCH_FRACTION}_upper"].values
             ax.fill_between(w, lo, hi, color=c, alpha=0.22, lw=0)
             ax.plot(w, lo, color=c, lw=1.4, marker="o", ms=3, label=f"{pol}")
             ax.plot(w, hi, color=c, lw=1.4, ls="--", marker="o", ms=3)
             if full is not None:
                 f = full.sel(policy=pol) if model is None else full.sel(policy=pol, model=model)
-                if np.isfinite(float(f["mismatch_fraction"])):
-                    ax.axhline(float(f["mismatch_fraction"]), color=c, lw=0.9, ls=":")
+                if np.isfinite(float(f[MISMATCH_FRACTION])):
+                    ax.axhline(float(f[MISMATCH_FRACTION]), color=c, lw=0.9, ls=":")
         ax.set_xlabel("observation window W (steps observed after divergence)")
         ax.grid(alpha=0.3)
         _title(ax, "Sharp interval for the mismatch fraction", model)
@@ -588,11 +600,23 @@ def speculative_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
     >>> len(speculative_figure(agg).axes)
     2
     """
-    panels = ["tokens_per_call"] + (["speedup"] if "speedup" in agg else [])
-    fig, axes = _panels(len(panels), sharey=False)
+    panels = [TOKENS_PER_CALL] + (["speedup"] if "speedup" in agg else [])
+    models = _models(agg)
+    # one row of panels per model (the demo studies two): each model's drafts against its own P
+    fig = _figure(6.4 * len(panels) if len(panels) > 1 else 6.4, 4.2 * len(models))
+    grid = fig.subplots(len(models), len(panels), sharey=False, squeeze=False)
     colors = policy_colors(agg["policy"].values)
     g = agg["gamma"].values
     z = stats.norm.ppf(0.5 + level / 2)
+    for row, model in zip(grid, models, strict=True):
+        one = agg if model is None else agg.sel(model=model)
+        _speculative_panels(list(row), panels, one, model, colors, g, z, level)
+    return fig
+
+
+def _speculative_panels(axes: list, panels: list[str], agg: xr.Dataset, model: Any, colors: dict[str, str],
+                        g: np.ndarray, z: float, level: float) -> None:
+    """One model's speculative panels (tokens per call; speedup with the best γ ringed)."""
     for ax, q in zip(axes, panels, strict=True):
         refused = bool(np.isnan(agg[q + "_low"].values).all())
         for k, pol in enumerate(agg["policy"].values):
@@ -618,9 +642,8 @@ def speculative_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
         ax.set_xlabel(f"γ, drafts per call (bars: {band})")
         ax.set_xticks(g)
         ax.grid(alpha=0.3)
-        _title(ax, "Speculative decoding with the policy as draft" if q != "speedup" else "Speedup", None)
+        _title(ax, "Speculative decoding with the policy as draft" if q != "speedup" else "Speedup", model)
         _legend(ax, agg.sizes["policy"])
-    return fig
 
 
 def pareto_front(kept: np.ndarray, value: np.ndarray, worse: str = "larger") -> np.ndarray:

@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from divstats.inference.paired import MARGIN_ALTERNATIVES
+from divstats.inference.choices import MARGIN_ALTERNATIVES
 from divstats.report import figures as F
 from divstats.report.tables import (
     EXPLORATORY,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
-from divstats.estimands import names
+from divstats.estimands import ACCEPTED_PER_CALL, TARGET_CALLS, TOKENS_PER_CALL, names
 from divstats.estimation.noise_floor import NO_CONTROL, NOISE_FLOOR_FACTOR, NOISE_FLOOR_METRICS, compare_to_floor
 from divstats.inference.decompose import PARTS
 from divstats.plans.run import PlanResult
@@ -516,7 +516,7 @@ def noise_floor_rows(an: Analysis) -> list[dict[str, str]]:
 # --------------------------------------------------------------------------- speculative decoding
 
 #: The speculative-decoding table's quantities, in column order.
-SPECULATIVE_QUANTITIES: tuple[str, ...] = ("tokens_per_call", "accepted_per_call", "target_calls", "speedup")
+SPECULATIVE_QUANTITIES: tuple[str, ...] = (TOKENS_PER_CALL, ACCEPTED_PER_CALL, TARGET_CALLS, "speedup")
 
 
 def speculative_status(an: Analysis) -> str:
@@ -548,8 +548,8 @@ def speculative_status(an: Analysis) -> str:
             f"Estimated from the reference traces by the forward recursion over drafts accepted, T = "
             f"{int(an.traces.attrs['horizon'])}; tokens per call = E[tokens] / E[target calls].")
     if "speedup" in sp:
-        best = ", ".join(f"{p}: γ = {int(g)}" for p, g in zip(sp["policy"].values, sp["best_gamma"].values,
-                                                               strict=True))
+        best = ", ".join(f"{p}{'' if m is None else f' ({m})'}: γ = {int(sp['best_gamma'].sel(policy=p, **sel))}"
+                         for m, sel in _model_selections(sp) for p in sp["policy"].values)
         text += (f" Speedup over plain decoding at cost ratio c = {fmt(float(sp.attrs['cost_ratio']))} "
                  f"(one draft step / one target step): tokens per call / (1 + γc). Best γ — {best}.")
     else:
@@ -584,15 +584,17 @@ def speculative_rows(an: Analysis) -> list[dict[str, str]]:
     if sp is None:
         return []
     rows = []
-    for pol in sp["policy"].values:
-        best = int(sp["best_gamma"].sel(policy=pol)) if "best_gamma" in sp else None
-        for g in sp["gamma"].values:
-            cell = sp.sel(policy=pol, gamma=g)
-            row = {"policy": str(pol), "γ": f"{int(g)}{' ★' if best == int(g) else ''}"}
-            for q in SPECULATIVE_QUANTITIES:
-                if q in cell:
-                    row[q] = f"{fmt(cell[q])} {fmt_ci(cell[q + '_low'], cell[q + '_high'])}"
-            rows.append(row)
+    for model, sel in _model_selections(sp):
+        for pol in sp["policy"].values:
+            best = int(sp["best_gamma"].sel(policy=pol, **sel)) if "best_gamma" in sp else None
+            for g in sp["gamma"].values:
+                cell = sp.sel(policy=pol, gamma=g, **sel)
+                row = ({} if model is None else {"model": str(model)}) | {
+                    "policy": str(pol), "γ": f"{int(g)}{' ★' if best == int(g) else ''}"}
+                for q in SPECULATIVE_QUANTITIES:
+                    if q in cell:
+                        row[q] = f"{fmt(cell[q])} {fmt_ci(cell[q + '_low'], cell[q + '_high'])}"
+                rows.append(row)
     return rows
 
 
@@ -676,3 +678,10 @@ def compression_status(an: Analysis) -> str:
         text += (" No [[certify]] in the plan: no margin, nothing certified "
                  "(docs/plans.md, \"How much can I compress?\").")
     return text
+
+
+def _model_selections(ds: xr.Dataset) -> list[tuple[Any, dict[str, Any]]]:
+    """(model, its selection) per model along a ``model`` dim; one ``(None, {})`` without one."""
+    if "model" not in ds.dims:
+        return [(None, {})]
+    return [(m, {"model": m}) for m in ds["model"].values]

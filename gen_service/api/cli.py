@@ -17,7 +17,8 @@ log = logging.getLogger("kvdiv.service")
 def build_service(model: str | None = None, *, gguf: str | None = None, eviction: str = "full",
                   api_key: str | None = None, max_new_tokens: int = 1024, max_replicates: int = 1024,
                   max_queue: int = 16, device: str | None = None, dtype: str | None = None,
-                  press: tuple[str, ...] = (), press_option: tuple[str, ...] = (), **limits):
+                  press: tuple[str, ...] = (), press_option: tuple[str, ...] = (), self_check: bool = True,
+                  self_check_tolerance: float | None = None, **limits):
     """Model + registry + engine + app; shared by the CLI, tests and the benchmark.
 
     Parameters
@@ -33,6 +34,12 @@ def build_service(model: str | None = None, *, gguf: str | None = None, eviction
     press_option : tuple of str
         ``Class:key=value`` server-side press options (a stats folder,
         ``allow_download=true``), which requests may not set.
+    self_check : bool
+        Run the start-up self-check (:mod:`gen_service.serving.self_check`) before returning:
+        P's decoding against the model's own forward, the tokenizer against the
+        checkpoint's. ``service.self_check`` holds the result (None when skipped).
+    self_check_tolerance : float, optional
+        The largest |Δ log p| it allows (default by the weights' dtype).
     **limits
         Further :class:`gen_service.serving.service.ServiceConfig` fields (``max_input_bytes``,
         ``max_body_bytes``, ``body_timeout_s``, ``max_request_seconds``,
@@ -48,6 +55,8 @@ def build_service(model: str | None = None, *, gguf: str | None = None, eviction
         For an empty API key or a bad limit, before the model is loaded.
     PolicyError
         For a malformed ``press_option``, before the model is loaded.
+    SelfCheckFailed
+        When the self-check finds the decoding or the tokenizer unlike the model's own.
 
     Examples
     --------
@@ -84,6 +93,10 @@ def build_service(model: str | None = None, *, gguf: str | None = None, eviction
     engine.fuse = config.fuse
     engine.use_cuda_graphs(config.cuda_graphs)
     service = Service(engine, config)
+    if self_check:
+        from gen_service.serving.self_check import run_self_check
+
+        service.self_check = run_self_check(service, self_check_tolerance)
     return create_app(service), service
 
 
@@ -102,8 +115,8 @@ def _quiet_libraries() -> None:
 
 @click.command("serve")
 @click.option("--model", default="embedded", show_default=True,
-              help="embedded (SmolLM2-135M-Instruct GGUF), tiny:llama, tiny:qwen2, random:llama-1b or "
-                   "random:llama-8b (benchmarks), a local dir or a hub id.")
+              help="embedded or smollm2-135m (SmolLM2-135M-Instruct GGUF), gemma3-270m (Gemma 3 270M base GGUF), "
+                   "tiny:llama, tiny:qwen2, random:llama-1b or random:llama-8b (benchmarks), a local dir or a hub id.")
 @click.option("--gguf", type=click.Path(exists=True, dir_okay=False), default=None, help="Load this GGUF file.")
 @click.option("--eviction", default="full", show_default=True,
               help="Default policy for TGI requests (parameters.eviction overrides).")
@@ -150,10 +163,17 @@ def _quiet_libraries() -> None:
               help="Concurrent /v1/traces requests decoded in one batch (continuous batching; traces equal each "
                    "request's alone to rounding); 1: one request at a time. Default: by device, what was "
                    "measured faster (CPU 1, CUDA 8; /info says which and why).")
+@click.option("--self-check/--no-self-check", default=True, show_default=True,
+              help="Before accepting requests, check that P's decoding equals the model's own forward (a prompt "
+                   "longer than its longest sliding window, 16 steps, stacked and batched) and that the tokenizer "
+                   "is the checkpoint's; refuse to start on a mismatch. /info reports it.")
+@click.option("--self-check-tolerance", default=None, type=click.FloatRange(0, min_open=True),
+              help="Largest |log p difference| (nats) the self-check allows [default: 1e-3 in float32, 0.25 bf16].")
 @click.option("--log-level", default="info", show_default=True)
 def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replicates, memory_budget, max_queue,
           device, dtype, press, press_option, max_input_bytes, max_body_bytes, body_timeout, max_request_seconds,
-          max_candidates, batch_candidates, fuse, cuda_graphs, max_batch_requests, log_level):
+          max_candidates, batch_candidates, fuse, cuda_graphs, max_batch_requests, self_check, self_check_tolerance,
+          log_level):
     """Run the TGI-compatible trace service (POST /generate, /v1/traces, ...)."""
     # Before torch loads OpenMP: its default busy-waiting threads collapse when the
     # cores are shared (a 576x1536 matmul went from 0.25 ms to 16 ms on 2 busy cores).
@@ -175,7 +195,8 @@ def serve(model, gguf, eviction, host, port, api_key, max_new_tokens, max_replic
                                      body_timeout_s=body_timeout, max_request_seconds=max_request_seconds,
                                      memory_budget=parse_budget(memory_budget), max_candidates=max_candidates,
                                      batch_candidates=batch_candidates, fuse=fuse, cuda_graphs=cuda_graphs,
-                                     max_batch_requests=max_batch_requests)
+                                     max_batch_requests=max_batch_requests, self_check=self_check,
+                                     self_check_tolerance=self_check_tolerance)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     except ModuleNotFoundError as exc:  # a base install: the model stack is the [service] extra

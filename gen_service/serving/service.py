@@ -36,6 +36,7 @@ from gen_service.presses.traits import wants_eager
 from gen_service.serving.admission import MemoryGate, TraceSize
 from gen_service.serving.batching import BatchEntry, BatchingChoice, BatchLoop
 from gen_service.serving.limits import MAX_CANDIDATES, BodyLimits, RequestLimits
+from gen_service.serving.self_check import SelfCheck
 
 __all__ = ["Message", "ServiceConfig", "Admission", "Ticket", "Metrics", "WorkStream", "Service", "failure_error"]
 
@@ -334,6 +335,7 @@ class Service:
         self.tokenizer = engine.lm.tokenizer
         self.special_ids = frozenset(self.tokenizer.all_special_ids)  # a property that rebuilds a list per access
         self.model_info = ModelInfo.of(engine.lm)  # what every policy is built against
+        self.self_check: SelfCheck | None = None     # the start-up self-check's result (None: skipped)
         engine.registry.build(self.config.eviction, self.model_info)  # fail at start on a bad --eviction
 
     # ------------------------------------------------------------------ model thread

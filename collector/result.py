@@ -1,0 +1,68 @@
+"""What a collection did: :class:`CollectResult` (counts, failures, throughput) and its summary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from collector.servers import ServerStats
+
+__all__ = ["CollectResult"]
+
+
+@dataclass
+class CollectResult:
+    """What a collection did: counts, failures (request -> last error), throughput.
+
+    Attributes
+    ----------
+    total, skipped, completed : int
+        Requests in the run, already complete before, collected now.
+    failed : dict
+        ``"doc × policy"`` -> the reason it failed.
+    set_aside : dict
+        ``"doc × policy"`` -> why its journal file was set aside for recollection.
+    retries, tokens : int
+        Attempts repeated, tokens received.
+    elapsed_s : float
+        Wall time.
+    servers : dict
+        url -> :class:`collector.servers.ServerStats` (requests, failures, tokens/s),
+        for every server that was listed during the run.
+    """
+
+    total: int
+    skipped: int
+    completed: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    set_aside: dict[str, str] = field(default_factory=dict)
+    retries: int = 0
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    servers: dict[str, ServerStats] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def server_table(self) -> str:
+        """Per-server throughput: requests completed, failed attempts, tokens, tokens/s while busy."""
+        if not self.servers:
+            return ""
+        width = max(len("server"), *(len(url) for url in self.servers))
+        lines = [f"  {'server':<{width}}  requests  failures    tokens  tokens/s"]
+        lines += [f"  {s.url:<{width}}  {s.requests:>8}  {s.failures:>8}  {s.tokens:>8}  {s.tokens_per_s:>8.1f}"
+                  for s in self.servers.values()]
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        rate = self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        text = (f"{self.completed} requests collected, {self.skipped} already complete, "
+                f"{len(self.failed)} failed, {self.retries} retries; {self.tokens} tokens in "
+                f"{self.elapsed_s:.1f} s ({rate:.1f} tokens/s)")
+        if self.servers:
+            text += "\n" + self.server_table()
+        for key, reason in sorted(self.set_aside.items()):
+            text += f"\n  SET ASIDE {key}: {reason}"
+        for key, reason in sorted(self.failed.items()):
+            text += f"\n  FAILED {key}: {reason}"
+        return text
