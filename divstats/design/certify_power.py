@@ -26,6 +26,7 @@ import pandas as pd
 import xarray as xr
 
 from divstats.errors import DivstatsError, PlanError
+from divstats.estimands import OCCURRENCE
 from divstats.estimation.estimators import estimate
 from divstats.estimation.sweeps import family_values
 from divstats.inference.certify import certify_budget
@@ -86,7 +87,7 @@ def certify_power(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, *, do
     plan = load_plan(plan)
     if not plan.certifications:
         return pd.DataFrame(columns=list(CERTIFY_POWER_COLUMNS))
-    est = pilot if "occurrence" in pilot.data_vars else estimate(pilot, window=window)
+    est = pilot if OCCURRENCE in pilot.data_vars else estimate(pilot, window=window)
     sizes = sorted(set(docs or DOC_GRID))
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(seed)

@@ -35,6 +35,9 @@ from divstats.inference.margins import margin_test
 from divstats.inference.results import PairedTestResult
 from divstats.intervals import ConfidenceInterval
 
+#: metrics whose full-model value is the horizon T (the estimand table's ``full_value``)
+HORIZON_VALUED = frozenset(e.name for e in ESTIMANDS if e.full_value == "horizon")
+
 __all__ = ["CertifyResult", "certify_budget", "certify_family"]
 
 #: Accepted spellings of ``worse``: the estimand table's, and the plain-English ones.
@@ -303,7 +306,7 @@ def certify_family(estimates: xr.Dataset, family: str, metric: str, margin: floa
             ref = np.asarray(est[metric].sel(policy="full", doc=doc_ids).values, dtype=float)
         elif _WORSE.get(worse) == "larger":
             ref = 0.0
-        elif metric in ("rmtd", "agreeing_tokens") and "horizon" in estimates.attrs:
+        elif metric in HORIZON_VALUED and "horizon" in estimates.attrs:
             ref = float(estimates.attrs["horizon"])
         else:
             raise DivstatsError(f"metric {metric!r} has no known full-model value here: pass reference=<value> "
