@@ -36,7 +36,7 @@ import gen_service.attention.shared_cache as shared_cache  # noqa: E402
 from gen_service.attention.shared_cache import share_prompt  # noqa: E402
 from gen_service.engine.coupling import Sampling, absorb_eos, ended_on, maximal_coupling, probs  # noqa: E402
 from gen_service.engine.facade import Engine  # noqa: E402
-from gen_service.engine.jobs import TraceJob  # noqa: E402
+from gen_service.engine.jobs import TraceJob, seeded  # noqa: E402
 from gen_service.engine.sides import Forward  # noqa: E402
 from gen_service.models.loading import load_model  # noqa: E402
 
@@ -109,7 +109,7 @@ def naive_coupled(engine: Engine, ids: list[int], policy: str, rows: int, steps:
     p0, q0 = engine.prefill_pair(engine.registry.build("full"), engine.registry.build(policy), ids)
     for pre in (p0, q0):
         pre.cache.batch_repeat_interleave(rows)
-    gen, sampling = engine.generator(seed), Sampling()
+    gen, sampling = seeded(engine.device, seed), Sampling()
     eos = torch.tensor(engine.lm.eos_token_ids, dtype=torch.long)
     lp, lq = p0.logits.expand(rows, -1), q0.logits.expand(rows, -1)
     x_end = y_end = torch.full((rows,), -1, dtype=torch.long)

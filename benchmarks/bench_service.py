@@ -41,7 +41,9 @@ from common import chat_prompt_ids, clock  # noqa: E402
 from gen_service.attention.shared_cache import share_prompt  # noqa: E402
 from gen_service.engine.coupling import Sampling  # noqa: E402
 from gen_service.engine.facade import Engine  # noqa: E402
-from gen_service.engine.jobs import TraceJob  # noqa: E402
+from gen_service.engine.jobs import TraceJob, seeded  # noqa: E402
+from gen_service.engine.loops import decode  # noqa: E402
+from gen_service.engine.scheduler import drive  # noqa: E402
 from gen_service.models.loading import load_model  # noqa: E402
 
 
@@ -79,9 +81,10 @@ def time_coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int, 
     """Per-step seconds of the engine's coupled loop (prefill excluded)."""
     job = TraceJob(prompt_ids=ids, candidate=policy, horizon=steps, replicates=rows, seed=0)
     p0, q0 = prefilled(engine, ids, policy, steps)
-    gen = engine.generator(0)
+    gen = seeded(engine.device, 0)
     t0 = clock(engine.device)
-    for _ in engine._drive(engine._coupled(job, p0, q0, gen, lambda: False)):
+    for _ in drive(decode(job, p0, q0, gen, engine.lm.eos_token_ids, engine.device,
+                          readback_every=engine.readback_every), engine._runner()):
         pass
     return (clock(engine.device) - t0) / (steps - 1)  # T steps, T−1 forward pairs
 

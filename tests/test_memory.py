@@ -36,13 +36,13 @@ def test_kv_estimate_bounds_the_caches_a_request_builds(lm, shared):
     R, T, ids = 5, 7, list(range(10, 90))
     sides = []
     # keep the sides the coupled loop decodes with, to weigh them afterwards
-    orig = engine._coupled
+    orig = engine._decode
 
-    def spy(job, p0, q0, gen, cancelled):
+    def spy(job, p0, q0, seed, cancelled):
         sides.extend([p0.side, q0.side])
-        yield from orig(job, p0, q0, gen, cancelled)
+        return orig(job, p0, q0, seed, cancelled)
 
-    engine._coupled = spy
+    engine._decode = spy
     job = TraceJob(prompt_ids=ids, candidate="full", horizon=T, replicates=R, seed=0, sampling=Sampling())
     list(engine.trace(job))
     est = estimate(ModelShape.of(lm.model.config, lm.dtype.itemsize), R, len(ids), T, shared_prompt=shared)

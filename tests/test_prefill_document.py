@@ -166,6 +166,7 @@ def test_derived_compression_follows_the_layered_rule(family, policy):
     compresses only the global layers, each with its own rotary embedding, exactly as
     the candidate's own prefill (gen_service.presses.layered) does."""
     import conformance_models as cm
+
     from gen_service.presses.layered import compressible_layers
 
     eng = Engine(cm.loaded(cm.BY_NAME[family]))

@@ -41,7 +41,7 @@ from gen_service.api.records import (
 )
 from gen_service.engine.jobs import CandidateDone, CandidateFailed, TraceJob
 from gen_service.errors import ApiError, Cancelled, CandidateError, NonFiniteLogits, RequestTimeout, invalid
-from gen_service.presses.catalog import catalog
+from gen_service.presses.table import catalog
 from gen_service.serving.service import Service, Ticket, WorkStream, failure_error
 from protocols import StreamWriter, error_record
 from protocols import __version__ as VERSION

@@ -25,6 +25,7 @@ module            what it holds
 ``forwards``      running one side's forward (its masks and hooks on for that forward
                   only) or several shared-prompt sides' as one
 ``context``       :class:`~gen_service.engine.context.LoopContext`, what a loop reads
+``loops``         the loop for a job's kind (``LOOPS``) and :func:`~gen_service.engine.loops.decode`
 ``coupled``       the coupled loop
 ``residual``      the residual loop's survival phase and the online branch point
 ``reference``     the reference loop: P samples, Q scores P's token on the same history

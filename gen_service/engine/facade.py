@@ -4,9 +4,10 @@ A thin facade over the package's functions (prefill, the decoding loops, the
 scheduler, TGI generate): it holds the model, the policy registry and the settings the
 operator and the benchmarks change on a live engine (``shared_prompt``, ``shared_prefill``,
 ``force_replay``, ``batch_candidates``, ``fuse``, ``readback_every``). Its underscored methods are the
-seams the tests and benchmarks patch or call (``_decode``, ``_coupled``,
-``_residual``, ``_reference``, ``_drive``, ``_run_forward``, ``_forward_stacked``): the facade routes
-through them so a patch on an instance takes effect.
+seams the tests and benchmarks patch or call (``_decode``, ``_run_forward``, ``_forward_stacked``):
+the facade routes through them so a patch on an instance takes effect. Choosing the
+decoding loop by kind is :mod:`gen_service.engine.loops`; running a loop on its own is
+:func:`gen_service.engine.scheduler.drive` with :meth:`Engine._runner`.
 """
 
 from __future__ import annotations
@@ -22,24 +23,20 @@ from transformers import DynamicCache
 from gen_service.attention.head_masks import install
 from gen_service.attention.plan import attention_plan
 from gen_service.attention.shared_cache import share_prompt
-from gen_service.engine.context import LoopContext
-from gen_service.engine.coupled import coupled
 from gen_service.engine.coupling import Sampling
 from gen_service.engine.forwards import masked_attention, run_side, run_stacked
 from gen_service.engine.generate import generate, prompt_logprobs
 from gen_service.engine.graphs import CudaGraphs
 from gen_service.engine.header import header
-from gen_service.engine.jobs import TraceJob, check, draw_seed
+from gen_service.engine.jobs import TraceJob, check, draw_seed, seeded
+from gen_service.engine.loops import decode
 from gen_service.engine.prefill import prefill, prefill_document, prefill_pair
 from gen_service.engine.readback import READBACK_EVERY
-from gen_service.engine.reference import reference
-from gen_service.engine.residual import residual
-from gen_service.engine.scheduler import Runner, drive, run_steps, steps, steps_many
+from gen_service.engine.scheduler import Runner, run_steps, steps, steps_many
 from gen_service.engine.sides import Forward, Prefilled, Side
 from gen_service.errors import Cancelled, CandidateError, ConfigError
 from gen_service.models.loading import LoadedModel
 from gen_service.presses.registry import ModelInfo, Policy, PolicyRegistry
-from protocols import Kind
 
 __all__ = ["Engine"]
 
@@ -77,11 +74,6 @@ class Engine:
         self.cuda_graphs: CudaGraphs | None = None
 
     # ------------------------------------------------------------------ forwards
-
-    def generator(self, seed: int) -> torch.Generator:
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(int(seed))
-        return gen
 
     def prefill(self, policy: Policy, prompt_ids: list[int], question_ids: Sequence[int] = ()) -> Prefilled:
         """One policy's prompt state (:func:`gen_service.engine.prefill.prefill`)."""
@@ -191,31 +183,8 @@ class Engine:
         if self.shared_prompt:
             for side in (p0.side, q0.side):
                 share_prompt(side, job.horizon)
-        gen = self.generator(seed)
-        if job.kind == Kind.COUPLED:
-            return self._coupled(job, p0, q0, gen, cancelled)
-        if job.kind == Kind.REFERENCE:
-            return self._reference(job, p0, q0, gen, cancelled)
-        return self._residual(job, p0, q0, gen, cancelled)
-
-    def _context(self, job: TraceJob, gen: torch.Generator, cancelled: Callable[[], bool]) -> LoopContext:
-        return LoopContext(job, gen, self.lm.eos_token_ids, self.device, cancelled, self.readback_every)
-
-    def _coupled(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
-                 cancelled: Callable[[], bool]) -> Iterator[Any]:
-        return coupled(self._context(job, gen, cancelled), p0, q0)
-
-    def _residual(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
-                  cancelled: Callable[[], bool]) -> Iterator[Any]:
-        return residual(self._context(job, gen, cancelled), p0, q0, self.force_replay)
-
-    def _reference(self, job: TraceJob, p0: Prefilled, q0: Prefilled, gen: torch.Generator,
-                   cancelled: Callable[[], bool]) -> Iterator[Any]:
-        return reference(self._context(job, gen, cancelled), p0, q0)
-
-    def _drive(self, loop: Iterator[Any]) -> Iterator[dict[str, Any]]:
-        """Run one decoding loop on its own (:func:`gen_service.engine.scheduler.drive`)."""
-        return drive(loop, self._runner())
+        return decode(job, p0, q0, seeded(self.device, seed), self.lm.eos_token_ids, self.device, cancelled,
+                      readback_every=self.readback_every, force_replay=self.force_replay)
 
     def trace_candidates(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Any]:
         """Several candidates against one reference, on one prompt, in one request
@@ -288,7 +257,7 @@ class Engine:
         finally a dict with the finish reason."""
         policy = self.registry.build(policy_id, ModelInfo.of(self.lm))
         pre = self.prefill(policy, prompt_ids)
-        gen = self.generator(seed if seed is not None else draw_seed())
+        gen = seeded(self.device, seed if seed is not None else draw_seed())
         yield from generate(pre, self.step, gen, self.lm.eos_token_ids, self.device, prompt_ids, max_new_tokens,
                                 sampling, top_n, stop_check, cancelled)
 

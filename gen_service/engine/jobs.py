@@ -18,7 +18,7 @@ import torch
 from gen_service.engine.coupling import Sampling
 from gen_service.errors import Cancelled
 
-__all__ = ["PRODUCER", "CandidateDone", "CandidateFailed", "TraceJob", "check", "draw_seed"]
+__all__ = ["PRODUCER", "CandidateDone", "CandidateFailed", "TraceJob", "check", "draw_seed", "seeded"]
 
 PRODUCER = "kvdiv.gen_service"
 
@@ -77,3 +77,10 @@ def check(cancelled: Callable[[], bool]) -> None:
 def draw_seed() -> int:
     """A seed for a request that gave none (torch's global generator)."""
     return int(torch.randint(0, 2**31 - 1, ()).item())
+
+
+def seeded(device: torch.device, seed: int) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed``: one per candidate (its draws are its own)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed))
+    return gen

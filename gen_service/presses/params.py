@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gen_service.errors import PolicyError
+from gen_service.presses.table import PRESSES
 
 __all__ = ["ATTRIBUTE_PARAMS", "ParamSpec", "param_specs", "press_slots", "check_value", "SERVER_SIDE"]
 
@@ -124,11 +125,11 @@ def param_specs(cls: type) -> dict[str, ParamSpec]:
     return out
 
 
-# Settings a press takes as attributes after construction (not constructor arguments).
-# FinchPress finds its observation window from a delimiter token inside the prompt; here
-# the window is given directly, so no token has to be added to the model's vocabulary.
+# Settings a press takes as attributes after construction (not constructor arguments):
+# the press table's ``attributes``, each of the kind of its default.
+_KIND_OF = {bool: "bool", int: "int", float: "float"}
 ATTRIBUTE_PARAMS: dict[str, dict[str, ParamSpec]] = {
-    "FinchPress": {"window_size": ParamSpec("window_size", "int")},
+    p.name: {k: ParamSpec(k, _KIND_OF[type(v)]) for k, v in p.attributes.items()} for p in PRESSES if p.attributes
 }
 
 

@@ -14,6 +14,9 @@ A ``+quant:kivi@<bits>`` suffix (or ``quant:kivi@<bits>`` alone) quantizes the c
 as well (gen_service/presses/quantized.py): the :class:`PressPlan` carries the quantizer's settings
 and the engine builds the quantized cache at prefill. Presses whose artifact the
 operator supplies as local files load it from there (gen_service/presses/artifacts.py).
+Everything the registry knows about one press class (aliases, where its amount goes,
+its artifact, attributes set after construction) is its row of the press table,
+:mod:`gen_service.presses.table`.
 
 Names: the short aliases in :data:`ALIASES` (``snapkv``, ``adakv``, ``pyramidkv``...),
 any kvpress press class (``kvpress:SnapKVPress`` or ``SnapKVPress``), wrappers with
@@ -39,6 +42,7 @@ from gen_service.errors import PolicyError
 from gen_service.presses.artifacts import LOCAL_ARTIFACTS, OPTION_KEYS, artifact_path, attach, check_options
 from gen_service.presses.params import ATTRIBUTE_PARAMS, check_value, param_specs, press_slots
 from gen_service.presses.quantized import KIVIConfig
+from gen_service.presses.table import PRESSES, by_name, lineage
 from gen_service.presses.traits import acts_while_decoding, check_quantizable, rerotates
 from protocols import PolicyIdError, PolicySpec, PressTerm, parse_option_value, parse_policy_id
 
@@ -49,53 +53,11 @@ log = logging.getLogger("kvdiv.service")
 
 ENTRY_POINT_GROUP = "kvdiv.presses"
 
-# Short names for the methods people compare (expression, default parameters).
+# Short names for the methods people compare (expression, default parameters), from the press table.
 ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "snapkv": ("SnapKVPress", {}),
-    "recent": ("StreamingLLMPress", {"n_sink": 0}),
-    "streaming": ("StreamingLLMPress", {"n_sink": 4}),
-    "streamingllm": ("StreamingLLMPress", {"n_sink": 4}),
-    "knorm": ("KnormPress", {}),
-    "tova": ("TOVAPress", {}),
-    "h2o": ("ObservedAttentionPress", {}),
-    "expected-attention": ("ExpectedAttentionPress", {}),
-    "pyramidkv": ("PyramidKVPress", {}),
-    "adakv": ("AdaKVPress(SnapKVPress)", {}),
-    "critical-adakv": ("CriticalAdaKVPress(SnapKVPress)", {}),
-    "criticalkv": ("CriticalKVPress(SnapKVPress)", {}),
-    "chunkkv": ("ChunkKVPress(SnapKVPress)", {}),
-    "think": ("ThinKPress", {}),
-    "simlayerkv": ("SimLayerKVPress", {}),
-    "lagkv": ("LagKVPress", {}),
-    "keydiff": ("KeyDiffPress", {}),
-    "kvcompose": ("KVComposePress", {}),
-    "dms": ("DMSPress(KnormPress)", {"threshold": -9.0, "sliding_window_size": 16}),
-    "decoding-knorm": ("DecodingPress(KnormPress)", {}),
-}
-
-# Where an "@r" (fraction kept) goes when the press has no compression_ratio.
-_RATIO_FIELD = {"ThinKPress": "key_channel_compression_ratio", "DuoAttentionPress": "head_compression_ratio",
-                "CompressionRatioDecodingPress": "target_compression_ratio",
-                "PerLayerCompressionPress": "compression_ratios"}
-# Where a "#b" goes when it is an absolute size, not a fraction of the prompt.
-_BUDGET_FIELD = {"DecodingPress": "target_size", "CAMPress": "target_size"}
-# Presses whose artifact (weights, statistics, patterns) comes from the hub or the web:
-# the server must supply it or allow the download (``--press-option Class:allow_download=true``).
-ARTIFACT = {
-    "QFilterPress": "Q-filters for this model (hub repo nthngdy/<model>_qfilt): "
-                    "--press-option QFilterPress:path=DIR",
-    "KVzapPress": "a KVzap scorer for this model (hub repo nvidia/KVzap-<type>-<model>)",
-    "ExpectedAttentionStatsPress": "query statistics: --press-option ExpectedAttentionStatsPress:stats_folder=DIR",
-    "FastKVzipPress": "Fast-KVzip gate weights for this model (hub repo Jang-Hyun/Fast-KVzip)",
-    "DuoAttentionPress": "DuoAttention head patterns for this model (downloaded from GitHub)",
-    "LUKVPress": "an LU-KV budget curve for this model (downloaded from GitHub)",
-    "RestoreKVPress": "RestoreKV weights for this model (hub repo higokri/RestoreKV-<model>): "
-                      "--press-option RestoreKVPress:path=DIR (plus_path=DIR for kvzip_plus_normalization)",
+    a.name: (a.expression, dict(a.defaults)) for p in PRESSES for a in p.aliases
 }
 _SERVER_KEYS = {"allow_download"} | OPTION_KEYS
-# Presses the engine cannot run, with the reason (a 422 names it).
-UNSUPPORTED: dict[str, str] = {}
-_ABSTRACT = {"BasePress", "ScorerPress"}
 
 
 @dataclass(frozen=True)
@@ -162,16 +124,17 @@ class _Node:
         elif self.amount_field:
             kwargs[self.amount_field] = max(self.ratio(prompt_len), 0.0)
         attrs = {k: kwargs.pop(k) for k in list(kwargs) if k in ATTRIBUTE_PARAMS.get(self.name, {})}
-        if self.name == "FinchPress":
-            attrs.setdefault("window_size", 64)
+        spec = by_name(self.name)
+        for key, value in (spec.attributes if spec is not None else {}).items():
+            attrs.setdefault(key, value)
         _fit(self, kwargs, attrs, prompt_len)
         press = self.cls(**kwargs)
         for key, value in attrs.items():
             setattr(press, key, value)
         if self.artifact is not None:
             attach(press, self.artifact)
-        if self.name == "FinchPress":
-            press.delimiter_token_id = -1  # no delimiter in the prompt: the window is given
+        for key, value in (spec.fixed if spec is not None else {}).items():
+            setattr(press, key, value)   # e.g. FinchPress: no delimiter in the prompt, the window is given
         return press
 
 
@@ -389,8 +352,9 @@ class PolicyRegistry:
         if not isinstance(cls, type) or not bare.endswith("Press") or bare not in kvpress.__all__:
             raise PolicyError(f"policy {policy_id!r}: unknown press {name!r}; known: {', '.join(self.names())}",
                               "press")
-        if bare in _ABSTRACT:
-            raise PolicyError(f"policy {policy_id!r}: {bare} is an abstract base class, not a method", "press")
+        spec = by_name(bare)
+        if spec is not None and spec.refused:   # abstract, or a press the engine cannot run
+            raise PolicyError(f"policy {policy_id!r}: {bare}: {spec.reason}", "press")
         return cls
 
     def _node(self, policy_id: str, term: PressTerm, defaults: dict[str, Any]) -> _Node:
@@ -404,8 +368,6 @@ class PolicyRegistry:
             return self._node(policy_id, inner, {**alias_defaults, **defaults})
         cls = self._class(policy_id, term.name)
         self._check_artifact(policy_id, cls)
-        if cls.__name__ in UNSUPPORTED:
-            raise PolicyError(f"policy {policy_id!r}: {cls.__name__} {UNSUPPORTED[cls.__name__]}", "press")
         slots = press_slots(cls)
         required = sum(1 for _, is_list, req in slots if req and not is_list)
         has_list = any(is_list for _, is_list, _ in slots)
@@ -419,15 +381,15 @@ class PolicyRegistry:
         return _Node(cls, kwargs, children, term.retention, term.budget, shown=set(defaults))
 
     def _check_artifact(self, policy_id: str, cls: type) -> None:
-        need = ARTIFACT.get(cls.__name__)
+        spec = by_name(cls.__name__)
+        artifact = None if spec is None else spec.artifact
         options = self.press_options.get(cls.__name__, {})
-        if need is None or options.get("allow_download") is True:
+        if artifact is None or options.get("allow_download") is True:
             return
-        if cls.__name__ == "ExpectedAttentionStatsPress" and options.get("stats_folder"):
-            return
-        if cls.__name__ in LOCAL_ARTIFACTS and OPTION_KEYS & set(options):
+        if any(options.get(k) for k in artifact.keys):
             return   # which folder (variant) is checked once the parameters are known
-        raise PolicyError(f"policy {policy_id!r}: {cls.__name__} needs {need}; this server has none. The operator "
+        raise PolicyError(f"policy {policy_id!r}: {cls.__name__} needs {artifact.need(cls.__name__)}; this server "
+                          f"has none. The operator "
                           f"supplies it with `kvdiv serve --press-option {cls.__name__}:...` (never a request)",
                           "press")
 
@@ -502,25 +464,23 @@ def _server_side_names(cls: type) -> set[str]:
 
 
 def _own_amount_field(cls: type, budget: bool) -> str | None:
-    for base in cls.__mro__:
-        if base.__name__ in _BUDGET_FIELD:
-            return _BUDGET_FIELD[base.__name__] if budget else None
-        if base.__name__ in _RATIO_FIELD:
-            return _RATIO_FIELD[base.__name__]
+    for spec in lineage(cls):
+        if spec.absolute:
+            return spec.amount_field if budget else None
+        if spec.amount_field:
+            return spec.amount_field
     return "compression_ratio" if "compression_ratio" in param_specs(cls) else None
 
 
 def _assign_amounts(policy_id: str, node: _Node, inherited: bool) -> None:
     """Give each amount ("@r", "#b") a field: the press's own ratio, else its single inner
     press's. Presses that need one and get none are refused."""
-    from kvpress import DecodingPress, DMSPress, PerLayerCompressionPress
-
     where = f"policy {policy_id!r}"
     has = node.budget >= 1 or not math.isnan(node.retention)
     # these wrappers set their inner press's ratio themselves
-    sets_inner = issubclass(node.cls, (DecodingPress, DMSPress, PerLayerCompressionPress))
+    sets_inner = any(spec.sets_inner_amount for spec in lineage(node.cls))
     own = _own_amount_field(node.cls, node.budget >= 1)
-    if has and issubclass(node.cls, DecodingPress) and own is None:
+    if has and own is None and any(spec.absolute for spec in lineage(node.cls)):
         raise PolicyError(f"{where}: {node.name} keeps an absolute number of tokens: use #<budget> "
                           f"or target_size=, not @", "press")
     if has and own is None:

@@ -7,8 +7,10 @@ continues from the kept count), does it score with attention weights (prefill un
 eager attention), which per-row state does it keep across forwards (repeated when one
 prefilled row becomes R), and can it compress a quantized cache exactly as kvpress does.
 
-This module imports no other press module of gen_service: :mod:`gen_service.presses.registry`
-(the registry) and :mod:`gen_service.presses.quantized` (the caches) both read it.
+Which press has which trait is its row of the press table (:mod:`gen_service.presses.table`);
+a trait of a kvpress class holds for its subclasses. This module imports no other press
+module of gen_service but the table: :mod:`gen_service.presses.registry` (the registry)
+and :mod:`gen_service.presses.quantized` (the caches) both read it.
 kvpress is imported inside the functions that need its classes: importing it costs
 seconds, and the registry's parsing and ``kvdiv --help`` must not pay it.
 """
@@ -19,15 +21,26 @@ from collections.abc import Iterator
 from typing import Any
 
 from gen_service.errors import PolicyError
+from gen_service.presses.table import PRESSES, lineage
 
 __all__ = ["ROW_STATE", "acts_while_decoding", "check_quantizable", "compresses_after_attention", "iter_presses",
            "repeat_rows", "rerotates", "wants_eager"]
 
-# Per-layer state a decoding press keeps across forwards, batch first: kvpress's
-# DecodingPress buffers its hidden states, DMSPress its scores, CAMPress its running
-# attention sum. One prefilled row (the question goes in at batch 1) becomes R rows by
-# repeating each, exactly the state R identical rows would have built.
-ROW_STATE = ("hidden_states_buffer", "scores_buffer", "_running_attn_sum")
+# Per-layer state a decoding press keeps across forwards, batch first (the table's
+# ``row_state``): kvpress's DecodingPress buffers its hidden states, DMSPress its scores,
+# CAMPress its running attention sum. One prefilled row (the question goes in at batch 1)
+# becomes R rows by repeating each, exactly the state R identical rows would have built.
+ROW_STATE = tuple(dict.fromkeys(name for p in PRESSES for name in p.row_state))
+
+
+def _has(press: Any, trait: str) -> bool:
+    """Whether the press's row (or a kvpress base's) has ``trait``: True, or the name of
+    the press's attribute that switches it on."""
+    for spec in lineage(type(press)):
+        value = getattr(spec, trait)
+        if value is True or (isinstance(value, str) and value and getattr(press, value, False)):
+            return True
+    return False
 
 
 def iter_presses(press: Any) -> Iterator[Any]:
@@ -43,25 +56,17 @@ def iter_presses(press: Any) -> Iterator[Any]:
 
 def acts_while_decoding(press: Any) -> bool:
     """Whether any press of the tree also compresses during decoding."""
-    from kvpress import DecodingPress, DMSPress
-
-    return any(isinstance(p, DecodingPress) or (isinstance(p, DMSPress) and p.decoding) for p in iter_presses(press))
+    return any(_has(p, "decoding") for p in iter_presses(press))
 
 
 def rerotates(press: Any) -> bool:
     """Whether the kept keys are re-rotated to positions 0..kept-1."""
-    from kvpress import FinchPress, KeyRerotationPress
-
-    return any(isinstance(p, KeyRerotationPress) or (isinstance(p, FinchPress) and p.rerotate_keys)
-               for p in iter_presses(press))
+    return any(_has(p, "rerotates") for p in iter_presses(press))
 
 
 def wants_eager(press: Any) -> bool:
     """Presses that score with the attention weights (only eager attention returns them)."""
-    from kvpress import KVComposePress, ObservedAttentionPress
-
-    scorers = (ObservedAttentionPress, KVComposePress)
-    return press is not None and any(isinstance(p, scorers) for p in iter_presses(press))
+    return press is not None and any(_has(p, "eager") for p in iter_presses(press))
 
 
 def compresses_after_attention(press: Any) -> bool:
@@ -80,17 +85,22 @@ def compresses_after_attention(press: Any) -> bool:
     """
     if press is None:
         return True
-    from kvpress import BasePress, ComposedPress, PerLayerCompressionPress, RandomPress
+    from kvpress import BasePress
 
-    delegating = (ComposedPress, PerLayerCompressionPress)   # their hooks call their inner presses' hooks
     if wants_eager(press) or acts_while_decoding(press):
         return False
     for p in iter_presses(press):
-        own_hook = type(p).forward_hook is not BasePress.forward_hook and not isinstance(p, delegating)
+        # a delegating press's hook calls its inner presses' hooks (ComposedPress, PerLayerCompressionPress)
+        own_hook = type(p).forward_hook is not BasePress.forward_hook and not _has(p, "delegates_hook")
         own_context = type(p).__call__ is not BasePress.__call__
-        if own_hook or own_context or (isinstance(p, RandomPress) and p.seed is None):
+        if own_hook or own_context or _unseeded(p):
             return False
     return True
+
+
+def _unseeded(press: Any) -> bool:
+    """Whether the press draws from torch's global generator (its row's ``seed`` attribute is None)."""
+    return any(spec.seed and getattr(press, spec.seed, None) is None for spec in lineage(type(press)))
 
 
 def repeat_rows(press: Any, n: int) -> None:
@@ -116,12 +126,12 @@ def check_quantizable(policy_id: str, press: Any) -> None:
     PolicyError
         Naming the press that cannot be combined.
     """
-    from kvpress import AdaKVPress, BasePress, ComposedPress, CriticalAdaKVPress, DMSPress, PerLayerCompressionPress
+    from kvpress import BasePress
 
-    delegating = (ComposedPress, PerLayerCompressionPress)   # their hooks call their inner presses' hooks
     for p in iter_presses(press):
-        own_hook = type(p).forward_hook is not BasePress.forward_hook and not isinstance(p, delegating)
-        if own_hook or isinstance(p, (AdaKVPress, CriticalAdaKVPress, DMSPress)):
+        # a delegating press's hook calls its inner presses' hooks (ComposedPress, PerLayerCompressionPress)
+        own_hook = type(p).forward_hook is not BasePress.forward_hook and not _has(p, "delegates_hook")
+        if own_hook or _has(p, "per_head"):
             why = "masks keys per head" if not own_hook else "edits the cache in its own hook"
             raise PolicyError(f"policy {policy_id!r}: {type(p).__name__} {why}; it cannot be combined with a "
                               f"quantized cache (+quant:). Presses that compress through kvpress's "
