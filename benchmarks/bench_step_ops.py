@@ -71,8 +71,7 @@ def main() -> None:
 
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          cwd=os.path.dirname(loading.__file__)).stdout.strip()
-    engine.trace(job(2))          # warm-up (lazy imports, the float32 head)
-    for _ in engine.trace(job(2)):
+    for _ in engine.trace(job(2)):      # warm-up (lazy imports, the float32 head)
         pass
     t0 = time.perf_counter()
     (a1, l1), (a2, l2) = count(engine, job(args.steps[0])), count(engine, job(args.steps[1]))
