@@ -214,6 +214,12 @@ class SharedPromptCache(Cache):
         return sum(layer.prompt_bytes() for layer in self.layers)
 
 
+#: keys per block of torch's CPU flash-attention kernel (``kv_split_size``): a pooled
+#: prompt's key length is rounded up to a multiple of it on the CPU, so that a group's
+#: keys fall in the same blocks, and its output is the same bits, whatever the longest
+#: prompt it shares the pool with (the padding blocks add exact zeros)
+CPU_KEY_BLOCK = 512
+
 #: how a stacked forward attends: "batched" (every group in one call per layer, over the
 #: pooled buffers below) or "loop" (group by group, the earlier way; kept as the
 #: baseline benchmarks/bench_engine_ops.py measures against)
@@ -235,7 +241,7 @@ class _Pool:
         G = len(parts)
         lengths = [p.prompt_keys.shape[-2] for p in parts]
         first = parts[0].prompt_keys
-        longest = max(lengths)
+        longest = _pooled_length(max(lengths), first.device)
         vals = parts[0].prompt_values
         # the same groups whose rows changed (a branch ended): keep the pooled prompts,
         # so a rebuild copies only the rows' buffers
@@ -274,7 +280,7 @@ class _Pool:
         slot = torch.arange(longest, device=first.device)
         sizes = torch.tensor(lengths, device=first.device)
         # (G, 1, L_max): the padded slots, hidden from every query (None: none padded)
-        self.pad = None if len(set(lengths)) == 1 else (slot[None, :] >= sizes[:, None])[:, None, :]
+        self.pad = None if set(lengths) == {longest} else (slot[None, :] >= sizes[:, None])[:, None, :]
 
     def __deepcopy__(self, memo: dict) -> None:
         """A copied layer (a snapshot) owns its tensors and no pool: nothing to copy."""
@@ -286,6 +292,15 @@ class _Pool:
                 and max(p.filled for p in parts) < self.row_keys.shape[2]
                 and all(p is q and p.prompt_keys is k and p.row_keys is r
                         for p, q, (k, r) in zip(parts, self.parts, self.views, strict=True)))
+
+
+def _pooled_length(longest: int, device: torch.device) -> int:
+    """Slots of a pool's prompt part: the longest prompt, rounded up to the CPU kernel's
+    key block (:data:`CPU_KEY_BLOCK`) on the CPU; CUDA keeps the longest (its kernels
+    refuse a padded, masked stack)."""
+    if device.type != "cpu":
+        return longest
+    return -(-longest // CPU_KEY_BLOCK) * CPU_KEY_BLOCK
 
 
 class _StackedLayer(CacheLayerMixin):

@@ -1,0 +1,101 @@
+"""The control's TV is exactly 0, and a request's records do not depend on its batch-mates.
+
+A grouped request with 4 stacked candidates and the ``full`` control, 8 such requests
+decoded together by the batch loop (``--max-batch-requests 8``), fuse on and off,
+float32 and bfloat16: the control's TV is 0.0 at every step (its P and Q rows sit in
+batches of the same make-up). And one request run alone and merged with 7 others gives
+the same records bit for bit, tokens and TV: the pooled prompts are padded to a whole
+number of the CPU attention kernel's key blocks (``shared_cache.CPU_KEY_BLOCK``), so a
+group's keys fall in the same blocks whatever the longest prompt beside it
+(docs/service.md, "Batch invariance and the control").
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest
+import torch
+from test_service_batching import _batch
+
+from gen_service.attention.cascade import _prompt_part
+from gen_service.attention.shared_cache import CPU_KEY_BLOCK
+from gen_service.engine.coupling import Sampling
+from gen_service.engine.facade import Engine
+from gen_service.engine.jobs import TraceJob
+from gen_service.models.loading import load_model
+
+CANDIDATES = ["snapkv@0.5", "recent@0.5", "snapkv@0.9", "recent@0.3", "full"]
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def lm(request):
+    return load_model("tiny:llama", dtype=request.param)
+
+
+def _job(i: int, candidates: list[str] = CANDIDATES) -> TraceJob:
+    """Request i: its own prompt length (50 + 6i tokens) and seeds."""
+    return TraceJob(prompt_ids=list(range(10 + 7 * i, 60 + 13 * i)), candidate="", candidates=candidates,
+                    seeds=[10 * i + k for k in range(len(candidates))], horizon=4, replicates=2,
+                    sampling=Sampling(), request_id=f"r{i}")
+
+
+def _run(lm, jobs: list[TraceJob], fuse: str) -> list[list]:
+    engine = Engine(lm)
+    engine.fuse = fuse
+    streams, _ = _batch(engine, jobs, max_requests=8)
+    assert all(s.ended == [None] for s in streams)
+    return [s.items for s in streams]
+
+
+@pytest.mark.parametrize("fuse", ["on", "off"])
+def test_control_tv_is_exactly_zero_in_a_merged_batch(lm, fuse):
+    out = _run(lm, [_job(i) for i in range(8)], fuse)
+    control = [x for items in out for rec in items if isinstance(rec, dict) and rec.get("candidate") == "full"
+               and "tv" in rec for x in rec["tv"]]
+    assert len(control) == 8 * 4 * 2
+    assert all(x == 0.0 for x in control)
+    # the candidates beside it do diverge: the check is not vacuous
+    assert any(x > 0 for items in out for rec in items if isinstance(rec, dict)
+               and rec.get("candidate") not in ("full", None) and "tv" in rec for x in rec["tv"])
+
+
+@pytest.mark.parametrize("fuse", ["on", "off"])
+def test_a_request_alone_and_merged_with_seven_is_bitwise_equal(lm, fuse):
+    jobs = [_job(i) for i in range(8)]
+    merged = _run(lm, jobs, fuse)[0]
+    alone = _run(lm, jobs[:1], fuse)[0]
+    steps = [(a, b) for a, b in zip(alone, merged, strict=True) if isinstance(a, dict) and "tv" in a]
+    assert len(alone) == len(merged) and steps
+    for a, b in steps:
+        assert a == b          # tokens and TV, every field, exactly
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("own, longest", [(100, 160), (100, 600), (700, 1200)])
+def test_the_prompt_part_does_not_see_a_longer_pool_mate(dtype, own, longest):
+    """The CPU kernel on a prompt padded to the pool's key blocks gives the bits of the
+    prompt alone padded the same way; padded only to the longest mate it need not."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 12, 16, dtype=dtype)
+    k, v = torch.randn(2, 1, 2, own, 16, dtype=dtype)
+
+    def pooled(slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = torch.zeros(2, 2, slots, 16, dtype=dtype)
+        vals = torch.zeros_like(keys)
+        keys[0, :, :own], vals[0, :, :own] = k[0], v[0]
+        keys[1], vals[1] = torch.randn(2, 2, slots, 16, dtype=dtype)
+        pad = (torch.arange(slots)[None, :] >= torch.tensor([own, longest])[:, None])[:, None, :]
+        out, lse = _prompt_part(torch.cat([q, torch.randn_like(q)]), keys, vals, 0.25, hidden=pad)
+        return out[:1], lse[:1]
+
+    def block(n: int) -> int:
+        return -(-n // CPU_KEY_BLOCK) * CPU_KEY_BLOCK
+
+    alone = _prompt_part(q, torch.cat([k, k.new_zeros(1, 2, block(own) - own, 16)], 2),
+                         torch.cat([v, v.new_zeros(1, 2, block(own) - own, 16)], 2), 0.25,
+                         hidden=(torch.arange(block(own)) >= own)[None, None])
+    for a, b in zip(alone, pooled(block(longest)), strict=True):
+        assert torch.equal(a, b)
