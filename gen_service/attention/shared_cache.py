@@ -47,7 +47,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from gen_service.attention.cascade import CACHE_KWARG, CASCADE, cascade_attention_forward
 
 __all__ = ["STACKED_ATTENTION", "SharedPromptCache", "SharedPromptLayer", "StackedPromptCache", "attention_route",
-           "can_share", "share_prompt", "stackable"]
+           "can_share", "pooled_length", "share_prompt", "stackable"]
 
 AttentionInterface.register(CASCADE, cascade_attention_forward)
 
@@ -241,7 +241,7 @@ class _Pool:
         G = len(parts)
         lengths = [p.prompt_keys.shape[-2] for p in parts]
         first = parts[0].prompt_keys
-        longest = _pooled_length(max(lengths), first.device)
+        longest = pooled_length(max(lengths), first.device)
         vals = parts[0].prompt_values
         # the same groups whose rows changed (a branch ended): keep the pooled prompts,
         # so a rebuild copies only the rows' buffers
@@ -294,7 +294,7 @@ class _Pool:
                         for p, q, (k, r) in zip(parts, self.parts, self.views, strict=True)))
 
 
-def _pooled_length(longest: int, device: torch.device) -> int:
+def pooled_length(longest: int, device: torch.device) -> int:
     """Slots of a pool's prompt part: the longest prompt, rounded up to the CPU kernel's
     key block (:data:`CPU_KEY_BLOCK`) on the CPU; CUDA keeps the longest (its kernels
     refuse a padded, masked stack)."""

@@ -453,22 +453,25 @@ class MemoryGate:
     True
     """
 
-    def __init__(self, shape: ModelShape, budget: int, shared_prompt: bool = True, head_bytes: int = 0):
+    def __init__(self, shape: ModelShape, budget: int, shared_prompt: bool = True, head_bytes: int = 0,
+                 key_block: int = 1):
         self.shape, self.budget, self.shared_prompt = shape, int(budget), shared_prompt
         self.head_bytes = int(head_bytes)   # the float32 head copy, held since loading (outside the budget)
+        self.key_block = int(key_block)     # a merged batch's pooled prompt is a multiple of this (batch_bytes)
 
     @classmethod
     def for_engine(cls, engine: Any, budget: float | None = None) -> MemoryGate:
         """For an engine's model; ``budget`` in bytes, a fraction (<= 1) of the memory
         free now, or None for :data:`DEFAULT_FRACTION` of it."""
-        from gen_service.models.float_head import extra_bytes  # lazily: this module does not import torch
+        from gen_service.attention.shared_cache import pooled_length  # lazily: this module does not import torch
+        from gen_service.models.float_head import extra_bytes
 
         lm = engine.lm
         shape = ModelShape.of(lm.model.config, dtype_bytes=lm.dtype.itemsize)
         head = extra_bytes(lm.model)   # made at load (gen_service/models/loading.py): already out of the free memory
         if budget is None or budget <= 1:
             budget = (budget or DEFAULT_FRACTION) * available_memory(lm.device)
-        return cls(shape, int(budget), getattr(engine, "shared_prompt", True), head)
+        return cls(shape, int(budget), getattr(engine, "shared_prompt", True), head, pooled_length(1, lm.device))
 
     def describe(self, policy: str, reference: Any, candidate: Any, kind: str = "coupled") -> CandidateMemory:
         """How the engine will hold one candidate's sides, from the two policies' plans.
@@ -515,7 +518,7 @@ class MemoryGate:
              sides: Sequence[CandidateMemory] | None = None, top_logprobs: int = 0) -> TraceSize:
         """A request's :class:`TraceSize` with the gate's shapes (what the batch counts)."""
         return TraceSize(self.shape, rows, prompt_tokens, horizon, kind, self.shared_prompt, candidates,
-                         None if sides is None else tuple(sides), top_logprobs)
+                         None if sides is None else tuple(sides), top_logprobs, self.key_block)
 
     def admit(self, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
               candidates: int = 1, sides: Sequence[CandidateMemory] | None = None,
@@ -636,6 +639,9 @@ class TraceSize:
     candidates: int = 1
     sides: tuple[CandidateMemory, ...] | None = None
     top_logprobs: int = 0
+    #: the pooled prompt's length is rounded up to a multiple of this in a merged batch
+    #: (gen_service.attention.shared_cache.pooled_length: the CPU kernel's key block)
+    key_block: int = 1
 
     @property
     def total(self) -> int:
@@ -654,7 +660,8 @@ class TraceSize:
 def batch_bytes(sizes: Sequence[TraceSize]) -> int:
     """What a merged decoding batch of these requests holds at its peak (an upper bound):
     every request at the batch's longest prompt and largest T. The stacked forwards pool
-    every group's prompt padded to the longest (gen_service.attention.shared_cache._Pool) and size
+    every group's prompt padded to the longest, rounded up to the key block on the CPU
+    (gen_service.attention.shared_cache._Pool) and size
     every row's buffer for the largest capacity, and one layer's attention over them.
 
     Examples
@@ -667,7 +674,8 @@ def batch_bytes(sizes: Sequence[TraceSize]) -> int:
     """
     if not sizes:
         return 0
-    longest = max(x.prompt_tokens for x in sizes)
+    block = max(x.key_block for x in sizes)
+    longest = -(-max(x.prompt_tokens for x in sizes) // block) * block
     widest = max(x.horizon for x in sizes)
     return sum(x.within(longest, widest) for x in sizes)
 
