@@ -186,9 +186,9 @@ def test_cli_collect_and_pack(fake_server: FakeServer, docs_file: Path, tmp_path
 
 
 def test_progress_counts_records_streamed_not_only_finished_requests() -> None:
-    from collector.collect import _Progress
+    from collector.progress import Progress
 
-    bar = _Progress(total=3, initial=1, enabled=True)   # one request skipped (already complete)
+    bar = Progress(total=3, initial=1, enabled=True)   # one request skipped (already complete)
     for _ in range(2):
         bar.record("a", "step", 4, 2)           # coupled: 1/T of a request per step
     assert bar.bar.n == pytest.approx(1.5)
@@ -211,7 +211,7 @@ def test_collection_progress_moves_before_any_request_ends(fake_server: FakeServ
 
     seen: list[tuple[float, int]] = []
 
-    class Watched(C._Progress):
+    class Watched(C.Progress):
         def record(self, *args):
             super().record(*args)
             seen.append((self.bar.n, done[0]))
@@ -222,7 +222,7 @@ def test_collection_progress_moves_before_any_request_ends(fake_server: FakeServ
             final[0] = self.bar.n
 
     done, final = [0], [0.0]
-    monkeypatch.setattr(C, "_Progress", Watched)
+    monkeypatch.setattr(C, "Progress", Watched)
     result = collect(_cfg([fake_server.url], docs_file, tmp_path / "run", progress=True))
     assert result.ok and result.completed == 6
     assert any(n > 0 and d == 0 for n, d in seen)   # the bar moved before the first request ended

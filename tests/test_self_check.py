@@ -10,7 +10,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
-from gen_service.serving.self_check import SelfCheckFailed, layer_windows, model_logprobs
+from gen_service.serving.self_check import SelfCheckFailed, model_logprobs, windows_by_type
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +105,8 @@ def test_layer_windows_read_every_windowed_kind() -> None:
     from transformers import Gemma3TextConfig, Qwen2Config
 
     gemma = Gemma3TextConfig(num_hidden_layers=6, sliding_window=16)
-    assert layer_windows(gemma) == {"sliding_attention": 16}
-    assert layer_windows(Qwen2Config(use_sliding_window=False, sliding_window=64)) == {}
+    assert windows_by_type(gemma) == {"sliding_attention": 16}
+    assert windows_by_type(Qwen2Config(use_sliding_window=False, sliding_window=64)) == {}
 
 
 def tiny_gemma3():

@@ -41,7 +41,7 @@ from gen_service.models.float_head import logits as float32_logits
 from gen_service.models.loading import LoadedModel
 from gen_service.models.tokenizer_reference import CHECK_TEXT
 
-__all__ = ["STEPS", "SelfCheck", "SelfCheckFailed", "check_decoding", "check_tokenizer", "layer_windows",
+__all__ = ["STEPS", "SelfCheck", "SelfCheckFailed", "check_decoding", "check_tokenizer", "windows_by_type",
            "run_self_check", "tolerance_for"]
 
 log = logging.getLogger("kvdiv.service")
@@ -109,16 +109,16 @@ def tolerance_for(dtype: torch.dtype) -> float:
     return TOLERANCE.get(dtype, 0.25)
 
 
-def layer_windows(config: Any) -> dict[str, int]:
+def windows_by_type(config: Any) -> dict[str, int]:
     """The model's windowed layer types and their windows (tokens): sliding-window and
     chunked attention, as the config declares them.
 
     Examples
     --------
     >>> from types import SimpleNamespace as NS
-    >>> layer_windows(NS(sliding_window=512, layer_types=["sliding_attention", "full_attention"]))
+    >>> windows_by_type(NS(sliding_window=512, layer_types=["sliding_attention", "full_attention"]))
     {'sliding_attention': 512}
-    >>> layer_windows(NS(sliding_window=None))
+    >>> windows_by_type(NS(sliding_window=None))
     {}
     """
     config = getattr(config, "text_config", None) or config
@@ -181,8 +181,19 @@ def _prompt(lm: LoadedModel, length: int) -> list[int]:
 
 
 async def _run_requests(service: Any, jobs: list[TraceJob]) -> list[list[dict[str, Any]]]:
-    """Run ``jobs`` as the server runs ``/v1/traces`` requests, all at once (so they share
-    the decoding batch); each job's records, in order."""
+    """Run ``jobs`` as the server runs ``/v1/traces`` requests, as many at once as its
+    admission queue holds (so they share the decoding batch); each job's records, in order.
+    A server started with ``--max-queue 1`` runs them one after another rather than
+    refusing to start."""
+    room = max(1, service.admission.limit - service.admission.count)
+    out: list[list[dict[str, Any]]] = []
+    for i in range(0, len(jobs), room):
+        out += await _run_together(service, jobs[i:i + room])
+    return out
+
+
+async def _run_together(service: Any, jobs: list[TraceJob]) -> list[list[dict[str, Any]]]:
+    """``jobs`` admitted together, each in a slot of the admission queue."""
     async with AsyncExitStack() as stack:
         works = []
         for job in jobs:
@@ -254,7 +265,7 @@ def check_decoding(service: Any, tolerance: float, steps: int = STEPS) -> dict[s
         ``prompt_tokens``, ``steps``, ``paths``, ``windows``.
     """
     lm = service.engine.lm
-    windows = layer_windows(lm.model.config)
+    windows = windows_by_type(lm.model.config)
     length = max(MIN_PROMPT, max(windows.values(), default=0) + 32)
     length = min(length, lm.max_context - steps - 1)
     prompt = _prompt(lm, length)
