@@ -519,6 +519,22 @@ def family_key(policy_id: str) -> str:
     "" for ids that belong to no family: ``full``, a quantizer alone, a press without
     an amount, and ids outside the grammar.
 
+    Parameters
+    ----------
+    policy_id : str
+        A policy id (docs/contract.md grammar) or any other text.
+
+    Returns
+    -------
+    str
+        The family key (``snapkv@*``, ``snapkv#*``, with parameters and quantizer), or ""
+        when the id belongs to no family.
+
+    Raises
+    ------
+    None
+        Ids outside the grammar are accepted: they belong to no family ("").
+
     Examples
     --------
     >>> family_key("snapkv@0.5"), family_key("snapkv#128"), family_key("full")
@@ -555,6 +571,12 @@ def policy_families(policy_ids, *, kept=None, min_members: int = 1) -> dict[str,
     -------
     dict of str to tuple of str
         :func:`family_key` -> member ids, most KV kept first (ties: in the order given).
+
+    Raises
+    ------
+    None
+        Ids outside the grammar belong to no family and are left out; a non-finite
+        ``kept`` value falls back to the nominal amount.
 
     Examples
     --------

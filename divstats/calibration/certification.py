@@ -38,7 +38,34 @@ SCENARIOS = ("all-at-margin", "two-inside", "crossing")
 def scenario_means(scenario: str, k: int, margin: float = MARGIN) -> np.ndarray:
     """μ_j of a scenario: every budget at the margin; the first two at 0 and the rest at the margin;
     or a rising curve 0, δ/4, δ/2, 3δ/4 (inside) then 1.5δ, 2δ, ... (outside): the true last budget
-    inside is the fourth."""
+    inside is the fourth.
+
+    Parameters
+    ----------
+    scenario : str
+        One of :data:`SCENARIOS`.
+    k : int
+        Number of budgets in the family.
+    margin : float, optional
+        The margin δ.
+
+    Returns
+    -------
+    numpy.ndarray
+        The K true means, most KV kept first.
+
+    Raises
+    ------
+    ValueError
+        If ``scenario`` is not one of :data:`SCENARIOS`.
+
+    Examples
+    --------
+    >>> scenario_means("two-inside", 4, 0.05).tolist()
+    [0.0, 0.0, 0.05, 0.05]
+    >>> scenario_means("crossing", 6, 0.04).round(3).tolist()
+    [0.0, 0.01, 0.02, 0.03, 0.06, 0.08]
+    """
     if scenario == "all-at-margin":
         return np.full(k, margin)
     if scenario == "two-inside":
@@ -57,7 +84,30 @@ def _draw(rng: np.random.Generator, shape: tuple[int, ...], population: str) -> 
 
 
 def sweep_values(rng: np.random.Generator, n: int, means: np.ndarray, population: str) -> np.ndarray:
-    """(n x K) per-document values with true column means ``means`` (see the module docstring)."""
+    """(n x K) per-document values with true column means ``means`` (see the module docstring).
+
+    Parameters
+    ----------
+    rng : numpy.random.Generator
+        Source of the draws.
+    n : int
+        Number of documents (rows).
+    means : numpy.ndarray
+        The K true column means.
+    population : {"symmetric", "skewed"}
+        Standardised t₅ or Exp(1) − 1 draws.
+
+    Returns
+    -------
+    numpy.ndarray
+        An (n, K) array of per-document values.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> sweep_values(rng, 5, np.array([0.0, 0.05]), "symmetric").shape
+    (5, 2)
+    """
     u = _draw(rng, (n, 1), population)
     e = _draw(rng, (n, len(means)), population)
     return means + SD * (math.sqrt(RHO) * u + math.sqrt(1 - RHO) * e)
@@ -67,7 +117,32 @@ def broken_all_budgets(values: np.ndarray, margin: float, *, alpha: float = 0.05
                        seed: int = 0) -> bool:
     """A deliberately wrong procedure, for tests: test every budget on its own at level α, unordered, and
     certify the least-KV budget shown.  Returns whether it certified anything (a false claim when every
-    budget is at the margin)."""
+    budget is at the margin).
+
+    Parameters
+    ----------
+    values : numpy.ndarray
+        (n, K) per-document values, one column per budget.
+    margin : float
+        The non-inferiority margin δ.
+    alpha : float, optional
+        Level of each (uncorrected) test.
+    n_resamples : int, optional
+        Bootstrap resamples per test.
+    seed : int, optional
+        Seed of the resampling.
+
+    Returns
+    -------
+    bool
+        Whether any budget was shown inside the margin.
+
+    Examples
+    --------
+    >>> values = np.zeros((20, 2)) + np.linspace(-0.01, 0.01, 20)[:, None]
+    >>> broken_all_budgets(values, 0.05, n_resamples=99)
+    True
+    """
     return any(margin_test(values[:, j], "bootstrap-t", "noninferiority", margin, "larger", 1 - alpha,
                            n_resamples=n_resamples, seed=seed, min_docs=2, hodges_lehmann_effect=False).pvalue
                <= alpha for j in range(values.shape[1]))
@@ -78,7 +153,33 @@ def certified_index(values: np.ndarray, margin: float, *, alpha: float = 0.05, n
     """``certify_budget(values, margin, ...).certified_index`` (larger worse, reference 0, no refusal), computed
     with every budget's bootstrap-t in one array: the same resamples (one draw of B x n document indices from
     ``numpy.random.default_rng(seed)``, as ``margin_test`` draws them for B <= 2000) and the same p-values, so the
-    same decision (tests/test_divstats_certify.py checks that they agree), at a fraction of the cost."""
+    same decision (tests/test_divstats_certify.py checks that they agree), at a fraction of the cost.
+
+    Parameters
+    ----------
+    values : numpy.ndarray
+        (n, K) per-document values, one column per budget, most KV kept first.
+    margin : float
+        The non-inferiority margin δ.
+    alpha : float, optional
+        Familywise level.
+    n_resamples : int, optional
+        Bootstrap resamples B.
+    seed : int, optional
+        Seed of the resampling.
+
+    Returns
+    -------
+    int
+        Index of the last budget certified in the fixed-sequence order, or -1 when none is.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> values = sweep_values(rng, 50, np.array([0.0, 0.0, 0.2]), "symmetric")
+    >>> certified_index(values, 0.05, n_resamples=199)
+    1
+    """
     n, _ = values.shape
     root_n = math.sqrt(n)
     mean = values.mean(axis=0)
@@ -105,6 +206,29 @@ def certify_calibration(sims: int = 1000, sizes: Sequence[int] = (50, 100),
                         power: bool = True) -> pd.DataFrame:
     """Familywise error (and power against the true crossing) of the certification, by simulation.
 
+    Parameters
+    ----------
+    sims : int, optional
+        Simulated studies per cell.
+    sizes : sequence of int, optional
+        Numbers of documents n.
+    populations : sequence of str, optional
+        ``"symmetric"`` and/or ``"skewed"``.
+    scenarios : sequence of str, optional
+        Scenarios from :data:`SCENARIOS`.
+    n_budgets : int, optional
+        Budgets K in the family.
+    alpha : float, optional
+        Familywise level.
+    margin : float, optional
+        The margin δ.
+    n_resamples : int, optional
+        Bootstrap resamples per study.
+    seed : int, optional
+        Base seed.
+    power : bool, optional
+        Also run the ``crossing`` scenario and report power.
+
     Returns
     -------
     pandas.DataFrame
@@ -113,6 +237,13 @@ def certify_calibration(sims: int = 1000, sizes: Sequence[int] = (50, 100),
         at α, ``ok``; for the ``crossing`` scenario (added when ``power``) also ``power``
         (certified exactly the true last budget inside), ``mean_certified`` (budgets
         certified, on average) and ``true_last`` (how many are truly inside).
+
+    Examples
+    --------
+    >>> t = certify_calibration(sims=3, sizes=(10,), populations=("symmetric",), scenarios=("all-at-margin",),
+    ...                         n_budgets=3, n_resamples=49, power=False)
+    >>> t[["scenario", "n", "sims"]].values.tolist()
+    [['all-at-margin', 10, 3]]
     """
     rows = []
     scen = list(scenarios) + (["crossing"] if power and "crossing" not in scenarios else [])
@@ -146,6 +277,23 @@ def band_calibration(sims: int = 1000, sizes: Sequence[int] = (10, 20, 50, 100),
                      level: float = 0.95, n_resamples: int = 999, seed: int = 0) -> pd.DataFrame:
     """Simultaneous coverage of the max-|t| band (and of the pointwise intervals) over a family's budgets.
 
+    Parameters
+    ----------
+    sims : int, optional
+        Simulated studies per cell.
+    sizes : sequence of int, optional
+        Numbers of documents n.
+    populations : sequence of str, optional
+        ``"symmetric"`` and/or ``"skewed"``.
+    n_budgets : int, optional
+        Budgets K in the family.
+    level : float, optional
+        Nominal simultaneous coverage 1 − α.
+    n_resamples : int, optional
+        Bootstrap resamples per study.
+    seed : int, optional
+        Base seed.
+
     Returns
     -------
     pandas.DataFrame
@@ -153,6 +301,12 @@ def band_calibration(sims: int = 1000, sizes: Sequence[int] = (10, 20, 50, 100),
         ``pointwise_joint`` (every true mean inside its pointwise interval at once: the
         broken band), ``pointwise_each`` (the worst budget's own coverage), ``critical``
         (the mean critical value), ``bound`` = 1 − α − 2 SE and ``ok``.
+
+    Examples
+    --------
+    >>> t = band_calibration(sims=3, sizes=(10,), populations=("skewed",), n_budgets=3, n_resamples=49)
+    >>> t[["population", "n", "sims"]].values.tolist()
+    [['skewed', 10, 3]]
     """
     rows = []
     mu = scenario_means("crossing", n_budgets)

@@ -83,6 +83,23 @@ def certify_power(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, *, do
         :data:`CERTIFY_POWER_COLUMNS`: one row per (certification, model, budget, docs);
         ``docs_needed`` is the fewest study documents (of ``docs``) with power >= ``target``
         (NaN: none), the same on every row of the budget.
+
+    Raises
+    ------
+    PlanError
+        When a certification's family, metric or model is not in the pilot, or the pilot
+        has fewer than two complete documents over the family.
+
+    Examples
+    --------
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(8, {"snapkv@0.9": PolicyEffect(0.01), "snapkv@0.5": PolicyEffect(0.1),
+    ...                         "snapkv@0.3": PolicyEffect(0.2)}, horizon=6, replicates=4)
+    >>> plan = {"plan": {"name": "p", "salt": "s"}, "certify": [{"id": "C", "family": "snapkv",
+    ...         "metric": "occurrence", "margin": 0.05, "split": "all"}]}
+    >>> res = certify_power(plan, ds, docs=[50], n_sims=10, n_resamples=49)
+    >>> res[["budget", "docs"]].values.tolist()
+    [['snapkv@0.9', 50], ['snapkv@0.5', 50], ['snapkv@0.3', 50]]
     """
     plan = load_plan(plan)
     if not plan.certifications:

@@ -108,6 +108,22 @@ def crossing(kept: Sequence[float], curve: Sequence[float], level: float, worse:
     the first at or past it.  NaN when the first budget is already past it, or no
     budget reaches it.
 
+    Parameters
+    ----------
+    kept : sequence of float
+        KV kept at each budget, most first.
+    curve : sequence of float
+        The curve's value at each budget.
+    level : float
+        The level to meet (e.g. the margin).
+    worse : {"larger", "smaller"}, optional
+        Which side of ``level`` is worse.
+
+    Returns
+    -------
+    float
+        The KV kept where the curve meets ``level``, or NaN.
+
     Examples
     --------
     >>> crossing([0.9, 0.7, 0.5], [0.0, 0.02, 0.06], 0.04)
@@ -168,6 +184,18 @@ def budget_curves(estimates: xr.Dataset, metric: str, *, families: Sequence[str]
         ``mean``, ``se``, ``low``, ``high`` (pointwise), ``band_low``, ``band_high``
         (simultaneous), and per family ``critical``, ``n_docs``, ``crossing``,
         ``crossing_low``, ``crossing_high``, ``reason``; each with a ``description``.
+
+    Examples
+    --------
+    >>> import divstats
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(8, {"snapkv@0.9": PolicyEffect(0.01), "snapkv@0.5": PolicyEffect(0.1),
+    ...                         "snapkv@0.3": PolicyEffect(0.2)}, horizon=6, replicates=4)
+    >>> bc = budget_curves(divstats.estimate(ds), "occurrence", cross=0.05, n_resamples=99)
+    >>> bc["policy"].values.tolist()
+    [['snapkv@0.9', 'snapkv@0.5', 'snapkv@0.3']]
+    >>> bc["kept"].values.tolist()
+    [[0.9, 0.5, 0.3]]
     """
     models = [str(m) for m in estimates["model"].values] if "model" in estimates.dims else [None]
     fams = list(families) if families is not None else list(sweep_families(estimates))

@@ -104,6 +104,14 @@ def sweep_families(ds: xr.Dataset, min_members: int = 2) -> dict[str, tuple[str,
     -------
     dict of str to tuple of str
         ``protocols.family_key`` (``snapkv@*``) -> member policy ids.
+
+    Examples
+    --------
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(8, {"snapkv@0.9": PolicyEffect(0.01), "snapkv@0.5": PolicyEffect(0.1),
+    ...                         "snapkv@0.3": PolicyEffect(0.2)}, horizon=6, replicates=4)
+    >>> sweep_families(ds)
+    {'snapkv@*': ('snapkv@0.9', 'snapkv@0.5', 'snapkv@0.3')}
     """
     kept = kv_kept(ds)
     return policy_families([str(p) for p in ds["policy"].values],
@@ -118,10 +126,34 @@ def resolve_family(ds: xr.Dataset, family: str) -> tuple[str, tuple[str, ...]]:
     the retention family if the data have one, else the budget family), or a family
     written out (``snapkv@0.9,0.7,0.5``, ``snapkv@0.9..0.3/0.2``: exactly those members).
 
+    Parameters
+    ----------
+    ds : xarray.Dataset
+        Traces or estimates.
+    family : str
+        A family key, a bare press name or a written-out family.
+
+    Returns
+    -------
+    key : str
+        The family's key (``snapkv@*``).
+    members : tuple of str
+        Its members present in ``ds``, most KV kept first.
+
     Raises
     ------
     DivstatsError
         When nothing in the data matches, naming the families that are there.
+
+    Examples
+    --------
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(8, {"snapkv@0.9": PolicyEffect(0.01), "snapkv@0.5": PolicyEffect(0.1),
+    ...                         "snapkv@0.3": PolicyEffect(0.2)}, horizon=6, replicates=4)
+    >>> resolve_family(ds, "snapkv")
+    ('snapkv@*', ('snapkv@0.9', 'snapkv@0.5', 'snapkv@0.3'))
+    >>> resolve_family(ds, "snapkv@0.3,0.9")
+    ('snapkv@*', ('snapkv@0.9', 'snapkv@0.3'))
     """
     families = sweep_families(ds, min_members=1)
     available = [str(p) for p in ds["policy"].values]
@@ -173,6 +205,22 @@ def family_values(estimates: xr.Dataset, family: str, metric: str, *, model: str
         :func:`kv_kept` of each member.
     doc_ids : list of str
         The documents, in the rows' order.
+
+    Raises
+    ------
+    DivstatsError
+        When ``metric`` is not in ``estimates``, the data hold several models and
+        ``model`` is not given, or the family is not in the data.
+
+    Examples
+    --------
+    >>> import divstats
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(8, {"snapkv@0.9": PolicyEffect(0.01), "snapkv@0.5": PolicyEffect(0.1),
+    ...                         "snapkv@0.3": PolicyEffect(0.2)}, horizon=6, replicates=4)
+    >>> values, members, kept, doc_ids = family_values(divstats.estimate(ds), "snapkv", "occurrence")
+    >>> values.shape, members, kept.tolist(), doc_ids[:2]
+    ((8, 3), ('snapkv@0.9', 'snapkv@0.5', 'snapkv@0.3'), [0.9, 0.5, 0.3], ['doc0', 'doc1'])
     """
     if metric not in estimates:
         raise DivstatsError(f"metric {metric!r} is not a variable of the estimates")

@@ -295,6 +295,25 @@ def certify_family(estimates: xr.Dataset, family: str, metric: str, margin: floa
     Returns
     -------
     CertifyResult
+        The fixed-sequence tests over the family's members, most KV kept first.
+
+    Raises
+    ------
+    DivstatsError
+        When ``reference="full"`` and neither the control ``full`` is in the data nor the
+        full model's value of ``metric`` is known; also (from
+        :func:`divstats.estimation.sweeps.family_values`) when the metric, the model or the
+        family is not in the data.
+
+    Examples
+    --------
+    >>> import divstats
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(60, {"snapkv@0.9": PolicyEffect(0.0), "snapkv@0.5": PolicyEffect(0.3)},
+    ...                     horizon=6, replicates=2)
+    >>> res = certify_family(divstats.estimate(ds), "snapkv", "occurrence", 0.05, n_resamples=99)
+    >>> res.budgets
+    ('snapkv@0.9', 'snapkv@0.5')
     """
     row = by_name(metric) if metric in {e.name for e in ESTIMANDS} else None
     worse = worse or (row.worse if row is not None else "larger")

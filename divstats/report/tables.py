@@ -599,7 +599,31 @@ def speculative_rows(an: Analysis) -> list[dict[str, str]]:
 
 
 def certified_map(an: Analysis) -> dict[tuple[str, str | None], str]:
-    """(family key, model) -> the certified policy id ("" for none), for the figure's stars."""
+    """(family key, model) -> the certified policy id ("" for none), for the figure's stars.
+
+    Parameters
+    ----------
+    an : Analysis
+        ``divstats.report.analysis.compute`` output.
+
+    Returns
+    -------
+    dict of (str, str or None) to str
+        Per family key and model (None without a ``model`` dim), the certified policy id;
+        empty without a plan's certification or policy families.
+
+    Examples
+    --------
+    >>> from divstats.report.analysis import compute
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(8, {"full": PolicyEffect(0.0), "snapkv@0.9": PolicyEffect(0.01),
+    ...                         "snapkv@0.5": PolicyEffect(0.1)}, horizon=6, replicates=3)
+    >>> plan = {"plan": {"name": "p", "salt": "s"}, "certify": [{"id": "C", "family": "snapkv",
+    ...         "metric": "occurrence", "margin": 0.05, "split": "all"}]}
+    >>> an = compute(ds, plan, n_resamples=99, progress=False)
+    >>> certified_map(an)
+    {('snapkv@*', None): ''}
+    """
     out: dict[tuple[str, str | None], str] = {}
     pr, curves = an.plan_result, an.compression
     if pr is None or curves is None:
@@ -619,11 +643,29 @@ def certified_map(an: Analysis) -> dict[tuple[str, str | None], str]:
 def compression_rows(an: Analysis) -> list[dict[str, str]]:
     """"How much can I compress?": one row per certification (and model), then each family's crossing.
 
+    Parameters
+    ----------
+    an : Analysis
+        ``divstats.report.analysis.compute`` output.
+
     Returns
     -------
     list of dict
         Display rows: family, model, metric, margin, budgets tested, certified budget with its KV kept,
         and the verdict in words; empty without policy families.
+
+    Examples
+    --------
+    >>> from divstats.report.analysis import compute
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(8, {"full": PolicyEffect(0.0), "snapkv@0.9": PolicyEffect(0.01),
+    ...                         "snapkv@0.5": PolicyEffect(0.1)}, horizon=6, replicates=3)
+    >>> plan = {"plan": {"name": "p", "salt": "s"}, "certify": [{"id": "C", "family": "snapkv",
+    ...         "metric": "occurrence", "margin": 0.05, "split": "all"}]}
+    >>> an = compute(ds, plan, n_resamples=99, progress=False)
+    >>> row = compression_rows(an)[0]
+    >>> row["family"], row["budgets (most KV first)"], row["certified"]
+    ('snapkv', 'snapkv@0.9, snapkv@0.5', 'none')
     """
     rows: list[dict[str, str]] = []
     pr, curves = an.plan_result, an.compression
@@ -641,7 +683,31 @@ def compression_rows(an: Analysis) -> list[dict[str, str]]:
 
 
 def crossing_rows(an: Analysis) -> list[dict[str, str]]:
-    """Each family's crossing of reference + margin (descriptive): KV kept where its curve meets the line."""
+    """Each family's crossing of reference + margin (descriptive): KV kept where its curve meets the line.
+
+    Parameters
+    ----------
+    an : Analysis
+        ``divstats.report.analysis.compute`` output.
+
+    Returns
+    -------
+    list of dict
+        Display rows: family, model, documents, the crossing in KV kept and the band's
+        interval for it; empty without policy families or without a margin.
+
+    Examples
+    --------
+    >>> from divstats.report.analysis import compute
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(8, {"full": PolicyEffect(0.0), "snapkv@0.9": PolicyEffect(0.01),
+    ...                         "snapkv@0.5": PolicyEffect(0.1)}, horizon=6, replicates=3)
+    >>> plan = {"plan": {"name": "p", "salt": "s"}, "certify": [{"id": "C", "family": "snapkv",
+    ...         "metric": "occurrence", "margin": 0.05, "split": "all"}]}
+    >>> an = compute(ds, plan, n_resamples=99, progress=False)
+    >>> [(r["family"], r["documents"]) for r in crossing_rows(an)]
+    [('snapkv@*', '8')]
+    """
     curves = an.compression
     if curves is None or not np.isfinite(curves.attrs.get("margin", math.nan)):
         return []
@@ -661,7 +727,31 @@ def crossing_rows(an: Analysis) -> list[dict[str, str]]:
 
 
 def compression_status(an: Analysis) -> str:
-    """The section's first sentence: what the curves show and what was certified (or why not)."""
+    """The section's first sentence: what the curves show and what was certified (or why not).
+
+    Parameters
+    ----------
+    an : Analysis
+        ``divstats.report.analysis.compute`` output.
+
+    Returns
+    -------
+    str
+        The text; "" without policy families.
+
+    Examples
+    --------
+    >>> from divstats.report.analysis import compute
+    >>> from divstats.truth.studies import PolicyEffect, simulate_study
+    >>> ds = simulate_study(8, {"full": PolicyEffect(0.0), "snapkv@0.9": PolicyEffect(0.01),
+    ...                         "snapkv@0.5": PolicyEffect(0.1)}, horizon=6, replicates=3)
+    >>> plan = {"plan": {"name": "p", "salt": "s"}, "certify": [{"id": "C", "family": "snapkv",
+    ...         "metric": "occurrence", "margin": 0.05, "split": "all"}]}
+    >>> an = compute(ds, plan, n_resamples=99, progress=False)
+    >>> text = compression_status(an)
+    >>> text.startswith("Mean occurrence over documents"), "Dashed: reference + margin (0 + 0.05)" in text
+    (True, True)
+    """
     curves = an.compression
     if curves is None:
         return ""
