@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gen_service.attention.shared_cache import SharedPromptCache
+from gen_service.attention.shared_cache import SharedPromptCache, pooled_length
 from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
 from gen_service.engine.jobs import TraceJob
@@ -154,8 +154,10 @@ def test_per_row_candidate_counts_its_copies(lm, policy):
         assert side.replayed == (kind == "residual")
         old, new = gate.estimate(R, L, T, kind), gate.estimate(R, L, T, kind, sides=[side])
         # Q's prompt: R copies (coupled) or R survival + 1 snapshot + R replayed branch rows
-        # (residual) instead of one shared copy (+ 1 snapshot)
-        assert new.prompt_kv - old.prompt_kv == extra * L * token
+        # (residual) instead of one shared copy (+ 1 snapshot), and no slot in the stacked
+        # forwards' pool (a shared side's, padded up to the CPU key block)
+        pad = pooled_length(L, lm.device) - L
+        assert new.prompt_kv - old.prompt_kv == (extra * L - pad) * token
         assert new.row_kv == old.row_kv
         assert new.activations >= old.activations and new.total > old.total
 

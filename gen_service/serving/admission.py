@@ -291,7 +291,7 @@ class CandidateMemory:
 def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled",
              shared_prompt: bool = True, candidates: int = 1,
              sides: Sequence[CandidateMemory] | None = None, top_logprobs: int = 0,
-             batch_prompt_tokens: int | None = None) -> MemoryEstimate:
+             batch_prompt_tokens: int | None = None, key_block: int = 1) -> MemoryEstimate:
     """Peak memory of one trace request beyond the weights.
 
     Parameters
@@ -322,6 +322,10 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
         The longest prompt of the decoding batch the request shares (:func:`batch_bytes`):
         its pooled prompt is padded to it and its rows attend over that many slots. Its
         own caches and prefill keep ``prompt_tokens``.
+    key_block : int
+        The pooled prompt's slots are a multiple of this (the CPU kernel's key block,
+        :func:`gen_service.attention.shared_cache.pooled_length`; 1 on CUDA): a request
+        alone pools its prompt rounded up to it too.
 
     Returns
     -------
@@ -358,11 +362,15 @@ def estimate(shape: ModelShape, rows: int, prompt_tokens: int, horizon: int, kin
     token = shape.kv_bytes_per_token
     slots = horizon * (2 if kind == Kind.RESIDUAL else 1)
     padded = max(prompt_tokens, batch_prompt_tokens or 0)
+    padded = -(-padded // key_block) * key_block   # the pool rounds up (batch invariance on the CPU)
     prompt_kv = transient = pooled = 0
     for cand in sides:
         for side in (cand.p, cand.q):
             kept = side.kept(prompt_tokens)
             prompt_kv += cand.prompt_copies(side, rows, kind) * kept * token
+            # a shared side's prompt moves into the pool, whose slot is the batch's longest
+            # prompt (rounded up on the CPU) for every group, the compressed side's too
+            prompt_kv += max(padded - kept, 0) * token if side.shared else 0
             transient += side.transient(shape) * rows * (kept + slots) * token // shape.layers
             # stacked forwards pool the shared sides' prompts, padded to the longest
             # (gen_service.attention.shared_cache._Pool), next to the old tensors while it is built
@@ -512,7 +520,7 @@ class MemoryGate:
                  top_logprobs: int = 0) -> MemoryEstimate:
         """:func:`estimate` with the gate's shapes (``sides`` overrides ``candidates``)."""
         return estimate(self.shape, rows, prompt_tokens, horizon, kind, self.shared_prompt, candidates, sides,
-                        top_logprobs)
+                        top_logprobs, key_block=self.key_block)
 
     def size(self, rows: int, prompt_tokens: int, horizon: int, kind: str = "coupled", candidates: int = 1,
              sides: Sequence[CandidateMemory] | None = None, top_logprobs: int = 0) -> TraceSize:
@@ -654,7 +662,7 @@ class TraceSize:
         for the largest T, its attention over both; its own caches and prefill as alone."""
         return estimate(self.shape, self.rows, self.prompt_tokens, max(horizon, self.horizon), self.kind,
                         self.shared_prompt, self.candidates, self.sides, self.top_logprobs,
-                        batch_prompt_tokens=prompt_tokens).total
+                        batch_prompt_tokens=prompt_tokens, key_block=self.key_block).total
 
 
 def batch_bytes(sizes: Sequence[TraceSize]) -> int:
