@@ -44,6 +44,15 @@ def test_passes_one_request_at_a_time_and_can_be_skipped() -> None:
     assert TestClient(app).get("/info").json()["kvdiv"]["self_check"] == {"skipped": True}
 
 
+def test_client_limits_do_not_apply_to_the_servers_own_check() -> None:
+    """--max-queue 1 and a deadline shorter than the check itself: the server still starts,
+    and the deadline still ends a client's request (tests/test_service_http.py)."""
+    from gen_service.api.cli import build_service
+
+    _, service = build_service("tiny:qwen2", max_queue=1, max_request_seconds=1e-3)
+    assert service.self_check.passed and service.admission.count == 0
+
+
 def _altered_cascade(monkeypatch: pytest.MonkeyPatch) -> None:
     """kvdiv's decoding attention (the shared-prompt cascade) altered: outputs scaled by 1.1.
     The model's own attention, which the check compares with, is untouched."""

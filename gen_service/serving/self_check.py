@@ -181,24 +181,16 @@ def _prompt(lm: LoadedModel, length: int) -> list[int]:
 
 
 async def _run_requests(service: Any, jobs: list[TraceJob]) -> list[list[dict[str, Any]]]:
-    """Run ``jobs`` as the server runs ``/v1/traces`` requests, as many at once as its
-    admission queue holds (so they share the decoding batch); each job's records, in order.
-    A server started with ``--max-queue 1`` runs them one after another rather than
-    refusing to start."""
-    room = max(1, service.admission.limit - service.admission.count)
-    out: list[list[dict[str, Any]]] = []
-    for i in range(0, len(jobs), room):
-        out += await _run_together(service, jobs[i:i + room])
-    return out
-
-
-async def _run_together(service: Any, jobs: list[TraceJob]) -> list[list[dict[str, Any]]]:
-    """``jobs`` admitted together, each in a slot of the admission queue."""
+    """Run ``jobs`` as the server runs ``/v1/traces`` requests, all at once (so they
+    share the decoding batch); each job's records, in order. They are the server's own
+    work, before any client can call: ``--max-queue`` and ``--max-request-seconds``,
+    limits on clients, do not apply (a server with ``--max-queue 1`` or a short deadline
+    on a slow machine would otherwise refuse to start)."""
     async with AsyncExitStack() as stack:
         works = []
         for job in jobs:
-            ticket = await stack.enter_async_context(service.admitted())
-            works.append(service.start_trace(job, ticket))
+            ticket = await stack.enter_async_context(service.admitted(own=True))
+            works.append(service.start_trace(job, ticket, own=True))
 
         async def drain(work: Any) -> list[dict[str, Any]]:
             out = []

@@ -107,9 +107,11 @@ class Admission:
         self.limit, self.count = limit, 0
         self._lock = threading.Lock()
 
-    def try_enter(self) -> bool:
+    def try_enter(self, own: bool = False) -> bool:
+        """Take a slot if one is free; ``own`` work (the server's start-up self-check,
+        before any client can call) always gets one."""
         with self._lock:
-            if self.count >= self.limit:
+            if self.count >= self.limit and not own:
                 return False
             self.count += 1
             return True
@@ -341,11 +343,12 @@ class Service:
     # ------------------------------------------------------------------ model thread
 
     @contextlib.asynccontextmanager
-    async def admitted(self) -> AsyncIterator[Ticket]:
+    async def admitted(self, own: bool = False) -> AsyncIterator[Ticket]:
         """Hold an admission slot (429 with Retry-After when full) from before the
         prompt is tokenised; the slot goes to the worker with :meth:`start`, or is
-        released here if the request fails first."""
-        if not self.admission.try_enter():
+        released here if the request fails first. ``own``: the server's own work (the
+        start-up self-check), never refused by ``--max-queue``."""
+        if not self.admission.try_enter(own):
             raise ApiError(429, "Model is overloaded: request queue is full", "overloaded",
                            headers={"Retry-After": str(self.config.retry_after_s)})
         self.metrics.queue.set(self.admission.count)
@@ -356,25 +359,29 @@ class Service:
             if not ticket.owned_by_worker:
                 ticket.release()
 
-    def start(self, make: Callable[[Callable[[], bool]], Iterator[Any]], ticket: Ticket) -> WorkStream:
+    def start(self, make: Callable[[Callable[[], bool]], Iterator[Any]], ticket: Ticket,
+              own: bool = False) -> WorkStream:
         """Queue a request's work on the model thread now; the worker releases ``ticket``."""
         if self.batch is not None:
             self.batch.plain_work(1)   # the batch loop admits no trace request while this waits
-        return WorkStream(self, make, ticket, self._deadline())
+        return WorkStream(self, make, ticket, self._deadline(own))
 
-    def start_trace(self, job: TraceJob, ticket: Ticket, cost: TraceSize | None = None) -> WorkStream:
+    def start_trace(self, job: TraceJob, ticket: Ticket, cost: TraceSize | None = None,
+                    own: bool = False) -> WorkStream:
         """Queue a ``/v1/traces`` request: alone on the model thread (``--max-batch-requests 1``),
         or into the decoding batch (:mod:`gen_service.serving.batching`) with its memory
         size ``cost`` counted against the budget with the live requests' (the merged
-        batch's estimate, :func:`gen_service.serving.admission.batch_bytes`)."""
+        batch's estimate, :func:`gen_service.serving.admission.batch_bytes`). ``own``: the
+        server's own work (the start-up self-check), without ``--max-request-seconds``'
+        deadline: a client's limit, which a slow machine's check must not trip."""
         if self.batch is None:
-            return self.start(lambda cancelled: self.engine.trace(job, cancelled), ticket)
+            return self.start(lambda cancelled: self.engine.trace(job, cancelled), ticket, own)
         rows = job.replicates * max(1, len(job.candidates))
-        return WorkStream(self, lambda cancelled: self.engine.trace_steps(job, cancelled), ticket, self._deadline(),
+        return WorkStream(self, lambda cancelled: self.engine.trace_steps(job, cancelled), ticket, self._deadline(own),
                           batch=self.batch, cost=cost, rows=rows)
 
-    def _deadline(self) -> float | None:
-        limit = self.config.max_request_seconds
+    def _deadline(self, own: bool = False) -> float | None:
+        limit = None if own else self.config.max_request_seconds
         return None if limit is None else time.monotonic() + limit
 
     def model_work_started(self) -> None:
