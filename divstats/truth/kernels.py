@@ -65,8 +65,8 @@ def step_law(p: np.ndarray, q: np.ndarray) -> StepLaw:
     (0.1, [1.0, 0.0], [0.0, 1.0])
     """
     common = np.minimum(p, q)
-    xr_ = np.clip(p - q, 0.0, None)
-    yr_ = np.clip(q - p, 0.0, None)
+    xr_ = np.maximum(p - q, 0.0)   # = clip(p - q, 0, None), at a fraction of np.clip's call cost
+    yr_ = np.maximum(q - p, 0.0)
     # tv from the residual mass (not 1 - sum(min)) so that tiny TVs keep full precision;
     # the two residual masses agree up to rounding, and both must be positive.
     sx, sy = xr_.sum(), yr_.sum()
