@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
-_lock = threading.Lock()
+_lock = threading.RLock()   # re-entrant: a block may open inside another
 
 
 class FastGGUFReader(GGUFReader):
