@@ -1,7 +1,7 @@
 """Benchmark: continuous batching across requests (``kvdiv serve --max-batch-requests``).
 
 A collection as ``kvdiv demo`` runs it, through HTTP on a loopback port: pydoc
-documents of ~128 tokens in the ``summarise`` chat template, the demo's four policies
+documents of ~128 tokens in the ``summarise`` chat template (its raw form for a base model), the demo's four policies
 (``snapkv@0.5``, ``snapkv#N`` with N half the median prompt, ``recent@0.5``,
 ``snapkv@0.9``) and the full control, one request per document holding the five as
 candidates (``--group-candidates``, the default), residual traces with R = 4, T = 8,
@@ -90,7 +90,12 @@ def main() -> None:
     docs = D.select(D.pydoc_documents(tok, target_tokens=128), args.docs)
     tmp = Path(tempfile.mkdtemp(prefix="bench_batching-"))
     docs_file = D.write_jsonl(docs, tmp / "docs.jsonl")
-    lengths = [len(service.encode_chat(tuple(message(m) for m in D.render_messages(d, "summarise")))) for d in docs]
+    # a base model (no chat template, e.g. gemma3-270m) reads the raw form, as in the demo
+    template = "summarise" if getattr(tok, "chat_template", None) else "summarise" + D.RAW_SUFFIX
+    if template == "summarise":
+        lengths = [len(service.encode_chat(tuple(message(m) for m in D.render_messages(d, template)))) for d in docs]
+    else:
+        lengths = [len(tok.encode("".join(D.prompt_fields(d, template).values()))) for d in docs]
     policies = ["snapkv@0.5", f"snapkv#{max(1, round(statistics.median(lengths) / 2))}", "recent@0.5", "snapkv@0.9"]
     print(f"{args.model} through HTTP: {len(docs)} documents ({min(lengths)}-{max(lengths)} prompt tokens), "
           f"policies {', '.join(policies)} + the control full, one request per document; residual, "
@@ -103,7 +108,8 @@ def main() -> None:
             cfg = CollectConfig.flat(servers=[servers[mode][0]], docs_file=docs_file, policies=policies,
                                      out=tmp / f"{rep}-{mode.replace(' ', '_')}", kind="residual",
                                      replicates=args.rows, max_new_tokens=args.steps, window=args.steps - 1,
-                                     seed=args.seed, progress=False, concurrency=args.concurrency, control=True)
+                                     seed=args.seed, progress=False, concurrency=args.concurrency, control=True,
+                                     template=template)
             t0 = time.perf_counter()
             result = collect(cfg)
             totals[mode].append(time.perf_counter() - t0)

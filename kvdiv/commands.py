@@ -19,7 +19,7 @@ import click
 
 from collector.cli import collect as collector_collect
 from kvdiv.demo import DEFAULT_MODELS as _DEMO_MODELS
-from kvdiv.demo import DemoConfig
+from kvdiv.demo import DEFAULT_REPLICATES, MODEL_REPLICATES, DemoConfig
 
 if TYPE_CHECKING:
     from kvdiv.adaptive import AdaptiveSpec
@@ -78,7 +78,8 @@ def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: b
 @click.option("--docs-count", type=click.IntRange(min=2), default=None,
               help=f"Documents to collect.  [default: {_DEMO.docs_count}]")
 @click.option("--replicates", "-R", type=click.IntRange(min=1), default=None,
-              help=f"Replicates per request.  [default: {_DEMO.replicates}]")
+              help="Replicates per request, for every model.  [default: each model's own: "
+                   + ", ".join(f"{r} for {m}" for m, r in MODEL_REPLICATES.items()) + f", else {DEFAULT_REPLICATES}]")
 @click.option("--max-new-tokens", "-T", type=click.IntRange(min=2), default=None,
               help=f"Horizon T.  [default: {_DEMO.max_new_tokens}]")
 @click.option("--window", "-W", type=click.IntRange(min=1), default=None,

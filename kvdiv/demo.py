@@ -63,6 +63,12 @@ CHAT_OVERHEAD_TOKENS = 8
 #: The models the demo studies by default, as the paper studies two: the embedded chat
 #: model and the embedded base model (gen_service.models.EMBEDDED_MODELS).
 DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
+#: R of a model's residual traces when ``-R`` is not given. Gemma 3 270M's step costs about
+#: 3.5 times SmolLM2's on a CPU (its 262k-token head and the sampling over it), so its part
+#: is sized at half the replicates to fit ``make demo``'s 10 minutes (docs/collector.md,
+#: "What the second model costs"); other models get :data:`DEFAULT_REPLICATES`.
+MODEL_REPLICATES: dict[str, int] = {"smollm2-135m": 4, "gemma3-270m": 2}
+DEFAULT_REPLICATES = 4
 
 
 class DemoError(RuntimeError):
@@ -79,9 +85,10 @@ class DemoConfig:
     out: Path = Path("runs/demo")
     docs_count: int = 10
     target_tokens: int = 128
-    replicates: int = 8
-    max_new_tokens: int = 10
-    window: int = 9   # W = T - 1: branches reach the horizon, so every estimand is identified
+    #: R for every model; None: each model's own (:data:`MODEL_REPLICATES`)
+    replicates: int | None = None
+    max_new_tokens: int = 8
+    window: int = 7   # W = T - 1: branches reach the horizon, so every estimand is identified
     seed: int = 0
     servers: list[str] = field(default_factory=list)
     #: the models studied, one after the other (short ids as ``kvdiv serve --model`` takes)
@@ -102,19 +109,23 @@ class DemoConfig:
     #: documents that intervals over documents need (``MIN_DOCS_AGGREGATE``); analysed into
     #: ``speculative/`` (docs/collector.md, "The demo").
     reference_docs: int = 10
-    reference_replicates: int = 4
+    reference_replicates: int = 2
 
     def sizes(self) -> dict[str, Any]:
         """The settings that decide the traces (compared on resume)."""
-        return {k: v for k, v in asdict(self).items()
-                if k in ("docs_count", "target_tokens", "replicates", "max_new_tokens", "window", "seed",
-                         "template", "models")}
+        out = {k: v for k, v in asdict(self).items()
+               if k in ("docs_count", "target_tokens", "max_new_tokens", "window", "seed", "template", "models")}
+        return {**out, "replicates": {m: self.replicates_for(m) for m in self.models}}
+
+    def replicates_for(self, model: str) -> int:
+        """R of a model's residual traces: ``replicates`` when set, else the model's own."""
+        return self.replicates or MODEL_REPLICATES.get(model, DEFAULT_REPLICATES)
 
     def parts(self) -> list[ModelPart]:
-        """One part per model: its folder (``out`` itself for a single model, as before) and template."""
+        """One part per model: its folder (``out`` itself for a single model, as before), template and R."""
         many = len(self.models) > 1
-        return [ModelPart(m, self.out / model_slug(m) if many else self.out, template_for(m, self.template))
-                for m in self.models]
+        return [ModelPart(m, self.out / model_slug(m) if many else self.out, template_for(m, self.template),
+                          self.replicates_for(m)) for m in self.models]
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,14 @@ class ModelPart:
     model: str
     out: Path
     template: str
+    replicates: int = 4
+
+
+def _replicates_text(cfg: DemoConfig) -> str:
+    """R as the opening line states it: one number, or each model's."""
+    rs = {m: cfg.replicates_for(m) for m in cfg.models}
+    return str(next(iter(rs.values()))) if len(set(rs.values())) == 1 else \
+        " / ".join(f"{r} ({m})" for m, r in rs.items())
 
 
 def model_slug(model: str) -> str:
@@ -567,7 +586,7 @@ def _run(cfg: DemoConfig) -> Any:
         raise DemoError(f"--server serves one model; pass one of --models ({', '.join(cfg.models)}) with it")
     _say(f"kvdiv demo → {cfg.out}  ({', '.join(cfg.models)}: {cfg.docs_count} docs × "
          f"{len(demo_policies(1))} policies, "
-         f"R={cfg.replicates}, T={cfg.max_new_tokens}, W={cfg.window}, residual traces)")
+         f"R={_replicates_text(cfg)}, T={cfg.max_new_tokens}, W={cfg.window}, residual traces)")
     parts = cfg.parts()
     docs_path, budget, plan = None, 0, cfg.plan
     for part in parts:
@@ -612,7 +631,7 @@ def _collect_part(cfg: DemoConfig, part: ModelPart, urls: list[str], docs_path: 
          + (f" (template {part.template})" if part.template != cfg.template else ""))
     result = collect(CollectConfig.flat(
         servers=urls, docs_file=docs_path, policies=policies, out=part.out / "journal", kind="residual",
-        replicates=cfg.replicates, max_new_tokens=cfg.max_new_tokens, window=cfg.window,
+        replicates=part.replicates, max_new_tokens=cfg.max_new_tokens, window=cfg.window,
         temperature=1.0, seed=cfg.seed, template=part.template, api_key=cfg.api_key,
         concurrency=cfg.concurrency, progress=cfg.progress, control=cfg.control),
         stop_reason=server.exit_reason if server is not None else None)
@@ -639,12 +658,17 @@ def _combined(cfg: DemoConfig, parts: list[ModelPart]) -> tuple[Path, Path | Non
     if len(parts) == 1:
         return parts[0].out / "traces.nc", (parts[0].out / reference if reference else None)
     import protocols
+    from collector.rounds import pad_replicates
 
     _say(f"      combining {', '.join(p.model for p in parts)} along model")
     names = [p.model for p in parts]
     out = {}
     for name in ("traces.nc",) + ((reference,) if reference else ()):
         sets = [protocols.open_traces(p.out / name).load() for p in parts]
+        # a model studied at a smaller R holds absent replicates in the others' slots
+        # (docs/contract.md): every estimate is that of its own R (residual traces only)
+        width = max(ds.sizes["replicate"] for ds in sets)
+        sets = [pad_replicates(ds, width) for ds in sets]
         out[name] = save_dataset(protocols.combine(sets, "model", models=names), cfg.out / name, overwrite=True)
     return out["traces.nc"], out.get(reference) if reference else None
 

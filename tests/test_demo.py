@@ -58,7 +58,7 @@ def test_demo_with_a_running_server_resumes_and_refuses_other_sizes(tmp_path: Pa
         run_demo(cfg)  # everything is complete: nothing is asked again
         assert len(server.requests) == 8 * (len(demo_policies(budget)) + 1) + 4 * 2
         assert protocols.open_traces(tmp_path / "demo" / "traces.nc").identical(first)
-        with pytest.raises(DemoError, match="replicates: 2 there, 3 now"):
+        with pytest.raises(DemoError, match=r"replicates: \{'approx': 2\} there, \{'approx': 3\} now"):
             run_demo(_small(tmp_path / "demo", servers=[server.url], models=["approx"], replicates=3))
 
 

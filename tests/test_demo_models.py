@@ -100,3 +100,29 @@ def test_parts_each_model_in_its_folder_and_a_base_model_reads_raw_text(tmp_path
     assert [p.template for p in parts] == ["summarise", "summarise-raw"]
     assert DemoConfig(out=tmp_path, models=["approx"]).parts()[0].out == tmp_path   # one model: as before
     assert template_for("tiny:llama", "qa") == "qa" and model_slug("tiny:llama") == "tiny-llama"
+
+
+def test_a_model_at_a_smaller_r_combines_with_absent_replicates_and_keeps_its_estimates(tmp_path: Path) -> None:
+    """Gemma's part at R = 2 beside SmolLM2's at R = 4 (MODEL_REPLICATES): the combined traces
+    give each model exactly the estimates of its own traces."""
+    from collector.pack import save_dataset
+    from kvdiv.demo import MODEL_REPLICATES, _combined
+
+    cfg = DemoConfig(out=tmp_path, models=MODELS, reference_docs=0)
+    parts = cfg.parts()
+    assert [p.replicates for p in parts] == [MODEL_REPLICATES[m] for m in MODELS] == [4, 2]
+    assert DemoConfig(out=tmp_path, models=MODELS, replicates=3).replicates_for("gemma3-270m") == 3
+    own = {}
+    for seed, part in enumerate(parts):
+        part.out.mkdir(parents=True)
+        own[part.model] = example_dataset("residual", docs=_docs()[:6], policies=["snapkv@0.5", "full"],
+                                          replicates=part.replicates, horizon=8, window=7, seed=seed,
+                                          model=part.model)
+        save_dataset(own[part.model], part.out / "traces.nc")
+    traces, reference = _combined(cfg, parts)
+    combined = protocols.open_traces(traces).load()
+    assert reference is None and combined.sizes["replicate"] == 4
+    for model, ds in own.items():
+        alone, inside = divstats.estimate(ds), divstats.estimate(combined.sel(model=model, drop=True))
+        for name in ("occurrence", "rmtd", "exposure", "rate"):
+            np.testing.assert_allclose(inside[name].values, alone[name].values, rtol=1e-12, equal_nan=True)

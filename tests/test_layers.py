@@ -77,22 +77,41 @@ def _kvdiv(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           timeout=240, cwd=cwd)
 
 
+# Several commands in one blocked interpreter, each reporting its own exit status (one
+# start-up for the chain, not one per command: each start imports xarray and the CLI).
+CHAIN = BLOCKED.replace("""from kvdiv.cli import main
+main(sys.argv[1:], prog_name="kvdiv")""", """import json
+from kvdiv.cli import main
+for argv in json.loads(sys.argv[1]):
+    try:
+        main(argv, prog_name="kvdiv")
+        rc = 0
+    except SystemExit as exc:
+        rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    print(f"\\nkvdiv {argv[0]} exit {rc}", flush=True)
+    print(f"\\nkvdiv {argv[0]} exit {rc}", file=sys.stderr, flush=True)
+""")
+
+
 def test_base_commands_work_without_the_model_stack(tmp_path: Path) -> None:
+    import json
+
     from collector import documents as D
 
     docs = D.write_jsonl([D.Document(f"doc{i}", f"Paragraph {i}.\n\nAnother {i}.") for i in range(4)],
                          tmp_path / "docs.jsonl")
     run, traces = tmp_path / "run", tmp_path / "traces.nc"
     with FakeServer() as server:
-        res = _kvdiv("collect", "--server", server.url, "--docs", str(docs), "--policies", "snapkv@0.5,recent@0.5",
-                     "-R", "3", "-T", "5", "-W", "4", "--seed", "1", "--out", str(run), "--no-progress", cwd=tmp_path)
-        assert res.returncode == 0, res.stderr
-    steps = [("pack", str(run), "-o", str(traces)), ("validate", str(traces)), ("info", str(traces)),
-             ("analyze", str(traces), "--out", str(tmp_path / "report"))]
-    for args in steps:
-        res = _kvdiv(*args, cwd=tmp_path)
-        assert res.returncode == 0, f"kvdiv {args[0]}: {res.stderr}"
-        assert "Traceback" not in res.stderr
+        steps = [("collect", "--server", server.url, "--docs", str(docs), "--policies", "snapkv@0.5,recent@0.5",
+                  "-R", "3", "-T", "5", "-W", "4", "--seed", "1", "--out", str(run), "--no-progress"),
+                 ("pack", str(run), "-o", str(traces)), ("validate", str(traces)), ("info", str(traces)),
+                 ("analyze", str(traces), "--out", str(tmp_path / "report"))]
+        res = subprocess.run([sys.executable, "-c", CHAIN, json.dumps(steps)], capture_output=True, text=True,
+                             timeout=600, cwd=tmp_path)
+    assert CHAIN != BLOCKED and res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr
+    for args in steps:   # every command ran, in order, and succeeded
+        assert f"kvdiv {args[0]} exit 0" in res.stdout.splitlines(), f"kvdiv {args[0]}: {res.stderr}"
     assert (tmp_path / "report" / "report.html").is_file()
 
 

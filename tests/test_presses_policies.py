@@ -135,22 +135,47 @@ def test_custom_press_registration_and_names() -> None:
     assert "knorm2" in reg.names() and "adakv" in reg.names()
 
 
+class _BackwardSet(set):
+    """A set that iterates in the reverse of its own order: another process's hash seed."""
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[::-1])
+
+
+HASH_SEED_POLICIES = ("kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=64",
+                      "snapkv@0.5:window_size=8,kernel_size=3")
+
+
 def test_reported_params_do_not_depend_on_the_hash_seed() -> None:
     """The header reports a plan's params and its digest covers them: their order must
-    be the same in every process (it once followed a set's PYTHONHASHSEED order)."""
+    be the same in every process (it once followed a set's PYTHONHASHSEED order).
+
+    Here every shown-parameter set iterated backwards gives the same params; and one
+    process under a fixed hash seed (1: it ordered these params differently from seed 2
+    before the fix) reports what this one, under its own seed, does."""
     import os
     import subprocess
     import sys
 
-    code = ("from gen_service.presses.registry import ModelInfo, PolicyRegistry\n"
+    from gen_service.presses.registry import ModelInfo, PolicyRegistry
+
+    r = PolicyRegistry(entry_points_group=None)
+    info = ModelInfo(max_context=2048, num_layers=2)
+    here = []
+    for pid in HASH_SEED_POLICIES:
+        want = list(r.build(pid, info).plan(64).params)
+        policy = r.build(pid, info)
+        assert len(policy.root.shown) >= 2, pid        # an order to get wrong
+        policy.root.shown = _BackwardSet(policy.root.shown)
+        assert list(policy.root.shown) != list(set(policy.root.shown))
+        assert list(policy.plan(64).params) == want, pid
+        here.append(want)
+    code = ("import sys\n"
+            "from gen_service.presses.registry import ModelInfo, PolicyRegistry\n"
             "r = PolicyRegistry(entry_points_group=None)\n"
             "info = ModelInfo(max_context=2048, num_layers=2)\n"
-            "for pid in ('kvpress:DecodingPress(KnormPress):compression_interval=4,target_size=64',\n"
-            "            'snapkv@0.5:window_size=8,kernel_size=3'):\n"
+            "for pid in sys.argv[1:]:\n"
             "    print(list(r.build(pid, info).plan(64).params))\n")
-    outs = set()
-    for seed in (1, 2):   # two seeds that ordered these params differently before the fix
-        env = {**os.environ, "PYTHONHASHSEED": str(seed)}
-        outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                check=True).stdout)
-    assert len(outs) == 1, outs
+    out = subprocess.run([sys.executable, "-c", code, *HASH_SEED_POLICIES], env={**os.environ, "PYTHONHASHSEED": "1"},
+                         capture_output=True, text=True, check=True, timeout=600).stdout
+    assert out == "".join(f"{p}\n" for p in here), (out, here)
