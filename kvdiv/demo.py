@@ -141,7 +141,7 @@ class ModelPart:
     model: str
     out: Path
     template: str
-    replicates: int = 4
+    replicates: int = DEFAULT_REPLICATES
 
 
 def _replicates_text(cfg: DemoConfig) -> str:
