@@ -63,21 +63,17 @@ CHAT_OVERHEAD_TOKENS = 8
 #: The models the demo studies by default, as the paper studies two: the embedded chat
 #: model and the embedded base model (gen_service.models.EMBEDDED_MODELS).
 DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
-#: R of a model's residual traces when ``-R`` is not given. Gemma 3 270M's rows cost several
-#: times SmolLM2's on a CPU (its 262k-token head and the sampling over it): at R = 2 its
-#: collection alone took 4-5 minutes on 2 quiet cores, so its part is sized at one replicate
-#: per document to fit ``make demo``'s 10 minutes (docs/collector.md, "What the second model
-#: costs"; its reference set follows, :meth:`DemoConfig.reference_r`); other
+#: R of a model's residual traces when ``-R`` is not given. Gemma 3 270M's step costs several
+#: times SmolLM2's on a CPU (its 262k-token head and the sampling over it), so its part is
+#: sized at half the replicates (docs/collector.md, "What the second model costs"); other
 #: models get :data:`DEFAULT_REPLICATES`.
-MODEL_REPLICATES: dict[str, int] = {"smollm2-135m": 4, "gemma3-270m": 1}
+MODEL_REPLICATES: dict[str, int] = {"smollm2-135m": 4, "gemma3-270m": 2}
 DEFAULT_REPLICATES = 4
 #: ``kvdiv serve`` options of a model's server beyond the device's defaults, each by a
 #: measurement (docs/collector.md, "What the second model costs"): Gemma 3 270M's
 #: collection ran 1.37x faster with 8 requests decoded together than one at a time on the
 #: 2-core CPU (benchmarks/bench_batching.py; the same tokens and TVs), SmolLM2's did not.
-#: Its server takes the demo's 10 documents in one batch (:attr:`DemoConfig.concurrency`):
-#: with 8, the last 2 documents decoded as a second, half-empty batch.
-MODEL_SERVE_OPTIONS: dict[str, tuple[str, ...]] = {"gemma3-270m": ("--max-batch-requests", "10")}
+MODEL_SERVE_OPTIONS: dict[str, tuple[str, ...]] = {"gemma3-270m": ("--max-batch-requests", "8")}
 
 
 class DemoError(RuntimeError):
@@ -102,7 +98,7 @@ class DemoConfig:
     servers: list[str] = field(default_factory=list)
     #: the models studied, one after the other (short ids as ``kvdiv serve --model`` takes)
     models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
-    concurrency: int = 10   # every document in flight: fills a batching server's decoding batch (MODEL_SERVE_OPTIONS)
+    concurrency: int = 8   # fills the local server's decoding batch (kvdiv serve --max-batch-requests)
     api_key: str | None = None
     template: str = "summarise"
     plan: Path | None = None
