@@ -75,3 +75,10 @@ def test_policy_registry_imports_without_torch() -> None:
 
     assert registry.KIVIConfig is quantized.KIVIConfig is kivi.KIVIConfig   # one class, re-exported
     assert type(kivi.KIVIConfig(4).cache(2)).__name__ == "FakeQuantizedCache"
+
+
+def test_protocols_and_divstats_import_without_click() -> None:
+    """The packages load click only when a command is built (``protocols.chunks.cluster_options``)."""
+    probe = "import sys, protocols, divstats; print('CLICK=' + str('click' in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert "CLICK=False" in out.stdout, out.stdout + out.stderr
