@@ -2,7 +2,7 @@
 against another (``--old``, default /work/main), measured in one run.
 
 Each measurement runs in a fresh interpreter with ``PYTHONPATH`` set to one checkout; old and
-new alternate, and the table gives the median of ``--repeats`` runs and new/old. The report
+new alternate (and which goes first), and the table gives the median of ``--repeats`` runs and new/old. The report
 input is the two-model demo study of tests/test_demo_models.py (20 documents, the demo's 7
 policies with ``full``, R = 4, T = 8, W = 7, the demo plan), computed once per interpreter
 outside the clock; the clock covers ``results_dataset``, ``save_results`` (results.nc), the
@@ -84,8 +84,9 @@ def main() -> None:
     ap.add_argument("--skip-report", action="store_true", help="time the imports only")
     args = ap.parse_args()
     runs: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
-    for _ in range(args.repeats):
-        for label, root in (("old", args.old), ("new", HERE)):
+    for i in range(args.repeats):
+        order = (("old", args.old), ("new", HERE))
+        for label, root in order[::1 if i % 2 == 0 else -1]:   # alternate which goes first
             times = _import_times(root)
             if not args.skip_report:
                 times.update(_report_times(root))

@@ -32,20 +32,6 @@ RESULTS_TITLE = "kvdiv analysis results"
 EXPLORATORY_STATUS = "exploratory (descriptive; not in the plan)"
 
 
-def _bare(ds: xr.Dataset) -> xr.Dataset:
-    """``ds`` without attributes, its own or its variables': ``Dataset.drop_attrs`` in one pass.
-
-    ``drop_attrs`` reassigns each variable through ``Dataset.__setitem__`` (a merge per
-    variable, seconds for a report's few hundred); a shallow copy shares the data and
-    owns its variables, so clearing their attrs leaves ``ds`` alone.
-    """
-    out = ds.copy(deep=False)
-    out.attrs = {}
-    for var in out.variables.values():
-        var.attrs = {}
-    return out
-
-
 def _prefixed(ds: xr.Dataset, prefix: str) -> xr.Dataset:
     return ds.rename({v: f"{prefix}{v}" for v in ds.data_vars})
 
@@ -53,7 +39,7 @@ def _prefixed(ds: xr.Dataset, prefix: str) -> xr.Dataset:
 def _decomposition_dataset(decs: list[tuple[DecompositionResult, DecompositionInterval]]) -> xr.Dataset:
     if not decs:
         return xr.Dataset()
-    parts = [_bare(res.to_dataset().merge(ci.to_dataset())) for res, ci in decs]
+    parts = [res.to_dataset().merge(ci.to_dataset()).drop_attrs() for res, ci in decs]
     out = xr.concat(parts, dim="comparison")
     out = out.assign_coords(comparison=[f"{r.a} vs {r.b}" for r, _ in decs],
                             comparison_a=("comparison", [r.a for r, _ in decs]),
@@ -98,7 +84,7 @@ def _plan_parts(an: Analysis) -> list[xr.Dataset]:
     split = pr.split.set_index("doc")
     docs = an.estimates["doc"].values
     labels = split.loc[[str(d) for d in docs], "split"].to_numpy(dtype=object)
-    return [_bare(pr.to_dataset()), xr.Dataset({"plan_split": ("doc", labels)}, coords={"doc": docs})]
+    return [pr.to_dataset().drop_attrs(), xr.Dataset({"plan_split": ("doc", labels)}, coords={"doc": docs})]
 
 
 def _global_attrs(an: Analysis) -> dict[str, Any]:
@@ -142,27 +128,27 @@ def results_dataset(an: Analysis) -> xr.Dataset:
     >>> res.attrs["title"], "aggregate_occurrence" in res
     ('kvdiv analysis results', True)
     """
-    parts = [_bare(an.estimates),
-             _prefixed(_bare(an.aggregate), "aggregate_"),
-             _prefixed(_bare(an.aggregate_ci), "aggregate_ci_"),
-             _bare(an.survival)]
+    parts = [an.estimates.drop_attrs(),
+             _prefixed(an.aggregate.drop_attrs(), "aggregate_"),
+             _prefixed(an.aggregate_ci.drop_attrs(), "aggregate_ci_"),
+             an.survival.drop_attrs()]
     if an.branch_tv is not None:
-        parts.append(_bare(an.branch_tv))
+        parts.append(an.branch_tv.drop_attrs())
     if an.interval is not None:
-        parts.append(_prefixed(_bare(an.interval), "interval_").rename(window="interval_window"))
+        parts.append(_prefixed(an.interval.drop_attrs(), "interval_").rename(window="interval_window"))
     if an.variance is not None:
-        parts.append(_prefixed(_bare(an.variance), "variance_"))
+        parts.append(_prefixed(an.variance.drop_attrs(), "variance_"))
     if an.logit_curves is not None and an.logit_curves.data_vars:
-        parts.append(_bare(an.logit_curves))
+        parts.append(an.logit_curves.drop_attrs())
     parts.append(_decomposition_dataset(an.decompositions))
     parts += _plan_parts(an)
     if an.speculative is not None:
-        parts.append(_prefixed(_bare(an.speculative), "speculative_"))
+        parts.append(_prefixed(an.speculative.drop_attrs(), "speculative_"))
     if an.compression is not None:
         parts.append(_compression_dataset(an))
     floor = an.noise_floor
     if floor is not None and floor.data_vars:
-        parts.append(_prefixed(_bare(floor), "noise_floor_"))
+        parts.append(_prefixed(floor.drop_attrs(), "noise_floor_"))
     out = xr.merge(parts, compat="override", join="outer", combine_attrs="drop")
     for name, var in out.data_vars.items():
         var.attrs["status"] = ("plan result: see plan_label for confirmatory/exploratory"
@@ -179,7 +165,7 @@ def _compression_dataset(an: Analysis) -> xr.Dataset:
     with the estimates' ``policy``."""
     c = an.compression
     names = {n: f"compression_{n}" for n in [*c.data_vars, "family", "budget", "policy", "kept"]}
-    out = _bare(c).rename(names)
+    out = c.drop_attrs().rename(names)
     for v in out.data_vars:
         if out[v].dtype == object:
             out[v] = out[v].astype(str)
