@@ -57,12 +57,13 @@ print("RESULT=" + json.dumps(t))
 
 
 def _env(root: Path) -> dict[str, str]:
+    # with cwd=root too: ``python -c`` puts the working directory ahead of PYTHONPATH
     return {**os.environ, "PYTHONPATH": str(root), "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def _report_times(root: Path) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", WORKER], env=_env(root), capture_output=True, text=True,
-                         check=True, timeout=900)
+    out = subprocess.run([sys.executable, "-c", WORKER], env=_env(root), cwd=root, capture_output=True,
+                         text=True, check=True, timeout=900)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT=")][-1]
     return json.loads(line[len("RESULT="):])
 
@@ -71,7 +72,7 @@ def _import_times(root: Path) -> dict[str, float]:
     times = {}
     for mod in IMPORTS:
         c = time.perf_counter()
-        subprocess.run([sys.executable, "-c", f"import {mod}"], env=_env(root), check=True, timeout=300)
+        subprocess.run([sys.executable, "-c", f"import {mod}"], env=_env(root), cwd=root, check=True, timeout=300)
         times[f"import {mod}"] = time.perf_counter() - c
     return times
 
