@@ -39,6 +39,24 @@ def analysis(traces):
     return compute(open_traces(traces), None, n_resamples=99, progress=False)
 
 
+@pytest.fixture(scope="module")
+def cli_report(traces, tmp_path_factory):
+    """One ``kvdiv analyze`` run (no plan) and its folder: the report the tests below find in place.
+
+    Copies of it stand for "a report kvdiv wrote earlier" (``is_report_dir`` reads the files,
+    not where they were written), so each such test no longer reruns the whole analysis."""
+    parent = tmp_path_factory.mktemp("cli_report")
+    out = parent / "report"
+    return _run(traces, out), out
+
+
+def _copy_report(cli_report, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(cli_report[1], dest)
+    return dest
+
+
 def _run(traces: Path, out: Path, *extra: str):
     return CliRunner().invoke(analyze, [str(traces), "--out", str(out), "-q", "--n-resamples", "99", *extra])
 
@@ -47,13 +65,12 @@ def _tree(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def test_descriptive_report_without_a_plan(traces, tmp_path):
-    out = tmp_path / "report"
-    result = _run(traces, out)
+def test_descriptive_report_without_a_plan(cli_report):
+    result, out = cli_report
     assert result.exit_code == 0, result.output
     assert "no plan: descriptive report" in result.stdout
     assert sorted(os.listdir(out)) == sorted(OUTPUT_FILES)       # no temporary left behind
-    assert [p.name for p in tmp_path.iterdir()] == ["report"]
+    assert [p.name for p in out.parent.iterdir()] == ["report"]
     html = (out / "report.html").read_text()
     assert "every comparison is exploratory" in html and "Plan results" not in html
     assert "data:image/png;base64," in html
@@ -70,9 +87,8 @@ def test_aliases_without_a_plan_are_refused(traces, tmp_path):
     assert result.exit_code != 0 and "needs --plan" in result.output
 
 
-def test_existing_output_is_refused_then_replaced_only_with_overwrite(traces, tmp_path):
-    out = tmp_path / "report"
-    assert _run(traces, out).exit_code == 0
+def test_existing_output_is_refused_then_replaced_only_with_overwrite(traces, tmp_path, cli_report):
+    out = _copy_report(cli_report, tmp_path / "report")
     before = _tree(out)
     refused = _run(traces, out, "--seed", "1")
     assert refused.exit_code != 0 and "--overwrite" in refused.output
@@ -83,7 +99,7 @@ def test_existing_output_is_refused_then_replaced_only_with_overwrite(traces, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]   # old copy and temporary removed
 
 
-def test_overwrite_never_replaces_a_folder_kvdiv_did_not_write(traces, tmp_path):
+def test_overwrite_never_replaces_a_folder_kvdiv_did_not_write(traces, tmp_path, cli_report):
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("mine")
@@ -91,8 +107,8 @@ def test_overwrite_never_replaces_a_folder_kvdiv_did_not_write(traces, tmp_path)
     assert result.exit_code != 0 and "refusing to replace" in result.output
     assert _tree(precious) == {"notes.txt": b"mine"}
     # A report folder with a foreign file added is not kvdiv's either.
-    out = tmp_path / "report"
-    assert _run(traces, out).exit_code == 0
+    out = _copy_report(cli_report, tmp_path / "report")
+    assert is_report_dir(out)                        # kvdiv's own, until the foreign file below
     (out / "traces.nc").write_bytes(b"keep me")
     assert _run(traces, out, "--overwrite").exit_code != 0
     assert (out / "traces.nc").read_bytes() == b"keep me"
@@ -104,9 +120,9 @@ def test_overwrite_never_replaces_a_folder_kvdiv_did_not_write(traces, tmp_path)
     assert (fake / "results.nc").read_bytes() == b"not netCDF"
 
 
-def test_never_writes_through_a_symlink(traces, tmp_path, analysis):
-    target = tmp_path / "target"
-    assert _run(traces, target).exit_code == 0
+def test_never_writes_through_a_symlink(traces, tmp_path, analysis, cli_report):
+    target = _copy_report(cli_report, tmp_path / "target")
+    assert is_report_dir(target)                     # so --overwrite would replace it were it not a link
     before = _tree(target)
     link = tmp_path / "link"
     link.symlink_to(target, target_is_directory=True)

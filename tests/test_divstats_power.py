@@ -95,8 +95,9 @@ DESIGNS = {
 }
 
 
-#: Studies per design (observed) and simulations per prediction. The observed side costs
-#: ~all of the test's time (one ``paired_test`` per study); at 500 the SE of one design's
+#: Studies per design (observed) and simulations per prediction. The observed side (one
+#: ``paired_pvalue``, paired_test's p-value, per study) and the two simulated pools cost
+#: ~all of the test's time; at 500 the SE of one design's
 #: difference is at most sqrt(.25/500 + .25/4000) = 0.024, so the per-design bound below
 #: stays ~3 SE as 0.05 was at 1,000 studies (0.018); the pooled checks add what halving
 #: the studies took: a bias shared by the designs is seen from ~0.02 (3 SE of the mean of 15).

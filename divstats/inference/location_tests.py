@@ -65,13 +65,17 @@ def signed_rank_null_cdf(n: int) -> np.ndarray:
 
 def _signed_rank_null(doubled_ranks: np.ndarray) -> np.ndarray:
     """Exact null pmf of 2 W+ given the (doubled, so integer) ranks: every sign equally likely."""
+    # Counts of sign patterns, in place and over the support reached so far (the sum of the
+    # ranks seen), halved once at the end: halving is exact in binary floating point, so this
+    # equals halving at every step bit for bit, at a fraction of the time for large n.
     pmf = np.zeros(int(doubled_ranks.sum()) + 1)
     pmf[0] = 1.0
-    for r in doubled_ranks:
-        shifted = np.zeros_like(pmf)
-        shifted[r:] = pmf[:pmf.size - r]
-        pmf = 0.5 * (pmf + shifted)
-    return pmf
+    top = 0
+    for r in doubled_ranks.tolist():
+        # numpy buffers the overlapping operands, so the right side is the old counts
+        pmf[r:top + r + 1] += pmf[:top + 1]
+        top += r
+    return np.ldexp(pmf, -doubled_ranks.size)
 
 
 def signed_rank_test(d: np.ndarray, alternative: str) -> tuple[float, float, bool]:

@@ -83,7 +83,7 @@ from divstats.inference.margins import margin_test
 from divstats.inference.refusals import not_estimable_reason
 from divstats.inference.results import Effect, PairedTestResult
 
-__all__ = ["paired_test"]
+__all__ = ["paired_pvalue", "paired_test"]
 
 
 def _clean_pairs(a: np.ndarray, b: np.ndarray | float) -> np.ndarray:
@@ -189,15 +189,8 @@ def paired_test(a: np.ndarray, b: np.ndarray | float, test: TestName = "wilcoxon
     reason = not_estimable_reason(d, test, alternative)
     if reason:
         return _not_estimable(test, alternative, d, reason, confidence_level)
-    if test == "wilcoxon":
-        statistic, pvalue, exact = signed_rank_test(d, alternative)
-    elif test == "ttest":
-        statistic, pvalue, exact = t_test(d, alternative)
-    elif test == "permutation":
-        statistic, pvalue, exact = sign_flip_test(d, alternative, n_resamples, seed)
-    else:
-        statistic, pvalue, exact, bt_lo, bt_hi = bootstrap_t_test(d, alternative, n_resamples, seed,
-                                                                  confidence_level)
+    statistic, pvalue, exact, bt_lo, bt_hi = _location_test(d, test, alternative, n_resamples, seed,
+                                                            confidence_level)
     hl, hl_lo, hl_hi = hodges_lehmann(d, confidence_level, alternative)
     if test == "bootstrap-t":
         mean_ci = "bootstrap-t"
@@ -220,6 +213,58 @@ def paired_test(a: np.ndarray, b: np.ndarray | float, test: TestName = "wilcoxon
         details={"effect_kind": _effect_kind(test), "mean_ci": mean_ci, "n_zero": int(np.sum(d == 0))},
         estimand=TEST_DESCRIPTIONS[test], ci_reason=ci_reason,
     )
+
+
+def paired_pvalue(a: np.ndarray, b: np.ndarray | float, test: TestName = "wilcoxon",
+                  alternative: Alternative = "two-sided", *, n_resamples: int = 9999, seed: int = 0) -> float:
+    """The p-value :func:`paired_test` reports, without its effect sizes and intervals.
+
+    The same pairs, refusals and test as ``paired_test`` (so the two agree exactly), for
+    callers that run many tests and need only the decision: the effect intervals
+    (Hodges–Lehmann inversion, bootstrap) cost most of ``paired_test``'s time at
+    large n.  Margin alternatives are not served (use ``paired_test``).
+
+    Parameters
+    ----------
+    a, b, test, alternative, n_resamples, seed
+        As for :func:`paired_test`.
+
+    Returns
+    -------
+    float
+        The p-value; NaN where ``paired_test`` finds the data not estimable.
+
+    Raises
+    ------
+    ValueError
+        As ``paired_test``, and for a margin alternative.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> a = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6]); b = a + np.array([0.1, 0.12, 0.09, 0.11, 0.1, 0.13])
+    >>> paired_pvalue(a, b, "ttest", "less") == paired_test(a, b, "ttest", "less").pvalue
+    True
+    """
+    _check_args(test, alternative, "bootstrap-t")
+    if alternative in MARGIN_ALTERNATIVES:
+        raise ValueError("paired_pvalue does not serve tests at a margin; use paired_test")
+    d = _clean_pairs(a, b)
+    if not_estimable_reason(d, test, alternative):
+        return math.nan
+    return float(_location_test(d, test, alternative, n_resamples, seed, 0.95)[1])
+
+
+def _location_test(d: np.ndarray, test: str, alternative: str, n_resamples: int, seed: int,
+                   confidence_level: float) -> tuple[float, float, bool, float, float]:
+    """(statistic, p-value, exact, and the bootstrap-t test's dual interval: NaN for the others)."""
+    if test == "wilcoxon":
+        return (*signed_rank_test(d, alternative), math.nan, math.nan)
+    if test == "ttest":
+        return (*t_test(d, alternative), math.nan, math.nan)
+    if test == "permutation":
+        return (*sign_flip_test(d, alternative, n_resamples, seed), math.nan, math.nan)
+    return bootstrap_t_test(d, alternative, n_resamples, seed, confidence_level)
 
 
 def _not_estimable(test: str, alternative: str, d: np.ndarray, reason: str,
