@@ -181,13 +181,44 @@ class Server:
             self.proc.kill()
 
 
-def _kvdiv(*args: str, log: Path) -> None:
+def _kvdiv(*args: str, log: Path, in_process: bool = False) -> None:
+    """``kvdiv ARGS`` with its output appended to ``log``: a new interpreter, as a user runs
+    it, or (``in_process``, the dry run) the same click command in this one, which spares
+    the dry run an interpreter start and its imports per command (seconds each on the CPU)."""
     with log.open("a") as fh:
         fh.write(f"$ kvdiv {' '.join(args)}\n")
         fh.flush()
-        r = subprocess.run([sys.executable, "-m", "kvdiv", *args], stdout=fh, stderr=subprocess.STDOUT)
-    if r.returncode:
-        sys.exit(f"kvdiv {args[0]} failed (exit {r.returncode}); see {log}")
+        rc = _kvdiv_here(args, fh) if in_process else \
+            subprocess.run([sys.executable, "-m", "kvdiv", *args], stdout=fh, stderr=subprocess.STDOUT).returncode
+    if rc:
+        sys.exit(f"kvdiv {args[0]} failed (exit {rc}); see {log}")
+
+
+def _kvdiv_here(args: tuple[str, ...], fh) -> int:
+    """The exit status ``python -m kvdiv ARGS`` would have, run in this interpreter."""
+    import contextlib
+
+    import click
+
+    from kvdiv.cli import main as kvdiv_main
+
+    with contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
+        try:
+            kvdiv_main.main(args=list(args), prog_name="kvdiv", standalone_mode=False)
+        except click.exceptions.Exit as exc:
+            return exc.exit_code
+        except click.ClickException as exc:
+            exc.show()
+            return exc.exit_code
+        except click.Abort:
+            print("Aborted!", file=sys.stderr)
+            return 1
+        except SystemExit as exc:   # sys.exit(message) prints the message, exits 1
+            if exc.code is None or isinstance(exc.code, int):
+                return exc.code or 0
+            print(exc.code, file=sys.stderr)
+            return 1
+    return 0
 
 
 def _estimates(path: Path):
@@ -232,13 +263,13 @@ def study(out: Path, dry: bool, kit: Path) -> None:
                      "--port", "0", "--max-new-tokens", "256"], out / "study-serve.log")
     try:
         _kvdiv("docs", "--source", str(src), "-o", str(out / "docs.jsonl"), "--server", server.url, "--force",
-               log=log)
+               log=log, in_process=dry)
         for kind, seed in (("residual", 1), ("coupled", 2)):
             run = out / f"study-{kind}"
             _kvdiv("collect", "--server", server.url, "--docs", str(out / "docs.jsonl"), "--policies", policies,
                    "--kind", kind, "-R", str(R), "-T", str(T), "--seed", str(seed), "--out", str(run),
-                   "--no-progress", "--concurrency", "1", log=log)
-            _kvdiv("pack", str(run), "-o", str(out / f"traces-{kind}.nc"), "--overwrite", log=log)
+                   "--no-progress", "--concurrency", "1", log=log, in_process=dry)
+            _kvdiv("pack", str(run), "-o", str(out / f"traces-{kind}.nc"), "--overwrite", log=log, in_process=dry)
     finally:
         server.close()
     res, res_tv = _estimates(out / "traces-residual.nc")

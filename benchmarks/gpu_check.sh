@@ -45,13 +45,15 @@ START=$(date +%s)
 DRYFLAG=()
 echo "interpreter: $PY ($(command -v "$PY" || echo 'not found'))"
 
-# the machine's own torch decides, before anything is installed
-if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  if [ "$DRY" = 0 ]; then
+# the machine's own torch decides, before anything is installed; the dry run runs on
+# the CPU whatever torch sees, so it skips the probe (one interpreter start and torch import)
+if [ "$DRY" = 0 ]; then
+  if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "CUDA is not visible to torch ($PY): the GPU check needs a CUDA device (use --dry-run on a CPU)" >&2
     exit 1
   fi
-else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$WORK/device.txt"
+elif command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$WORK/device.txt"
 fi
 

@@ -14,7 +14,6 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import click
 import xarray as xr
 
 __all__ = ["LAZY_ABOVE_BYTES", "WORKER_CONFIG", "WORKER_MALLOC", "DocChunk", "cluster_options", "dask_client",
@@ -293,6 +292,7 @@ def cluster_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
     Examples
     --------
+    >>> import click
     >>> @click.command()
     ... @cluster_options
     ... def run(workers, scheduler, chunk_docs):
@@ -300,6 +300,8 @@ def cluster_options(command: Callable[..., Any]) -> Callable[..., Any]:
     >>> sorted(p.name for p in run.params)
     ['chunk_docs', 'scheduler', 'workers']
     """
+    import click  # lazy: only CLI commands take these options; `import protocols` need not load click
+
     command = click.option("--chunk-docs", type=click.IntRange(min=1), default=None,
                            help="Read the traces lazily, this many documents per chunk (default: in memory for "
                                 "files under 2 GiB, else about 64 MiB per chunk).")(command)

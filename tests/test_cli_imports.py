@@ -62,3 +62,23 @@ def test_validate_and_info_do_not_import_torch_or_stats(traces) -> None:
 def test_analyze_does_not_import_torch(traces, tmp_path) -> None:
     loaded = _loaded(["analyze", "--help"])
     assert "torch" not in loaded and "gen_service" not in loaded and "httpx" not in loaded
+
+
+def test_policy_registry_imports_without_torch() -> None:
+    """Importing the registry (benchmarks' and tools' processes do) loads neither torch nor transformers:
+    a ``quant:kivi`` term's settings are torch-free; the caches load torch when one is built."""
+    probe = ("import sys, gen_service.presses.registry as r; "
+             "print('HEAVY=' + ','.join(m for m in ('torch', 'transformers', 'kvpress') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert "HEAVY=\n" in out.stdout, out.stdout + out.stderr
+    from gen_service.presses import kivi, quantized, registry
+
+    assert registry.KIVIConfig is quantized.KIVIConfig is kivi.KIVIConfig   # one class, re-exported
+    assert type(kivi.KIVIConfig(4).cache(2)).__name__ == "FakeQuantizedCache"
+
+
+def test_protocols_and_divstats_import_without_click() -> None:
+    """The packages load click only when a command is built (``protocols.chunks.cluster_options``)."""
+    probe = "import sys, protocols, divstats; print('CLICK=' + str('click' in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert "CLICK=False" in out.stdout, out.stdout + out.stderr

@@ -28,12 +28,14 @@ def test_reference_runs_have_no_window() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from kvdiv.demo import ServerProcess
+def tiny_server() -> Iterator[str]:
+    # tiny:llama in a thread of this process (a `kvdiv serve` child costs an interpreter
+    # start; test_demo.py starts one): the collector only sees HTTP
+    from service_live import LiveServer
 
-    server = ServerProcess("tiny:llama", tmp_path_factory.mktemp("serve") / "server.log")
+    server = LiveServer()
     try:
-        yield server.wait_ready(120)
+        yield server.url
     finally:
         server.stop()
 

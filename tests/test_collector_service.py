@@ -1,4 +1,4 @@
-"""The collector against a live ``kvdiv serve --model tiny:llama``: resume equals a whole run."""
+"""The collector against a live tiny:llama service over HTTP: resume equals a whole run."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import xarray as xr
+from service_live import LiveServer
 
 from collector import documents as D
 from collector.collect import CollectConfig, Collector, collect
 from collector.pack import pack_run
 from collector.prepare import prepare_run
-from kvdiv.demo import ServerProcess
 
 pytestmark = pytest.mark.service
 
@@ -23,10 +23,12 @@ RUN_SPECIFIC = ["request_id", "elapsed_s", "stream_sha256"]
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server = ServerProcess("tiny:llama", tmp_path_factory.mktemp("serve") / "server.log")
+def tiny_server() -> Iterator[str]:
+    # served in a thread of this process: the collector only sees HTTP, and a `kvdiv serve`
+    # child would add an interpreter start (~10 s); that child is tested in test_demo.py
+    server = LiveServer()
     try:
-        yield server.wait_ready(120)
+        yield server.url
     finally:
         server.stop()
 

@@ -106,3 +106,17 @@ def test_a_control_tv_above_zero_fails_the_study_row():
     mod = _helper()
     assert mod.control_exact(0.0, 0.0)
     assert not mod.control_exact(0.0, 4e-6) and not mod.control_exact(1e-3, 0.0)
+
+
+def test_a_command_run_in_process_reports_its_failure(tmp_path):
+    """The dry run's study runs `kvdiv docs/collect/pack` in its own interpreter: a failing
+    command must still stop the step with a nonzero status and its message in the log."""
+    mod = _helper()
+    log = tmp_path / "study.log"
+    with pytest.raises(SystemExit, match="kvdiv pack failed"):
+        mod._kvdiv("pack", str(tmp_path / "no-such-run"), "-o", str(tmp_path / "x.nc"), log=log, in_process=True)
+    text = log.read_text()
+    assert text.startswith("$ kvdiv pack") and "no-such-run" in text.split("\n", 1)[1]
+    with log.open("a") as fh:
+        assert mod._kvdiv_here(("pack", "--help"), fh) == 0
+    assert "Usage: kvdiv pack" in log.read_text()

@@ -19,7 +19,7 @@ CONTEXT = (
     "Names refer to objects. Names are introduced by name binding operations. A block is a piece of "
     "Python program text that is executed as a unit: a module, a function body, and a class definition. "
     "The lighthouse keeper of the island was called Marguerite and she kept a blue notebook. "
-) * 2
+)  # ~125 tokens: every press still evicts (snapkv's 64-token window fits; DecodingPress's 96 is passed)
 QUESTION = "What was the name of the lighthouse keeper, and what did she keep?"
 HORIZON = 16
 

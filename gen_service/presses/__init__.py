@@ -1,5 +1,6 @@
 """kvpress policies: the registry (``registry``), press traits (``traits``), parameters (``params``),
-trained artifacts (``artifacts``), the catalog (``catalog``) and quantized caches (``quantized``).
+trained artifacts (``artifacts``), the catalog (``catalog``), quantized caches (``quantized``) and
+their torch-free settings (``kivi``).
 Imports ``attention/``, ``models/`` (neither today) and ``errors``.
 
 Import from the submodules; this package exports nothing itself (docs/architecture.md).

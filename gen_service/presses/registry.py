@@ -40,8 +40,8 @@ from typing import Any
 
 from gen_service.errors import PolicyError
 from gen_service.presses.artifacts import LOCAL_ARTIFACTS, OPTION_KEYS, artifact_path, attach, check_options
+from gen_service.presses.kivi import KIVIConfig
 from gen_service.presses.params import ATTRIBUTE_PARAMS, check_value, param_specs, press_slots
-from gen_service.presses.quantized import KIVIConfig
 from gen_service.presses.table import PRESSES, by_name, lineage
 from gen_service.presses.traits import acts_while_decoding, check_quantizable, rerotates
 from protocols import PolicyIdError, PolicySpec, PressTerm, parse_option_value, parse_policy_id
