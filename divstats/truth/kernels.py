@@ -107,6 +107,8 @@ class CoupledKernels:
         # kernel has V rows), so the laws are also kept by value: the histories grow as V^t,
         # the distinct vector pairs do not
         self._law_by_value: dict[tuple[bytes, bytes], StepLaw] = {}
+        # likewise the checked, renormalised vectors: the checks cost more than the kernel call
+        self._normalised: dict[bytes, np.ndarray] = {}
         self._eos_mass = None
         if self.eos is not None:
             self._eos_mass = np.zeros(self.vocab_size)
@@ -125,7 +127,10 @@ class CoupledKernels:
                 if vec.shape != (self.vocab_size,):
                     raise ValueError(
                         f"kernel {name} returned shape {vec.shape}, expected ({self.vocab_size},)")
-                out = _normalise(name, vec)
+                key = vec.tobytes()
+                out = self._normalised.get(key)
+                if out is None:
+                    out = self._normalised[key] = _normalise(name, vec)
             cache[history] = out
         return out
 
