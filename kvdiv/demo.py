@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -63,10 +63,10 @@ CHAT_OVERHEAD_TOKENS = 8
 #: The models the demo studies by default, as the paper studies two: the embedded chat
 #: model and the embedded base model (gen_service.models.EMBEDDED_MODELS).
 DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
-#: R of a model's residual traces when ``-R`` is not given. Gemma 3 270M's step costs about
-#: 3.5 times SmolLM2's on a CPU (its 262k-token head and the sampling over it), so its part
-#: is sized at half the replicates to fit ``make demo``'s 10 minutes (docs/collector.md,
-#: "What the second model costs"); other models get :data:`DEFAULT_REPLICATES`.
+#: R of a model's residual traces when ``-R`` is not given. Gemma 3 270M's step costs several
+#: times SmolLM2's on a CPU (its 262k-token head and the sampling over it), so its part is
+#: sized at half the replicates (docs/collector.md, "What the second model costs"); other
+#: models get :data:`DEFAULT_REPLICATES`.
 MODEL_REPLICATES: dict[str, int] = {"smollm2-135m": 4, "gemma3-270m": 2}
 DEFAULT_REPLICATES = 4
 #: ``kvdiv serve`` options of a model's server beyond the device's defaults, each by a
@@ -125,6 +125,12 @@ class DemoConfig:
     def replicates_for(self, model: str) -> int:
         """R of a model's residual traces: ``replicates`` when set, else the model's own."""
         return self.replicates or MODEL_REPLICATES.get(model, DEFAULT_REPLICATES)
+
+    def reference_r(self) -> int:
+        """R of every model's reference traces: ``reference_replicates``, at most the smallest
+        residual R (a model sized down for time is sized down in both sets; reference traces
+        hold no absent replicates, docs/contract.md, so every model gets the same R)."""
+        return min([self.reference_replicates] + [self.replicates_for(m) for m in self.models])
 
     def parts(self) -> list[ModelPart]:
         """One part per model: its folder (``out`` itself for a single model, as before), template and R."""
@@ -595,14 +601,20 @@ def _run(cfg: DemoConfig) -> Any:
          f"R={_replicates_text(cfg)}, T={cfg.max_new_tokens}, W={cfg.window}, residual traces)")
     parts = cfg.parts()
     docs_path, budget, plan = None, 0, cfg.plan
-    for part in parts:
-        tag = f"[{part.model}] " if len(parts) > 1 else ""
-        with _serving(cfg, part) as server:
+    tags = {p.model: f"[{p.model}] " if len(parts) > 1 else "" for p in parts}
+    with ExitStack() as servers_up:
+        # Every model's server starts now: a later model loads and checks itself while an
+        # earlier one collects (a CPU server's decoding loop leaves a core partly idle).
+        servers = {p.model: servers_up.enter_context(_serving(cfg, p)) for p in parts}
+        for part in parts:
+            server = servers[part.model]
             if server is not None:
-                _say(f"{tag}[1/5] starting `kvdiv serve --model {part.model}` (log: {server.log_path})")
+                _say(f"{tags[part.model]}[1/5] starting `kvdiv serve --model {part.model}` (log: {server.log_path})")
             else:
-                _say(f"{tag}[1/5] using running server(s): {', '.join(cfg.servers)}")
-            if docs_path is None:   # built once, while the first server loads
+                _say(f"{tags[part.model]}[1/5] using running server(s): {', '.join(cfg.servers)}")
+        for part in parts:
+            tag, server = tags[part.model], servers[part.model]
+            if docs_path is None:   # built once, while the servers load
                 _say(f"{tag}[2/5] documents")
                 docs_path, budget = _prepare_documents(cfg)
                 plan = cfg.plan or write_demo_plan(shipped_plan(), cfg.out / "plan.toml", budget, cfg.window,
@@ -612,8 +624,10 @@ def _run(cfg: DemoConfig) -> Any:
             if server is not None:
                 _say(f"      server ready at {urls[0]} after {time.monotonic() - t0:.0f} s")
             _collect_part(cfg, part, urls, docs_path, budget, server, tag)
-        _say(f"{tag}[4/5] packing traces.nc" + (" and reference.nc" if cfg.reference_docs else ""))
-        _pack_part(cfg, part)
+            if server is not None:
+                server.stop()   # its model is done: its memory and threads go to the next
+            _say(f"{tag}[4/5] packing traces.nc" + (" and reference.nc" if cfg.reference_docs else ""))
+            _pack_part(cfg, part)
     traces, reference = _combined(cfg, parts)
     _say(f"[5/5] analysing with {plan}")
     an = _analyse(cfg, traces, plan, budget)
@@ -731,10 +745,10 @@ def _collect_reference(cfg: DemoConfig, part: ModelPart, urls: list[str], docs_p
     docs = D.read_jsonl(docs_path)[:cfg.reference_docs]
     ref_docs = D.write_jsonl(docs, root / "documents.jsonl")
     _say(f"      reference traces: {len(docs)} docs × {', '.join(REFERENCE_POLICIES)}, "
-         f"R={cfg.reference_replicates}, T={cfg.max_new_tokens}")
+         f"R={cfg.reference_r()}, T={cfg.max_new_tokens}")
     result = collect(CollectConfig.flat(
         servers=urls, docs_file=ref_docs, policies=list(REFERENCE_POLICIES), out=root / "journal",
-        kind="reference", replicates=cfg.reference_replicates, max_new_tokens=cfg.max_new_tokens,
+        kind="reference", replicates=cfg.reference_r(), max_new_tokens=cfg.max_new_tokens,
         temperature=1.0, seed=cfg.seed, template=part.template, api_key=cfg.api_key,
         concurrency=cfg.concurrency, progress=cfg.progress, control=False),
         stop_reason=server.exit_reason if server is not None else None)

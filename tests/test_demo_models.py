@@ -104,7 +104,8 @@ def test_parts_each_model_in_its_folder_and_a_base_model_reads_raw_text(tmp_path
 
 def test_a_model_at_a_smaller_r_combines_with_absent_replicates_and_keeps_its_estimates(tmp_path: Path) -> None:
     """Gemma's part at R = 2 beside SmolLM2's at R = 4 (MODEL_REPLICATES): the combined traces
-    give each model exactly the estimates of its own traces."""
+    give each model exactly the estimates of its own traces. Reference traces hold no absent
+    replicates, so every model's reference set takes the smallest R."""
     from collector.pack import save_dataset
     from kvdiv.demo import MODEL_REPLICATES, _combined
 
@@ -112,6 +113,9 @@ def test_a_model_at_a_smaller_r_combines_with_absent_replicates_and_keeps_its_es
     parts = cfg.parts()
     assert [p.replicates for p in parts] == [MODEL_REPLICATES[m] for m in MODELS] == [4, 2]
     assert DemoConfig(out=tmp_path, models=MODELS, replicates=3).replicates_for("gemma3-270m") == 3
+    assert DemoConfig(out=tmp_path, models=MODELS).reference_r() == 2
+    assert DemoConfig(out=tmp_path, models=MODELS, replicates=1).reference_r() == 1
+    assert DemoConfig(out=tmp_path, models=MODELS, reference_replicates=3).reference_r() == 2
     own = {}
     for seed, part in enumerate(parts):
         part.out.mkdir(parents=True)
