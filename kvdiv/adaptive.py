@@ -472,6 +472,7 @@ class _Pool:
         n = index.shape[-1]
         out = self.data.isel(replicate=slice(0, n)).assign_coords(replicate=np.arange(n, dtype=np.int32))
         safe = np.maximum(index, 0)
+        taken_vars = {}
         for name, var in self.data.data_vars.items():
             if "replicate" not in var.dims:
                 continue
@@ -480,7 +481,8 @@ class _Pool:
             idx = np.broadcast_to(safe.reshape(safe.shape + (1,) * len(rest)), safe.shape + values.shape[3:])
             taken = np.take_along_axis(values, idx, axis=2)
             taken[index < 0] = absent_value(str(name), values.dtype)
-            out[name] = (("doc", "policy", "replicate", *rest), taken)
+            taken_vars[name] = (("doc", "policy", "replicate", *rest), taken)
+        out = out.assign(taken_vars)   # one merge, not one per variable: this runs a few times per repetition
         if layout.adaptive:
             out = out.assign_coords(round=("replicate", layout.round_of_slot()))
         return out

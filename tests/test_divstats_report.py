@@ -192,3 +192,21 @@ def test_the_reproduce_snippet_uses_only_public_names():
     assert imports and all(n.module == "divstats" for n in imports), snippet
     assert {a.name for n in imports for a in n.names} <= set(divstats.__all__)
     assert set(re.findall(r"divstats\.(\w+)", snippet)) <= set(divstats.__all__), snippet
+
+
+def test_without_attrs_is_drop_attrs(analysis):
+    # results.nc is built with without_attrs (xarray's drop_attrs costs a merge per variable):
+    # the same objects, variables in the same order, so the file is the same
+    from divstats.traces.arrays import without_attrs
+
+    objs = [x for x in (analysis.estimates, analysis.aggregate, analysis.interval, analysis.compression)
+            if x is not None]
+    objs += [analysis.estimates[v] for v in analysis.estimates.data_vars]
+    assert len(objs) > 10 and all(o.attrs or any(c.attrs for c in o.coords.values()) for o in objs[:3])
+    for obj in objs:
+        ours, theirs = without_attrs(obj), obj.drop_attrs()
+        assert ours.identical(theirs)
+        assert list(ours.coords) == list(theirs.coords)
+        assert not any(v.attrs for v in ([ours.variable] if isinstance(ours, xr.DataArray) else [])
+                       + list(ours.coords.values()))
+    assert analysis.estimates.attrs   # the original keeps its attrs

@@ -237,9 +237,10 @@ def design(plan: Any, pilot: xr.Dataset, power: float = 0.8, cost: CostModel | N
 # Allocation of further replicates after a pilot round
 # ---------------------------------------------------------------------------
 
-def _per_replicate(pilot: xr.Dataset, metrics: Sequence[str]) -> tuple[xr.DataArray, xr.DataArray]:
+def _per_replicate(pilot: xr.Dataset, metrics: Sequence[str],
+                   values: xr.Dataset | None = None) -> tuple[xr.DataArray, xr.DataArray]:
     """(w, R0): per-replicate variance over (metric, doc, policy[, model]) in each metric's units, and R0."""
-    vals = document_values(pilot).sel(metric=list(metrics))
+    vals = (document_values(pilot) if values is None else values).sel(metric=list(metrics))
     return (vals["mc_var"] * vals["replicates"]).fillna(0.0), vals["replicates"].isel(metric=0, drop=True)
 
 
@@ -258,7 +259,7 @@ def _targets(target_se: float | Mapping[str, float], metrics: Sequence[str]) -> 
 def allocate(pilot: xr.Dataset, metrics: str | Sequence[str] = LOSS, *,
              target_se: float | Mapping[str, float] | None = None, budget: float | None = None,
              cost: CostModel | None = None, by: str = "cell", min_replicates: int = 2, floor: float = 0.1,
-             counted: xr.DataArray | None = None) -> xr.DataArray:
+             counted: xr.DataArray | None = None, values: xr.Dataset | None = None) -> xr.DataArray:
     """Further replicates per (document, policy) after a pilot round.
 
     Parameters
@@ -293,6 +294,9 @@ def allocate(pilot: xr.Dataset, metrics: str | Sequence[str] = LOSS, *,
         subtracted from the total it needs. Default: the pilot's own, i.e. the pilot
         pooled with what is allocated. An adaptive collection estimates from the
         rounds after the pilot only, and passes their count (0 after the pilot).
+    values : xarray.Dataset, optional
+        ``divstats.estimation.components.document_values(pilot)`` when the caller
+        has it already (``plan_round`` does), so it is not computed twice.
 
     Returns
     -------
@@ -320,7 +324,7 @@ def allocate(pilot: xr.Dataset, metrics: str | Sequence[str] = LOSS, *,
     if by not in ("cell", "policy"):
         raise ValueError(f"by must be 'cell' or 'policy', got {by!r}")
     metrics = [metrics] if isinstance(metrics, str) else list(metrics)
-    w, r0 = _per_replicate(pilot, metrics)
+    w, r0 = _per_replicate(pilot, metrics, values)
     r0 = r0 if counted is None else counted.broadcast_like(r0).fillna(0).astype(float)
     if by == "policy":
         w = w.mean("doc").broadcast_like(w)
@@ -334,17 +338,28 @@ def allocate(pilot: xr.Dataset, metrics: str | Sequence[str] = LOSS, *,
     return np.maximum(total - r0, min_replicates).astype(int).rename("replicates")
 
 
+def _nansum(a: np.ndarray) -> float:
+    """xarray's skipna sum (NaN read as 0, then one numpy sum): the same float, without its per-call cost."""
+    return float(np.where(np.isnan(a), 0.0, a).sum())
+
+
 def _neyman(w: xr.DataArray, r0: xr.DataArray, total: float) -> xr.DataArray:
-    """R proportional to sqrt(w) with sum R = total, never below r0 (water-filling)."""
-    fixed = xr.zeros_like(w, dtype=bool)
-    for _ in range(w.size):
+    """R proportional to sqrt(w) with sum R = total, never below r0 (water-filling).
+
+    On the arrays rather than DataArrays: an adaptive simulation calls this once per
+    repetition, and xarray's overhead per operation was most of its time.
+    """
+    wv = w.values
+    rv = r0.transpose(*w.dims).values.astype(float)
+    fixed = np.zeros(wv.shape, dtype=bool)
+    for _ in range(wv.size):
         free = ~fixed
-        share = np.sqrt(w).where(free)
-        left = total - float(r0.where(fixed).sum())
-        alloc = (share / float(share.sum()) * left).where(free, r0)
-        under = free & (alloc < r0)
-        if not bool(under.any()):
-            return _largest_remainder(alloc, total)
+        share = np.where(free, np.sqrt(wv), np.nan)
+        left = total - _nansum(np.where(fixed, rv, np.nan))
+        alloc = np.where(free, share / _nansum(share) * left, rv)
+        under = free & (alloc < rv)
+        if not under.any():
+            return _largest_remainder(w.copy(data=alloc), total)
         fixed = fixed | under
     return r0.astype(float)
 

@@ -162,7 +162,8 @@ def plan_round(data: xr.Dataset, metrics: Sequence[str], round_index: int, *,
     """
     everything = data.drop_vars("round", errors="ignore")   # the variance: from every replicate collected
     counted = counted_replicates(data)
-    vals = document_values(everything).sel(metric=list(metrics))
+    all_values = document_values(everything)
+    vals = all_values.sel(metric=list(metrics))
     w = vals["mc_var"] * vals["replicates"]
     unknown = [m for m in metrics if not bool(w.sel(metric=m).notnull().any())]
     if unknown:
@@ -177,7 +178,8 @@ def plan_round(data: xr.Dataset, metrics: Sequence[str], round_index: int, *,
         return RoundPlan(xr.zeros_like(counted), counted, se, f"the last of {max_rounds} rounds is done", short)
     cost = CostModel.from_traces(data) if budget is not None and budget_unit == "cost" else None
     further = allocate(everything, list(metrics), target_se=target_se, budget=budget, cost=cost,
-                       by=by, counted=counted, min_replicates=min_replicates if round_index == 1 else 0)
+                       by=by, counted=counted, min_replicates=min_replicates if round_index == 1 else 0,
+                       values=all_values)
     further = further.transpose(*counted.dims)
     if round_index > 1:  # a pair asked again gets at least the minimum, so its round estimates it on its own
         further = xr.where(further > 0, np.maximum(further, min_replicates), 0)

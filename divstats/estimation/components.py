@@ -35,7 +35,7 @@ import numpy as np
 import xarray as xr
 
 from divstats.estimands import names
-from divstats.traces.arrays import nanmean
+from divstats.traces.arrays import nanmean, without_attrs
 from divstats.traces.replicates import replicate_values
 
 __all__ = ["METRICS", "document_values", "paired_document_values", "replicate_influence", "variance_components"]
@@ -146,8 +146,8 @@ def document_values(data: xr.Dataset, window: int | None = None) -> xr.Dataset:
         out = xr.Dataset({"value": value, "mc_var": mc_var, "replicates": count, "influence": infl})
         return out.assign_attrs(source="traces", kind=str(data.attrs.get("kind", "")))
     metrics = [m for m in METRICS if m in data and m + "_se" in data]
-    value = xr.concat([data[m].drop_attrs() for m in metrics], dim="metric").assign_coords(metric=metrics)
-    se = xr.concat([data[m + "_se"].drop_attrs() for m in metrics], dim="metric").assign_coords(metric=metrics)
+    value = xr.concat([without_attrs(data[m]) for m in metrics], dim="metric").assign_coords(metric=metrics)
+    se = xr.concat([without_attrs(data[m + "_se"]) for m in metrics], dim="metric").assign_coords(metric=metrics)
     n = int(data.attrs.get("n_replicates", 0)) or np.nan
     replicates = xr.full_like(value, n, dtype=float)
     return xr.Dataset({"value": value, "mc_var": se ** 2, "replicates": replicates},

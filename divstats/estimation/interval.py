@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import xarray as xr
 
-from divstats.traces.arrays import mean_se, nanmean, ratio_se
+from divstats.traces.arrays import mean_se, nanmean, ratio_se, without_attrs
 from divstats.traces.chunked import map_docs
 from divstats.traces.replicates import replicate_values
 from protocols.chunks import is_lazy
@@ -111,7 +111,7 @@ def interval_by_window(ds: xr.Dataset, windows: Iterable[int]) -> xr.Dataset:
     windows = [int(w) for w in windows]
     if is_lazy(ds):  # one pass over the data for all windows
         return map_docs(interval_by_window, ds, windows=windows)
-    parts = [sharp_interval(ds, w).drop_attrs() for w in windows]
+    parts = [without_attrs(sharp_interval(ds, w)) for w in windows]
     out = xr.concat(parts, dim=xr.DataArray(windows, dims="window", name="window"))
     out.attrs = {"kind": ds.attrs.get("kind"), "horizon": int(ds.attrs["horizon"])}
     return out

@@ -21,6 +21,7 @@ import numpy as np
 import xarray as xr
 
 from divstats.inference.decompose import DecompositionInterval, DecompositionResult
+from divstats.traces.arrays import without_attrs
 
 if TYPE_CHECKING:
     from divstats.report.analysis import Analysis
@@ -39,7 +40,7 @@ def _prefixed(ds: xr.Dataset, prefix: str) -> xr.Dataset:
 def _decomposition_dataset(decs: list[tuple[DecompositionResult, DecompositionInterval]]) -> xr.Dataset:
     if not decs:
         return xr.Dataset()
-    parts = [res.to_dataset().merge(ci.to_dataset()).drop_attrs() for res, ci in decs]
+    parts = [without_attrs(res.to_dataset().merge(ci.to_dataset())) for res, ci in decs]
     out = xr.concat(parts, dim="comparison")
     out = out.assign_coords(comparison=[f"{r.a} vs {r.b}" for r, _ in decs],
                             comparison_a=("comparison", [r.a for r, _ in decs]),
@@ -84,7 +85,7 @@ def _plan_parts(an: Analysis) -> list[xr.Dataset]:
     split = pr.split.set_index("doc")
     docs = an.estimates["doc"].values
     labels = split.loc[[str(d) for d in docs], "split"].to_numpy(dtype=object)
-    return [pr.to_dataset().drop_attrs(), xr.Dataset({"plan_split": ("doc", labels)}, coords={"doc": docs})]
+    return [without_attrs(pr.to_dataset()), xr.Dataset({"plan_split": ("doc", labels)}, coords={"doc": docs})]
 
 
 def _global_attrs(an: Analysis) -> dict[str, Any]:
@@ -128,27 +129,27 @@ def results_dataset(an: Analysis) -> xr.Dataset:
     >>> res.attrs["title"], "aggregate_occurrence" in res
     ('kvdiv analysis results', True)
     """
-    parts = [an.estimates.drop_attrs(),
-             _prefixed(an.aggregate.drop_attrs(), "aggregate_"),
-             _prefixed(an.aggregate_ci.drop_attrs(), "aggregate_ci_"),
-             an.survival.drop_attrs()]
+    parts = [without_attrs(an.estimates),
+             _prefixed(without_attrs(an.aggregate), "aggregate_"),
+             _prefixed(without_attrs(an.aggregate_ci), "aggregate_ci_"),
+             without_attrs(an.survival)]
     if an.branch_tv is not None:
-        parts.append(an.branch_tv.drop_attrs())
+        parts.append(without_attrs(an.branch_tv))
     if an.interval is not None:
-        parts.append(_prefixed(an.interval.drop_attrs(), "interval_").rename(window="interval_window"))
+        parts.append(_prefixed(without_attrs(an.interval), "interval_").rename(window="interval_window"))
     if an.variance is not None:
-        parts.append(_prefixed(an.variance.drop_attrs(), "variance_"))
+        parts.append(_prefixed(without_attrs(an.variance), "variance_"))
     if an.logit_curves is not None and an.logit_curves.data_vars:
-        parts.append(an.logit_curves.drop_attrs())
+        parts.append(without_attrs(an.logit_curves))
     parts.append(_decomposition_dataset(an.decompositions))
     parts += _plan_parts(an)
     if an.speculative is not None:
-        parts.append(_prefixed(an.speculative.drop_attrs(), "speculative_"))
+        parts.append(_prefixed(without_attrs(an.speculative), "speculative_"))
     if an.compression is not None:
         parts.append(_compression_dataset(an))
     floor = an.noise_floor
     if floor is not None and floor.data_vars:
-        parts.append(_prefixed(floor.drop_attrs(), "noise_floor_"))
+        parts.append(_prefixed(without_attrs(floor), "noise_floor_"))
     out = xr.merge(parts, compat="override", join="outer", combine_attrs="drop")
     for name, var in out.data_vars.items():
         var.attrs["status"] = ("plan result: see plan_label for confirmatory/exploratory"
@@ -165,7 +166,7 @@ def _compression_dataset(an: Analysis) -> xr.Dataset:
     with the estimates' ``policy``."""
     c = an.compression
     names = {n: f"compression_{n}" for n in [*c.data_vars, "family", "budget", "policy", "kept"]}
-    out = c.drop_attrs().rename(names)
+    out = without_attrs(c).rename(names)
     for v in out.data_vars:
         if out[v].dtype == object:
             out[v] = out[v].astype(str)

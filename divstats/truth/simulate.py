@@ -15,24 +15,18 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from divstats.truth.kernels import CoupledKernels, Kernel, StepLaw
+from divstats.truth.kernels import CoupledKernels, Kernel, StepLaw, inverse_cdf_draw
 from protocols import KINDS, Kind, coupled_dataset, reference_dataset, residual_dataset, validate
 
 __all__ = ["simulate"]
 
 
 
-def _draw(probs: np.ndarray, u: float) -> int:
-    """Inverse-CDF draw; side='right' never lands on a zero-mass token."""
-    cdf = np.cumsum(probs)
-    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(probs) - 1))
-
-
 def _coupled_step(law: StepLaw, u: np.ndarray) -> tuple[int, int]:
     """One draw of (X_t, Y_t) from the maximal coupling, using three uniforms."""
     if u[0] < law.tv:
-        return _draw(law.x_res, u[1]), _draw(law.y_res, u[2])
-    z = _draw(law.shared, u[1])
+        return inverse_cdf_draw(law.x_res, u[1]), inverse_cdf_draw(law.y_res, u[2])
+    z = inverse_cdf_draw(law.shared, u[1])
     return z, z
 
 
@@ -62,7 +56,7 @@ def _survival_path(kern: CoupledKernels, T: int, u: np.ndarray):
         tvs[s] = law.tv
         if law.shared is None:  # tv = 1: nothing survives past this step
             break
-        toks[s] = _draw(law.shared, u[s])
+        toks[s] = inverse_cdf_draw(law.shared, u[s])
         z = z + (int(toks[s]),)
     return tvs, toks
 
@@ -80,7 +74,7 @@ def _branch_point(tvs: np.ndarray, u: float) -> int:
     _, pi = _survival_terms(tvs)
     if pi.sum() <= 0.0:
         return 0
-    return _draw(pi, u) + 1
+    return inverse_cdf_draw(pi, u) + 1
 
 
 def _simulate_residual(kern: CoupledKernels, T: int, W: int, n: int, rng: np.random.Generator):
@@ -102,8 +96,8 @@ def _simulate_residual(kern: CoupledKernels, T: int, W: int, n: int, rng: np.ran
         z = tuple(int(v) for v in stok[r, : t_star - 1])
         law = kern.law(z, z)
         # age 0: the two residual draws (the branches differ by construction)
-        x = _draw(law.x_res, u_branch[r, 0, 1])
-        y = _draw(law.y_res, u_branch[r, 0, 2])
+        x = inverse_cdf_draw(law.x_res, u_branch[r, 0, 1])
+        y = inverse_cdf_draw(law.y_res, u_branch[r, 0, 2])
         btv[r, 0], bx[r, 0], by[r, 0] = law.tv, x, y
         xh, yh = z + (x,), z + (y,)
         for k in range(1, min(W, T - t_star) + 1):
@@ -124,7 +118,7 @@ def _simulate_reference(kern: CoupledKernels, T: int, n: int, rng: np.random.Gen
             xh: tuple[int, ...] = ()
             for s in range(T):
                 p, q = kern.p(xh), kern.q(xh)  # Q evaluated on P's own sample
-                x = _draw(p, u[r, s])
+                x = inverse_cdf_draw(p, u[r, s])
                 xt[r, s], lp[r, s], lq[r, s] = x, np.log(p[x]), np.log(q[x])
                 xh = xh + (x,)
     return xt, lp, lq

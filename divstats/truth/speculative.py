@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from divstats.truth.kernels import CoupledKernels, Kernel
+from divstats.truth.kernels import CoupledKernels, Kernel, inverse_cdf_draw
 
 __all__ = ["SpeculativeExact", "SpeculativeRuns", "exact_target_calls", "simulate_speculative"]
 
@@ -151,12 +151,6 @@ def exact_target_calls(
                             n_states=n_states)
 
 
-def _draw(probs: np.ndarray, u: float) -> int:
-    """Inverse-CDF draw; side='right' never lands on a zero-mass token."""
-    cdf = np.cumsum(probs)
-    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(probs) - 1))
-
-
 @dataclass(frozen=True)
 class SpeculativeRuns:
     """Runs of the simulated algorithm: per-run counts, shape (replicates,).
@@ -243,7 +237,7 @@ def simulate_speculative(
             h = out
             for _ in range(g):                         # the draft model runs ahead on its own draft
                 qv = kern.q(h)
-                y = _draw(qv, rng.random())
+                y = inverse_cdf_draw(qv, rng.random())
                 drafts.append(y)
                 dq.append(qv)
                 h = h + (y,)
@@ -258,10 +252,10 @@ def simulate_speculative(
                     h = h + (y,)
                     continue
                 resid = np.clip(pv - qv, 0.0, None)
-                emitted.append(_draw(resid / resid.sum(), rng.random()))
+                emitted.append(inverse_cdf_draw(resid / resid.sum(), rng.random()))
                 break
             else:
-                emitted.append(_draw(kern.p(h), rng.random()))   # bonus token
+                emitted.append(inverse_cdf_draw(kern.p(h), rng.random()))   # bonus token
             keep = _cut(emitted, T - len(out), kern)
             accepted[r] += min(n_acc, keep)
             out = out + tuple(emitted[:keep])
