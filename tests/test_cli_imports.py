@@ -66,7 +66,7 @@ def test_analyze_does_not_import_torch(traces, tmp_path) -> None:
 
 def test_policy_registry_imports_without_torch() -> None:
     """Importing the registry (benchmarks' and tools' processes do) loads neither torch nor transformers:
-    a ``quant:kivi`` term's settings are torch-free; the caches load torch when one is built."""
+    a ``quant:kivi`` term's settings are torch-free; the caches (``quantized.kivi_cache``) hold torch."""
     probe = ("import sys, gen_service.presses.registry as r; "
              "print('HEAVY=' + ','.join(m for m in ('torch', 'transformers', 'kvpress') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
@@ -74,7 +74,7 @@ def test_policy_registry_imports_without_torch() -> None:
     from gen_service.presses import kivi, quantized, registry
 
     assert registry.KIVIConfig is quantized.KIVIConfig is kivi.KIVIConfig   # one class, re-exported
-    assert type(kivi.KIVIConfig(4).cache(2)).__name__ == "FakeQuantizedCache"
+    assert type(quantized.kivi_cache(kivi.KIVIConfig(4), 2)).__name__ == "FakeQuantizedCache"
 
 
 def test_protocols_and_divstats_import_without_click() -> None:

@@ -29,6 +29,7 @@ from gen_service.engine.forwards import attention_layers, eager_attention, run_s
 from gen_service.engine.sides import Prefilled, Side, cache_lengths
 from gen_service.models.float_head import logits as fp32_logits
 from gen_service.presses.layered import compressible_layers, press_applied
+from gen_service.presses.quantized import kivi_cache
 from gen_service.presses.registry import Policy, PressPlan
 from gen_service.presses.traits import compresses_after_attention, wants_eager
 
@@ -43,7 +44,7 @@ def prefill(model: torch.nn.Module, policy: Policy, prompt_ids: list[int],
     device = model.device
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     plan = policy.plan(len(prompt_ids))
-    cache = DynamicCache() if plan.quant is None else plan.quant.cache(model.config.num_hidden_layers)
+    cache = DynamicCache() if plan.quant is None else kivi_cache(plan.quant, model.config.num_hidden_layers)
     positions = torch.arange(len(prompt_ids), device=device)[None]
     press = plan.press  # a decoding-only press's hooks do nothing during prefill
     applied = press_applied(press, model) if press is not None else nullcontext()

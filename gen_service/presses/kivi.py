@@ -9,13 +9,10 @@ and transformers, which the caches load only when one is built.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gen_service.errors import PolicyError
 from protocols import QuantTerm
-
-if TYPE_CHECKING:
-    from gen_service.presses.quantized import FakeQuantizedCache
 
 __all__ = ["AXES", "BITS", "KIVIConfig"]
 
@@ -81,10 +78,3 @@ class KIVIConfig:
     def params(self) -> dict[str, Any]:
         """The settings, as the trace header's candidate parameters report them."""
         return {"quant": "kivi", **asdict(self)}
-
-    def cache(self, num_layers: int) -> FakeQuantizedCache:
-        """An empty cache for a model of ``num_layers`` layers."""
-        # lazy: the caches need torch and transformers; checking a policy id must not
-        from gen_service.presses.quantized import FakeQuantizedCache, FakeQuantizedLayer
-
-        return FakeQuantizedCache([FakeQuantizedLayer(self) for _ in range(num_layers)])

@@ -39,7 +39,8 @@ from transformers.cache_utils import Cache, QuantizedCache, QuantizedLayer
 
 from gen_service.presses.kivi import AXES, BITS, KIVIConfig
 
-__all__ = ["AXES", "BITS", "KIVIConfig", "FakeQuantizedCache", "FakeQuantizedLayer", "fake_quantize", "is_quantized"]
+__all__ = ["AXES", "BITS", "KIVIConfig", "FakeQuantizedCache", "FakeQuantizedLayer", "fake_quantize", "is_quantized",
+           "kivi_cache"]
 
 # BITS, AXES and KIVIConfig live in gen_service.presses.kivi (torch-free: the registry checks ids
 # with them); re-exported here, where the caches that use them are.
@@ -143,3 +144,9 @@ class FakeQuantizedCache(QuantizedCache):
 def is_quantized(cache: Any) -> bool:
     """Whether ``cache`` quantizes while decoding (its branches cannot be prefixes)."""
     return isinstance(cache, QuantizedCache)
+
+
+def kivi_cache(config: KIVIConfig, num_layers: int) -> FakeQuantizedCache:
+    """An empty quantized cache of ``config``'s settings for a model of ``num_layers`` layers
+    (here, not on the torch-free :class:`KIVIConfig`, which the registry imports)."""
+    return FakeQuantizedCache([FakeQuantizedLayer(config) for _ in range(num_layers)])
