@@ -52,8 +52,8 @@ if [ "$DRY" = 0 ]; then
     echo "CUDA is not visible to torch ($PY): the GPU check needs a CUDA device (use --dry-run on a CPU)" >&2
     exit 1
   fi
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$WORK/device.txt"
-elif command -v nvidia-smi >/dev/null; then
+fi
+if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$WORK/device.txt"
 fi
 

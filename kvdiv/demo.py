@@ -605,9 +605,9 @@ def _run(cfg: DemoConfig) -> Any:
     with ExitStack() as servers_up:
         # Every model's server starts now: a later model loads and checks itself while an
         # earlier one collects (a CPU server's decoding loop leaves a core partly idle).
-        servers = {p.model: servers_up.enter_context(_serving(cfg, p)) for p in parts}
+        servers: dict[str, ServerProcess | None] = {}
         for part in parts:
-            server = servers[part.model]
+            servers[part.model] = server = servers_up.enter_context(_serving(cfg, part))
             if server is not None:
                 _say(f"{tags[part.model]}[1/5] starting `kvdiv serve --model {part.model}` (log: {server.log_path})")
             else:

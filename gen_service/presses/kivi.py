@@ -3,7 +3,7 @@ holds the caches themselves).
 
 The registry checks policy ids with :class:`KIVIConfig`; keeping it apart from the torch
 caches lets ``gen_service.presses.registry`` be imported (and ids checked) without torch
-and transformers, which the caches load only when one is built.
+and transformers; :func:`gen_service.presses.quantized.kivi_cache` builds a cache from one.
 """
 
 from __future__ import annotations
