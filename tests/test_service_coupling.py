@@ -12,13 +12,42 @@ import pytest
 import torch
 from scipy import stats
 
-from gen_service.engine.coupling import History, Sampling, absorb_eos, maximal_coupling, probs, tv
+from gen_service.engine import coupling
+from gen_service.engine.coupling import History, Sampling, absorb_eos, categorical, maximal_coupling, probs, tv
 
 
 def _pair(v: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     lp, lq = torch.randn(1, v, generator=g) * 1.5, torch.randn(1, v, generator=g) * 1.5
     return probs(lp, Sampling()), probs(lq, Sampling())
+
+
+def test_categorical_draws_the_weights_law_chi_square() -> None:
+    """Unnormalised weights with zeros, a 1e-7 entry and a heavy one: the draws' counts fit
+    the law (chi-square), zeros are never drawn."""
+    w = torch.tensor([0.0, 3.0, 1e-7, 0.0, 1.0, 0.5, 2.5, 0.0, 1.0])
+    n = 40_000
+    x = categorical(w.expand(n, -1), torch.Generator().manual_seed(4))
+    counts = np.bincount(x.numpy(), minlength=w.numel())
+    assert counts[[0, 3, 7]].sum() == 0
+    law = (w / w.sum()).double().numpy()
+    keep = law > 1e-3
+    assert stats.chisquare(counts[keep], law[keep] * n / law[keep].sum() * counts[keep].sum() / n).pvalue > 1e-3
+
+
+def test_categorical_rows_are_independent_of_blocks_and_neighbours(monkeypatch) -> None:
+    """Each row reads its own weights and its own uniform: drawing in blocks of rows (the
+    memory cap) or beside other rows gives the same tokens; a row's last positive
+    weight is drawn when u is the largest float64 below 1 (no index past the end)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(7, 50, generator=g) * (torch.rand(7, 50, generator=g) > 0.5)
+    whole = categorical(w, torch.Generator().manual_seed(1))
+    monkeypatch.setattr(coupling, "CDF_BYTES", 8 * 50 * 2)          # two rows per block
+    assert torch.equal(categorical(w, torch.Generator().manual_seed(1)), whole)
+    assert torch.equal(w.gather(1, whole[:, None]) > 0, torch.ones(7, 1, dtype=torch.bool))
+    last = torch.tensor([[0.0, 1.0, 2.0, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full((1, 1), 1 - 2.0**-53, dtype=torch.float64))
+    assert categorical(last, torch.Generator()).tolist() == [2]
 
 
 def test_tv_is_exactly_zero_for_equal_distributions() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from gen_service.engine.context import history
-from gen_service.engine.coupling import Sampling, probs
+from gen_service.engine.coupling import Sampling, categorical, probs
 from gen_service.engine.jobs import check
 from gen_service.engine.readback import FiniteGuard
 from gen_service.engine.sides import Prefilled, Side
@@ -30,12 +30,12 @@ def generate(pre: Prefilled, step: Step, gen: torch.Generator, eos: Collection[i
     logits, side = pre.logits, pre.side
     out: list[int] = []
     hist = history(sampling, prompt_ids, 1, logits.shape[-1], device)
-    guard = FiniteGuard(device)   # a NaN row must not reach multinomial (a device-side assert on CUDA)
+    guard = FiniteGuard(device)   # a NaN row must not be sampled (gen_service.engine.readback)
     for t in range(1, max_new_tokens + 1):
         check(cancelled)
         (logits,) = guard(t, f"token {t}", logits)
         p = probs(logits, sampling, hist)
-        tok = p.argmax(-1) if sampling.greedy else torch.multinomial(p, 1, generator=gen).squeeze(-1)
+        tok = p.argmax(-1) if sampling.greedy else categorical(p, gen)
         tid, *bad = torch.cat([tok.reshape(1), guard.take()]).tolist()   # one host copy, as int(tok) was
         failed = guard.failure(bad)
         if failed is not None:

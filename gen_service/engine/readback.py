@@ -35,7 +35,9 @@ READBACK_EVERY = 8
 class FiniteGuard:
     """Non-finite logits caught on the device before anything samples from them.
 
-    ``torch.multinomial`` on a NaN row is a device-side assert on CUDA, which ends the
+    A NaN row is no law: the draw (:func:`gen_service.engine.coupling.categorical`) would
+    return an arbitrary token and its TV would be NaN, and any sampler that checks its
+    input on CUDA (``torch.multinomial``) raises a device-side assert, which ends the
     process's CUDA context and so every request in the batch. A loop passes each step's
     logits through the guard first (:meth:`__call__`): rows whose logits are not all
     finite (their sum is NaN or ±inf exactly then, barring finite logits summing past

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from gen_service.engine.context import LoopContext
-from gen_service.engine.coupling import absorb_eos, probs, tv
+from gen_service.engine.coupling import absorb_eos, categorical, probs, tv
 from gen_service.engine.sides import Forward, Prefilled
 from gen_service.engine.top_logprobs import PendingLogits
 from protocols import reference_step_record
@@ -73,7 +73,7 @@ def reference(ctx: LoopContext, p0: Prefilled, q0: Prefilled) -> Iterator[dict[s
         lp, lq = ctx.finite(t, f"step {t}", lp, lq)
         p = absorb_eos(probs(lp, job.sampling, hist), done, x_end)
         q = absorb_eos(probs(lq, job.sampling, hist), done, x_end)
-        x = torch.multinomial(p, 1, generator=ctx.gen).squeeze(-1)
+        x = categorical(p, ctx.gen)
         logits.keep(t, p, q)
         yield from out.emit(t, tv(p, q), x, token_logprob(p, x), token_logprob(q, x), last=t == T)
         if hist is not None:

@@ -27,11 +27,26 @@ is loaded (:func:`head32`, logged, ``Head32.method``):
   float32 (10 bytes moved per parameter and step against 2; on CPU, where no bf16
   GEMM with float32 output exists, the only exact way).
 
+Where a float32 product runs on the CPU (``"float32"`` and ``"chunked"``), it is taken
+with the weight as the left operand, ``(W · xᵀ)ᵀ`` (``Head32.layout == "columns"``),
+not as ``F.linear`` takes it, ``x · Wᵀ`` (``"rows"``): the same products, summed by the
+same kernel family, but oneMKL then packs the few hidden-state rows instead of the whole
+weight at every call. On the 2-core development CPU, Gemma 3's 262,144 × 640 head over
+16, 28 and 64 rows took 172, 276 and 494 ms against 401, 464 and 697 ms, and the same at
+2 rows (padded to 16, below; ``benchmarks/bench_head_draws.py``). A product in this layout always has at least
+:data:`MIN_COLUMNS` columns (zero rows added below that): with fewer than 12, oneMKL sums
+a column differently depending on how many there are; from 12 on, identically wherever
+the column sits (320 × 64, 49,152 × 576 and 65,536 × 640 heads, 1–100 columns at
+several offsets), so a request's logits do not depend on its batch-mates
+(tests/test_batch_invariance.py). CUDA keeps ``"rows"`` (cuBLAS takes either operand
+transposed at no cost).
+
 TF32 was not chosen: it needs float32 weights (the copy) and rounds the hidden state's
 mantissa to 10 bits. :func:`extra_bytes` is what the head holds beyond the weights
 (the buffer and a float32 copy of the final norm). A model already in float32 gets no
 buffer and no extra norm: the same operations on the same tensors as
-``model(...).logits``, bit for bit (``"float32"``).
+``model(...).logits`` (``"float32"``): bit for bit in the ``"rows"`` layout, within
+float32 rounding of the product in ``"columns"``.
 
 Models whose head is not a plain ``nn.Linear`` after a final ``norm`` fall back to the
 model's own logits, cast to float32 (logged once).
@@ -50,7 +65,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger("kvdiv.service")
 
-__all__ = ["CHUNK_BYTES", "Head32", "extra_bytes", "head32", "logits", "project"]
+__all__ = ["CHUNK_BYTES", "Head32", "extra_bytes", "head32", "layout_for", "logits", "project"]
 
 #: the float32 buffer the chunked head casts the weight into, a chunk of rows at a time
 #: (64 MiB: 4,096 rows of a 4,096-wide head, 32 chunks for 128k tokens; fewer, larger
@@ -58,6 +73,8 @@ __all__ = ["CHUNK_BYTES", "Head32", "extra_bytes", "head32", "logits", "project"
 CHUNK_BYTES = 64 << 20
 #: rows of hidden states per split GEMM (its float32 output is 3 × rows × vocabulary)
 SPLIT_ROWS = 1024
+#: the fewest hidden-state rows a "columns" product takes (zero rows added; see the module)
+MIN_COLUMNS = 16
 
 
 @dataclass(frozen=True)
@@ -79,6 +96,8 @@ class Head32:
     copied_bytes: int             # bytes held beyond the model's weights
     method: str = "float32"
     buffer: torch.Tensor | None = None
+    #: ``"rows"`` (x · Wᵀ, as ``F.linear``) or ``"columns"`` ((W · xᵀ)ᵀ, the CPU's; see the module)
+    layout: str = "rows"
 
 
 _HEADS: weakref.WeakKeyDictionary[torch.nn.Module, Head32 | None] = weakref.WeakKeyDictionary()
@@ -121,15 +140,24 @@ def head32(model: torch.nn.Module) -> Head32 | None:
         copies += tensors
     copied = sum(t.numel() * 4 for t in copies)
     if w.dtype == torch.float32:
-        made = Head32(weight=w.detach(), bias=bias, norm=norm32, source=source, copied_bytes=copied)
+        made = Head32(weight=w.detach(), bias=bias, norm=norm32, source=source, copied_bytes=copied,
+                      layout=layout_for("float32", w.device))
     else:
         method, buffer = _choose(w.detach(), bias)
         made = Head32(weight=w.detach(), bias=bias, norm=norm32, source=source, method=method, buffer=buffer,
-                      copied_bytes=copied + (0 if buffer is None else buffer.numel() * 4))
-        log.info("float32 logits from the %s head: %s product (%.1f MiB held beyond the weights; a float32 copy "
-                 "would hold %.1f MiB)", w.dtype, method, made.copied_bytes / 2**20, w.numel() * 4 / 2**20)
+                      copied_bytes=copied + (0 if buffer is None else buffer.numel() * 4),
+                      layout=layout_for(method, w.device))
+        log.info("float32 logits from the %s head: %s product, %s layout (%.1f MiB held beyond the weights; a "
+                 "float32 copy would hold %.1f MiB)", w.dtype, method, made.layout, made.copied_bytes / 2**20,
+                 w.numel() * 4 / 2**20)
     _HEADS[model] = made
     return made
+
+
+def layout_for(method: str, device: torch.device) -> str:
+    """The product's layout for a head ``method`` on ``device``: ``"columns"`` for the
+    float32 products on the CPU (faster there, see the module), ``"rows"`` otherwise."""
+    return "columns" if device.type == "cpu" and method in ("float32", "chunked") else "rows"
 
 
 def _buffer(w: torch.Tensor) -> torch.Tensor:
@@ -172,15 +200,20 @@ def _choose(w: torch.Tensor, bias: torch.Tensor | None) -> tuple[str, torch.Tens
     return "split", None
 
 
-def _chunked(x: torch.Tensor, w: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """(n, H) float32 ``x`` times ``w``ᵀ, ``w`` cast into ``buffer`` a chunk of rows at a time."""
+def _chunked(x: torch.Tensor, w: torch.Tensor, buffer: torch.Tensor, layout: str = "rows") -> torch.Tensor:
+    """(n, H) float32 ``x`` times ``w``ᵀ, ``w`` cast into ``buffer`` a chunk of rows at a time
+    (``layout``: :attr:`Head32.layout`)."""
     V, rows = w.shape[0], buffer.shape[0]
-    out = torch.empty(x.shape[0], V, dtype=torch.float32, device=x.device)
+    columns = layout == "columns"
+    out = torch.empty((V, x.shape[0]) if columns else (x.shape[0], V), dtype=torch.float32, device=x.device)
     for i in range(0, V, rows):
         chunk = buffer[:min(rows, V - i)]
         chunk.copy_(w[i:i + rows])
-        torch.mm(x, chunk.T, out=out[:, i:i + rows])
-    return out
+        if columns:
+            torch.mm(chunk, x.T, out=out[i:i + rows])
+        else:
+            torch.mm(x, chunk.T, out=out[:, i:i + rows])
+    return out.T.contiguous() if columns else out
 
 
 def _split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -202,13 +235,26 @@ def _split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def project(head: Head32, hidden: torch.Tensor) -> torch.Tensor:
     """The head on float32 ``hidden`` (..., H) -> float32 (..., V), by ``head.method``."""
-    if head.method == "float32":
+    if head.method == "float32" and head.layout == "rows":
         return F.linear(hidden, head.weight, head.bias)
     x = hidden.reshape(-1, hidden.shape[-1])
-    out = _split(x, head.weight) if head.method == "split" else _chunked(x, head.weight, head.buffer)
+    n = x.shape[0]
+    if head.layout == "columns":
+        x = _at_least(x, MIN_COLUMNS)
+    if head.method == "float32":
+        out = torch.mm(head.weight, x.T).T[:n].contiguous()
+    elif head.method == "split":
+        out = _split(x, head.weight)
+    else:
+        out = _chunked(x, head.weight, head.buffer, head.layout)[:n]
     if head.bias is not None:
         out += head.bias
     return out.reshape(*hidden.shape[:-1], out.shape[-1])
+
+
+def _at_least(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to ``rows`` (``x`` itself when it has as many)."""
+    return x if x.shape[0] >= rows else torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
 
 
 def _version(t: torch.Tensor) -> int | None:
