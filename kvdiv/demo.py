@@ -69,11 +69,6 @@ DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
 #: models get :data:`DEFAULT_REPLICATES`.
 MODEL_REPLICATES: dict[str, int] = {"smollm2-135m": 4, "gemma3-270m": 2}
 DEFAULT_REPLICATES = 4
-#: ``kvdiv serve`` options of a model's server beyond the device's defaults, each by a
-#: measurement (docs/collector.md, "What the second model costs"): Gemma 3 270M's
-#: collection ran 1.37x faster with 8 requests decoded together than one at a time on the
-#: 2-core CPU (benchmarks/bench_batching.py; the same tokens and TVs), SmolLM2's did not.
-MODEL_SERVE_OPTIONS: dict[str, tuple[str, ...]] = {"gemma3-270m": ("--max-batch-requests", "8")}
 
 
 class DemoError(RuntimeError):
@@ -219,10 +214,9 @@ def _terminate_as_interrupt() -> Iterator[None]:
 class ServerProcess:
     """``kvdiv serve`` as a child process; its output goes to a log file."""
 
-    def __init__(self, model: str, log_path: Path, api_key: str | None = None,
-                 options: Sequence[str] = ()) -> None:
+    def __init__(self, model: str, log_path: Path, api_key: str | None = None) -> None:
         cmd = [sys.executable, "-m", "kvdiv", "serve", "--model", model, "--port", "0",
-               "--max-queue", "64", "--log-level", "warning", *options]
+               "--max-queue", "64", "--log-level", "warning"]
         env = dict(os.environ)
         if api_key:
             env["KVDIV_API_KEY"] = api_key
@@ -302,7 +296,7 @@ def _serving(cfg: DemoConfig, part: ModelPart) -> Iterator[ServerProcess | None]
     if cfg.servers:
         yield None
         return
-    server = ServerProcess(part.model, part.out / "server.log", cfg.api_key, MODEL_SERVE_OPTIONS.get(part.model, ()))
+    server = ServerProcess(part.model, part.out / "server.log", cfg.api_key)
     try:
         yield server
     finally:

@@ -315,6 +315,29 @@ def test_question_is_prefilled_after_compression(engine: Engine, prompt: list[in
     assert head["reference_retained_tokens"] == len(prompt) + len(question)
 
 
+def test_a_question_fed_token_by_token_makes_logits_once(engine: Engine, prompt: list[int], monkeypatch) -> None:
+    """Layers keeping different numbers of slots (pyramidkv) take the question one token at
+    a time; only the last token's law is read, so the head runs once (before: once per
+    token, most of the question's cost with a 262k vocabulary), and that law is the one
+    the model gives after the whole question fed with the head every time."""
+    import gen_service.models.float_head as float_head
+    from gen_service.engine.prefill import prefill_question
+
+    question = list(engine.lm.tokenizer(" Which animal sleeps in the barn?").input_ids)
+    policy = engine.registry.build("pyramidkv@0.5")
+    made = [engine.prefill(policy, prompt) for _ in range(2)]
+    assert len(set(made[0].kept_slots)) > 1                   # the per-token path
+    calls = []
+    real = float_head.project
+    monkeypatch.setattr(float_head, "project", lambda *a: calls.append(1) or real(*a))
+    got = prefill_question(engine.model, made[0].side, question)
+    assert len(calls) == 1
+    monkeypatch.setattr(float_head, "advance", lambda model, **inputs: float_head.logits(model, 0, **inputs))
+    monkeypatch.setattr("gen_service.engine.forwards.advance", float_head.advance)
+    want = prefill_question(engine.model, made[1].side, question)
+    assert len(calls) == 1 + len(question) and torch.equal(got, want)
+
+
 def test_question_with_one_forward_prefill_pair(engine: Engine, prompt: list[int]) -> None:
     """The shared prefill (P's full cache kept by hooks during Q's forward) gives both
     sides exactly what their own prefills give, question included: the hooks must not

@@ -250,3 +250,20 @@ def test_kvdiv_serve_cli_prints_ready_url_and_serves() -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_kvpress_warnings_reach_the_log_once(caplog):
+    """kvpress warns "Model ... not tested" at every press it applies; `kvdiv serve` logs
+    each such line once (called twice, it installs one filter)."""
+    import logging
+
+    from gen_service.api.cli import _quiet_libraries
+
+    _quiet_libraries()
+    _quiet_libraries()
+    press_log = logging.getLogger("kvpress.presses.base_press")
+    with caplog.at_level(logging.WARNING, logger="kvpress.presses.base_press"):
+        for _ in range(3):
+            press_log.warning("Model %s not tested", "Gemma3ForCausalLM")
+        press_log.warning("another message")
+    assert [r.getMessage() for r in caplog.records] == ["Model Gemma3ForCausalLM not tested", "another message"]

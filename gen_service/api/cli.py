@@ -111,6 +111,26 @@ def _quiet_libraries() -> None:
         hf_logging.set_verbosity_error()
     except ImportError:
         pass
+    # kvpress warns "Model ... not tested" at every press it applies: once per prefill,
+    # dozens of identical lines a minute for Gemma 3; the first says it all
+    press_log = logging.getLogger("kvpress.presses.base_press")
+    if not any(isinstance(f, _Once) for f in press_log.filters):
+        press_log.addFilter(_Once())
+
+
+class _Once(logging.Filter):
+    """Pass each distinct message once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
 
 
 @click.command("serve")

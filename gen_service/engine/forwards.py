@@ -17,6 +17,7 @@ from gen_service.attention.head_masks import HIDDEN_ATTR, indices_to_mask, pad
 from gen_service.attention.plan import layer_windows
 from gen_service.attention.shared_cache import StackedPromptCache, attention_route
 from gen_service.engine.sides import Forward, Side, cache_lengths
+from gen_service.models.float_head import advance
 from gen_service.models.float_head import logits as fp32_logits
 from gen_service.presses.layered import decoding_hooks
 
@@ -30,10 +31,11 @@ def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @torch.inference_mode()
 def run_side(model: torch.nn.Module, side: Side, tokens: torch.Tensor, positions: torch.Tensor,
-             mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+             mask: torch.Tensor | None = None, logits_to_keep: int = 0, head: bool = True) -> torch.Tensor | None:
     """One forward of ``side`` over (rows, n) tokens -> (rows, V) float32 logits of the
     last one (:func:`gen_service.models.float_head.logits`: the final norm and the head in float32),
-    with that side's head masks and decoding hooks in place."""
+    with that side's head masks and decoding hooks in place. ``head=False``: the cache
+    advances and no logits are made (None; :func:`gen_service.models.float_head.advance`)."""
     with side_applied(model, side, tokens.shape[1]), attention_route(model, side.cache, mask, positions) as (mask, kw):
         if not kw and any(w is not None for w in layer_windows(model.config)):
             # the model's own attention over per-row copies: its window mask reads the
@@ -41,8 +43,12 @@ def run_side(model: torch.nn.Module, side: Side, tokens: torch.Tensor, positions
             # length (compressed, where layer 0 is global); windowed layers keep every slot
             start = max(cache_lengths(side.cache))
             kw = {"cache_position": torch.arange(start, start + tokens.shape[1], device=tokens.device)}
-        out = fp32_logits(model, logits_to_keep, input_ids=tokens, past_key_values=side.cache,
-                          position_ids=positions, attention_mask=mask, use_cache=True, **kw)
+        inputs = dict(input_ids=tokens, past_key_values=side.cache, position_ids=positions, attention_mask=mask,
+                      use_cache=True, **kw)
+        if not head:
+            advance(model, **inputs)
+            return None
+        out = fp32_logits(model, logits_to_keep, **inputs)
     return out[:, -1]
 
 

@@ -90,8 +90,10 @@ def prefill_question(model: torch.nn.Module, side: Side, question_ids: list[int]
     if len(set(cache_lengths(side.cache))) == 1:
         logits = run_side(model, side, q, pos, logits_to_keep=1)
     else:
+        last = q.shape[1] - 1
         for i in range(q.shape[1]):
-            logits = run_side(model, side, q[:, i:i + 1], pos[:, i:i + 1])
+            # only the last token's law is read: the others advance the cache without the head
+            logits = run_side(model, side, q[:, i:i + 1], pos[:, i:i + 1], head=i == last)
     side.next_pos += q.shape[1]
     return logits
 

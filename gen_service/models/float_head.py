@@ -65,7 +65,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger("kvdiv.service")
 
-__all__ = ["CHUNK_BYTES", "Head32", "extra_bytes", "head32", "layout_for", "logits", "project"]
+__all__ = ["CHUNK_BYTES", "Head32", "advance", "extra_bytes", "head32", "layout_for", "logits", "project"]
 
 #: the float32 buffer the chunked head casts the weight into, a chunk of rows at a time
 #: (64 MiB: 4,096 rows of a 4,096-wide head, 32 chunks for 128k tokens; fewer, larger
@@ -319,3 +319,15 @@ def logits(model: torch.nn.Module, logits_to_keep: int = 0, **inputs: Any) -> to
         hidden = hidden[:, -logits_to_keep:, :]
     out = project(head, hidden.float())
     return _postprocess(model.config, out)
+
+
+def advance(model: torch.nn.Module, **inputs: Any) -> None:
+    """The decoder body alone over ``inputs`` (as :func:`logits` takes them): the cache
+    advances, no logits are made. For tokens whose next-token law nobody reads (a
+    question fed one token at a time): the head is most of a one-row forward's cost
+    with a large vocabulary (Gemma 3: 262,144 × 640)."""
+    parts = _parts(model)
+    if parts is None:
+        model(**inputs, logits_to_keep=1)
+        return
+    parts[0](**inputs)
