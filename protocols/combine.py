@@ -28,7 +28,7 @@ import numpy as np
 import xarray as xr
 
 from protocols.errors import ProtocolError
-from protocols.schema import eos_ids
+from protocols.schema import PER_MODEL_COORDS, eos_ids
 from protocols.validate import validate as _validate
 
 __all__ = ["DIMS", "CombineError", "combine"]
@@ -68,7 +68,8 @@ def _check_attrs(datasets: Sequence[xr.Dataset], dim: str) -> None:
 
 
 def _align_others(datasets: list[xr.Dataset], dim: str) -> list[xr.Dataset]:
-    """The dims not being combined must hold the same ids and per-id coords in every input."""
+    """The dims not being combined must hold the same ids and per-id coords in every input
+    (except :data:`PER_MODEL_COORDS` when combining along ``model``)."""
     others = [d for d in ("doc", "policy") if d != dim]
     out = [datasets[0]]
     for i, ds in enumerate(datasets[1:], start=1):
@@ -82,6 +83,8 @@ def _align_others(datasets: list[xr.Dataset], dim: str) -> list[xr.Dataset]:
             ds = ds.sel({other: datasets[0].coords[other].values})
             for name, coord in datasets[0].coords.items():
                 if coord.dims == (other,) and name != other:
+                    if dim == "model" and name in PER_MODEL_COORDS and name in ds.coords:
+                        continue
                     if name not in ds.coords or not coord.variable.equals(ds.coords[name].variable):
                         raise CombineError(f"dataset {i}: per-{other} coordinate {name!r} differs from dataset 0")
         out.append(ds)
@@ -132,8 +135,11 @@ def _by_model(datasets: list[xr.Dataset], models: Sequence[str] | None) -> xr.Da
         raise CombineError(f"model names must be distinct and non-empty, got {names}; pass models=[...]")
     vocab = [int(ds.attrs["vocab_size"]) for ds in datasets]
     eos = [int(ds.attrs["eos_token_id"]) for ds in datasets]
-    out = xr.concat(datasets, dim="model", data_vars="all", coords="minimal", compat="override", join="exact",
-                    combine_attrs="drop_conflicts")
+    # a per-model coordinate that differs between the inputs is kept per model, (model, doc)
+    differ = [name for name in PER_MODEL_COORDS if name in datasets[0].coords
+              and not all(datasets[0].coords[name].variable.equals(ds.coords[name].variable) for ds in datasets[1:])]
+    out = xr.concat(datasets, dim="model", data_vars="all", coords=differ or "minimal", compat="override",
+                    join="exact", combine_attrs="drop_conflicts")
     out = out.assign_coords(model=("model", np.array(names, dtype=object)),
                             vocab_size=("model", np.array(vocab, dtype=np.int32)),
                             eos_token_id=("model", np.array(eos, dtype=np.int32)))

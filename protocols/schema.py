@@ -22,7 +22,8 @@ from protocols.policies import policy_coords
 from protocols.version import __version__
 
 __all__ = [
-    "COUPLING", "KINDS", "MISSING_TOKEN", "OPTIONAL_VARS", "PROB_DTYPE", "REQUIRED_ATTRS", "REQUIRED_VARS",
+    "COUPLING", "KINDS", "MISSING_TOKEN", "OPTIONAL_VARS", "PER_MODEL_COORDS", "PROB_DTYPE", "REQUIRED_ATTRS",
+    "REQUIRED_VARS",
     "SCHEMA", "SPLITS", "TOKEN_DTYPE", "VARIABLE_DOCS", "coupled_dataset", "eos_ids", "eos_set", "eos_table",
     "reference_dataset", "residual_dataset", "sampling_params",
 ]
@@ -92,6 +93,11 @@ VARIABLE_DOCS: dict[str, str] = {
     "branch_y_token": "Q-branch token at age k; -1 where unobserved",
     **{prefix + name: text + where for prefix, where in PATH_DOCS.items() for name, text in FIELD_DOCS.items()},
 }
+
+
+#: per-doc coordinates that may differ between models (each model's tokenizer counts its own
+#: prompt): combined along ``model`` they become (``model``, ``doc``) coordinates
+PER_MODEL_COORDS = ("prompt_tokens",)
 
 
 def eos_ids(attrs: Mapping[str, Any]) -> tuple[int, ...]:

@@ -50,6 +50,7 @@ from protocols.schema import (
     KINDS,
     MISSING_TOKEN,
     OPTIONAL_VARS,
+    PER_MODEL_COORDS,
     PROB_DTYPE,
     REQUIRED_ATTRS,
     REQUIRED_VARS,
@@ -292,7 +293,8 @@ def _check_coords(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
                       ("retention", "policy"), ("budget", "policy")):
         if name not in ds.coords:
             yield f"coordinate {name!r} (per {dim}) is missing"
-        elif ds.coords[name].dims != (dim,):
+        elif ds.coords[name].dims != (dim,) and not (
+                name in PER_MODEL_COORDS and "model" in ds.dims and ds.coords[name].dims == ("model", dim)):
             yield f"coordinate {name!r} has dims {ds.coords[name].dims}, expected ({dim!r},)"
     if "split" in ds.coords:
         bad = sorted({str(s) for s in ds.coords["split"].values} - set(SPLITS))

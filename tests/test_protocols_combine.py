@@ -114,3 +114,19 @@ def test_model_names_must_differ():
 def test_bad_dim():
     with pytest.raises(ValueError, match="dim must be one of"):
         combine([example_dataset()], "replicate")
+
+
+def test_models_with_their_own_prompt_lengths_combine_per_model():
+    """Two models tokenize a document into different numbers of tokens: along ``model``,
+    ``prompt_tokens`` becomes (model, doc), each model's own, and the result validates;
+    equal lengths stay per doc."""
+    a = example_dataset(docs=["a", "b"], seed=1).assign_attrs(model="m1")
+    b = example_dataset(docs=["b", "a"], seed=2).assign_attrs(model="m2")
+    b = b.assign_coords(prompt_tokens=("doc", [400, 300]))
+    both = combine([a, b], "model")
+    assert both["prompt_tokens"].dims == ("model", "doc")
+    assert both["prompt_tokens"].sel(model="m2", doc="a").item() == 300
+    assert both["prompt_tokens"].sel(model="m1").values.tolist() == a["prompt_tokens"].values.tolist()
+    validate(both)
+    same = combine([a, a.assign_attrs(model="m3")], "model")
+    assert same["prompt_tokens"].dims == ("doc",)
