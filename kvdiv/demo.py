@@ -77,10 +77,11 @@ class DemoError(RuntimeError):
 
 @dataclass
 class DemoConfig:
-    """Demo sizes. Defaults are sized so that both models fit ``make demo``'s 10 minutes on 2 CPU
-    cores, the install included (docs/collector.md, "What the second model costs"). Every model
-    gets the same documents, policies, R, T and W: traces combine along ``model`` only when they
-    agree on those."""
+    """Demo sizes. Defaults are sized toward ``make demo``'s 10 minutes on 2 CPU cores, the
+    install included: about 13 were measured with both models (docs/collector.md, "What the
+    second model costs"). Every model gets the same documents, policies, T and W: traces
+    combine along ``model`` only when they agree on those; a model studied at a smaller R
+    holds absent replicates in the others' slots."""
 
     out: Path = Path("runs/demo")
     docs_count: int = 10
