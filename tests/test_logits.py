@@ -72,6 +72,22 @@ def test_fp32_model_logits_are_the_models_own(fp32):
     assert head32(model).norm is None
 
 
+def test_the_columns_head_gives_a_row_the_same_bits_alone_and_among_300(fp32):
+    """The CPU's "columns" product in blocks of COLUMN_BLOCK rows, each padded to
+    MIN_COLUMNS: a row's logits are the same bits alone, at a block's edge or past it,
+    and within float32 rounding of ``F.linear``."""
+    from dataclasses import replace
+
+    head = replace(head32(fp32.model), layout="columns")
+    x = torch.randn(300, head.weight.shape[1], generator=torch.Generator().manual_seed(0)) * 3
+    together = head_module.project(head, x)
+    assert head_module.COLUMN_BLOCK < 300
+    for i in (0, 17, head_module.COLUMN_BLOCK - 1, head_module.COLUMN_BLOCK, 299):
+        assert torch.equal(head_module.project(head, x[i:i + 1]), together[i:i + 1]), i
+    want = F.linear(x, head.weight)
+    assert (together - want).abs().max() <= 1e-6 * want.abs().max()
+
+
 def test_bf16_logits_are_the_float32_last_layer_of_the_same_weights(bf16):
     model, x = bf16.model, torch.tensor([IDS])
     h, own = _prenorm(model, input_ids=x)

@@ -75,6 +75,8 @@ CHUNK_BYTES = 64 << 20
 SPLIT_ROWS = 1024
 #: the fewest hidden-state rows a "columns" product takes (zero rows added; see the module)
 MIN_COLUMNS = 16
+#: hidden-state rows per "columns" product (its transposed output is V × this, copied out)
+COLUMN_BLOCK = 256
 
 
 @dataclass(frozen=True)
@@ -238,18 +240,28 @@ def project(head: Head32, hidden: torch.Tensor) -> torch.Tensor:
     if head.method == "float32" and head.layout == "rows":
         return F.linear(hidden, head.weight, head.bias)
     x = hidden.reshape(-1, hidden.shape[-1])
-    n = x.shape[0]
-    if head.layout == "columns":
-        x = _at_least(x, MIN_COLUMNS)
-    if head.method == "float32":
-        out = torch.mm(head.weight, x.T).T[:n].contiguous()
+    if head.method == "float32":             # the "columns" layout
+        out = _columns(head.weight, x)
     elif head.method == "split":
         out = _split(x, head.weight)
     else:
-        out = _chunked(x, head.weight, head.buffer, head.layout)[:n]
+        padded = _at_least(x, MIN_COLUMNS) if head.layout == "columns" else x
+        out = _chunked(padded, head.weight, head.buffer, head.layout)[:x.shape[0]]
     if head.bias is not None:
         out += head.bias
     return out.reshape(*hidden.shape[:-1], out.shape[-1])
+
+
+def _columns(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(n, H) ``x`` times ``w``ᵀ as (W · xᵀ)ᵀ, :data:`COLUMN_BLOCK` rows of ``x`` at a time, each
+    block padded to :data:`MIN_COLUMNS`: the transposed product is copied into the (n, V)
+    output block by block, so a long prompt's logits are not held twice."""
+    n = x.shape[0]
+    out = torch.empty(n, w.shape[0], dtype=torch.float32, device=x.device)
+    for i in range(0, n, COLUMN_BLOCK):
+        block = x[i:i + COLUMN_BLOCK]
+        out[i:i + block.shape[0]] = torch.mm(w, _at_least(block, MIN_COLUMNS).T)[:, :block.shape[0]].T
+    return out
 
 
 def _at_least(x: torch.Tensor, rows: int) -> torch.Tensor:
