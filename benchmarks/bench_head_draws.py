@@ -28,13 +28,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
 import torch
+from common import clock, interleaved
 
 import gen_service.engine.coupling as coupling
 import gen_service.models.float_head as float_head
@@ -43,25 +42,6 @@ from gen_service.engine.jobs import TraceJob
 from gen_service.models.loading import load_model
 
 DEMO_POLICIES = ["snapkv@0.5", "snapkv#64", "recent@0.5", "snapkv@0.9", "snapkv@0.3", "recent@0.3", "full"]
-
-
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def interleaved(fns: dict[str, Callable[[], Any]], calls: int, device: torch.device) -> dict[str, float]:
-    """Median seconds of each function, called in turn ``calls`` times (one warm-up each)."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(calls):
-        for name, fn in fns.items():
-            t0 = _clock(device)
-            fn()
-            times[name].append(_clock(device) - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def multinomial(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -86,11 +66,11 @@ def old_path(model: torch.nn.Module) -> Any:
 def trace_seconds(engine: Engine, old: bool) -> float:
     job = TraceJob(prompt_ids=list(range(1000, 1130)), candidate="", candidates=DEMO_POLICIES,
                    seeds=list(range(len(DEMO_POLICIES))), kind="residual", horizon=8, replicates=2, window=7)
-    t0 = _clock(engine.device)
+    t0 = clock(engine.device)
     with old_path(engine.lm.model) if old else _nothing():
         n = sum(1 for r in engine.trace(job) if isinstance(r, dict))
     assert n > 0
-    return _clock(engine.device) - t0
+    return clock(engine.device) - t0
 
 
 @contextmanager

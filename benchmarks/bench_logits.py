@@ -50,7 +50,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import chat_prompt_ids  # noqa: E402  (same directory)
+from common import chat_prompt_ids, interleaved  # noqa: E402  (same directory)
 
 import gen_service.engine.forwards as forwards  # noqa: E402
 import gen_service.engine.prefill as prefill  # noqa: E402
@@ -119,7 +119,7 @@ def step_seconds(engine: Engine, ids: list[int], policy: str, rows: int, steps: 
 @torch.inference_mode()
 def head_seconds(engine: Engine, rows: int, calls: int) -> dict[str, float]:
     """The output layer alone on (rows, hidden) final hidden states, the variants
-    interleaved call by call: median seconds per call of each."""
+    interleaved call by call (after a warm-up call each): median seconds per call of each."""
     model, dev = engine.lm.model, engine.lm.device
     head = fp32.head32(model)
     w = model.get_output_embeddings().weight
@@ -128,19 +128,7 @@ def head_seconds(engine: Engine, rows: int, calls: int) -> dict[str, float]:
     runs = {"bf16-head": lambda: F.linear(h.to(w.dtype), w).float(),
             "fp32-copy": lambda: F.linear(h, copy),
             "fp32-head": lambda: fp32.project(head, h)}
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(calls):
-        for name, fn in runs.items():
-            t0 = _clock(dev)
-            fn()
-            times[name].append(_clock(dev) - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+    return interleaved(runs, calls, dev)
 
 
 @torch.inference_mode()

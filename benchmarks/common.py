@@ -1,5 +1,5 @@
-"""What several benchmarks share: their prompt text, a clock that waits for the device and
-a server in a thread.
+"""What several benchmarks share: their prompt text, a clock that waits for the device,
+functions timed in turn, and a server in a thread.
 
 The benchmarks are scripts (``python benchmarks/bench_*.py``), so this sits beside them
 and they import it by name (a script's own folder is first on ``sys.path``).
@@ -7,12 +7,14 @@ and they import it by name (a script's own folder is first on ``sys.path``).
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["PARAGRAPH", "chat_prompt_ids", "clock", "prose_ids", "serve_in_thread"]
+__all__ = ["PARAGRAPH", "chat_prompt_ids", "clock", "interleaved", "prose_ids", "serve_in_thread"]
 
 #: A paragraph of CPython's language reference, repeated to any prompt length.
 PARAGRAPH = (
@@ -44,6 +46,20 @@ def clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], calls: int, device: torch.device) -> dict[str, float]:
+    """Median seconds of each function, the functions called in turn ``calls`` times after
+    one warm-up call each (so that the machine's load hits them alike)."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(calls):
+        for name, fn in fns.items():
+            t0 = clock(device)
+            fn()
+            times[name].append(clock(device) - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def serve_in_thread(model: str, **options: Any) -> tuple[str, Any, Any]:

@@ -210,3 +210,21 @@ def test_without_attrs_is_drop_attrs(analysis):
         assert not any(v.attrs for v in ([ours.variable] if isinstance(ours, xr.DataArray) else [])
                        + list(ours.coords.values()))
     assert analysis.estimates.attrs   # the original keeps its attrs
+
+
+def test_the_header_gives_each_models_replicates_and_vocabulary():
+    """Combined models keep their own vocabularies, and a model studied at a smaller R holds
+    absent replicates: the report's header says each model's, not the padded width."""
+    from collector.rounds import pad_replicates
+    from divstats.report.tables import data_summary
+    from protocols import combine
+    from protocols.examples import example_dataset
+
+    a = example_dataset("residual", replicates=4, vocab_size=6, model="m1", seed=1)
+    b = pad_replicates(example_dataset("residual", replicates=2, vocab_size=9, model="m2", seed=2), 4)
+    head = data_summary(combine([a, b], "model"))
+    assert head["replicates per (doc, policy)"] == "4 (m1), 2 (m2)"
+    assert head["vocabulary"] == "6 (m1), 9 (m2)"
+    same = data_summary(combine([a, a.assign_attrs(model="m3")], "model"))
+    assert same["replicates per (doc, policy)"] == "4" and same["vocabulary"] == "6"
+    assert data_summary(a)["replicates per (doc, policy)"] == "4"

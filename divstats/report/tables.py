@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
+from divstats.design.power import counted_replicates
 from divstats.estimands import ACCEPTED_PER_CALL, TARGET_CALLS, TOKENS_PER_CALL, names
 from divstats.estimation.noise_floor import NO_CONTROL, NOISE_FLOOR_FACTOR, NOISE_FLOOR_METRICS, compare_to_floor
 from divstats.inference.decompose import PARTS
@@ -411,14 +412,30 @@ def data_summary(ds: xr.Dataset) -> dict[str, str]:
     """
     a = ds.attrs
     models = [str(m) for m in ds["model"].values] if "model" in ds.dims else [str(a.get("model", ""))]
+    vocab, reps = str(a.get("vocab_size", "")), str(ds.sizes.get("replicate", 0))
+    if "model" in ds.dims:
+        # each model's own: combined models keep their vocabularies, and a model studied at
+        # a smaller R holds absent replicates in the others' slots
+        if "vocab_size" in ds.coords:
+            vocab = _per_model(models, [int(v) for v in ds["vocab_size"].values])
+        if "replicate" in ds.dims and ds.data_vars:
+            counted = counted_replicates(ds)
+            reps = _per_model(models, [int(counted.sel(model=m).max()) for m in ds["model"].values])
     return {
         "kind": str(a.get("kind", "")), "horizon T": str(a.get("horizon", "")),
-        "observed window W": str(a.get("window", "")), "vocabulary": str(a.get("vocab_size", "")),
+        "observed window W": str(a.get("window", "")), "vocabulary": vocab,
         "model(s)": ", ".join(m for m in models if m) or "—",
         "documents": str(ds.sizes.get("doc", 0)), "policies": ", ".join(str(p) for p in ds["policy"].values),
-        "replicates per (doc, policy)": str(ds.sizes.get("replicate", 0)),
+        "replicates per (doc, policy)": reps,
         "sampling": str(a.get("sampling", "")), "producer": str(a.get("producer", "")),
     }
+
+
+def _per_model(models: list[str], values: list[int]) -> str:
+    """One value when the models agree, else each model's (``4 (a), 2 (b)``)."""
+    if len(set(values)) == 1:
+        return str(values[0])
+    return ", ".join(f"{v} ({m})" for m, v in zip(models, values, strict=True))
 
 
 # --------------------------------------------------------------------------- noise floor
