@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import statistics
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -67,15 +67,10 @@ def trace_seconds(engine: Engine, old: bool) -> float:
     job = TraceJob(prompt_ids=list(range(1000, 1130)), candidate="", candidates=DEMO_POLICIES,
                    seeds=list(range(len(DEMO_POLICIES))), kind="residual", horizon=8, replicates=2, window=7)
     t0 = clock(engine.device)
-    with old_path(engine.lm.model) if old else _nothing():
+    with old_path(engine.lm.model) if old else nullcontext():
         n = sum(1 for r in engine.trace(job) if isinstance(r, dict))
     assert n > 0
     return clock(engine.device) - t0
-
-
-@contextmanager
-def _nothing() -> Any:
-    yield
 
 
 def main() -> None:

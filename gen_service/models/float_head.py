@@ -206,16 +206,15 @@ def _chunked(x: torch.Tensor, w: torch.Tensor, buffer: torch.Tensor, layout: str
     """(n, H) float32 ``x`` times ``w``ᵀ, ``w`` cast into ``buffer`` a chunk of rows at a time
     (``layout``: :attr:`Head32.layout`)."""
     V, rows = w.shape[0], buffer.shape[0]
-    columns = layout == "columns"
-    out = torch.empty((V, x.shape[0]) if columns else (x.shape[0], V), dtype=torch.float32, device=x.device)
+    out = torch.empty(x.shape[0], V, dtype=torch.float32, device=x.device)
     for i in range(0, V, rows):
         chunk = buffer[:min(rows, V - i)]
         chunk.copy_(w[i:i + rows])
-        if columns:
-            torch.mm(chunk, x.T, out=out[i:i + rows])
+        if layout == "columns":
+            out[:, i:i + rows] = _columns(chunk, x)
         else:
             torch.mm(x, chunk.T, out=out[:, i:i + rows])
-    return out.T.contiguous() if columns else out
+    return out
 
 
 def _split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -245,8 +244,7 @@ def project(head: Head32, hidden: torch.Tensor) -> torch.Tensor:
     elif head.method == "split":
         out = _split(x, head.weight)
     else:
-        padded = _at_least(x, MIN_COLUMNS) if head.layout == "columns" else x
-        out = _chunked(padded, head.weight, head.buffer, head.layout)[:x.shape[0]]
+        out = _chunked(x, head.weight, head.buffer, head.layout)
     if head.bias is not None:
         out += head.bias
     return out.reshape(*hidden.shape[:-1], out.shape[-1])
