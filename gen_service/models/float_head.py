@@ -211,7 +211,7 @@ def _chunked(x: torch.Tensor, w: torch.Tensor, buffer: torch.Tensor, layout: str
         chunk = buffer[:min(rows, V - i)]
         chunk.copy_(w[i:i + rows])
         if layout == "columns":
-            out[:, i:i + rows] = _columns(chunk, x)
+            _columns(chunk, x, out=out[:, i:i + rows])
         else:
             torch.mm(x, chunk.T, out=out[:, i:i + rows])
     return out
@@ -250,12 +250,14 @@ def project(head: Head32, hidden: torch.Tensor) -> torch.Tensor:
     return out.reshape(*hidden.shape[:-1], out.shape[-1])
 
 
-def _columns(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _columns(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """(n, H) ``x`` times ``w``ᵀ as (W · xᵀ)ᵀ, :data:`COLUMN_BLOCK` rows of ``x`` at a time, each
-    block padded to :data:`MIN_COLUMNS`: the transposed product is copied into the (n, V)
-    output block by block, so a long prompt's logits are not held twice."""
+    block padded to :data:`MIN_COLUMNS`: the transposed product is copied into ``out`` (an
+    (n, V) view, made when None) block by block, so a long prompt's logits are not held
+    twice (the chunked head passes its output's columns: no chunk-sized copy either)."""
     n = x.shape[0]
-    out = torch.empty(n, w.shape[0], dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.empty(n, w.shape[0], dtype=torch.float32, device=x.device)
     for i in range(0, n, COLUMN_BLOCK):
         block = x[i:i + COLUMN_BLOCK]
         out[i:i + block.shape[0]] = torch.mm(w, _at_least(block, MIN_COLUMNS).T)[:, :block.shape[0]].T
