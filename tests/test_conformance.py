@@ -181,6 +181,55 @@ def test_rerotating_presses_use_each_layers_own_rotary(models: dict, family: str
                not isinstance(layer.self_attn.rotary_emb, LayerRotary) for layer in lm.model.model.layers)
 
 
+MIXED = [f.model_type for f in FAMILIES if len(set(getattr(build(f).config, "layer_types", None) or ())) > 1]
+
+
+@pytest.mark.parametrize("family", MIXED)
+def test_a_question_after_layered_compression_is_one_forward_equal_to_token_by_token(
+        models: dict, family: str, monkeypatch) -> None:
+    """Global layers compressed, windowed ones whole: the question (longer than the window)
+    goes in as one forward with a mask per layer type, and gives the law and the cache
+    that feeding it one token at a time (no mask to get wrong) gives."""
+    import gen_service.engine.prefill as prefill_mod
+
+    lm = _lm(models, family)
+    engine = Engine(lm)
+    ids, question = prompt(8), prompt(9, n=2 * WINDOW - 3)
+    policies = ["snapkv@0.5"] + (["kvpress:KeyRerotationPress(KnormPress)@0.5"] if family == "gemma3_text" else [])
+    for policy in policies:
+        plan = engine.registry.resolve(policy)
+        made = [engine.prefill(plan, ids) for _ in range(2)]
+        lengths = made[0].kept_slots
+        assert len(set(lengths)) > 1
+        assert prefill_mod.question_masks(lm.model, lengths, len(question)) is not None, family
+        one = prefill_mod.prefill_question(lm.model, made[0].side, question)
+        with monkeypatch.context() as m:
+            m.setattr(prefill_mod, "question_masks", lambda *a: None)
+            forwards = []
+            real = prefill_mod.run_side
+            m.setattr(prefill_mod, "run_side", lambda *a, **k: forwards.append(1) or real(*a, **k))
+            want = prefill_mod.prefill_question(lm.model, made[1].side, question)
+            assert len(forwards) == len(question)
+        assert made[0].side.next_pos == made[1].side.next_pos
+        assert (one.log_softmax(-1) - want.log_softmax(-1)).abs().max() <= 1e-5, (family, policy)
+        for a, b in zip(made[0].cache.layers, made[1].cache.layers, strict=True):
+            assert a.keys.shape == b.keys.shape and torch.allclose(a.keys, b.keys, atol=1e-5), (family, policy)
+
+
+def test_question_masks_refuse_layers_of_one_type_with_different_lengths(models: dict) -> None:
+    from gen_service.engine.prefill import question_masks
+
+    model = _lm(models, "olmo3").model                 # 3 windowed layers, then 1 global
+    assert question_masks(model, [40, 40, 40, 20], 5) is not None
+    assert question_masks(model, [40, 39, 40, 20], 5) is None
+    masks = question_masks(model, [7, 7, 7, 20], 3)
+    visible = {k: (m[0, 0] == 0) for k, m in masks.items()}
+    assert visible["full_attention"].shape == (3, 23) and visible["full_attention"].sum(1).tolist() == [21, 22, 23]
+    # a window of 8: each question token sees itself and the 7 keys before it
+    assert visible["sliding_attention"].sum(1).tolist() == [8, 8, 8]
+    assert visible["sliding_attention"][2].nonzero().flatten().tolist() == list(range(2, 10))
+
+
 # --------------------------------------------------------------------------- the wire
 
 

@@ -34,7 +34,7 @@ from gen_service.presses.registry import Policy, PressPlan
 from gen_service.presses.traits import compresses_after_attention, wants_eager
 
 __all__ = ["derives_from_full_forward", "mark_sliding", "prefill", "prefill_document", "prefill_pair",
-           "prefill_question"]
+           "prefill_question", "question_masks"]
 
 
 @torch.inference_mode()
@@ -82,13 +82,17 @@ def mark_sliding(model: torch.nn.Module, cache: DynamicCache) -> None:
 
 def prefill_question(model: torch.nn.Module, side: Side, question_ids: list[int]) -> torch.Tensor:
     """Feed the question after compression (batch 1; :meth:`Side.rows` repeats what a
-    decoding press kept of it). When layers keep different numbers of slots (PyramidKV
-    & co.) one causal mask cannot fit them all, so the question goes in one token at a
-    time (the same attention, without a mask)."""
+    decoding press kept of it). One forward when every layer keeps as many slots, or when
+    the counts differ only between layer types (a model with windowed layers, its global
+    ones compressed: one mask per type, :func:`question_masks`); otherwise (PyramidKV &
+    co.: one mask cannot fit the layers) one token at a time, the same attention without
+    a mask."""
     q = torch.tensor([question_ids], dtype=torch.long, device=model.device)
     pos = torch.arange(side.next_pos, side.next_pos + q.shape[1], device=model.device)[None]
-    if len(set(cache_lengths(side.cache))) == 1:
-        logits = run_side(model, side, q, pos, logits_to_keep=1)
+    lengths = cache_lengths(side.cache)
+    masks = None if len(set(lengths)) == 1 else question_masks(model, lengths, q.shape[1])
+    if len(set(lengths)) == 1 or masks is not None:
+        logits = run_side(model, side, q, pos, mask=masks, logits_to_keep=1)
     else:
         last = q.shape[1] - 1
         for i in range(q.shape[1]):
@@ -96,6 +100,35 @@ def prefill_question(model: torch.nn.Module, side: Side, question_ids: list[int]
             logits = run_side(model, side, q[:, i:i + 1], pos[:, i:i + 1], head=i == last)
     side.next_pos += q.shape[1]
     return logits
+
+
+def question_masks(model: torch.nn.Module, lengths: list[int], n: int) -> dict[str, torch.Tensor] | None:
+    """Additive (1, 1, n, slots + n) masks, one per layer type, for ``n`` tokens fed after a
+    cache whose layers hold ``lengths`` slots, in the form transformers' models with
+    ``layer_types`` take (a dict by type, used as given); None where a type's layers hold
+    different counts or a type is neither full nor sliding attention.
+
+    Every cached slot precedes the question, so a global layer's query sees all of them
+    and the question causally, wherever a press left its keys. A windowed layer is never
+    compressed (gen_service.presses.layered), so its slots are the positions just before
+    the question, contiguous: a query sees the keys less than a window behind it, as the
+    model's own sliding mask (and the token-by-token feed) lets it."""
+    types = getattr(model.config, "layer_types", None)
+    if not types or len(types) != len(lengths):
+        return None
+    kept: dict[str, tuple[int, int | None]] = {}
+    for kind, slots, window in zip(types, lengths, layer_windows(model.config), strict=True):
+        known = kind in ("full_attention", "sliding_attention")
+        if not known or kept.setdefault(kind, (slots, window)) != (slots, window):
+            return None
+    dtype, device = model.dtype, model.device
+    masks = {}
+    for kind, (slots, window) in kept.items():
+        behind = slots + torch.arange(n, device=device)[:, None] - torch.arange(slots + n, device=device)[None]
+        visible = behind >= 0 if window is None else (behind >= 0) & (behind < window)
+        masks[kind] = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(
+            ~visible, torch.finfo(dtype).min)[None, None]
+    return masks
 
 
 def _take_masks(model: torch.nn.Module, cache: DynamicCache) -> list[torch.Tensor | None] | None:
