@@ -250,8 +250,11 @@ class _Pool:
         if same:
             self.prompt_keys, self.prompt_values = previous.prompt_keys, previous.prompt_values
         else:
-            self.prompt_keys = first.new_zeros((G, first.shape[1], longest, first.shape[-1]))
-            self.prompt_values = vals.new_zeros((G, vals.shape[1], longest, vals.shape[-1]))
+            # empty, then each group's prompt and zeros after it: the padding is masked, but
+            # a masked score times garbage could be NaN; zeroing it all first cost a full
+            # pass over (G, heads, L_max, dim) at every stack (8 ms a layer for Gemma 3's 14 groups)
+            self.prompt_keys = first.new_empty((G, first.shape[1], longest, first.shape[-1]))
+            self.prompt_values = vals.new_empty((G, vals.shape[1], longest, vals.shape[-1]))
         if previous is not None:      # its rows' buffers go as soon as no group reads them
             previous.row_keys = previous.row_values = None
         need = max(p.filled for p in parts) + 1
@@ -265,6 +268,8 @@ class _Pool:
             if not same:
                 self.prompt_keys[g, :, :n] = part.prompt_keys[0]
                 self.prompt_values[g, :, :n] = part.prompt_values[0]
+                self.prompt_keys[g, :, n:] = 0
+                self.prompt_values[g, :, n:] = 0
             b = a + part.rows
             if part.row_keys is not None and part.filled:
                 self.row_keys[a:b, :, :part.filled] = part.row_keys[:, :, :part.filled]
