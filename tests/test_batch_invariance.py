@@ -43,8 +43,11 @@ def _job(i: int, candidates: list[str] = CANDIDATES) -> TraceJob:
 
 
 def _run(lm, jobs: list[TraceJob], fuse: str) -> list[list]:
+    from gen_service.models.row_padding import pad_linear_rows
+
     engine = Engine(lm)
     engine.fuse = fuse
+    pad_linear_rows(engine.model)     # as a service decoding requests together does
     streams, _ = _batch(engine, jobs, max_requests=8)
     assert all(s.ended == [None] for s in streams)
     return [s.items for s in streams]
@@ -62,9 +65,13 @@ def test_control_tv_is_exactly_zero_in_a_merged_batch(lm, fuse):
                and rec.get("candidate") not in ("full", None) and "tv" in rec for x in rec["tv"])
 
 
+@pytest.mark.parametrize("candidates", [CANDIDATES, ["snapkv@0.5"]], ids=["5 candidates", "one candidate"])
 @pytest.mark.parametrize("fuse", ["on", "off"])
-def test_a_request_alone_and_merged_with_seven_is_bitwise_equal(lm, fuse):
-    jobs = [_job(i) for i in range(8)]
+def test_a_request_alone_and_merged_with_seven_is_bitwise_equal(lm, fuse, candidates):
+    """One candidate with fuse off: alone, P's and Q's forwards are a group of one each
+    (2 rows): they go through the stacked path too, and every linear product takes at
+    least 16 rows (gen_service.models.row_padding); either missing, TV differed by ~5e-7."""
+    jobs = [_job(i, candidates) for i in range(8)]
     merged = _run(lm, jobs, fuse)[0]
     alone = _run(lm, jobs[:1], fuse)[0]
     steps = [(a, b) for a, b in zip(alone, merged, strict=True) if isinstance(a, dict) and "tv" in a]
@@ -99,3 +106,31 @@ def test_the_prompt_part_does_not_see_a_longer_pool_mate(dtype, own, longest):
                          hidden=(torch.arange(block(own)) >= own)[None, None])
     for a, b in zip(alone, pooled(block(longest)), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_linear_row_gives_the_same_bits_alone_and_among_many():
+    from gen_service.models.row_padding import MIN_ROWS, pad_linear_rows
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(640, 2048), torch.nn.Linear(2048, 640))
+    plain = [torch.nn.Linear(640, 2048)]
+    plain[0].load_state_dict(model[0].state_dict())
+    assert pad_linear_rows(model) == 2 and pad_linear_rows(model) == 2     # idempotent
+    x = torch.randn(40, 640)
+    for rows in (1, 2, 5, 11, MIN_ROWS, 40):
+        for at in sorted({0, rows - 1}):
+            batch = torch.randn(rows, 640)
+            batch[at] = x[0]
+            assert torch.equal(model(batch)[at], model(x)[0]), (rows, at)
+            assert torch.allclose(model[0](batch)[at], plain[0](batch)[at], atol=1e-5)
+    assert model[0](x[:3, None]).shape == (3, 1, 2048)
+
+
+def test_a_service_pads_the_linears_only_when_it_merges_requests():
+    from gen_service.serving.service import Service, ServiceConfig
+
+    for merged, want in ((1, 0), (8, 14)):      # 2 layers x (q, k, v, o, gate, up, down)
+        engine = Engine(load_model("tiny:llama"))
+        Service(engine, ServiceConfig(max_batch_requests=merged))
+        assert engine.padded_linears == want
+

@@ -207,7 +207,8 @@ def test_a_question_after_layered_compression_is_one_forward_equal_to_token_by_t
             m.setattr(prefill_mod, "question_masks", lambda *a: None)
             forwards = []
             real = prefill_mod.run_side
-            m.setattr(prefill_mod, "run_side", lambda *a, **k: forwards.append(1) or real(*a, **k))
+            m.setattr(prefill_mod, "run_side",
+                      lambda *a, forwards=forwards, real=real, **k: forwards.append(1) or real(*a, **k))
             want = prefill_mod.prefill_question(lm.model, made[1].side, question)
             assert len(forwards) == len(question)
         assert made[0].side.next_pos == made[1].side.next_pos

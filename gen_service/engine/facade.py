@@ -51,6 +51,9 @@ class Engine:
         self.model = lm.model
         # each attention feature's path, decided now (refuses what no path reproduces)
         self.attention = attention_plan(lm.model, lm.name)
+        # linear layers whose CPU products take >= 16 rows (gen_service.models.row_padding):
+        # set by a service that decodes requests together (0: none)
+        self.padded_linears = 0
         self.registry = registry or PolicyRegistry()
         self.device = lm.device
         # store the prompt once for all rows where the side allows (gen_service/attention/shared_cache.py)

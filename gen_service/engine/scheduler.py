@@ -167,7 +167,7 @@ def run_forwards(asks: dict[Any, list[Forward]], runner: Runner) -> dict[Any, li
 
 
 def run_group(forwards: list[Forward], runner: Runner) -> list[torch.Tensor]:
-    """Stacked forwards in one batch; a group of one runs as its own forward."""
-    if len(forwards) == 1:
-        return [runner.one(forwards[0])]
+    """Stacked forwards in one batch, a group of one included: a side's numbers are then
+    those of one path (the stacked cascade, its prompt padded to the pool's key blocks)
+    whether it decodes alone or beside others (tests/test_batch_invariance.py)."""
     return runner.stacked(forwards)
