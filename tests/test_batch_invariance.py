@@ -43,11 +43,9 @@ def _job(i: int, candidates: list[str] = CANDIDATES) -> TraceJob:
 
 
 def _run(lm, jobs: list[TraceJob], fuse: str) -> list[list]:
-    from gen_service.models.row_padding import pad_linear_rows
-
     engine = Engine(lm)
     engine.fuse = fuse
-    pad_linear_rows(engine.model)     # as a service decoding requests together does
+    engine.make_batch_invariant()     # as a service decoding requests together does
     streams, _ = _batch(engine, jobs, max_requests=8)
     assert all(s.ended == [None] for s in streams)
     return [s.items for s in streams]
@@ -69,8 +67,9 @@ def test_control_tv_is_exactly_zero_in_a_merged_batch(lm, fuse):
 @pytest.mark.parametrize("fuse", ["on", "off"])
 def test_a_request_alone_and_merged_with_seven_is_bitwise_equal(lm, fuse, candidates):
     """One candidate with fuse off: alone, P's and Q's forwards are a group of one each
-    (2 rows): they go through the stacked path too, and every linear product takes at
-    least 16 rows (gen_service.models.row_padding); either missing, TV differed by ~5e-7."""
+    (2 rows): with the engine batch-invariant they go through the stacked path too, and
+    every linear product takes at least 16 rows (gen_service.models.row_padding); either
+    missing, TV differed by ~5e-7."""
     jobs = [_job(i, candidates) for i in range(8)]
     merged = _run(lm, jobs, fuse)[0]
     alone = _run(lm, jobs[:1], fuse)[0]
@@ -126,11 +125,12 @@ def test_a_linear_row_gives_the_same_bits_alone_and_among_many():
     assert model[0](x[:3, None]).shape == (3, 1, 2048)
 
 
-def test_a_service_pads_the_linears_only_when_it_merges_requests():
+def test_a_service_is_batch_invariant_only_when_it_merges_requests():
     from gen_service.serving.service import Service, ServiceConfig
 
     for merged, want in ((1, 0), (8, 14)):      # 2 layers x (q, k, v, o, gate, up, down)
         engine = Engine(load_model("tiny:llama"))
         Service(engine, ServiceConfig(max_batch_requests=merged))
-        assert engine.padded_linears == want
+        assert engine.padded_linears == want and engine.batch_invariant == (merged > 1)
+        assert engine._runner().invariant == (merged > 1)
 

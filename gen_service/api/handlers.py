@@ -287,7 +287,7 @@ async def info(request: Request) -> Response:
                   # /v1/traces takes `candidates` (several policies, one request; docs/service.md)
                   "trace_candidates": cfg.max_candidates > 1, "max_candidates": cfg.max_candidates,
                   "batch_candidates": svc.engine.batch_candidates,
-                  "padded_linears": svc.engine.padded_linears,
+                  "batch_invariant": svc.engine.batch_invariant, "padded_linears": svc.engine.padded_linears,
                   # P's and Q's forwards as one: the setting and each shape's timings
                   "fused_forward": svc.engine.fusion_info(),
                   # which path each attention feature of the model takes (gen_service.attention.plan)

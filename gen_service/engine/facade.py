@@ -36,6 +36,7 @@ from gen_service.engine.scheduler import Runner, run_steps, steps, steps_many
 from gen_service.engine.sides import Forward, Prefilled, Side
 from gen_service.errors import Cancelled, CandidateError, ConfigError
 from gen_service.models.loading import LoadedModel
+from gen_service.models.row_padding import pad_linear_rows
 from gen_service.presses.registry import ModelInfo, Policy, PolicyRegistry
 
 __all__ = ["Engine"]
@@ -51,8 +52,9 @@ class Engine:
         self.model = lm.model
         # each attention feature's path, decided now (refuses what no path reproduces)
         self.attention = attention_plan(lm.model, lm.name)
-        # linear layers whose CPU products take >= 16 rows (gen_service.models.row_padding):
-        # set by a service that decodes requests together (0: none)
+        # a request's numbers independent of its batch-mates (:meth:`make_batch_invariant`,
+        # by a service that decodes requests together); the linear layers it padded
+        self.batch_invariant = False
         self.padded_linears = 0
         self.registry = registry or PolicyRegistry()
         self.device = lm.device
@@ -138,10 +140,20 @@ class Engine:
                               f"{self.attention.windowed}, which the captured graphs do not reproduce")
         self.cuda_graphs = CudaGraphs(self.model)
 
+    def make_batch_invariant(self) -> None:
+        """Make each request's records the same bits alone and merged with others: a
+        stackable forward alone goes through the stacked path too (as it would merged),
+        and on the CPU every decoder linear takes at least 16 rows
+        (:mod:`gen_service.models.row_padding`). For a service that decodes requests
+        together; it costs time and the pool's copy of a lone prompt (docs/service.md,
+        "Batch invariance and the control")."""
+        self.batch_invariant = True
+        self.padded_linears = pad_linear_rows(self.model)
+
     def _runner(self) -> Runner:
         """The scheduler's view of this engine's settings, read now."""
         return Runner(lambda f: self._run_forward(f), lambda fs: self._forward_stacked(fs), self.device,
-                                self.batch_candidates, self.fuse, self.fusion)
+                      self.batch_candidates, self.fuse, self.fusion, self.batch_invariant)
 
     def fusion_info(self) -> dict[str, Any]:
         """The fused-forward setting and every shape's measurement so far (``/info``)."""

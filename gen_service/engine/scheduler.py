@@ -46,6 +46,8 @@ class Runner:
     batch_candidates: bool = True
     fuse: str = "auto"
     measured: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)
+    #: a group of one forward goes through ``stacked`` too (Engine.make_batch_invariant)
+    invariant: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,10 @@ def run_forwards(asks: dict[Any, list[Forward]], runner: Runner) -> dict[Any, li
 
 
 def run_group(forwards: list[Forward], runner: Runner) -> list[torch.Tensor]:
-    """Stacked forwards in one batch, a group of one included: a side's numbers are then
-    those of one path (the stacked cascade, its prompt padded to the pool's key blocks)
-    whether it decodes alone or beside others (tests/test_batch_invariance.py)."""
+    """Stacked forwards in one batch; a group of one runs as its own forward, unless the
+    runner is ``invariant``: its numbers are then those of the one path it takes merged
+    (the stacked cascade, the prompt padded to the pool's key blocks), alone or not
+    (tests/test_batch_invariance.py)."""
+    if len(forwards) == 1 and not runner.invariant:
+        return [runner.one(forwards[0])]
     return runner.stacked(forwards)

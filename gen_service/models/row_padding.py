@@ -21,7 +21,8 @@ It costs time only in forwards with fewer than :data:`MIN_ROWS` rows. A 1536 × 
 product over 2 rows took 183 µs, and 568 µs over 16. A SmolLM2 request with one
 candidate and R = 2 (a 300-token prompt, T = 16, W = 15) took 1.35× as long, 4 runs
 alternated. So only a service that decodes requests together pads
-(``Service`` with ``--max-batch-requests`` above 1, ``/info``'s ``padded_linears``). A
+(``Engine.make_batch_invariant``, called with ``--max-batch-requests`` above 1;
+``/info``'s ``padded_linears``). A
 server that runs one request at a time, the CPU default, never puts a request's rows
 beside another's, and pays nothing.
 

@@ -31,7 +31,6 @@ from gen_service.engine.facade import Engine
 from gen_service.engine.jobs import TraceJob
 from gen_service.errors import ApiError, Cancelled, ConfigError, PolicyError, RequestTimeout, RequestTooLarge, invalid
 from gen_service.models.loading import context_question_ids
-from gen_service.models.row_padding import pad_linear_rows
 from gen_service.presses.registry import ModelInfo
 from gen_service.presses.traits import wants_eager
 from gen_service.serving.admission import MemoryGate, TraceSize
@@ -335,9 +334,8 @@ class Service:
         self.batch = (BatchLoop(self.executor, engine._runner, self.batching.max_requests, self.memory.budget,
                                 self.metrics) if self.batching.max_requests > 1 else None)
         if self.batch is not None:
-            # requests decoded together: a row's bits must not depend on its batch-mates (on
-            # the CPU, at a cost in forwards of fewer than 16 rows; docs/service.md)
-            engine.padded_linears = pad_linear_rows(engine.model)
+            # requests decoded together: a request's bits must not depend on its batch-mates
+            engine.make_batch_invariant()
         self.created = int(time.time())
         self.tokenizer = engine.lm.tokenizer
         self.special_ids = frozenset(self.tokenizer.all_special_ids)  # a property that rebuilds a list per access
