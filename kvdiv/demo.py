@@ -94,7 +94,7 @@ class DemoConfig:
     servers: list[str] = field(default_factory=list)
     #: the models studied, one after the other (short ids as ``kvdiv serve --model`` takes)
     models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
-    concurrency: int = 8   # fills the local server's decoding batch (kvdiv serve --max-batch-requests)
+    concurrency: int = 8   # keeps the local server's queue full (a CPU server decodes one request at a time)
     api_key: str | None = None
     template: str = "summarise"
     plan: Path | None = None

@@ -134,3 +134,7 @@ def test_a_service_is_batch_invariant_only_when_it_merges_requests():
         assert engine.padded_linears == want and engine.batch_invariant == (merged > 1)
         assert engine._runner().invariant == (merged > 1)
 
+    engine = Engine(load_model("tiny:llama"))
+    engine.device = torch.device("cuda")         # unmeasured there: nothing changes
+    engine.make_batch_invariant()
+    assert not engine.batch_invariant and engine.padded_linears == 0 and not engine._runner().invariant
