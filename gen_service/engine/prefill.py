@@ -90,8 +90,9 @@ def prefill_question(model: torch.nn.Module, side: Side, question_ids: list[int]
     q = torch.tensor([question_ids], dtype=torch.long, device=model.device)
     pos = torch.arange(side.next_pos, side.next_pos + q.shape[1], device=model.device)[None]
     lengths = cache_lengths(side.cache)
-    masks = None if len(set(lengths)) == 1 else question_masks(model, lengths, q.shape[1])
-    if len(set(lengths)) == 1 or masks is not None:
+    uniform = len(set(lengths)) == 1
+    masks = None if uniform else question_masks(model, lengths, q.shape[1])
+    if uniform or masks is not None:
         logits = run_side(model, side, q, pos, mask=masks, logits_to_keep=1)
     else:
         last = q.shape[1] - 1

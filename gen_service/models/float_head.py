@@ -63,6 +63,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gen_service.models.row_padding import at_least
+
 log = logging.getLogger("kvdiv.service")
 
 __all__ = ["CHUNK_BYTES", "Head32", "advance", "extra_bytes", "head32", "layout_for", "logits", "project"]
@@ -260,13 +262,8 @@ def _columns(w: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) 
         out = torch.empty(n, w.shape[0], dtype=torch.float32, device=x.device)
     for i in range(0, n, COLUMN_BLOCK):
         block = x[i:i + COLUMN_BLOCK]
-        out[i:i + block.shape[0]] = torch.mm(w, _at_least(block, MIN_COLUMNS).T)[:, :block.shape[0]].T
+        out[i:i + block.shape[0]] = torch.mm(w, at_least(block, MIN_COLUMNS).T)[:, :block.shape[0]].T
     return out
-
-
-def _at_least(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x`` with zero rows appended up to ``rows`` (``x`` itself when it has as many)."""
-    return x if x.shape[0] >= rows else torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
 
 
 def _version(t: torch.Tensor) -> int | None:

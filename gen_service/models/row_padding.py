@@ -37,7 +37,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MIN_ROWS", "pad_linear_rows"]
+__all__ = ["MIN_ROWS", "at_least", "pad_linear_rows"]
 
 #: the fewest rows a CPU linear product takes (zero rows added below; see the module)
 MIN_ROWS = 16
@@ -62,10 +62,14 @@ def pad_linear_rows(model: torch.nn.Module) -> int:
     return count
 
 
+def at_least(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """(n, H) ``x`` with zero rows appended up to ``rows`` (``x`` itself when it has as many)."""
+    return x if x.shape[0] >= rows else torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
+
+
 def _padded_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = x.numel() // self.in_features
     if rows >= MIN_ROWS or rows == 0:
         return F.linear(x, self.weight, self.bias)
-    flat = x.reshape(rows, x.shape[-1])
-    padded = torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, flat.shape[1])])
+    padded = at_least(x.reshape(rows, self.in_features), MIN_ROWS)
     return F.linear(padded, self.weight, self.bias)[:rows].reshape(*x.shape[:-1], -1)
