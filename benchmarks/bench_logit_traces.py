@@ -11,7 +11,7 @@ load hits them alike. Reports per kind and k:
 - the median seconds of a whole request (over ``--repeats``) and its ratio to k = 0, with
   the median of the per-repeat ratios (each repeat runs every k back to back).
 
-The numbers in docs/service.md ("Logit traces: size") come from
+The numbers in docs/measurements.md ("Logit traces: size") come from
 ``python benchmarks/bench_logit_traces.py --model embedded --rows 8 --steps 32``.
 """
 

@@ -341,9 +341,9 @@ def categorical(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     w_v / Σw, a zero weight never drawn. It replaces ``torch.multinomial``, whose
     one-sample draw makes an exponential variate per *entry* (262k per row for Gemma 3):
     at 28 rows × 262,144 entries on the 2-core CPU it took 262 ms against 46 ms
-    (``benchmarks/bench_head_draws.py``; docs/service.md, "The head's layout and the
-    draws on the CPU"). Rows are independent (a row's draw reads its own weights and
-    its own uniform), and the generator's use is one uniform per row whatever the
+    (``benchmarks/bench_head_draws.py``; docs/measurements.md, "The head's layout and the
+    draws on the CPU, measured"). Rows are independent (a row's draw reads its own
+    weights and its own uniform), and the generator's use is one uniform per row whatever the
     weights: reproducible, and the same on every device.
 
     Parameters

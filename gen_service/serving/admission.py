@@ -189,7 +189,7 @@ class SideMemory:
 
 
 # Transient copies of one layer's per-row cache while a per-row side decodes, checked
-# against the allocations measured on tiny:llama (tests/test_memory.py, docs/service.md):
+# against the allocations measured on tiny:llama (tests/test_memory.py, docs/measurements.md):
 # appending concatenates the layer's cache with the new token into a new tensor
 # (DynamicCache, the keys a QuantizedLayer returns): one copy. A quantized cache's flush
 # re-quantizes the whole layer: its padded, shifted, scaled and rounded intermediates
