@@ -12,10 +12,14 @@
    step's values per step, against ``Engine.trace`` as the server runs it (shared
    prompt, stacked or fused forwards, the readback every k steps). Whole requests,
    prefill included, alternately, after one warm-up of each (the fused-forward
-   measurement of the engine's first step is kept for the life of a server).
+   measurement of the engine's first step is kept for the life of a server). Then one
+   service request under the profiler: its seconds in matrix products and attention
+   kernels, arithmetic the naive loop does too, bound the speed-up any service could
+   reach on this machine. With
+   several ``--prompt-tokens`` a last table sets the lengths side by side.
 
 Usage: ``python benchmarks/bench_engine_ops.py [--model embedded] [--rows 64] [--steps 16]
-[--repeats 3] [--prompt-tokens 500] [--skip-naive] [--skip-ops]``.
+[--repeats 3] [--prompt-tokens 500 [1000 ...]] [--skip-naive] [--skip-ops]``.
 """
 
 from __future__ import annotations
@@ -131,7 +135,27 @@ def service_coupled(engine: Engine, ids: list[int], policy: str, rows: int, step
     return [r for r in engine.trace(job) if r.get("type") == "step"]
 
 
-def bench_naive(engine: Engine, ids: list[int], rows: int, steps: int, repeats: int) -> None:
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def arithmetic_seconds(engine: Engine, ids: list[int], policy: str, rows: int, steps: int) -> dict[str, float]:
+    """One service request under the profiler: its seconds in matrix products, in attention
+    kernels (the fused SDPA ops) and in all.
+
+    Both are arithmetic the naive loop does too (the same model, rows, head and keys
+    attended), so naive ÷ their sum bounds the speed-up a service could reach on this
+    machine by cutting everything else."""
+    t0 = clock(engine.device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        service_coupled(engine, ids, policy, rows, steps, 99)
+    whole = clock(engine.device) - t0
+    events = prof.key_averages()
+    mm = sum(e.self_cpu_time_total for e in events if e.key in MATMULS) / 1e6
+    attention = sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key) / 1e6
+    return {"matmul": mm, "attention": attention, "whole": whole}
+
+
+def bench_naive(engine: Engine, ids: list[int], rows: int, steps: int, repeats: int) -> dict:
     policy = POLICIES[0]
     runs = {"naive": naive_coupled, "service": service_coupled}
     for fn in runs.values():          # warm-up; the service's first step measures fusion once
@@ -156,8 +180,15 @@ def bench_naive(engine: Engine, ids: list[int], rows: int, steps: int, repeats: 
         med = statistics.median(ts)
         print(f"| {name} | {', '.join(f'{t:.2f}' for t in ts)} | {med:.2f} | {naive / med:.2f} |")
     ratios = [a / b for a, b in zip(times["naive"], times["service"], strict=True)]
+    ar = arithmetic_seconds(engine, ids, policy, rows, steps)
+    floor = ar["matmul"] + ar["attention"]
     print(f"\nper-repeat ratios {', '.join(f'{r:.2f}' for r in ratios)}; last repeat: same tokens "
           f"{same}/{total}, max |ΔTV| {dtv:.1e}; fused forward: {engine.fusion_info()['measured']}")
+    print(f"a profiled service request: {ar['whole']:.2f} s, of which matrix products {ar['matmul']:.2f} s and "
+          f"attention kernels {ar['attention']:.2f} s; naive ÷ their sum = {naive / floor:.2f}, the most a "
+          f"service could reach by cutting everything else")
+    return {"prompt": len(ids), "naive": naive, "service": statistics.median(times["service"]),
+            "ratio": statistics.median(ratios), "floor": floor, **ar, "same": f"{same}/{total}"}
 
 
 def main() -> None:
@@ -166,18 +197,27 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--ops-rows", type=int, default=8, help="rows per group in part 1")
-    ap.add_argument("--prompt-tokens", type=int, default=500)
+    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[500],
+                    help="one or more prompt lengths (part 2 runs once per length)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--skip-naive", action="store_true")
     args = ap.parse_args()
     engine = Engine(load_model(args.model))
-    ids = prose_ids(engine.lm.tokenizer, args.prompt_tokens)
+    lengths = [prose_ids(engine.lm.tokenizer, n) for n in args.prompt_tokens]
     print(f"model {args.model}, {torch.get_num_threads()} threads, device {engine.lm.device}")
     if not args.skip_ops:
-        bench_ops(engine, ids, args.ops_rows, args.repeats)
-    if not args.skip_naive:
-        bench_naive(engine, ids, args.rows, args.steps, args.repeats)
+        bench_ops(engine, lengths[0], args.ops_rows, args.repeats)
+    if args.skip_naive:
+        return
+    rows = [bench_naive(engine, ids, args.rows, args.steps, args.repeats) for ids in lengths]
+    print(f"\nthe service against the naive loop by prompt length (R = {args.rows}, T = {args.steps}, "
+          f"medians)\n")
+    print("| prompt tokens | naive s | service s | median per-repeat ratio | service's matmul + attention s "
+          "| naive ÷ that | same tokens |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['prompt']} | {r['naive']:.2f} | {r['service']:.2f} | **{r['ratio']:.2f}** | "
+              f"{r['matmul']:.2f} + {r['attention']:.2f} | {r['naive'] / r['floor']:.2f} | {r['same']} |")
 
 
 if __name__ == "__main__":

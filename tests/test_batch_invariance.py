@@ -18,7 +18,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
-from test_service_batching import _batch
+from test_service_batching import Inline, Stream, _batch
 
 from gen_service.attention.cascade import _prompt_part
 from gen_service.attention.shared_cache import CPU_KEY_BLOCK
@@ -26,6 +26,8 @@ from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
 from gen_service.engine.jobs import TraceJob
 from gen_service.models.loading import load_model
+from gen_service.serving.batching import BatchEntry, BatchLoop
+from gen_service.serving.service import Metrics
 
 CANDIDATES = ["snapkv@0.5", "recent@0.5", "snapkv@0.9", "recent@0.3", "full"]
 
@@ -138,3 +140,55 @@ def test_a_service_is_batch_invariant_only_when_it_merges_requests():
     engine.device = torch.device("cuda")         # unmeasured there: nothing changes
     engine.make_batch_invariant()
     assert not engine.batch_invariant and engine.padded_linears == 0 and not engine._runner().invariant
+
+
+class _AdmitsAfter(Stream):
+    """A stream that, once it holds ``after`` step records, calls ``then`` (once)."""
+
+    def __init__(self, after: int, then):
+        super().__init__()
+        self.after, self.then = after, then
+
+    def put(self, item) -> None:
+        super().put(item)
+        if self.then is not None and sum(isinstance(r, dict) and "tv" in r for r in self.items) >= self.after:
+            then, self.then = self.then, None
+            then()
+
+
+@pytest.mark.parametrize("fuse", ["on", "off"])
+def test_requests_admitted_at_different_steps_are_bitwise_equal_to_alone(lm, fuse, monkeypatch):
+    """B joins while A is already some steps in, so the batch's rows' own part spans A's
+    longer fill (``StackedPromptCache.seen`` = max(fills) + 1) and B's rows attend
+    masked slots they would not have alone: B's records, and A's, must still be the bits
+    of each alone."""
+    from dataclasses import replace
+
+    from gen_service.attention.shared_cache import StackedPromptCache
+
+    a_job, b_job = replace(_job(0, ["snapkv@0.5"]), horizon=12), _job(1, ["snapkv@0.5", "full"])
+    alone = [_run(lm, [job], fuse)[0] for job in (a_job, b_job)]
+
+    fills: list[list[int]] = []
+    plan = StackedPromptCache._plan
+
+    def spy(self, caches, rows, masks):
+        fills.append([c.layers[0].filled for c in caches])
+        return plan(self, caches, rows, masks)
+
+    monkeypatch.setattr(StackedPromptCache, "_plan", spy)
+    engine = Engine(lm)
+    engine.fuse = fuse
+    engine.make_batch_invariant()
+    executor, b_stream = Inline(), Stream()
+    loop = BatchLoop(executor, engine._runner, 8, 1 << 50, Metrics())
+    entry = lambda job, stream: BatchEntry(stream, lambda c: engine.trace_steps(job, c), 0, job.replicates)  # noqa: E731
+    a_stream = _AdmitsAfter(2, lambda: loop.submit(entry(b_job, b_stream)))
+    loop.submit(entry(a_job, a_stream))
+    executor.drain()
+    assert a_stream.ended == [None] and b_stream.ended == [None]
+    assert any(len(set(f)) > 1 for f in fills)          # rows at different steps did share forwards
+    for got, want in zip((a_stream.items, b_stream.items), alone, strict=True):
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert a == b
