@@ -7,6 +7,12 @@ import pytest
 # torch's OpenMP threads busy-wait by default; on a small shared machine that turns a
 # millisecond matmul into tens of milliseconds. Must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Each xdist worker takes its share of the cores (set before torch loads, so its children
+# inherit it too): with torch's default of one thread per core in every worker, two
+# workers put four threads on two cores, and a product's threads then wait for each other.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 
 # The collector tests' fixtures (one definition; test modules may override them).
