@@ -9,7 +9,8 @@ both ways in this one process, interleaved call by call (medians over ``--calls`
   ``--rows``;
 - the draw: ``torch.multinomial`` (before) against the inverse-CDF
   ``gen_service.engine.coupling.categorical`` (now), on softmax laws of that many rows
-  over the model's vocabulary;
+  over the model's vocabulary; and the inverse-CDF draw's float64 running sums in
+  passes of 64 MB of rows (before) against the CPU's 4 MB (``CPU_CDF_BYTES``, now);
 
 then, with ``--trace``, one grouped residual request through ``Engine.trace`` (the
 demo's seven candidates, R = 2, T = 8, W = 7, a 130-token prompt) the old way
@@ -42,6 +43,17 @@ from gen_service.engine.jobs import TraceJob
 from gen_service.models.loading import load_model
 
 DEMO_POLICIES = ["snapkv@0.5", "snapkv#64", "recent@0.5", "snapkv@0.9", "snapkv@0.3", "recent@0.3", "full"]
+
+
+def large_passes(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """The inverse-CDF draw before on the CPU: rows in passes of ``CDF_BYTES`` (64 MB),
+    now ``CPU_CDF_BYTES`` (the same draws: a row reads only its own weights)."""
+    before = coupling.CPU_CDF_BYTES
+    coupling.CPU_CDF_BYTES = coupling.CDF_BYTES
+    try:
+        return coupling.categorical(weights, gen)
+    finally:
+        coupling.CPU_CDF_BYTES = before
 
 
 def multinomial(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -99,6 +111,10 @@ def main() -> None:
         t = interleaved({"before": lambda p=p: multinomial(p, gen), "now": lambda p=p: coupling.categorical(p, gen)},
                         args.calls, dev)
         print(f"| draw | {rows} | {t['before'] * 1e3:.1f} | {t['now'] * 1e3:.1f} | {t['before'] / t['now']:.2f} |")
+        t = interleaved({"before": lambda p=p: large_passes(p, gen), "now": lambda p=p: coupling.categorical(p, gen)},
+                        args.calls, dev)
+        print(f"| draw's passes | {rows} | {t['before'] * 1e3:.1f} | {t['now'] * 1e3:.1f} | "
+              f"{t['before'] / t['now']:.2f} |")
     if args.trace:
         engine = Engine(lm)
         pairs = []

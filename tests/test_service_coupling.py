@@ -42,7 +42,7 @@ def test_categorical_rows_are_independent_of_blocks_and_neighbours(monkeypatch) 
     g = torch.Generator().manual_seed(0)
     w = torch.rand(7, 50, generator=g) * (torch.rand(7, 50, generator=g) > 0.5)
     whole = categorical(w, torch.Generator().manual_seed(1))
-    monkeypatch.setattr(coupling, "CDF_BYTES", 8 * 50 * 2)          # two rows per block
+    monkeypatch.setattr(coupling, "CPU_CDF_BYTES", 8 * 50 * 2)      # two rows per block (the CPU budget)
     assert torch.equal(categorical(w, torch.Generator().manual_seed(1)), whole)
     assert torch.equal(w.gather(1, whole[:, None]) > 0, torch.ones(7, 1, dtype=torch.bool))
     last = torch.tensor([[0.0, 1.0, 2.0, 0.0]])

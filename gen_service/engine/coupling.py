@@ -16,6 +16,12 @@ __all__ = ["Sampling", "History", "penalize", "probs", "absorb_eos", "ended_on",
 #: bytes of float64 running sums :func:`categorical` holds at once (rows are taken in
 #: blocks so that 1,280 rows of a 152k vocabulary do not need 1.5 GB beside the logits)
 CDF_BYTES = 64 << 20
+#: the same on the CPU, smaller: there a buffer above glibc's mmap threshold (32 MB at
+#: most) is mapped afresh at every call, and its page faults cost more than the sums
+#: (28 rows × 262,144, Gemma 3's draw: 44 ms in 64 MB passes, 16 ms in 4 MB;
+#: benchmarks/bench_head_draws.py). CUDA's caching allocator has no such cost, and
+#: there each pass is a few kernel launches, so it keeps the large passes.
+CPU_CDF_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -370,7 +376,8 @@ def categorical(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """
     rows, V = weights.shape
     u = torch.rand(rows, 1, generator=gen, device=weights.device, dtype=torch.float64)
-    block = max(1, CDF_BYTES // (8 * max(V, 1)))
+    budget = CPU_CDF_BYTES if weights.device.type == "cpu" else CDF_BYTES
+    block = max(1, budget // (8 * max(V, 1)))
     out = []
     for i in range(0, rows, block):
         cdf = weights[i:i + block].double().cumsum(-1)
