@@ -15,8 +15,8 @@
    measurement of the engine's first step is kept for the life of a server). Then one
    service request under the profiler: its seconds in matrix products and attention
    kernels, arithmetic the naive loop does too, bound the speed-up any service could
-   reach on this machine. With
-   several ``--prompt-tokens`` a last table sets the lengths side by side.
+   reach on this machine. With several ``--prompt-tokens`` a last table sets the
+   lengths side by side.
 
 Usage: ``python benchmarks/bench_engine_ops.py [--model embedded] [--rows 64] [--steps 16]
 [--repeats 3] [--prompt-tokens 500 [1000 ...]] [--skip-naive] [--skip-ops]``.

@@ -33,7 +33,7 @@ from common import clock, interleaved  # noqa: E402
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
 
 from gen_service.attention.cascade import _prompt_part, prompt_kernel  # noqa: E402
-from gen_service.attention.shared_cache import CPU_KEY_BLOCK  # noqa: E402
+from gen_service.attention.shared_cache import pooled_length  # noqa: E402
 
 #: (name, groups, rows per group, the groups' prompt lengths): SmolLM2's heads (3 KV
 #: heads of 64, GQA ratio 3). The demo's stack (4 policies' Q sides and P's, 8 rows),
@@ -47,16 +47,9 @@ SHAPES = [
 KV_HEADS, GQA, HEAD_DIM = 3, 3, 64
 
 
-def pool(lengths: list[int], device: torch.device) -> int:
-    longest = max(lengths)
-    if device.type == "cpu":       # as shared_cache pools them on the CPU
-        return -(-longest // CPU_KEY_BLOCK) * CPU_KEY_BLOCK
-    return longest
-
-
 def inputs(groups: int, rows: int, lengths: list[int], device: torch.device, dtype: torch.dtype):
     torch.manual_seed(0)
-    L = pool(lengths, device)
+    L = pooled_length(max(lengths), device)     # as the engine pools them
     q = torch.randn(groups, KV_HEADS, rows * GQA, HEAD_DIM, device=device, dtype=dtype)
     k = torch.randn(groups, KV_HEADS, L, HEAD_DIM, device=device, dtype=dtype)
     v = torch.randn_like(k)

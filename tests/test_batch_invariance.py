@@ -21,7 +21,7 @@ import torch
 from test_service_batching import Inline, Stream, _batch
 
 from gen_service.attention.cascade import _prompt_part
-from gen_service.attention.shared_cache import CPU_KEY_BLOCK
+from gen_service.attention.shared_cache import pooled_length
 from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
 from gen_service.engine.jobs import TraceJob
@@ -100,7 +100,7 @@ def test_the_prompt_part_does_not_see_a_longer_pool_mate(dtype, own, longest):
         return out[:1], lse[:1]
 
     def block(n: int) -> int:
-        return -(-n // CPU_KEY_BLOCK) * CPU_KEY_BLOCK
+        return pooled_length(n, torch.device("cpu"))
 
     alone = _prompt_part(q, torch.cat([k, k.new_zeros(1, 2, block(own) - own, 16)], 2),
                          torch.cat([v, v.new_zeros(1, 2, block(own) - own, 16)], 2), 0.25,
