@@ -411,3 +411,23 @@ def test_simulate_draws_are_those_of_the_numpy_inverse_cdf(kind, window, eos):
     p, q = dv.markov_kernels(7, 1, dv.PolicyEffect(0.3), 5, 1.0)
     ds = dv.simulate(p, q, 5, 6, 200, kind=kind, window=window, seed=11, eos=eos)
     assert _draw_fingerprint(ds) == _DRAWS[(kind, window, eos)]
+
+
+@pytest.mark.parametrize(("kind", "window"), [("coupled", None), ("residual", 2), ("reference", None)])
+def test_a_study_is_each_pairs_simulation_concatenated(kind, window):
+    """simulate_study builds and validates one dataset from every (doc, policy)'s arrays: it must equal
+    simulating each pair alone with the seeds the study draws, and concatenating (what it did before)."""
+    effects = {"a": dv.PolicyEffect(0.1), "b": dv.PolicyEffect(0.3, 0.5)}
+    got = dv.simulate_study(3, effects, horizon=5, replicates=4, kind=kind, window=window, vocab_size=4, seed=2)
+    rng = np.random.default_rng(2)
+    docs = []
+    for d in range(3):
+        scale = float(np.exp(rng.normal(0.0, 0.3)))
+        docs.append(xr.concat([dv.simulate(*dv.markov_kernels(2 * 100_003 + d, j, e, 4, scale), 4, 5, 4, kind=kind,
+                                           window=window, seed=int(rng.integers(2 ** 31)), doc=f"doc{d}", policy=pid)
+                               for j, (pid, e) in enumerate(effects.items())], dim="policy"))
+    want = xr.concat(docs, dim="doc")
+    xr.testing.assert_identical(got, want)
+    assert all(got[v].dtype == want[v].dtype for v in want.variables)
+    with pytest.raises(ValueError, match="documents and policies"):
+        dv.simulate_study(0, effects)

@@ -187,29 +187,48 @@ def simulate(
     >>> dict(ds.sizes)["replicate"], ds.attrs["kind"]
     (3, 'coupled')
     """
+    T, n, W = _sizes(kind, horizon, replicates, window)
+    kern = CoupledKernels(p, q, vocab_size, eos)
+    arrays = _draw(kern, kind, T, W, n, seed)
+    return _dataset(kind, arrays, vocab_size=vocab_size, window=min(W, T), eos=kern.eos, docs=[doc],
+                    policies=[policy])
+
+
+def _sizes(kind: str, horizon: int, replicates: int, window: int | None) -> tuple[int, int, int]:
+    """(T, n, W) checked: W is T when no window is given."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if horizon < 1 or replicates < 1:
         raise ValueError("horizon and replicates must be >= 1")
     if window is not None and kind != Kind.RESIDUAL:
         raise ValueError(f"window applies to residual traces only (truncate {kind} traces in estimate)")
-    T, n = int(horizon), int(replicates)
-    kern = CoupledKernels(p, q, vocab_size, eos)
-    eos = kern.eos
+    W = int(horizon) if window is None else int(window)
+    if W < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
+    return int(horizon), int(replicates), W
+
+
+def _draw(kern: CoupledKernels, kind: str, T: int, W: int, n: int, seed: int) -> tuple[np.ndarray, ...]:
+    """The arrays of one (doc, policy)'s traces, in the dataset builder's argument order."""
     rng = np.random.default_rng(seed)
-    common = dict(vocab_size=vocab_size, docs=[doc], policies=[policy], eos_token_id=eos,
+    if kind == Kind.COUPLED:
+        return _simulate_coupled(kern, T, n, rng)
+    if kind == Kind.RESIDUAL:
+        return _simulate_residual(kern, T, W, n, rng)
+    return _simulate_reference(kern, T, n, rng)
+
+
+def _dataset(kind: str, arrays: tuple[np.ndarray, ...], *, vocab_size: int, window: int, eos: int | None,
+             docs: list[str], policies: list[str]) -> xr.Dataset:
+    """The validated dataset of ``_draw``'s arrays: one (doc, policy)'s, or a grid's stacked over both
+    (``simulate_study`` builds and validates a study once instead of once per pair and then concatenating)."""
+    common = dict(vocab_size=vocab_size, docs=docs, policies=policies, eos_token_id=eos,
                   producer="divstats.simulate")
     if kind == Kind.COUPLED:
-        tv, xt, yt = _simulate_coupled(kern, T, n, rng)
-        ds = coupled_dataset(tv, xt, yt, **common)
+        ds = coupled_dataset(*arrays, **common)
     elif kind == Kind.RESIDUAL:
-        W = T if window is None else int(window)
-        if W < 0:
-            raise ValueError(f"window must be >= 0, got {window}")
-        stv, stok, bstep, btv, bx, by = _simulate_residual(kern, T, W, n, rng)
-        ds = residual_dataset(stv, stok, bstep, btv, bx, by, window=min(W, T), **common)
+        ds = residual_dataset(*arrays, window=window, **common)
     else:
-        xt, lp, lq = _simulate_reference(kern, T, n, rng)
-        ds = reference_dataset(xt, lp, lq, **common)
+        ds = reference_dataset(*arrays, **common)
     validate(ds)  # the simulator is a producer: it must honour the contract it tests against
     return ds

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import xarray as xr
 
-from divstats.truth.simulate import simulate
+from divstats.truth.kernels import CoupledKernels
+from divstats.truth.simulate import _dataset, _draw, _sizes
 
 __all__ = ["PolicyEffect", "markov_kernels", "simulate_study"]
 
@@ -135,14 +136,18 @@ def simulate_study(n_docs: int, policies: Mapping[str, PolicyEffect], *, horizon
         out = xr.concat(parts, dim=xr.DataArray(list(models), dims="model", name="model"))
         out.attrs["model"] = ",".join(models)
         return out
+    if n_docs < 1 or not policies:
+        raise ValueError(f"a study needs documents and policies, got {n_docs} documents and {len(policies)} policies")
+    T, n, W = _sizes(kind, horizon, replicates, window)
     rng = np.random.default_rng(seed)
-    docs = []
+    grid = []
     for d in range(n_docs):
         scale = float(np.exp(rng.normal(0.0, doc_sd)))
-        per_policy = []
-        for j, (pid, effect) in enumerate(policies.items()):
-            p, q = markov_kernels(seed * 100_003 + d, j, effect, vocab_size, scale)
-            per_policy.append(simulate(p, q, vocab_size, horizon, replicates, kind=kind, window=window,
-                                       seed=int(rng.integers(2 ** 31)), doc=f"{doc_prefix}{d}", policy=pid))
-        docs.append(xr.concat(per_policy, dim="policy"))
-    return xr.concat(docs, dim="doc")
+        grid.append([_draw(CoupledKernels(*markov_kernels(seed * 100_003 + d, j, effect, vocab_size, scale),
+                                          vocab_size), kind, T, W, n, int(rng.integers(2 ** 31)))
+                     for j, effect in enumerate(policies.values())])
+    # each pair's arrays stacked over (doc, policy), one dataset built and validated: the same
+    # dataset as concatenating each pair's ``simulate``, without a dataset per pair
+    arrays = tuple(np.stack([np.stack([pair[k] for pair in row]) for row in grid]) for k in range(len(grid[0][0])))
+    return _dataset(kind, arrays, vocab_size=vocab_size, window=min(W, T), eos=None,
+                    docs=[f"{doc_prefix}{d}" for d in range(n_docs)], policies=list(policies))
