@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
 import subprocess
@@ -153,8 +154,11 @@ class Server:
 
     def __init__(self, args: list[str], log: Path, timeout: float = 240):
         self.log = log.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvdiv", "serve", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        cmd = [sys.executable, "-m", "kvdiv", "serve", *args]
+        fork = os.environ.get("KVDIV_FORK_SERVER")   # the dry run: forked from its preloaded interpreter
+        if fork:
+            cmd[1:1] = [str(Path(__file__).with_name("fork_server.py")), "run", fork]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         ready = threading.Event()
         self.url = None
 

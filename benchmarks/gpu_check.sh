@@ -57,10 +57,25 @@ if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$WORK/device.txt"
 fi
 
+RUNPY=("$PY")
 if [ "$DRY" = 1 ]; then
   DRYFLAG=(--dry-run)
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   echo "dry run: tiny models on the CPU; the kit is not used"
+  # Every python below is a child forked from one interpreter that imported the stack once
+  # (benchmarks/fork_server.py): on a CPU each step's imports cost more than its work. The
+  # steps keep their command lines, limits and logs; the real check starts each afresh.
+  SOCK=$(mktemp -u "${TMPDIR:-/tmp}/kvdiv-fork.XXXXXX")   # short: a socket path has at most 107 bytes
+  "$PY" benchmarks/fork_server.py serve "$SOCK" torch transformers kvpress gen_service.engine gen_service.api.cli \
+    uvicorn httpx collector.collect divstats kvdiv.cli pytest </dev/null >"$WORK/fork-server.log" 2>&1 &
+  FORK_PID=$!
+  trap 'kill "$FORK_PID" 2>/dev/null; rm -f "$SOCK"' EXIT
+  for _ in $(seq 600); do [ -S "$SOCK" ] || ! kill -0 "$FORK_PID" 2>/dev/null && break; sleep 0.2; done
+  if [ ! -S "$SOCK" ]; then
+    echo "the dry run's fork server did not start:" >&2; cat "$WORK/fork-server.log" >&2; exit 1
+  fi
+  RUNPY=("$PY" benchmarks/fork_server.py run "$SOCK")
+  export KVDIV_FORK_SERVER=$SOCK   # gpu_check.py starts its `kvdiv serve` through it too
 else
   if ! ls "$KIT"/*.whl >/dev/null 2>&1 || [ ! -f "$KIT/tokenizer/tokenizer.json" ]; then
     echo "no kit in $KIT: run 'make gpu-kit' where the package registry is reachable, and carry .gpu-kit" >&2
@@ -71,7 +86,7 @@ else
   export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
   export KVDIV_CACHE_DIR=$WORK/cache
 fi
-"$PY" - <<'EOF' || exit 1
+"${RUNPY[@]}" - <<'EOF' || exit 1
 import sys, importlib.metadata as md
 print("python", sys.version.split()[0], sys.executable)
 for name in ("torch", "transformers", "tokenizers", "kvpress", "starlette", "uvicorn", "h5netcdf"):
@@ -97,21 +112,21 @@ step() {  # step NAME SECONDS CMD...: run with a time limit and a log; the table
   [ "$rc" -eq 0 ] || echo "!!! $name failed (exit $rc; log $WORK/$name.log)"
 }
 
-step gpu-tests 110 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider --junitxml="$WORK/gpu-tests.xml" \
+step gpu-tests 110 "${RUNPY[@]}" -m pytest -q -rs -m gpu -p no:cacheprovider --junitxml="$WORK/gpu-tests.xml" \
   tests/test_shared_prompt_gpu.py tests/test_memory_gpu.py tests/test_engine_host_syncs.py tests/test_stacked_attention.py \
   tests/test_nonfinite_logits.py tests/test_logits.py
-step study 110 "$PY" benchmarks/gpu_check.py study --out "$WORK" "${DRYFLAG[@]}"
-step memory 60 "$PY" benchmarks/gpu_check.py memory --out "$WORK" "${DRYFLAG[@]}"
-step serving 150 "$PY" benchmarks/gpu_check.py serving --out "$WORK" "${DRYFLAG[@]}"
+step study 110 "${RUNPY[@]}" benchmarks/gpu_check.py study --out "$WORK" "${DRYFLAG[@]}"
+step memory 60 "${RUNPY[@]}" benchmarks/gpu_check.py memory --out "$WORK" "${DRYFLAG[@]}"
+step serving 150 "${RUNPY[@]}" benchmarks/gpu_check.py serving --out "$WORK" "${DRYFLAG[@]}"
 if [ "$DRY" = 1 ]; then
   LOGITS=(--model tiny:llama --device cpu --rows 4 --steps 2 --prompt-tokens 32 --repeats 1 --head-calls 5)
 else
   LOGITS=(--model random:llama-8b --device cuda --rows 64 --steps 6 --prompt-tokens 2000 --repeats 1 --head-calls 20)
 fi
-step logits 30 "$PY" benchmarks/bench_logits.py --dtype bfloat16 "${LOGITS[@]}"
+step logits 30 "${RUNPY[@]}" benchmarks/bench_logits.py --dtype bfloat16 "${LOGITS[@]}"
 
 echo "=== table ($(($(date +%s) - START))s elapsed)"
-"$PY" benchmarks/gpu_check.py table --out "$WORK" --junit "$WORK/gpu-tests.xml" --dest "$DEST/gpu_check.md" \
+"${RUNPY[@]}" benchmarks/gpu_check.py table --out "$WORK" --junit "$WORK/gpu-tests.xml" --dest "$DEST/gpu_check.md" \
   "${DRYFLAG[@]}"
 STATUS=$?
 mkdir -p "$DEST/logs" && cp "$WORK"/*.log "$WORK"/*.json "$WORK"/*.xml "$WORK"/*.txt "$DEST/logs/" 2>/dev/null

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,75 @@ def test_a_command_run_in_process_reports_its_failure(tmp_path):
     with log.open("a") as fh:
         assert mod._kvdiv_here(("pack", "--help"), fh) == 0
     assert "Usage: kvdiv pack" in log.read_text()
+
+
+@pytest.fixture
+def fork_server(tmp_path):
+    """benchmarks/fork_server.py serving (nothing preloaded), and a function that runs
+    ``python ARGS`` through it as the dry run's steps do."""
+    sock = tmp_path / "fork.sock"
+    script = str(ROOT / "benchmarks" / "fork_server.py")
+    server = subprocess.Popen([sys.executable, script, "serve", str(sock), "json"], stdin=subprocess.DEVNULL)
+    for _ in range(200):
+        if sock.exists():
+            break
+        time.sleep(0.02)
+
+    def run(*args, **kw):
+        return subprocess.Popen([sys.executable, script, "run", str(sock), *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, **kw)
+
+    yield run
+    server.kill()
+    server.wait()
+
+
+def _child_pid_alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_forked_command_runs_as_its_own_interpreter_would(fork_server, tmp_path):
+    """Arguments, working directory, environment and standard streams are the caller's; the
+    status is the command's (an int as is, a message 1, a crash 1 with its traceback)."""
+    script = tmp_path / "s.py"
+    script.write_text("import os, sys\nprint(sys.argv[1:], os.getcwd(), os.environ['K'])\n"
+                      "print('to stderr', file=sys.stderr)\nsys.exit(int(sys.argv[1]))\n")
+    p = fork_server(str(script), "7", "x", cwd=tmp_path, env={**os.environ, "K": "v"})
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 7 and out == f"['7', 'x'] {tmp_path} v\n" and err == "to stderr\n"
+    p = fork_server("-", stdin=subprocess.PIPE)
+    out, _ = p.communicate("import sys\nprint(sys.stdin.read() or 'read')\nraise SystemExit('a message')\n",
+                           timeout=30)
+    assert (p.returncode, out) == (1, "read\n")
+    p = fork_server("-c", "import json\nraise ValueError('boom')")
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 1 and "ValueError: boom" in err
+    p = fork_server("-m", "json.tool", stdin=subprocess.PIPE)
+    assert p.communicate('{"a": 1}', timeout=30)[0].split() == ["{", '"a":', "1", "}"] and p.returncode == 0
+
+
+def test_a_signal_to_the_caller_reaches_the_command_and_a_dead_caller_takes_it(fork_server, tmp_path):
+    """``timeout`` and ``Popen.terminate`` signal the caller: the command gets the signal and the
+    caller exits with its status (143); a caller killed outright leaves no command behind."""
+    pid_file = tmp_path / "pid"
+    code = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
+    for stop, status in ((subprocess.Popen.terminate, 143), (subprocess.Popen.kill, -9)):
+        pid_file.unlink(missing_ok=True)
+        p = fork_server("-c", code)
+        for _ in range(500):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.02)
+        assert _child_pid_alive(pid_file)
+        stop(p)
+        p.communicate(timeout=30)
+        assert p.returncode == status
+        for _ in range(250):
+            if not _child_pid_alive(pid_file):
+                break
+            time.sleep(0.02)
+        assert not _child_pid_alive(pid_file)
