@@ -12,13 +12,15 @@ so the truth the estimators are checked against shares no code with them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import xarray as xr
 
 from divstats.truth.kernels import CoupledKernels, Kernel, StepLaw, inverse_cdf_draw
 from protocols import KINDS, Kind, coupled_dataset, reference_dataset, residual_dataset, validate
 
-__all__ = ["simulate"]
+__all__ = ["simulate", "simulate_grid"]
 
 
 
@@ -187,11 +189,68 @@ def simulate(
     >>> dict(ds.sizes)["replicate"], ds.attrs["kind"]
     (3, 'coupled')
     """
+    return simulate_grid([[(p, q)]], [[seed]], vocab_size, horizon, replicates, kind=kind, window=window, eos=eos,
+                         docs=[doc], policies=[policy])
+
+
+def simulate_grid(kernels: Sequence[Sequence[tuple[Kernel, Kernel]]], seeds: Sequence[Sequence[int]],
+                  vocab_size: int, horizon: int, replicates: int, *, kind: str = "coupled",
+                  window: int | None = None, eos: int | None = None, docs: Sequence[str],
+                  policies: Sequence[str]) -> xr.Dataset:
+    """Simulate every (doc, policy) of a grid of kernel pairs into one validated dataset.
+
+    Each pair is drawn as :func:`simulate` draws it with its own seed; the arrays are
+    stacked over (doc, policy) and the dataset is built and validated once (a study of
+    many pairs built no dataset per pair to concatenate).
+
+    Parameters
+    ----------
+    kernels : sequence of sequences of (callable, callable)
+        ``kernels[d][j]`` is document d's (P, Q) under policy j.
+    seeds : sequence of sequences of int
+        ``seeds[d][j]``: the seed of that pair's draws.
+    vocab_size, horizon, replicates : int
+        V, T and replicates per pair.
+    kind : {"coupled", "residual", "reference"}
+        The trace kind.
+    window : int, optional
+        W for residual traces.
+    eos : int, optional
+        Absorbing end-of-sequence token.
+    docs, policies : sequence of str
+        The ids along each axis of the grid.
+
+    Returns
+    -------
+    xarray.Dataset
+        A validated ``kvdiv.trace/1`` dataset over (doc, policy, replicate, step).
+
+    Raises
+    ------
+    ValueError
+        For an unknown kind, sizes below 1, an empty grid, ids that do not match it, or a
+        window on non-residual traces.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> p = lambda h: np.array([0.6, 0.4])
+    >>> q = lambda h: np.array([0.5, 0.5])
+    >>> ds = simulate_grid([[(p, q), (p, p)]], [[1, 2]], 2, 4, 3, docs=["d"], policies=["a", "b"])
+    >>> dict(ds.sizes)
+    {'doc': 1, 'policy': 2, 'replicate': 3, 'step': 4}
+    """
     T, n, W = _sizes(kind, horizon, replicates, window)
-    kern = CoupledKernels(p, q, vocab_size, eos)
-    arrays = _draw(kern, kind, T, W, n, seed)
-    return _dataset(kind, arrays, vocab_size=vocab_size, window=min(W, T), eos=kern.eos, docs=[doc],
-                    policies=[policy])
+    shape = (len(docs), len(policies))
+    if not all(shape) or len(kernels) != shape[0] or len(seeds) != shape[0] or \
+            any(len(row) != shape[1] for row in [*kernels, *seeds]):
+        raise ValueError(f"a grid of {shape[0]} docs x {shape[1]} policies needs kernels and seeds of that shape")
+    pairs = [[CoupledKernels(p, q, vocab_size, eos) for p, q in row] for row in kernels]
+    grid = [[_draw(kern, kind, T, W, n, int(seed)) for kern, seed in zip(row, row_seeds, strict=True)]
+            for row, row_seeds in zip(pairs, seeds, strict=True)]
+    arrays = tuple(np.stack([np.stack([pair[k] for pair in row]) for row in grid]) for k in range(len(grid[0][0])))
+    return _dataset(kind, arrays, vocab_size=vocab_size, window=min(W, T), eos=pairs[0][0].eos, docs=list(docs),
+                    policies=list(policies))
 
 
 def _sizes(kind: str, horizon: int, replicates: int, window: int | None) -> tuple[int, int, int]:
@@ -220,8 +279,7 @@ def _draw(kern: CoupledKernels, kind: str, T: int, W: int, n: int, seed: int) ->
 
 def _dataset(kind: str, arrays: tuple[np.ndarray, ...], *, vocab_size: int, window: int, eos: int | None,
              docs: list[str], policies: list[str]) -> xr.Dataset:
-    """The validated dataset of ``_draw``'s arrays: one (doc, policy)'s, or a grid's stacked over both
-    (``simulate_study`` builds and validates a study once instead of once per pair and then concatenating)."""
+    """The validated dataset of ``_draw``'s arrays stacked over (doc, policy)."""
     common = dict(vocab_size=vocab_size, docs=docs, policies=policies, eos_token_id=eos,
                   producer="divstats.simulate")
     if kind == Kind.COUPLED:

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import xarray as xr
 
-from divstats.truth.kernels import CoupledKernels
-from divstats.truth.simulate import _dataset, _draw, _sizes
+from divstats.truth.simulate import simulate_grid
 
 __all__ = ["PolicyEffect", "markov_kernels", "simulate_study"]
 
@@ -123,6 +122,11 @@ def simulate_study(n_docs: int, policies: Mapping[str, PolicyEffect], *, horizon
     xarray.Dataset
         A trace dataset over (doc, policy[, model], replicate, step).
 
+    Raises
+    ------
+    ValueError
+        For no documents or no policies, or sizes :func:`divstats.simulate` refuses.
+
     Examples
     --------
     >>> ds = simulate_study(3, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2)}, horizon=4, replicates=2)
@@ -138,16 +142,12 @@ def simulate_study(n_docs: int, policies: Mapping[str, PolicyEffect], *, horizon
         return out
     if n_docs < 1 or not policies:
         raise ValueError(f"a study needs documents and policies, got {n_docs} documents and {len(policies)} policies")
-    T, n, W = _sizes(kind, horizon, replicates, window)
     rng = np.random.default_rng(seed)
-    grid = []
+    kernels, seeds = [], []
     for d in range(n_docs):
         scale = float(np.exp(rng.normal(0.0, doc_sd)))
-        grid.append([_draw(CoupledKernels(*markov_kernels(seed * 100_003 + d, j, effect, vocab_size, scale),
-                                          vocab_size), kind, T, W, n, int(rng.integers(2 ** 31)))
-                     for j, effect in enumerate(policies.values())])
-    # each pair's arrays stacked over (doc, policy), one dataset built and validated: the same
-    # dataset as concatenating each pair's ``simulate``, without a dataset per pair
-    arrays = tuple(np.stack([np.stack([pair[k] for pair in row]) for row in grid]) for k in range(len(grid[0][0])))
-    return _dataset(kind, arrays, vocab_size=vocab_size, window=min(W, T), eos=None,
-                    docs=[f"{doc_prefix}{d}" for d in range(n_docs)], policies=list(policies))
+        kernels.append([markov_kernels(seed * 100_003 + d, j, effect, vocab_size, scale)
+                        for j, effect in enumerate(policies.values())])
+        seeds.append([int(rng.integers(2 ** 31)) for _ in policies])
+    return simulate_grid(kernels, seeds, vocab_size, horizon, replicates, kind=kind, window=window,
+                         docs=[f"{doc_prefix}{d}" for d in range(n_docs)], policies=list(policies))
