@@ -59,8 +59,12 @@ def is_lazy(ds: xr.Dataset | xr.DataArray) -> bool:
     >>> is_lazy(xr.Dataset({"a": ("doc", [1, 2])}))
     False
     """
-    variables = ds.data_vars.values() if isinstance(ds, xr.Dataset) else [ds]
-    return any(v.chunks is not None for v in variables)
+    if not isinstance(ds, xr.Dataset):
+        return ds.chunks is not None
+    # the Variables themselves: ``ds.data_vars.values()`` builds a DataArray per variable, and
+    # every estimator asks this of its input (it was 20% of validating a small dataset)
+    variables = ds.variables
+    return any(variables[name].chunks is not None for name in ds.data_vars)
 
 
 def doc_slices(ds: xr.Dataset) -> list[slice]:

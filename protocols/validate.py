@@ -279,7 +279,7 @@ def _check_ids(ds: xr.Dataset) -> Iterator[str]:
         if dim not in ds.coords:
             yield f"coordinate {dim!r} is missing"
             continue
-        ids = ds.coords[dim].values
+        ids = ds.variables[dim].values
         if not all(isinstance(i, (str, np.str_)) for i in ids):
             yield f"coordinate {dim!r}: ids must be strings"
         uniq, counts = np.unique(ids.astype(str), return_counts=True)
@@ -288,20 +288,21 @@ def _check_ids(ds: xr.Dataset) -> Iterator[str]:
 
 
 def _check_coords(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
+    # ds.variables[name] where a coordinate is read: the Variable, without building a DataArray
     yield from _check_ids(ds)
     for name, dim in (("split", "doc"), ("prompt_tokens", "doc"), ("press", "policy"),
                       ("retention", "policy"), ("budget", "policy")):
         if name not in ds.coords:
             yield f"coordinate {name!r} (per {dim}) is missing"
-        elif ds.coords[name].dims != (dim,) and not (
-                name in PER_MODEL_COORDS and "model" in ds.dims and ds.coords[name].dims == ("model", dim)):
-            yield f"coordinate {name!r} has dims {ds.coords[name].dims}, expected ({dim!r},)"
+        elif ds.variables[name].dims != (dim,) and not (
+                name in PER_MODEL_COORDS and "model" in ds.dims and ds.variables[name].dims == ("model", dim)):
+            yield f"coordinate {name!r} has dims {ds.variables[name].dims}, expected ({dim!r},)"
     if "split" in ds.coords:
-        bad = sorted({str(s) for s in ds.coords["split"].values} - set(SPLITS))
+        bad = sorted({str(s) for s in ds.variables["split"].values} - set(SPLITS))
         if bad:
             yield f"coordinate 'split': values {bad} are not in {list(SPLITS)}"
     if "replicate" in ds.coords:
-        r = ds.coords["replicate"].values
+        r = ds.variables["replicate"].values
         if not np.issubdtype(r.dtype, np.integer) or len(np.unique(r)) != len(r):
             yield "coordinate 'replicate': must be unique integers"
     yield from _check_time_coords(ds, ctx)
@@ -313,12 +314,12 @@ def _check_time_coords(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
     if h is not None and "step" in ds.dims:
         if ds.sizes["step"] != h:
             yield f"dimension 'step' has length {ds.sizes['step']}, expected horizon = {h}"
-        elif "step" not in ds.coords or not np.array_equal(ds.coords["step"].values, np.arange(1, h + 1)):
+        elif "step" not in ds.coords or not np.array_equal(ds.variables["step"].values, np.arange(1, h + 1)):
             yield f"coordinate 'step' must be 1..{h}"
     if ctx.kind == Kind.RESIDUAL and h is not None and "age" in ds.dims:
         if ds.sizes["age"] != h:
             yield f"dimension 'age' has length {ds.sizes['age']}, expected horizon = {h} (ages 0..T-1)"
-        elif "age" not in ds.coords or not np.array_equal(ds.coords["age"].values, np.arange(h)):
+        elif "age" not in ds.coords or not np.array_equal(ds.variables["age"].values, np.arange(h)):
             yield f"coordinate 'age' must be 0..{h - 1}"
 
 
@@ -340,7 +341,7 @@ def _check_vars(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
         if name not in ds.data_vars:
             yield f"variable {name!r} is missing (required for kind {ctx.kind!r})"
             continue
-        var = ds[name]
+        var = ds.variables[name]
         full = ctx.lead + dims
         if set(var.dims) != set(full) or len(var.dims) != len(full):
             yield f"variable {name!r} has dims {var.dims}, expected {full}"
