@@ -120,8 +120,11 @@ def test_budget_is_half_the_median_prompt() -> None:
 
 @pytest.mark.service
 def test_demo_starts_and_stops_its_own_server(tmp_path: Path) -> None:
-    cfg = _small(tmp_path / "demo", models=["tiny:llama"], docs_count=6, target_tokens=200)
+    # the server's life is this test's subject; the reference set and its report are the
+    # test above's (no second speculative analysis here)
+    cfg = _small(tmp_path / "demo", models=["tiny:llama"], docs_count=6, target_tokens=200, reference_docs=0)
     run_demo(cfg)
-    assert all((tmp_path / "demo" / name).exists() for name in OUTPUTS)
+    assert all((tmp_path / "demo" / name).exists() for name in OUTPUTS if name != "reference.nc")
+    assert not (tmp_path / "demo" / "reference.nc").exists()
     log = (tmp_path / "demo" / "server.log").read_text()
     assert "kvdiv serve ready" in log

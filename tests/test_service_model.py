@@ -24,7 +24,11 @@ DOC = (
 def engine(embedded_lm):
     from gen_service.engine.facade import Engine
 
-    return Engine(embedded_lm)
+    engine = Engine(embedded_lm)
+    # each forward alone: fusing P's and Q's forwards is tests/test_service_fusion.py's subject, and
+    # "auto" would time both ways on the first step of each shape (six more SmolLM2 forwards)
+    engine.fuse = "off"
+    return engine
 
 
 def test_embedded_model_facts_and_greedy_answer(engine) -> None:
