@@ -431,3 +431,21 @@ def test_a_study_is_each_pairs_simulation_concatenated(kind, window):
     assert all(got[v].dtype == want[v].dtype for v in want.variables)
     with pytest.raises(ValueError, match="documents and policies"):
         dv.simulate_study(0, effects)
+
+
+@pytest.mark.parametrize("kind", ["coupled", "residual"])
+def test_by_window_is_each_windows_interval(kind):
+    """interval_by_window builds one dataset from every window's numbers: each slice must be
+    sharp_interval at that window (values, dims, coordinates), and no window is refused."""
+    from divstats.estimation.interval import interval_by_window, sharp_interval
+    from divstats.traces.arrays import without_attrs
+    from divstats.truth.studies import PolicyEffect, simulate_study
+
+    ds = simulate_study(3, {"a": PolicyEffect(0.2), "b": PolicyEffect(0.05)}, horizon=6, replicates=5, kind=kind,
+                        window=4 if kind == "residual" else None, models=["m1", "m2"])
+    by = interval_by_window(ds, [0, 2, 4])
+    assert by["window"].values.tolist() == [0, 2, 4] and by.attrs == {"kind": kind, "horizon": 6}
+    for w in (0, 2, 4):
+        xr.testing.assert_identical(without_attrs(by.sel(window=w, drop=True)), without_attrs(sharp_interval(ds, w)))
+    with pytest.raises(ValueError, match="at least one window"):
+        interval_by_window(ds, [])

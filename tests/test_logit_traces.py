@@ -366,7 +366,7 @@ def test_reference_traces_carry_the_fields_of_both_laws_on_ps_path(tiny: tuple[E
 def test_pinsker_on_every_step_of_an_embedded_model_trace(embedded_lm) -> None:
     """KL(P‖Q) >= 2·TV² at every step of real coupled and residual traces (SmolLM2, snapkv@0.25)."""
     engine = Engine(embedded_lm, PolicyRegistry())
-    engine.fuse = "off"   # not this test's subject; "auto" would time both ways first (six more forwards)
+    engine.fuse = "on"   # not this test's subject; "auto" would time both ways first (six more forwards)
     ids = list(engine.lm.tokenizer(TEXT * 2).input_ids)
     checked = 0
     for kind in ("coupled", "residual"):

@@ -25,9 +25,10 @@ def engine(embedded_lm):
     from gen_service.engine.facade import Engine
 
     engine = Engine(embedded_lm)
-    # each forward alone: fusing P's and Q's forwards is tests/test_service_fusion.py's subject, and
-    # "auto" would time both ways on the first step of each shape (six more SmolLM2 forwards)
-    engine.fuse = "off"
+    # P's and Q's forwards as one (fusion is tests/test_service_fusion.py's subject): "auto" would
+    # time both ways on the first step of each shape, six more SmolLM2 forwards, to find that one
+    # forward reading the weights once is the faster on a CPU
+    engine.fuse = "on"
     return engine
 
 

@@ -13,10 +13,12 @@ traces, so it lives in ``truth/`` and this module (estimation) needs none of it.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+import numpy as np
 import xarray as xr
 
-from divstats.traces.arrays import mean_se, nanmean, ratio_se, without_attrs
+from divstats.traces.arrays import layout, mean_se, nanmean, ratio_se, without_attrs
 from divstats.traces.chunked import map_docs
 from divstats.traces.replicates import replicate_values
 from protocols.chunks import is_lazy
@@ -55,8 +57,15 @@ def sharp_interval(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     """
     if is_lazy(ds):
         return map_docs(sharp_interval, ds, window=window)
+    rep, values, attrs = _bounds(ds, window)
+    return rep.layout.dataset(values, attrs, {"kind": rep.kind, "horizon": rep.horizon, "window": rep.window,
+                                              "n_replicates": int(rep.counts.max(initial=0))})
+
+
+def _bounds(ds: xr.Dataset, window: int | None) -> tuple[Any, dict[str, np.ndarray], dict[str, dict[str, str]]]:
+    """The replicate values, each bound and SE per row (numpy) and each one's attrs."""
     rep = replicate_values(ds, window)
-    v, T, lay = rep.values, rep.horizon, rep.layout
+    v, T = rep.values, rep.horizon
     lo_i = v["occurrence"] + v["window_mismatch"]
     hi_i = lo_i + v["tail_capacity"]
     occ = nanmean(v["occurrence"])
@@ -78,12 +87,11 @@ def sharp_interval(ds: xr.Dataset, window: int | None = None) -> xr.Dataset:
     }
     ses = {"loss_lower": lo_se, "loss_upper": hi_se, "mismatch_fraction_lower": lo_se / T,
            "mismatch_fraction_upper": hi_se / T, "rate_lower": r_lo_se, "rate_upper": r_hi_se}
-    data = {}
+    values, attrs = {}, {}
     for name, (val, what) in doc.items():
-        data[name] = lay.wrap(val, attrs={"description": f"sharp bound (docs/statistics.md §6): {what}"})
-        data[name + "_se"] = lay.wrap(ses[name], attrs={"description": f"Monte Carlo SE of {name}"})
-    return xr.Dataset(data, attrs={"kind": rep.kind, "horizon": T, "window": rep.window,
-                                   "n_replicates": int(rep.counts.max(initial=0))})
+        values[name], attrs[name] = val, {"description": f"sharp bound (docs/statistics.md §6): {what}"}
+        values[name + "_se"], attrs[name + "_se"] = ses[name], {"description": f"Monte Carlo SE of {name}"}
+    return rep, values, attrs
 
 
 def interval_by_window(ds: xr.Dataset, windows: Iterable[int]) -> xr.Dataset:
@@ -101,6 +109,11 @@ def interval_by_window(ds: xr.Dataset, windows: Iterable[int]) -> xr.Dataset:
     xarray.Dataset
         :func:`sharp_interval`'s variables with a leading ``window`` dim.
 
+    Raises
+    ------
+    ValueError
+        For no window, or a window the traces cannot be truncated to.
+
     Examples
     --------
     >>> from divstats.truth.studies import PolicyEffect, simulate_study
@@ -109,9 +122,18 @@ def interval_by_window(ds: xr.Dataset, windows: Iterable[int]) -> xr.Dataset:
     [0, 2, 4]
     """
     windows = [int(w) for w in windows]
+    if not windows:
+        raise ValueError("interval_by_window needs at least one window W")
     if is_lazy(ds):  # one pass over the data for all windows
         return map_docs(interval_by_window, ds, windows=windows)
-    parts = [without_attrs(sharp_interval(ds, w)) for w in windows]
-    out = xr.concat(parts, dim=xr.DataArray(windows, dims="window", name="window"))
+    # Each window's bounds in numpy, stacked along ``window``, one Dataset built at the end
+    # (without attrs, as before): a Dataset per window concatenated was 98% of the time.
+    per_window = [_bounds(ds, w) for w in windows]
+    lay = layout(ds)
+    data = {name: xr.Variable(("window", *lay.dims), np.stack([np.asarray(v[name]).reshape(lay.shape)
+                                                               for _, v, _ in per_window]))
+            for name in per_window[0][1]}
+    coords = without_attrs(xr.Dataset(coords=lay.coords)).coords
+    out = xr.Dataset(data, coords={**coords, "window": ("window", np.asarray(windows, dtype=np.int64))})
     out.attrs = {"kind": ds.attrs.get("kind"), "horizon": int(ds.attrs["horizon"])}
     return out
