@@ -4,8 +4,9 @@
 simulated dataset passes), ``replicate_influence`` (under every ``plan_round`` and
 variance component), the signed-rank test's exact null law and a Wilcoxon p-value
 with and without ``paired_test``'s effect intervals (``paired_pvalue``, what the
-power calibration counts), the Hodges-Lehmann interval, a simulated study and
-``is_lazy`` (which every estimator asks).  Each line is the median of a few calls, in ms.
+power calibration counts), the Hodges-Lehmann interval, a simulated study,
+``is_lazy`` (which every estimator asks) and the sharp interval at several windows.
+Each line is the median of a few calls, in ms.
 
 Usage: python benchmarks/bench_test_instruments.py [--repeat N] [--against CHECKOUT [--rounds K]]
 
@@ -53,6 +54,7 @@ def main() -> None:
 
     import divstats
     from divstats.estimation.components import replicate_influence
+    from divstats.estimation.interval import interval_by_window
     from divstats.inference import location_tests
     from divstats.inference.effects import hodges_lehmann
     from divstats.inference.paired import paired_test
@@ -64,6 +66,8 @@ def main() -> None:
     small = divstats.simulate(p, q, 4, 5, 3, seed=1)
     study = simulate_study(4, {"a": PolicyEffect(0.06), "b": PolicyEffect(0.15)}, horizon=5, replicates=20,
                            kind="residual", seed=0)
+    wide = simulate_study(20, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.2), "c": PolicyEffect(0.05)},
+                          horizon=16, replicates=8, kind="residual", window=4)
     rng = np.random.default_rng(0)
     d = rng.standard_normal(200) + 0.1
     ranks = np.rint(2 * stats.rankdata(np.abs(d))).astype(np.int64)
@@ -81,6 +85,7 @@ def main() -> None:
             20, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.1), "c": PolicyEffect(0.2)}, horizon=10,
             replicates=20, kind="residual", seed=1),
         "is_lazy (4 docs x 2 residual)": lambda: is_lazy(study),
+        "interval_by_window 20 docs x 3, 5 windows": lambda: interval_by_window(wide, [0, 1, 2, 3, 4]),
     }
     try:
         from divstats.inference.paired import paired_pvalue
