@@ -223,7 +223,7 @@ def simulate_grid(kernels: Sequence[Sequence[tuple[Kernel, Kernel]]], seeds: Seq
     Returns
     -------
     xarray.Dataset
-        A validated ``kvdiv.trace/1`` dataset over (doc, policy, replicate, step).
+        What :func:`simulate` returns, over every document and policy of the grid.
 
     Raises
     ------
