@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from divstats.traces.arrays import layout, mean_se, nanmean, ratio_se, without_attrs
+from divstats.traces.arrays import mean_se, nanmean, ratio_se, without_attrs
 from divstats.traces.chunked import map_docs
 from divstats.traces.replicates import replicate_values
 from protocols.chunks import is_lazy
@@ -129,7 +129,7 @@ def interval_by_window(ds: xr.Dataset, windows: Iterable[int]) -> xr.Dataset:
     # Each window's bounds in numpy, stacked along ``window``, one Dataset built at the end
     # (without attrs, as before): a Dataset per window concatenated was 98% of the time.
     per_window = [_bounds(ds, w) for w in windows]
-    lay = layout(ds)
+    lay = per_window[0][0].layout   # the replicate values' own, not a second layout(ds)
     data = {name: xr.Variable(("window", *lay.dims), np.stack([np.asarray(v[name]).reshape(lay.shape)
                                                                for _, v, _ in per_window]))
             for name in per_window[0][1]}
