@@ -35,8 +35,9 @@ from divstats.inference.multiplicity import holm
 from divstats.inference.paired import paired_test
 from divstats.inference.results import Effect, PairedTestResult
 from divstats.intervals import ConfidenceInterval
-from divstats.plans.format import Plan, assign_split, load_plan, shipped_plan, shipped_plans
+from divstats.plans.format import Plan, load_plan, shipped_plan, shipped_plans
 from divstats.plans.run import PlanResult, run_plan
+from divstats.plans.split import assign_split
 from divstats.truth.exact import ExactResult, exact
 from divstats.truth.extremal import extremal_kernels
 from divstats.truth.simulate import simulate

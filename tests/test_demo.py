@@ -93,7 +93,8 @@ def test_demo_plan_is_two_sided_below_the_one_sided_threshold(tmp_path: Path) ->
 
 
 def test_documents_are_balanced_over_the_plan_split() -> None:
-    from divstats.plans.format import assign_split, load_plan
+    from divstats.plans.format import load_plan
+    from divstats.plans.split import assign_split
     from kvdiv.demo import select_balanced
 
     plan = load_plan(shipped_plan())
