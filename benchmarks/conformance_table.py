@@ -5,7 +5,7 @@ family, its attention features switched on, float32) and every loop through the 
 (tests/conformance_models.py ``LOOPS``), the largest difference between a log-probability
 the engine reported for P (and for Q where Q is the full model) and the model's own
 forward over the same tokens. tests/test_conformance.py asserts every cell ≤ 1e-4; this
-prints the numbers as the markdown table of docs/service.md ("P is the model itself").
+prints the numbers as the markdown table of docs/measurements.md ("Conformance: P against the model's own forward").
 
 Usage: ``python benchmarks/conformance_table.py [--families gemma2,gpt_oss] [--loops reference,generate]``.
 """
