@@ -118,8 +118,6 @@ class Estimand:
             raise ValueError(f"{self.name}: full_value must be one of {tuple(FULL_VALUES)}")
         if self.summary and not self.interval:
             raise ValueError(f"{self.name}: the summary table shows an interval, so summary needs interval")
-        if not self.formula:
-            raise ValueError(f"{self.name}: formula must name the functions that compute it")
 
 
 _E = Estimand
