@@ -236,9 +236,15 @@ class DemoConfig:
         return min([self.reference_replicates] + [self.replicates_for(m) for m in self.models])
 
     def trace_sets(self) -> list[TraceSet]:
-        """The further trace sets this run collects, at its sizes (those of 0 documents left out)."""
-        sets = [dataclasses.replace(DEMO_STUDY.trace_set("reference"), docs=self.reference_docs,
-                                    replicates=self.reference_r())]
+        """The study's further trace sets at this run's sizes, those of 0 documents left out.
+
+        The reference set takes ``reference_docs`` and :meth:`reference_r`; every set's R is at
+        most the smallest residual R (as :meth:`reference_r` explains).
+        """
+        smallest = min(self.replicates_for(m) for m in self.models)
+        sets = [dataclasses.replace(ts, docs=self.reference_docs, replicates=self.reference_r())
+                if ts.name == "reference" else dataclasses.replace(ts, replicates=min(ts.replicates, smallest))
+                for ts in DEMO_STUDY.trace_sets]
         return [ts for ts in sets if ts.docs]
 
     def parts(self) -> list[ModelPart]:
