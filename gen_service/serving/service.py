@@ -197,6 +197,8 @@ def failure_error(exc: BaseException, field: str, policies: tuple[str, ...]) -> 
     if isinstance(exc, RequestTimeout):
         return ApiError(424, str(exc), "timeout")
     oom = type(exc).__name__ == "OutOfMemoryError"
+    if isinstance(exc, PolicyError) and exc.permanent:
+        return invalid(field, str(exc), permanent=True)
     if isinstance(exc, PolicyError) or (not oom and any(p.strip() != "full" for p in policies)):
         first_line = (str(exc).strip().splitlines() or [""])[0][:200]
         return invalid(field, f"policy cannot run on this prompt ({type(exc).__name__}: {first_line})")
@@ -518,7 +520,7 @@ class Service:
         try:
             policy = self.engine.registry.build(policy_id, self.model_info)
             policy.plan(prompt_len)
-        except PolicyError as exc:
-            raise invalid(field, str(exc)) from None
+        except PolicyError as exc:   # a designed refusal on this model is marked permanent
+            raise invalid(field, str(exc), permanent=exc.permanent) from None
         except (TypeError, ValueError, AssertionError) as exc:  # a press rejecting its parameters
             raise invalid(field, f"policy cannot be built ({type(exc).__name__}: {exc})") from None
