@@ -268,8 +268,8 @@ def _job(loop: Loop, prompt_ids: list[int], seed: int) -> Any:
 def run_loop(lm: Any, loop: Loop, seed: int = 3) -> float:
     """max |Δ log p| between what the engine reported along ``loop`` and the model's own
     forward over the same tokens (P's, and Q's for the candidates in ``loop.exact_q``)."""
-    from gen_service.engine.coupling import Sampling
     from gen_service.engine.facade import Engine
+    from gen_service.engine.jobs import Sampling
 
     engine = Engine(lm)
     engine.fuse, engine.force_replay = loop.fuse, loop.replay
@@ -325,7 +325,7 @@ def _batched(engine: Any, loop: Loop, seed: int) -> list[tuple[list[dict], list[
             return _Null()
 
     executor = Inline()
-    batch = BatchLoop(executor, engine._runner, 8, 1 << 50, Metrics())
+    batch = BatchLoop(executor, engine.runner, 8, 1 << 50, Metrics())
     prompts = [prompt(seed, PROMPT_LEN), prompt(seed + 1, PROMPT_LEN + 7), prompt(seed + 2, PROMPT_LEN - 5)]
     kinds = ["coupled", "reference", "coupled"]
     jobs = [replace(_job(replace(loop, kind=k), ids, seed + 10 * j), kind=k)

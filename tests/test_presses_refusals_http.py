@@ -116,9 +116,9 @@ def test_a_collection_reports_the_refused_pairs_once_and_retries_none(monkeypatc
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: lm)
     server = LiveServer(max_new_tokens=64, self_check=False)
     sent: list[str] = []
-    check = server.service.check_policy
-    monkeypatch.setattr(server.service, "check_policy",
-                        lambda field, policy, n: sent.append(policy) or check(field, policy, n))
+    build = server.service.intake.build   # where every request's policies are built (serving/intake.py)
+    monkeypatch.setattr(server.service.intake, "build",
+                        lambda field, policy, n: sent.append(policy) or build(field, policy, n))
     try:
         docs = D.write_jsonl([D.Document(f"doc{i}", f"Paragraph {i}. " * 6) for i in range(3)],
                              tmp_path / "docs.jsonl")

@@ -204,7 +204,7 @@ async def _run_requests(service: Any, jobs: list[TraceJob]) -> list[list[dict[st
         works = []
         for job in jobs:
             ticket = await stack.enter_async_context(service.admitted(own=True))
-            works.append(service.start_trace(job, ticket, own=True))
+            works.append(service.start_trace(service.intake.admit_job(job, own=True), ticket, own=True))
 
         async def drain(work: Any) -> list[dict[str, Any]]:
             out = []
