@@ -53,6 +53,26 @@ LU-KV) are not in the matrix: docs/service.md's coverage table says what each ne
 """
 
 
+BEFORE = ("Before (kvdiv 75fa47b, the same presses on the same model): the self-check passed, then 21 of the 37 "
+          "presses failed at request time with kvpress's `RuntimeError: The size of tensor a (16) must match the "
+          "size of tensor b (8) at non-singleton dimension 3` (a 422, after which the collector advised rerunning), "
+          "16 ran and none was refused: AdaKV, CAM, Cap, ChunkKV, Compactor, Composed(SnapKV, ThinK), CriticalAdaKV, "
+          "CriticalKV, EntropyGatedChunkKV, ExpectedAttention, Finch, KeyRerotation, KVgrad, KVzip, NonCausalAttn, "
+          "PrefillDecoding, PyramidKV, SimLayerKV, SnapKV, ThinK and TOVA failed.")
+
+
+def _partial_rotary(cells: dict) -> list[str]:
+    """The Phi-3 partial rotary column before kvdiv's window attention and refusals, and now."""
+    col = cells.get("phi3_partial")
+    if col is None:
+        return []
+    n = {k: sum(c.outcome == k for c in col.values()) for k in ("equals kvpress", "runs", "refused", "FAILS")}
+    return ["## Phi-3 partial rotary, before and after", "", BEFORE, "",
+            f"After: {n['equals kvpress'] + n['runs']} run ({n['equals kvpress']} equal to kvpress's pipeline, "
+            f"{n['runs']} where kvpress's own pipeline fails, among them every window-attention press), "
+            f"{n['refused']} are refused with the reason, {n['FAILS']} fail.", ""]
+
+
 def presses_page(fams: list) -> str:
     """The presses × families page: the matrix, the refusals' reasons, the kvpress failures."""
     cells = {}
@@ -83,7 +103,7 @@ def presses_page(fams: list) -> str:
     out = [PAGE_HEAD, "## The matrix", "", *rows, "",
            f"{len(presses)} presses × {len(cells)} families: {counts['equals kvpress']} equal kvpress's pipeline, "
            f"{counts['runs']} run otherwise, {counts['refused']} refused by design, {counts['FAILS']} failing.", "",
-           "## Why refused", "", *[f"{n}. {why}" for why, n in reasons.items()], "",
+           *_partial_rotary(cells), "## Why refused", "", *[f"{n}. {why}" for why, n in reasons.items()], "",
            "## Where kvpress's own pipeline fails (`runs*`)", "",
            "Partial rotary: kvpress rotates the window's queries at the full head width; kvdiv rotates them "
            "with the model's own `apply_rotary_pos_emb` (gen_service/presses/rotary.py; equal to kvpress's bit "
