@@ -11,7 +11,8 @@ feature of the model (:class:`ModelFeatures`):
 press trait             model feature                                    why it cannot run
 ======================  ===============================================  ============================
 ``rotates_queries``     rotary cos/sin narrower than the head            kvpress rotates queries at
-                        (Phi-3 partial rotary, GPT-OSS's half-width)     the full head width
+                        (Phi-3 partial rotary, GPT-OSS's half-width;     the full head width
+                        not under eager for ``weights_first`` presses)
 ``rerotates``           partial rotary (fewer channels rotated than      kvpress re-rotates the whole
                         the head has)                                    head from ``inv_freq``
 ``no_eager``            eager attention (the model's hooks receive       the press asserts attention
@@ -28,7 +29,9 @@ these rules, the start-up self-check may mark a trait unavailable on the loaded 
 the trait is refused with the failure as the reason.
 
 A model whose every layer is windowed (Mistral, Phi-3 with a window) has no layer a
-press compresses: every press then runs and keeps the whole prompt (docs/service.md).
+press compresses: every press then runs and keeps the whole prompt (docs/service.md),
+except those scoring with passes of their own through every layer (``own_pass``: KVzip),
+whose rotary rule holds there too.
 """
 
 from __future__ import annotations

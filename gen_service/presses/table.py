@@ -12,6 +12,9 @@ reads it from here:
 * operator artifacts (``presses/artifacts.py``): ``artifact.files``, ``artifact.loader``;
 * the traits the engine asks about (``presses/traits.py``): ``decoding``, ``rerotates``,
   ``eager``, ``per_head``, ``delegates_hook``, ``row_state``, ``seed``;
+* the designed refusals per model (``presses/families.py``): ``rotates_queries``,
+  ``weights_first``, ``no_eager``, ``all_layers``, ``own_pass``, ``unsupported`` (and
+  ``rerotates``); the self-check's compressed probe: ``window_attention``;
 * ``GET /v1/policies`` (:func:`catalog`), the coverage table in docs/service.md
   (:func:`markdown_table`, checked by tests/test_presses_table.py) and the catalog test
   (tests/test_presses_catalog.py runs every ``example`` in every claimed kind on
