@@ -43,7 +43,7 @@ from collector.pack import pack_run  # noqa: E402
 
 
 def message(m: dict[str, str]) -> Any:
-    from gen_service.serving.service import Message
+    from gen_service.serving.intake import Message
 
     return Message(role=m["role"], content=m["content"])
 

@@ -41,9 +41,13 @@ from common import serve_in_thread  # noqa: E402
 
 from collector import documents as D  # noqa: E402
 from collector.checks import derive_seed  # noqa: E402
-from gen_service.engine.coupling import Sampling  # noqa: E402
 from gen_service.engine.facade import Engine  # noqa: E402
-from gen_service.engine.jobs import CandidateDone, CandidateFailed, TraceJob  # noqa: E402
+from gen_service.engine.jobs import (  # noqa: E402
+    CandidateDone,
+    CandidateFailed,
+    Sampling,  # noqa: E402
+    TraceJob,
+)
 from gen_service.models.loading import load_model  # noqa: E402
 
 
@@ -226,7 +230,7 @@ def bench_collect(args: argparse.Namespace) -> None:
 
 
 def service_message(message: dict[str, str]) -> Any:
-    from gen_service.serving.service import Message
+    from gen_service.serving.intake import Message
 
     return Message(role=message["role"], content=message["content"])
 

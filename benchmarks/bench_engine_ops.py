@@ -38,9 +38,18 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import gen_service.attention.shared_cache as shared_cache  # noqa: E402
 from gen_service.attention.shared_cache import share_prompt  # noqa: E402
-from gen_service.engine.coupling import Sampling, absorb_eos, ended_on, maximal_coupling, probs  # noqa: E402
+from gen_service.engine.coupling import (  # noqa: E402
+    absorb_eos,
+    ended_on,
+    maximal_coupling,
+    probs,
+    seeded,  # noqa: E402
+)
 from gen_service.engine.facade import Engine  # noqa: E402
-from gen_service.engine.jobs import TraceJob, seeded  # noqa: E402
+from gen_service.engine.jobs import (
+    Sampling,  # noqa: E402
+    TraceJob,  # noqa: E402
+)
 from gen_service.engine.sides import Forward  # noqa: E402
 from gen_service.models.loading import load_model  # noqa: E402
 

@@ -25,9 +25,11 @@ import importlib.util  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gen_service  # noqa: E402
-from gen_service.engine.coupling import Sampling  # noqa: E402
 from gen_service.engine.facade import Engine  # noqa: E402
-from gen_service.engine.jobs import TraceJob  # noqa: E402
+from gen_service.engine.jobs import (
+    Sampling,  # noqa: E402
+    TraceJob,  # noqa: E402
+)
 from gen_service.models.loading import load_model  # noqa: E402
 
 _READBACK = Path(__file__).resolve().parents[1] / "gen_service" / "engine" / "readback.py"

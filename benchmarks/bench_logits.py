@@ -54,9 +54,11 @@ from common import chat_prompt_ids, interleaved  # noqa: E402  (same directory)
 
 import gen_service.engine.forwards as forwards  # noqa: E402
 import gen_service.engine.prefill as prefill  # noqa: E402
-from gen_service.engine.coupling import Sampling  # noqa: E402
 from gen_service.engine.facade import Engine  # noqa: E402
-from gen_service.engine.jobs import TraceJob  # noqa: E402
+from gen_service.engine.jobs import (
+    Sampling,  # noqa: E402
+    TraceJob,  # noqa: E402
+)
 from gen_service.models import float_head as fp32  # noqa: E402
 from gen_service.models.loading import load_model  # noqa: E402
 

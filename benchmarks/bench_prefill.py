@@ -31,9 +31,11 @@ from typing import Any  # noqa: E402
 
 from common import chat_prompt_ids, clock  # noqa: E402
 
-from gen_service.engine.coupling import Sampling  # noqa: E402
 from gen_service.engine.facade import Engine  # noqa: E402
-from gen_service.engine.jobs import TraceJob  # noqa: E402
+from gen_service.engine.jobs import (
+    Sampling,  # noqa: E402
+    TraceJob,  # noqa: E402
+)
 from gen_service.models.loading import load_model  # noqa: E402
 
 

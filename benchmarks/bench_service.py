@@ -39,9 +39,12 @@ import torch  # noqa: E402
 from common import chat_prompt_ids, clock  # noqa: E402
 
 from gen_service.attention.shared_cache import share_prompt  # noqa: E402
-from gen_service.engine.coupling import Sampling  # noqa: E402
+from gen_service.engine.coupling import seeded  # noqa: E402
 from gen_service.engine.facade import Engine  # noqa: E402
-from gen_service.engine.jobs import TraceJob, seeded  # noqa: E402
+from gen_service.engine.jobs import (
+    Sampling,  # noqa: E402
+    TraceJob,  # noqa: E402
+)
 from gen_service.engine.loops import decode  # noqa: E402
 from gen_service.engine.scheduler import drive  # noqa: E402
 from gen_service.models.loading import load_model  # noqa: E402
@@ -84,7 +87,7 @@ def time_coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int, 
     gen = seeded(engine.device, 0)
     t0 = clock(engine.device)
     for _ in drive(decode(job, p0, q0, gen, engine.lm.eos_token_ids, engine.device,
-                          readback_every=engine.readback_every), engine._runner()):
+                          readback_every=engine.readback_every), engine.runner()):
         pass
     return (clock(engine.device) - t0) / (steps - 1)  # T steps, T−1 forward pairs
 

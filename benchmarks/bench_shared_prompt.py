@@ -32,9 +32,12 @@ import torch  # noqa: E402
 from common import chat_prompt_ids, clock  # noqa: E402  (same directory)
 
 from gen_service.attention.shared_cache import SharedPromptCache, share_prompt  # noqa: E402
-from gen_service.engine.coupling import Sampling  # noqa: E402
+from gen_service.engine.coupling import seeded  # noqa: E402
 from gen_service.engine.facade import Engine  # noqa: E402
-from gen_service.engine.jobs import TraceJob, seeded  # noqa: E402
+from gen_service.engine.jobs import (
+    Sampling,  # noqa: E402
+    TraceJob,  # noqa: E402
+)
 from gen_service.engine.loops import decode  # noqa: E402
 from gen_service.engine.scheduler import drive  # noqa: E402
 from gen_service.models.loading import load_model  # noqa: E402
@@ -60,7 +63,7 @@ def coupled_decode(engine: Engine, ids: list[int], policy: str, rows: int,
     gen = seeded(engine.device, 0)
     records, stamps = [], []
     for rec in drive(decode(job, p0, q0, gen, engine.lm.eos_token_ids, engine.device,
-                          readback_every=engine.readback_every), engine._runner()):
+                          readback_every=engine.readback_every), engine.runner()):
         stamps.append(time.perf_counter())
         records.append(rec)
     sec = statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False))

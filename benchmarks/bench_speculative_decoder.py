@@ -46,9 +46,12 @@ import torch  # noqa: E402
 
 import divstats  # noqa: E402
 from collector import documents as D  # noqa: E402
-from gen_service.engine.coupling import Sampling, absorb_eos, probs  # noqa: E402
+from gen_service.engine.coupling import absorb_eos, probs  # noqa: E402
 from gen_service.engine.facade import Engine  # noqa: E402
-from gen_service.engine.jobs import TraceJob  # noqa: E402
+from gen_service.engine.jobs import (
+    Sampling,  # noqa: E402
+    TraceJob,  # noqa: E402
+)
 from gen_service.engine.sides import Prefilled, Side  # noqa: E402
 from gen_service.models.float_head import logits as fp32_logits  # noqa: E402
 from gen_service.models.loading import load_model  # noqa: E402

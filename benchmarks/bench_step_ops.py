@@ -32,7 +32,7 @@ from gen_service.engine.jobs import TraceJob  # noqa: E402
 
 try:                                   # the rooms layout (gen_service/models/, gen_service/engine/coupling)
     import gen_service.models.loading as loading
-    from gen_service.engine.coupling import Sampling
+    from gen_service.engine.jobs import Sampling
 except ImportError:                    # before it
     import gen_service.models as loading  # type: ignore[no-redef]
     from gen_service.coupling import Sampling  # type: ignore[no-redef]

@@ -552,7 +552,7 @@ def run_batch(engine, jobs, costs, on_step=None):
             super()._step(live)
 
     executor = _Inline()
-    loop = Loop(executor, engine._runner, len(jobs), 1 << 62, Metrics())
+    loop = Loop(executor, engine.runner, len(jobs), 1 << 62, Metrics())
     streams = [_Stream() for _ in jobs]
     for job, stream, cost in zip(jobs, streams, costs, strict=True):
         loop.submit(BatchEntry(stream, lambda c, job=job: engine.trace_steps(job, c), cost, job.replicates))

@@ -439,7 +439,11 @@ def collect_adaptive(cfg: CollectConfig, spec: AdaptiveSpec, *, say: Callable[[s
                 f"{plan.replicates} replicates for {plan.pairs} pairs")
         out.results[k] = collect(cfg.for_round(k, allocation), stop_reason)
         k += 1
-    if not out.ok:
+    last = out.results[max(out.results)]
+    if not out.ok and last.refused and not last.retry_helps:   # designed refusals: a rerun cannot collect them
+        out.stopped = (f"round {max(out.results)} is incomplete: the server refuses {', '.join(sorted(last.refused))} "
+                       "on its model by design; collect without them (--policies)")
+    elif not out.ok:
         out.stopped = f"round {max(out.results)} is incomplete; rerun the same command to resume it"
     _record(journal, spec, out.plans, out.stopped)
     return out

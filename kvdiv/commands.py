@@ -180,8 +180,12 @@ def _collect_adaptive(options: dict[str, object], adaptive: dict[str, object]) -
     for k, res in sorted(result.results.items()):
         click.echo(f"round {k}: {res.summary()}", err=True)
     click.echo(f"stopped: {result.stopped}", err=True)
+    if any(res.refused for res in result.results.values()):   # designed refusals: a rerun cannot collect them
+        click.echo("The server refuses the REFUSED policies on its model by design (docs/presses-by-family.md): "
+                   "rerunning will not collect them; collect without them (--policies).", err=True)
     if not result.ok:
-        click.echo(f"Rerun the same command to resume; {out} keeps every complete request.", err=True)
+        if any(res.retry_helps for res in result.results.values()):
+            click.echo(f"Rerun the same command to resume; {out} keeps every complete request.", err=True)
         sys.exit(1)
     click.echo(f"complete: `kvdiv pack {out} -o {Path(str(out)) / 'traces.nc'}` (estimates use the rounds after "
                "the pilot)", err=True)

@@ -44,7 +44,7 @@ import uvicorn
 
 from gen_service.api.cli import build_service
 from gen_service.presses.registry import ModelInfo
-from gen_service.serving.service import Message
+from gen_service.serving.intake import Message
 
 OUT = Path(__file__).resolve().parent / "data" / "openai_logprobs_smollm2.json"
 POLICIES = ("snapkv@0.5", "recent@0.5")

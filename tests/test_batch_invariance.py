@@ -22,9 +22,8 @@ from test_service_batching import Inline, Stream, _batch
 
 from gen_service.attention.cascade import _prompt_part
 from gen_service.attention.shared_cache import pooled_length
-from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import TraceJob
+from gen_service.engine.jobs import Sampling, TraceJob
 from gen_service.models.loading import load_model
 from gen_service.serving.batching import BatchEntry, BatchLoop
 from gen_service.serving.service import Metrics
@@ -134,12 +133,12 @@ def test_a_service_is_batch_invariant_only_when_it_merges_requests():
         engine = Engine(load_model("tiny:llama"))
         Service(engine, ServiceConfig(max_batch_requests=merged))
         assert engine.padded_linears == want and engine.batch_invariant == (merged > 1)
-        assert engine._runner().invariant == (merged > 1)
+        assert engine.runner().invariant == (merged > 1)
 
     engine = Engine(load_model("tiny:llama"))
     engine.device = torch.device("cuda")         # unmeasured there: nothing changes
     engine.make_batch_invariant()
-    assert not engine.batch_invariant and engine.padded_linears == 0 and not engine._runner().invariant
+    assert not engine.batch_invariant and engine.padded_linears == 0 and not engine.runner().invariant
 
 
 class _AdmitsAfter(Stream):
@@ -181,7 +180,7 @@ def test_requests_admitted_at_different_steps_are_bitwise_equal_to_alone(lm, fus
     engine.fuse = fuse
     engine.make_batch_invariant()
     executor, b_stream = Inline(), Stream()
-    loop = BatchLoop(executor, engine._runner, 8, 1 << 50, Metrics())
+    loop = BatchLoop(executor, engine.runner, 8, 1 << 50, Metrics())
     entry = lambda job, stream: BatchEntry(stream, lambda c: engine.trace_steps(job, c), 0, job.replicates)  # noqa: E731
     a_stream = _AdmitsAfter(2, lambda: loop.submit(entry(b_job, b_stream)))
     loop.submit(entry(a_job, a_stream))

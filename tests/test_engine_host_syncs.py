@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import gen_service
-from gen_service.engine.coupling import Sampling, absorb_eos
+from gen_service.engine.coupling import absorb_eos
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import TraceJob
+from gen_service.engine.jobs import Sampling, TraceJob
 from gen_service.engine.readback import HostReads, Readback
 from gen_service.models.loading import load_model
 

@@ -19,9 +19,9 @@ from collector.collect import CollectConfig
 from collector.grouped import group_body
 from collector.jobs import request_body
 from gen_service.api.records import TRACE_FIELDS, TRACE_PARAMETERS, parse_trace
-from gen_service.engine.coupling import Sampling, absorb_eos, probs, tv
+from gen_service.engine.coupling import absorb_eos, probs, tv
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import TraceJob
+from gen_service.engine.jobs import Sampling, TraceJob
 from gen_service.engine.top_logprobs import at_steps, logit_fields, step_logits
 from gen_service.errors import ApiError
 from gen_service.models.loading import load_model
@@ -123,8 +123,8 @@ def test_unknown_trace_fields_are_a_422_naming_the_closest(body: dict, field: st
 
 def test_top_logprobs_is_read_and_bounded() -> None:
     base = {"inputs": "Hi", "candidate": "snapkv@0.5"}
-    assert parse_trace(base, RequestLimits()).top_logprobs == 0
-    assert parse_trace({**base, "top_logprobs": 64}, RequestLimits()).top_logprobs == 64
+    assert parse_trace(base, RequestLimits()).job.top_logprobs == 0
+    assert parse_trace({**base, "top_logprobs": 64}, RequestLimits()).job.top_logprobs == 64
     for bad in (65, -1, 2.5, True):
         with pytest.raises(ApiError, match="top_logprobs"):
             parse_trace({**base, "top_logprobs": bad}, RequestLimits())

@@ -8,9 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import gen_service.models.float_head as head_module
-from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import TraceJob
+from gen_service.engine.jobs import Sampling, TraceJob
 from gen_service.models.float_head import CHUNK_BYTES, extra_bytes, head32, logits
 from gen_service.models.loading import byte_tokenizer, load_model, pretrained_kwargs, tiny_model
 

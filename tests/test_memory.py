@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 
 from gen_service.attention.shared_cache import SharedPromptCache, pooled_length
-from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import TraceJob
+from gen_service.engine.jobs import Sampling, TraceJob
 from gen_service.errors import RequestTooLarge
 from gen_service.models.loading import load_model
 from gen_service.serving.admission import MemoryGate, ModelShape, estimate, parse_budget

@@ -17,9 +17,8 @@ import pytest
 from test_memory import _peak_bytes
 from test_service_batching import Inline, Stream
 
-from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import TraceJob
+from gen_service.engine.jobs import Sampling, TraceJob
 from gen_service.models.loading import load_model
 from gen_service.serving.admission import MemoryGate, batch_bytes
 from gen_service.serving.batching import BatchEntry, BatchLoop, merged_bytes
@@ -40,7 +39,7 @@ def _jobs(specs: list[tuple[int, int, str]], rows: int, kind: str) -> list[Trace
 
 def _run_batch(engine: Engine, jobs: list[TraceJob], sizes) -> list[Stream]:
     executor = Inline()
-    loop = BatchLoop(executor, engine._runner, 8, 1 << 50, Metrics())
+    loop = BatchLoop(executor, engine.runner, 8, 1 << 50, Metrics())
     streams = [Stream() for _ in jobs]
     for job, stream, size in zip(jobs, streams, sizes, strict=True):
         loop.submit(BatchEntry(stream, lambda c, job=job: engine.trace_steps(job, c), size, job.replicates))
@@ -90,7 +89,7 @@ def test_a_request_joins_only_while_the_merged_batch_fits(lm):
     assert batch_bytes(short + [long]) > budget               # ...the merged batch does not
     jobs = _jobs([(40, 8, "snapkv@0.5")] * 3 + [(40, 200, "snapkv@0.5")], 4, "coupled")
     executor, seen = Inline(), []
-    loop = BatchLoop(executor, engine._runner, 8, budget, Metrics())
+    loop = BatchLoop(executor, engine.runner, 8, budget, Metrics())
     step = loop._step
     loop._step = lambda live: seen.append(len(live)) or step(live)   # requests decoded per step
     for job, size in zip(jobs, short + [long], strict=True):

@@ -22,9 +22,8 @@ from test_service_batching import JOBS, Stream, _batch, _job
 
 import gen_service.engine.forwards as forwards
 from gen_service.api.handlers import stream_error
-from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import CandidateDone, CandidateFailed
+from gen_service.engine.jobs import CandidateDone, CandidateFailed, Sampling
 from gen_service.engine.readback import FiniteGuard, HostReads, Readback
 from gen_service.errors import NonFiniteLogits
 from gen_service.models.loading import load_model

@@ -16,10 +16,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
-from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
 from gen_service.engine.forwards import attention_layers
-from gen_service.engine.jobs import TraceJob
+from gen_service.engine.jobs import Sampling, TraceJob
 from gen_service.engine.prefill import derives_from_full_forward, prefill_document, prefill_pair
 from gen_service.errors import CandidateError
 from gen_service.models.loading import load_model

@@ -45,8 +45,7 @@ def _ids(pipe) -> tuple[list[int], list[int]]:
 
 
 def _candidate_answer(engine, policy: str, context_ids: list[int], question_ids: list[int]) -> str:
-    from gen_service.engine.coupling import Sampling
-    from gen_service.engine.jobs import TraceJob
+    from gen_service.engine.jobs import Sampling, TraceJob
 
     job = TraceJob(prompt_ids=context_ids, question_ids=question_ids, candidate=policy, horizon=HORIZON,
                    replicates=1, sampling=Sampling(do_sample=False), seed=0)

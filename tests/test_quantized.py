@@ -22,9 +22,8 @@ import torch
 from transformers.cache_utils import Cache, QuantizedCache, QuantizedLayer
 
 import divstats
-from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import TraceJob
+from gen_service.engine.jobs import Sampling, TraceJob
 from gen_service.errors import PolicyError
 from gen_service.models.loading import load_model
 from gen_service.presses.quantized import fake_quantize

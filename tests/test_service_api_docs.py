@@ -13,7 +13,8 @@ from gen_service.errors import ServiceError
 
 MODULES = ["gen_service.api.app", "gen_service.api.body", "gen_service.engine.coupling", "gen_service.errors",
            "gen_service.api.handlers", "gen_service.api.records", "gen_service.api.cli", "gen_service.serving.service",
-           "gen_service.serving.limits", "gen_service.api.openai_wire", "gen_service.api.tgi_wire"]
+           "gen_service.serving.limits", "gen_service.serving.intake", "gen_service.api.openai_wire",
+           "gen_service.api.tgi_wire"]
 SECTIONS = ("Parameters", "Returns", "Raises", "Examples")
 
 

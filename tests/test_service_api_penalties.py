@@ -11,9 +11,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
-from gen_service.engine.coupling import History, Sampling, probs, tv
+from gen_service.engine.coupling import History, probs, tv
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import TraceJob
+from gen_service.engine.jobs import Sampling, TraceJob
 from gen_service.models.loading import load_model
 from gen_service.presses.registry import PolicyRegistry
 

@@ -23,9 +23,8 @@ import httpx
 import pytest
 from service_live import PROMPT, LiveServer
 
-from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import CandidateDone, TraceJob
+from gen_service.engine.jobs import CandidateDone, Sampling, TraceJob
 from gen_service.errors import Cancelled, ConfigError
 from gen_service.models.loading import load_model
 from gen_service.serving.batching import BatchEntry, BatchingChoice, BatchLoop
@@ -94,7 +93,7 @@ def _batch(engine: Engine, jobs: list[TraceJob], streams: list[Stream] | None = 
            budget: int = 1 << 50, costs: list[int] | None = None) -> tuple[list[Stream], Metrics]:
     """Every job submitted before the loop starts, then the loop run to the end."""
     executor, metrics = Inline(), Metrics()
-    loop = BatchLoop(executor, engine._runner, max_requests, budget, metrics)
+    loop = BatchLoop(executor, engine.runner, max_requests, budget, metrics)
     streams = streams or [Stream() for _ in jobs]
     for i, (job, stream) in enumerate(zip(jobs, streams, strict=True)):
         loop.submit(BatchEntry(stream, lambda c, job=job: engine.trace_steps(job, c),

@@ -23,9 +23,8 @@ import httpx
 import pytest
 from service_live import PROMPT, LiveServer
 
-from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import CandidateDone, CandidateFailed, TraceJob
+from gen_service.engine.jobs import CandidateDone, CandidateFailed, Sampling, TraceJob
 from gen_service.models.loading import load_model
 from protocols import assemble, read_stream
 from protocols.stream import StreamError

@@ -13,7 +13,8 @@ import torch
 from scipy import stats
 
 from gen_service.engine import coupling
-from gen_service.engine.coupling import History, Sampling, absorb_eos, categorical, maximal_coupling, probs, tv
+from gen_service.engine.coupling import History, absorb_eos, categorical, maximal_coupling, probs, tv
+from gen_service.engine.jobs import Sampling
 
 
 def _pair(v: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,9 +12,9 @@ import pytest
 import torch
 from scipy import stats
 
-from gen_service.engine.coupling import Sampling, probs, tv
+from gen_service.engine.coupling import probs, tv
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import TraceJob
+from gen_service.engine.jobs import Sampling, TraceJob
 from gen_service.engine.readback import READBACK_EVERY
 from gen_service.errors import Cancelled, PolicyError
 from gen_service.models.loading import load_model

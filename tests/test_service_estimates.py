@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 
 import divstats
-from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import TraceJob
+from gen_service.engine.jobs import Sampling, TraceJob
 from gen_service.models.loading import load_model
 from gen_service.presses.registry import PolicyRegistry
 from protocols import StreamWriter, assemble

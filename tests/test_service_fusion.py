@@ -19,9 +19,8 @@ import httpx
 import pytest
 from service_live import PROMPT, LiveServer
 
-from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import CandidateDone, TraceJob
+from gen_service.engine.jobs import CandidateDone, Sampling, TraceJob
 from gen_service.models.loading import load_model
 
 CANDIDATES = ["snapkv@0.5", "kvpress:AdaKVPress(SnapKVPress)@0.5", "recent@0.5"]

@@ -207,9 +207,26 @@ def test_press_failing_in_prefill_is_a_422_before_streaming() -> None:
         s.stop()
 
 
+def test_max_request_seconds_refuses_up_front_what_the_estimate_says_cannot_finish() -> None:
+    s = LiveServer(max_request_seconds=0.5, max_new_tokens=2000)
+    try:
+        s.service.step_cost.seconds = 1e-3   # as if measured: 28,800 row-steps take ~29 s
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            r = c.post("/v1/traces", json={"inputs": PROMPT, "candidate": "snapkv@0.5", "replicates": 16,
+                                           "parameters": {"max_new_tokens": 1800}})
+            err = r.json()["error"]
+            assert r.status_code == 422 and err.startswith("replicates: needs an estimated 29 s (28800 row-steps")
+            assert "--max-request-seconds 0.5 s" in err and "at most R=0 fits" not in err
+            assert s.service.admission.count == 0 and s.service.metrics.timeouts._value.get() == 0
+    finally:
+        s.stop()
+
+
 def test_max_request_seconds_ends_a_stream_with_an_error_record() -> None:
     s = LiveServer(max_request_seconds=0.5, max_new_tokens=2000)
     try:
+        # an estimate that errs short: the deadline still stops the work
+        s.service.step_cost.seconds = 1e-9
         with httpx.Client(base_url=s.url, timeout=30) as c:
             lines = _trace(c, {"inputs": PROMPT, "candidate": "snapkv@0.5", "replicates": 16,
                                "parameters": {"max_new_tokens": 1800}})

@@ -33,7 +33,7 @@ def engine(embedded_lm):
 
 
 def test_embedded_model_facts_and_greedy_answer(engine) -> None:
-    from gen_service.engine.coupling import Sampling
+    from gen_service.engine.jobs import Sampling
 
     assert engine.lm.eos_token_id == 2 and engine.lm.vocab_size == 49152
     out = engine.lm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from gen_service.api.records import parse_trace
-from gen_service.engine.coupling import History, Sampling, probs, tv
+from gen_service.engine.coupling import History, probs, tv
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import CandidateDone, TraceJob
+from gen_service.engine.jobs import CandidateDone, Sampling, TraceJob
 from gen_service.engine.readback import READBACK_EVERY
 from gen_service.errors import Cancelled
 from gen_service.models.loading import load_model
@@ -184,7 +184,7 @@ def test_request_parsing() -> None:
     from gen_service.errors import ApiError
 
     req = parse_trace({"inputs": "Hi", "candidate": "snapkv@0.5", "kind": "reference"}, RequestLimits())
-    assert req.kind == "reference" and req.window is None
+    assert req.job.kind == "reference" and req.job.window is None
     with pytest.raises(ApiError, match="window"):
         parse_trace({"inputs": "Hi", "candidate": "snapkv@0.5", "kind": "reference", "window": 4}, RequestLimits())
 

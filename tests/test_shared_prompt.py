@@ -14,9 +14,8 @@ import torch
 
 from gen_service.attention.cascade import cascade_attention
 from gen_service.attention.shared_cache import SharedPromptCache, can_share, share_prompt
-from gen_service.engine.coupling import Sampling
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import TraceJob
+from gen_service.engine.jobs import Sampling, TraceJob
 from gen_service.models.loading import load_model
 
 

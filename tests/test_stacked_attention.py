@@ -100,10 +100,9 @@ def test_static_shapes_do_not_change_from_step_to_step():
 def test_static_stacked_forwards_give_the_same_traces(kind, monkeypatch):
     """The whole model over static-shape stacks (the form a CUDA graph captures), on CPU:
     the same trace as the dynamic stacks, three candidates, branches included."""
-    from gen_service.engine.coupling import Sampling
     from gen_service.engine.facade import Engine
     from gen_service.engine.forwards import run_stacked
-    from gen_service.engine.jobs import TraceJob
+    from gen_service.engine.jobs import Sampling, TraceJob
     from gen_service.models.loading import load_model
 
     lm = load_model("tiny:llama")
@@ -195,9 +194,8 @@ def test_one_call_on_cuda_equals_the_loop():
 def test_cuda_graph_traces_equal_the_eager_ones(kind):
     """Three candidates' stacked forwards replayed from CUDA graphs: the same trace as
     without (fp32; the graph replays the very kernels the eager forward runs)."""
-    from gen_service.engine.coupling import Sampling
     from gen_service.engine.facade import Engine
-    from gen_service.engine.jobs import TraceJob
+    from gen_service.engine.jobs import Sampling, TraceJob
     from gen_service.models.loading import load_model
 
     lm = load_model("tiny:llama", device="cuda", dtype="float32")

@@ -167,7 +167,9 @@ class _Once(logging.Filter):
 @click.option("--body-timeout", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Seconds a client has to send its request body (408 after).")
 @click.option("--max-request-seconds", default=None, type=click.FloatRange(0, min_open=True),
-              help="Wall time of one request's model work; a stream past it ends with an error record.")
+              help="Wall time of one request's model work (default: 600 on the CPU, none on CUDA; inf: none). "
+                   "A trace request estimated to take longer is refused up front (422); a stream past it ends "
+                   "with an error record.")
 @click.option("--max-candidates", default=64, show_default=True, type=click.IntRange(1, 64),
               help="Candidates one /v1/traces request may hold (`candidates`); 1 turns multi-candidate requests off.")
 @click.option("--batch-candidates/--no-batch-candidates", default=True, show_default=True,

@@ -1,11 +1,11 @@
 """Route handlers: module-level functions over the app state (``request.app.state.service``).
 
 Every handler follows the same path: read the body within its limits, parse it into
-a typed request (:mod:`gen_service.api.records`), take an admission slot, tokenise off
-the event loop, check the context and build the policies for this prompt, start the
-work, and wait for its first item. Only then is a status sent, so every failure up
-to the first token (or the trace header) is an error status rather than a 200
-followed by an error. Bodies and events are shaped by :mod:`gen_service.api.tgi_wire`
+a typed request (:mod:`gen_service.api.records`), take an admission slot, admit it off
+the event loop (:mod:`gen_service.serving.intake`: tokenise, check, build the policies
+once, size its memory and time), start the work, and wait for its first item. Only then
+is a status sent, so every failure up to the first token (or the trace header) is an
+error status rather than a 200 followed by an error. Bodies and events are shaped by :mod:`gen_service.api.tgi_wire`
 and :mod:`gen_service.api.openai_wire`.
 """
 
@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +39,9 @@ from gen_service.api.records import (
     parse_trace,
 )
 from gen_service.engine.jobs import CandidateDone, CandidateFailed, TraceJob
-from gen_service.errors import ApiError, Cancelled, CandidateError, NonFiniteLogits, RequestTimeout, invalid
+from gen_service.errors import ApiError, Cancelled, CandidateError, NonFiniteLogits, RequestTimeout
 from gen_service.presses.table import catalog
+from gen_service.serving.intake import row_steps
 from gen_service.serving.service import Service, Ticket, WorkStream, failure_error
 from protocols import StreamWriter, error_record
 from protocols import __version__ as VERSION
@@ -84,18 +84,17 @@ def _stop_check(svc: Service, stop: tuple[str, ...]) -> Callable[[list[int]], bo
 
 async def start_generation(svc: Service, ticket: Ticket, ids: list[int], dec: Decoding, field: str,
                            eviction_field: str, prompt_logprobs: bool = False) -> Started:
-    """Check the context, the policy and the memory (``prompt_logprobs``: the prompt's
-    log-probabilities will be computed afterwards), start decoding, and wait for the first token."""
+    """Admit the generation (:meth:`gen_service.serving.intake.Intake.admit_generate`: its context,
+    its policy built once, its memory; ``prompt_logprobs``: the prompt's log-probabilities will be
+    computed afterwards), start decoding, and wait for the first token."""
     room = svc.engine.lm.max_context - len(ids)
     n = dec.max_new_tokens or max(1, min(svc.limits.max_new_tokens, room))
-    svc.check_context(ids, n, field)
     # off the loop: the first press of a kind imports kvpress and builds the press
-    await svc.off_loop(svc.check_policy, eviction_field, dec.eviction, len(ids))
-    await svc.off_loop(svc.check_generate_memory, len(ids), n, dec.eviction, prompt_logprobs,
-                       "parameters.decoder_input_details" if prompt_logprobs else field)
+    admitted = await svc.off_loop(svc.intake.admit_generate, ids, n, dec.eviction, field, eviction_field,
+                                  prompt_logprobs)
     seed = dec.seed if dec.seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
     stop = _stop_check(svc, dec.stop)
-    work = svc.start(lambda cancelled: svc.engine.generate(ids, dec.eviction, n, dec.sampling, seed,
+    work = svc.start(lambda cancelled: svc.engine.generate(ids, admitted.policy, n, dec.sampling, seed,
                                                            top_n=dec.top_n_tokens, stop_check=stop,
                                                            cancelled=cancelled), ticket)
     try:
@@ -280,7 +279,9 @@ async def info(request: Request) -> Response:
         "docker_label": None,
         "kvdiv": {"eviction": cfg.eviction, "max_new_tokens": cfg.max_new_tokens,
                   "max_replicates": cfg.max_replicates, "max_input_bytes": cfg.max_input_bytes,
-                  "max_request_seconds": cfg.max_request_seconds, "vocab_size": lm.vocab_size,
+                  "max_request_seconds": svc.max_request_seconds, "vocab_size": lm.vocab_size,
+                  # the time estimate's seconds per row-step (gen_service/serving/intake.py)
+                  "step_cost": svc.step_cost.info(),
                   # every EOS id ends a generation; eos_token_id (the first) for older clients
                   "eos_token_id": lm.eos_token_id, "eos_token_ids": list(lm.eos_token_ids),
                   "policies": svc.engine.registry.names(),
@@ -315,13 +316,19 @@ async def metrics(request: Request) -> Response:
 
 async def policies(request: Request) -> Response:
     """``GET /v1/policies``: names, examples, the grammar and every kvpress press (what it
-    takes, whether it runs coupled and residual, and why not when it does not)."""
+    takes, whether it runs coupled and residual, and why not when it does not), and the
+    presses refused on the loaded model (``refused``: press, model feature, what would be
+    needed; gen_service.presses.families), each press's ``runs_here`` saying so too."""
     svc = state(request)
     reg = svc.engine.registry
+    refused = await svc.off_loop(reg.refusals, svc.intake.info)
+    presses = [{**row, "runs_here": row["name"] not in refused and (row["coupled"] or row["residual"])}
+               for row in catalog()]
     return JSONResponse({"default": svc.config.eviction, "names": reg.names(), "examples": reg.examples(),
                          "grammar": "full | name@retention | name#budget | Wrapper(Inner, ...)@r | id:k=v,... "
                                     "| id+quant:kivi@bits:k=v,... | quant:kivi@bits:k=v,...",
-                         "presses": catalog()})
+                         "model": svc.engine.lm.name, "presses": presses,
+                         "refused": {name: r.info() for name, r in refused.items()}})
 
 
 # ---------------------------------------------------------------------- traces
@@ -335,38 +342,18 @@ async def traces(request: Request) -> Response:
     svc, data = await read_json(request)
     req = parse_trace(data, svc.limits)
     async with svc.admitted() as ticket:
-        question: list[int] = []  # prefilled after compression, never compressed
-        if req.context is not None:
-            ids, question = await svc.off_loop(svc.encode_context, req.context, req.question)
-        elif req.messages is not None:
-            ids = await svc.off_loop(svc.encode_chat, req.messages)
-        else:
-            ids = await svc.off_loop(svc.encode, req.inputs, req.add_special_tokens)
-        svc.check_context(ids + question, req.horizon, req.prompt_field)
-        # the press compresses the context only: policies are fitted to its length
-        fields = [f"candidates[{i}]" for i in range(len(req.candidates))] if req.candidates else ["candidate"]
-        for field, policy in zip(fields, req.candidates or (req.candidate,), strict=True):
-            await svc.off_loop(svc.check_policy, field, policy, len(ids))
-        await svc.off_loop(svc.check_policy, "reference", req.reference, len(ids))
-        # each candidate's sides as the engine will hold them (shared prompt or per-row copies)
-        cost = await svc.off_loop(svc.check_memory, req.replicates, len(ids) + len(question), req.horizon, req.kind,
-                           max(1, len(req.candidates)), tuple(req.candidates or (req.candidate,)), req.reference,
-                           len(ids), req.top_logprobs)
-        if req.top_logprobs > svc.engine.lm.vocab_size:
-            raise invalid("top_logprobs", f"must be <= the vocabulary size {svc.engine.lm.vocab_size}")
-        job = TraceJob(prompt_ids=ids, candidate=req.candidate, reference=req.reference, kind=req.kind,
-                       horizon=req.horizon, replicates=req.replicates, window=req.window, sampling=req.sampling,
-                       seed=req.seed, doc=req.doc, request_id=uuid.uuid4().hex, question_ids=question,
-                       candidates=list(req.candidates), seeds=list(req.seeds), top_logprobs=req.top_logprobs)
-        work = svc.start_trace(job, ticket, cost)
+        # off the loop: tokenising, building the policies (the first press of a kind imports kvpress)
+        admitted = await svc.off_loop(svc.intake.admit, req, svc)
+        job = admitted.trace
+        work = svc.start_trace(admitted, ticket)
         try:
             await work.first()  # the header: the prefills ran, so the policies work on this prompt
         except CandidateError as exc:
             log.exception("trace %s failed before its header", job.request_id)
-            raise failure_error(exc.cause, f"candidates[{exc.index}]", (exc.policy, req.reference)) from None
+            raise failure_error(exc.cause, f"candidates[{exc.index}]", (exc.policy, job.reference)) from None
         except BaseException as exc:
             log.exception("trace %s failed before its header", job.request_id)
-            raise failure_error(exc, "candidate", (req.candidate, req.reference)) from None
+            raise failure_error(exc, "candidate", (job.candidate, job.reference)) from None
     sse = SSE in request.headers.get("accept", "")
 
     def frame(line: bytes) -> bytes:
@@ -377,10 +364,8 @@ async def traces(request: Request) -> Response:
 
 
 def _count_row_steps(svc: Service, job: TraceJob, rec: dict[str, Any]) -> None:
-    if rec["type"] in ("step", "shared_step"):
-        svc.metrics.row_steps.inc(job.replicates)
-    elif rec["type"] == "branch":
-        svc.metrics.row_steps.inc(len(rec["tv"]) - 1)
+    if rec["type"] != "reference_step":   # the metric counts what the coupled and residual kinds decode
+        svc.metrics.row_steps.inc(row_steps(rec, job.replicates))
 
 
 async def _trace_body(svc: Service, job: TraceJob, work: WorkStream,

@@ -1,9 +1,9 @@
 """The typed request layer: every route's JSON body becomes one frozen record here.
 
-Parsing is pure (a dict and the server's :class:`RequestLimits` in, a record or a 422 out),
-so every check lives in one place and every error names its field. What needs the
-model (tokenising, the context length, building the policy for the prompt) happens
-afterwards in the handlers, still before the first byte of a response is sent.
+Parsing is pure (a dict and the server's :class:`RequestLimits` in, a record or a 422 out)
+and imports no torch; every error names its field. What needs the model (tokenising, the
+context length, building the policies for the prompt, sizing memory and time) is the
+intake's (:mod:`gen_service.serving.intake`), still before the first byte of a response is sent.
 
 Unknown keys are ignored on the TGI and OpenAI routes, as TGI does (clients send extra
 fields such as ``model`` or ``user``). ``/v1/traces`` is kvdiv's own: there a key it does
@@ -22,15 +22,15 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from gen_service.engine.coupling import Sampling
+from gen_service.engine.jobs import Sampling, TraceJob
 from gen_service.errors import invalid
+from gen_service.serving.intake import Message, TraceRequest
 from gen_service.serving.limits import RequestLimits
-from gen_service.serving.service import Message
 from protocols import MAX_TOP_LOGPROBS, WIRE_KINDS, Kind
 
 __all__ = [
     "Reader", "Decoding", "GenerateRequest", "ChatRequest", "CompletionRequest",
-    "TraceRequest", "TokenizeRequest", "parse_generate", "parse_chat", "parse_chat_messages", "parse_completion",
+    "TokenizeRequest", "parse_generate", "parse_chat", "parse_chat_messages", "parse_completion",
     "parse_trace", "parse_tokenize", "refuse_unknown", "SEED_MAX", "TRACE_FIELDS",
     "TRACE_PARAMETERS",
 ]
@@ -240,42 +240,6 @@ class CompletionRequest:
     prompt: str
     decoding: Decoding
     stream: bool = False
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    """``POST /v1/traces`` (docs/service.md): a prompt, two policies and the kernels' sampling.
-
-    The prompt is ``inputs``, ``messages`` (all of it compressed) or ``context`` +
-    ``question`` (only the context is compressed; the question is prefilled after).
-    ``candidates`` (several policies in one request, each with its seed in ``seeds``,
-    None where the server draws one) is empty for a one-candidate request.
-    ``top_logprobs`` (k ≤ 64; 0: none) asks for the logit traces at every step.
-    """
-
-    inputs: str | None
-    messages: tuple[Message, ...] | None
-    candidate: str
-    reference: str = "full"
-    kind: str = "coupled"
-    horizon: int = 32
-    replicates: int = 1
-    window: int | None = None
-    sampling: Sampling = Sampling()
-    seed: int | None = None
-    doc: str | None = None
-    add_special_tokens: bool = True
-    context: str | None = None
-    question: str = ""
-    candidates: tuple[str, ...] = ()
-    seeds: tuple[int | None, ...] = ()
-    top_logprobs: int = 0
-
-    @property
-    def prompt_field(self) -> str:
-        if self.context is not None:
-            return "context"
-        return "messages" if self.messages is not None else "inputs"
 
 
 @dataclass(frozen=True)
@@ -489,7 +453,8 @@ def parse_completion(data: dict[str, Any], limits: RequestLimits) -> CompletionR
 
 
 def parse_trace(data: dict[str, Any], limits: RequestLimits) -> TraceRequest:
-    """A ``/v1/traces`` request; the prompt is tokenised and the policies built later.
+    """A ``/v1/traces`` request: its prompt's texts and its job (tokenised, checked and its
+    policies built by :meth:`gen_service.serving.intake.Intake.admit`).
 
     Parameters
     ----------
@@ -511,7 +476,7 @@ def parse_trace(data: dict[str, Any], limits: RequestLimits) -> TraceRequest:
 
     Examples
     --------
-    >>> parse_trace({"inputs": "Hi", "candidate": "snapkv@0.5"}, RequestLimits()).kind
+    >>> parse_trace({"inputs": "Hi", "candidate": "snapkv@0.5"}, RequestLimits()).job.kind
     'coupled'
     """
     r = Reader(data)
@@ -541,14 +506,13 @@ def parse_trace(data: dict[str, Any], limits: RequestLimits) -> TraceRequest:
         raise invalid("seeds", "give either `seeds` (one per candidate) or `seed`, not both")
     if candidates and not seeds:
         seeds = (seed,) * len(candidates)   # every candidate as its own request with that seed
-    return TraceRequest(inputs=inputs, messages=messages,
-                        candidate=candidates[0] if candidates else _policy(r, "candidate", ""),
-                        candidates=candidates, seeds=seeds,
-                        reference=_policy(r, "reference", "full"), kind=kind, horizon=horizon,
-                        replicates=r.int("replicates", 1, lo=1, hi=limits.max_replicates), window=window,
-                        sampling=sampling, seed=seed, doc=None if doc is None else str(doc),
-                        add_special_tokens=bool(r.bool("add_special_tokens", True)), context=context,
-                        question=question, top_logprobs=r.int("top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS))
+    job = TraceJob(prompt_ids=[], candidate=candidates[0] if candidates else _policy(r, "candidate", ""),
+                   candidates=list(candidates), seeds=list(seeds), reference=_policy(r, "reference", "full"),
+                   kind=kind, horizon=horizon, replicates=r.int("replicates", 1, lo=1, hi=limits.max_replicates),
+                   window=window, sampling=sampling, seed=seed, doc=None if doc is None else str(doc),
+                   top_logprobs=r.int("top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS))
+    return TraceRequest(job, inputs=inputs, messages=messages, context=context, question=question,
+                        add_special_tokens=bool(r.bool("add_special_tokens", True)))
 
 
 def _candidates(r: Reader, most: int) -> tuple[tuple[str, ...], tuple[int | None, ...]]:

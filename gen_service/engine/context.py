@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from gen_service.engine.coupling import History, Sampling, ended_on
-from gen_service.engine.jobs import TraceJob, check
+from gen_service.engine.coupling import History, ended_on
+from gen_service.engine.jobs import Sampling, TraceJob, check
 from gen_service.engine.readback import READBACK_EVERY, FiniteGuard, Readback
 from gen_service.engine.sides import Side
 

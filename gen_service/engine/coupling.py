@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Sampling", "History", "penalize", "probs", "absorb_eos", "ended_on", "tv", "categorical", "CoupledDraw",
-           "maximal_coupling"]
+from gen_service.engine.jobs import Sampling
+
+__all__ = ["History", "penalize", "probs", "absorb_eos", "ended_on", "tv", "categorical", "CoupledDraw",
+           "maximal_coupling", "draw_seed", "seeded"]
 
 #: bytes of float64 running sums :func:`categorical` holds at once (rows are taken in
 #: blocks so that 1,280 rows of a 152k vocabulary do not need 1.5 GB beside the logits)
@@ -22,53 +24,6 @@ CDF_BYTES = 64 << 20
 #: benchmarks/bench_head_draws.py). CUDA's caching allocator has no such cost, and
 #: there each pass is a few kernel launches, so it keeps the large passes.
 CPU_CDF_BYTES = 4 << 20
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling transform applied identically to the P and Q logits (docs/statistics.md §1).
-
-    The order is TGI's: the history penalties (repetition, then frequency and
-    presence) on the raw logits, then temperature, top-k, top-p and typical-p. The
-    penalties read each side's own history (prompt + tokens decoded so far on that
-    side, see :class:`History`), so in a coupled trace P and Q are penalised by
-    different histories once they have diverged.
-
-    Examples
-    --------
-    >>> Sampling(temperature=0.0).greedy
-    True
-    >>> Sampling(repetition_penalty=1.2).uses_history
-    True
-    """
-
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    do_sample: bool = True
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    typical_p: float | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return not self.do_sample or self.temperature == 0.0
-
-    @property
-    def uses_history(self) -> bool:
-        """Whether the law depends on the tokens seen so far (a penalty is active)."""
-        return (self.repetition_penalty not in (None, 1.0) or self.frequency_penalty not in (None, 0.0)
-                or self.presence_penalty not in (None, 0.0))
-
-    def as_dict(self) -> dict:
-        out = {"temperature": 0.0 if self.greedy else float(self.temperature),
-               "top_k": self.top_k, "top_p": self.top_p, "do_sample": not self.greedy}
-        # the penalties appear only when set, so headers of plain requests keep their shape
-        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty", "typical_p"):
-            if getattr(self, name) is not None:
-                out[name] = float(getattr(self, name))
-        return out
 
 
 @dataclass(frozen=True)
@@ -454,3 +409,56 @@ def maximal_coupling(p: torch.Tensor, q: torch.Tensor, gen: torch.Generator) -> 
     y = torch.where(split, y_res, overlap)
     stop = m.sum(-1) <= 0
     return CoupledDraw(delta, x, y, x_res, y_res, overlap, stop)
+
+
+def draw_seed() -> int:
+    """A seed for a request that gave none (torch's global generator).
+
+    Parameters
+    ----------
+    None
+
+    Returns
+    -------
+    int
+        In [0, 2**31 - 1).
+
+    Raises
+    ------
+    None
+
+    Examples
+    --------
+    >>> 0 <= draw_seed() < 2**31 - 1
+    True
+    """
+    return int(torch.randint(0, 2**31 - 1, ()).item())
+
+
+def seeded(device: torch.device, seed: int) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed``: one per candidate (its draws are its own).
+
+    Parameters
+    ----------
+    device : torch.device
+        Where the draws happen (the model's device).
+    seed : int
+        The candidate's seed.
+
+    Returns
+    -------
+    torch.Generator
+
+    Raises
+    ------
+    None
+
+    Examples
+    --------
+    >>> a, b = seeded(torch.device("cpu"), 7), seeded(torch.device("cpu"), 7)
+    >>> bool(torch.rand(3, generator=a).equal(torch.rand(3, generator=b)))
+    True
+    """
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed))
+    return gen

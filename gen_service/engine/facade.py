@@ -7,7 +7,7 @@ operator and the benchmarks change on a live engine (``shared_prompt``, ``shared
 seams the tests and benchmarks patch or call (``_decode``, ``_run_forward``, ``_forward_stacked``):
 the facade routes through them so a patch on an instance takes effect. Choosing the
 decoding loop by kind is :mod:`gen_service.engine.loops`; running a loop on its own is
-:func:`gen_service.engine.scheduler.drive` with :meth:`Engine._runner`.
+:func:`gen_service.engine.scheduler.drive` with :meth:`Engine.runner`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from transformers import DynamicCache
 from gen_service.attention.head_masks import install
 from gen_service.attention.plan import attention_plan
 from gen_service.attention.shared_cache import share_prompt
-from gen_service.engine.coupling import Sampling
+from gen_service.engine.coupling import draw_seed, seeded
 from gen_service.engine.forwards import masked_attention, run_side, run_stacked
 from gen_service.engine.generate import generate, prompt_logprobs
 from gen_service.engine.graphs import CudaGraphs
 from gen_service.engine.header import header
-from gen_service.engine.jobs import TraceJob, check, draw_seed, seeded
+from gen_service.engine.jobs import Built, Policies, Sampling, TraceJob, check
 from gen_service.engine.loops import decode
 from gen_service.engine.prefill import prefill, prefill_document, prefill_pair
 from gen_service.engine.readback import READBACK_EVERY
@@ -153,7 +153,7 @@ class Engine:
         self.batch_invariant = True
         self.padded_linears = pad_linear_rows(self.model)
 
-    def _runner(self) -> Runner:
+    def runner(self) -> Runner:
         """The scheduler's view of this engine's settings, read now."""
         return Runner(lambda f: self._run_forward(f), lambda fs: self._forward_stacked(fs), self.device,
                       self.batch_candidates, self.fuse, self.fusion, self.batch_invariant)
@@ -164,7 +164,18 @@ class Engine:
 
     # ------------------------------------------------------------------ traces
 
-    def header(self, job: TraceJob, seed: int, cand: Policy, ref: Policy, p0: Prefilled,
+    def policies(self, job: TraceJob) -> Policies:
+        """The job's policies as the intake built them (gen_service/serving/intake.py), once for
+        its prompt. A job made without the intake (tests and benchmarks driving the engine
+        directly) has them built here, from its ids, once."""
+        if job.policies is None:
+            info = ModelInfo.of(self.lm)
+            job.policies = Policies(Built(job.reference, self.registry.build(job.reference, info), len(job.prompt_ids)),
+                                    tuple(Built(p, self.registry.build(p, info), len(job.prompt_ids))
+                                          for p in job.policy_ids))
+        return job.policies
+
+    def header(self, job: TraceJob, seed: int, cand: Policy | Built, ref: Policy | Built, p0: Prefilled,
                q0: Prefilled) -> dict[str, Any]:
         return header(self.lm, job, seed, cand, ref, p0, q0, fuse=self.fuse, attention=self.attention.header())
 
@@ -176,7 +187,7 @@ class Engine:
         (:meth:`trace_candidates`): every header first, then the candidates' records
         interleaved, each tagged with ``candidate``, and a :class:`CandidateDone` or
         :class:`CandidateFailed` per candidate where its ``end`` or ``error`` goes."""
-        yield from run_steps(self.trace_steps(job, cancelled), self._runner())
+        yield from run_steps(self.trace_steps(job, cancelled), self.runner())
 
     def trace_steps(self, job: TraceJob, cancelled: Callable[[], bool] = lambda: False) -> Iterator[Any]:
         """:meth:`trace`'s items with each decoding step's forwards left to the caller: the
@@ -188,9 +199,8 @@ class Engine:
             yield from self._candidates_steps(job, cancelled)
             return
         seed = job.seed if job.seed is not None else draw_seed()
-        info = ModelInfo.of(self.lm)
-        cand = self.registry.build(job.candidate, info)
-        ref = self.registry.build(job.reference, info)
+        built = self.policies(job)
+        ref, cand = built.reference, built.candidates[0]
         p0, q0 = self.prefill_pair(ref, cand, job.prompt_ids, job.question_ids)
         yield self.header(job, seed, cand, ref, p0, q0)
         yield from steps(self._decode(job, p0, q0, seed, cancelled))
@@ -236,28 +246,26 @@ class Engine:
         Cancelled
             The client went away (or the request ran out of time).
         """
-        yield from run_steps(self._candidates_steps(job, cancelled), self._runner())
+        yield from run_steps(self._candidates_steps(job, cancelled), self.runner())
 
     def _candidates_steps(self, job: TraceJob, cancelled: Callable[[], bool]) -> Iterator[Any]:
         """:meth:`trace_candidates`'s items with the forwards left to the caller (:meth:`trace_steps`)."""
-        info = ModelInfo.of(self.lm)
-        ref = self.registry.build(job.reference, info)
+        policies = self.policies(job)
+        ref, cands = policies.reference, policies.candidates
         runs, headers = [], []
         seeds = job.seeds or [None] * len(job.candidates)
-        cands = [_attempt(lambda p=policy: self.registry.build(p, info)) for policy in job.candidates]
         check(cancelled)
-        built = [c for c in cands if not isinstance(c, Exception)]
-        pairs = iter(self.prefill_document(ref, built, job.prompt_ids, job.question_ids))
+        pairs = self.prefill_document(ref, cands, job.prompt_ids, job.question_ids)
         check(cancelled)
-        for i, (policy, seed, cand) in enumerate(zip(job.candidates, seeds, cands, strict=True)):
-            pair = cand if isinstance(cand, Exception) else next(pairs)
+        for i, (policy, seed, cand, pair) in enumerate(zip(job.candidates, seeds, cands, pairs, strict=True)):
             if isinstance(pair, Cancelled):
                 raise pair
             if isinstance(pair, Exception):   # the first failing candidate is the request's 422
                 raise CandidateError(i, policy, pair) from pair
             p0, q0 = pair
             seed = seed if seed is not None else draw_seed()
-            one = replace(job, candidate=policy, seed=seed, candidates=[], seeds=[])
+            one = replace(job, candidate=policy, seed=seed, candidates=[], seeds=[],
+                          policies=Policies(ref, (cand,)))
             runs.append((one, seed, p0, q0))
             headers.append(self.header(one, seed, cand, ref, p0, q0))
         yield from headers   # only once every prefill ran: a policy failing there is a 422
@@ -267,13 +275,15 @@ class Engine:
     # ------------------------------------------------------------------ TGI generate
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], policy_id: str, max_new_tokens: int, sampling: Sampling,
+    def generate(self, prompt_ids: list[int], policy: Policy | str, max_new_tokens: int, sampling: Sampling,
                  seed: int | None, top_n: int = 0, stop_check: Callable[[list[int]], bool] | None = None,
                  cancelled: Callable[[], bool] = lambda: False) -> Iterator[dict[str, Any]]:
         """Plain sampling from one policy's kernel (TGI's /generate): yields one dict per
         token with id, logprob (the model's, as TGI reports it) and top tokens, and
-        finally a dict with the finish reason."""
-        policy = self.registry.build(policy_id, ModelInfo.of(self.lm))
+        finally a dict with the finish reason. ``policy``: as the intake built it
+        (gen_service/serving/intake.py), or an id, built here (tests driving the engine)."""
+        if isinstance(policy, str):
+            policy = self.registry.build(policy, ModelInfo.of(self.lm))
         pre = self.prefill(policy, prompt_ids)
         gen = seeded(self.device, seed if seed is not None else draw_seed())
         yield from generate(pre, self.step, gen, self.lm.eos_token_ids, self.device, prompt_ids, max_new_tokens,

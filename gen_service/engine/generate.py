@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from gen_service.engine.context import history
-from gen_service.engine.coupling import Sampling, categorical, probs
-from gen_service.engine.jobs import check
+from gen_service.engine.coupling import categorical, probs
+from gen_service.engine.jobs import Sampling, check
 from gen_service.engine.readback import FiniteGuard
 from gen_service.engine.sides import Prefilled, Side
 from gen_service.models.float_head import logits as fp32_logits

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gen_service.engine.jobs import PRODUCER, TraceJob
+from gen_service.engine.jobs import PRODUCER, Built, TraceJob
 from gen_service.engine.sides import Prefilled
 from gen_service.models.loading import LoadedModel
 from gen_service.presses.registry import Policy
@@ -37,7 +37,7 @@ def compression(p0: Prefilled, q0: Prefilled) -> dict[str, Any]:
             "cache_retention": round(sum(q) / sum(p), 6) if sum(p) > 0 else 1.0}
 
 
-def header(lm: LoadedModel, job: TraceJob, seed: int, cand: Policy, ref: Policy, p0: Prefilled,
+def header(lm: LoadedModel, job: TraceJob, seed: int, cand: Policy | Built, ref: Policy | Built, p0: Prefilled,
            q0: Prefilled, fuse: str | None = None, attention: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``header`` record of one candidate's stream (``kvdiv.trace/1``); ``fuse`` is the server's
     P+Q fusion mode (recorded with the numerics); ``attention`` the model's attention plan

@@ -26,6 +26,7 @@ from transformers.cache_utils import DynamicLayer
 from gen_service.attention.head_masks import indices_to_mask
 from gen_service.attention.plan import layer_windows
 from gen_service.engine.forwards import attention_layers, eager_attention, run_side
+from gen_service.engine.jobs import Built
 from gen_service.engine.sides import Prefilled, Side, cache_lengths
 from gen_service.models.float_head import logits as fp32_logits
 from gen_service.presses.layered import compressible_layers, press_applied
@@ -38,12 +39,17 @@ __all__ = ["derives_from_full_forward", "mark_sliding", "prefill", "prefill_docu
 
 
 @torch.inference_mode()
-def prefill(model: torch.nn.Module, policy: Policy, prompt_ids: list[int],
+def prefill(model: torch.nn.Module, policy: Policy | Built, prompt_ids: list[int],
             question_ids: Sequence[int] = ()) -> Prefilled:
     """Prefill under the policy's press (the question, if any, after compression)."""
+    return _prefill(model, policy.plan(len(prompt_ids)), prompt_ids, question_ids)
+
+
+def _prefill(model: torch.nn.Module, plan: PressPlan, prompt_ids: list[int],
+             question_ids: Sequence[int] = ()) -> Prefilled:
+    """Prefill under ``plan``, the policy's plan for this prompt (made once: its press is fresh)."""
     device = model.device
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    plan = policy.plan(len(prompt_ids))
     cache = DynamicCache() if plan.quant is None else kivi_cache(plan.quant, model.config.num_hidden_layers)
     positions = torch.arange(len(prompt_ids), device=device)[None]
     press = plan.press  # a decoding-only press's hooks do nothing during prefill
@@ -152,7 +158,7 @@ def _masks_of(indices: list[Any], cache: DynamicCache) -> list[torch.Tensor | No
 
 
 @torch.inference_mode()
-def prefill_pair(model: torch.nn.Module, ref: Policy, cand: Policy, prompt_ids: list[int],
+def prefill_pair(model: torch.nn.Module, ref: Policy | Built, cand: Policy | Built, prompt_ids: list[int],
                  question_ids: Sequence[int] = ()) -> tuple[Prefilled, Prefilled]:
     """P's and Q's prompt states. With a full reference both come from ONE forward:
     compression does not change a layer's output (it runs after the layer has
@@ -165,7 +171,8 @@ def prefill_pair(model: torch.nn.Module, ref: Policy, cand: Policy, prompt_ids: 
     # A quantized candidate's cache holds no full-precision prompt to copy for P.
     if ref_plan.press is not None or ref_plan.quant is not None or cand_plan.quant is not None \
             or wants_eager(cand_plan.press):
-        return prefill(model, ref, prompt_ids, question_ids), prefill(model, cand, prompt_ids, question_ids)
+        return (_prefill(model, ref_plan, prompt_ids, question_ids),
+                _prefill(model, cand_plan, prompt_ids, question_ids))
     full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def keep(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -177,7 +184,7 @@ def prefill_pair(model: torch.nn.Module, ref: Policy, cand: Policy, prompt_ids: 
     try:
         # the prompt only: were the question fed while the hooks are on, they would
         # keep Q's compressed cache + question for P
-        q0 = prefill(model, cand, prompt_ids)
+        q0 = _prefill(model, cand_plan, prompt_ids)
     finally:
         for hook in hooks:
             hook.remove()
@@ -261,7 +268,8 @@ def _unhooked(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -
 
 
 @torch.inference_mode()
-def prefill_document(model: torch.nn.Module, ref: Policy, cands: Sequence[Policy], prompt_ids: list[int],
+def prefill_document(model: torch.nn.Module, ref: Policy | Built, cands: Sequence[Policy | Built],
+                     prompt_ids: list[int],
                      question_ids: Sequence[int] = ()) -> list[tuple[Prefilled, Prefilled] | Exception]:
     """P's and every candidate's Q's prompt states for one document, P's prompt prefilled once.
 
@@ -301,7 +309,7 @@ def prefill_document(model: torch.nn.Module, ref: Policy, cands: Sequence[Policy
         logits = fp32_logits(model, 1, input_ids=ids, past_key_values=cache, position_ids=positions)[:, -1]
     p0 = _finish(model, ref_plan, cache, logits, L, question_ids, [None] * len(cache.layers))
     results: list[tuple[Prefilled, Prefilled] | Exception] = []
-    for i, (cand, plan) in enumerate(zip(cands, plans, strict=True)):
+    for i, plan in enumerate(plans):
         d = derived.get(i)
         if d is not None:
             results.append(d.error or _attempt(lambda d=d: (_shared(p0), _finish(
@@ -309,7 +317,7 @@ def prefill_document(model: torch.nn.Module, ref: Policy, cands: Sequence[Policy
         elif plan.press is None and plan.quant is None:    # the full control: Q is P
             results.append((_shared(p0), _shared(p0, plan)))
         else:
-            results.append(_attempt(lambda c=cand: (_shared(p0), prefill(model, c, prompt_ids, question_ids))))
+            results.append(_attempt(lambda plan=plan: (_shared(p0), _prefill(model, plan, prompt_ids, question_ids))))
     return results
 
 

@@ -23,32 +23,32 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gen_service.engine.facade import Engine
-from gen_service.engine.jobs import TraceJob
-from gen_service.errors import ApiError, Cancelled, ConfigError, PolicyError, RequestTimeout, RequestTooLarge, invalid
+from gen_service.errors import ApiError, Cancelled, ConfigError, PolicyError, RequestTimeout, invalid
 from gen_service.models.loading import context_question_ids
 from gen_service.presses.registry import ModelInfo
-from gen_service.presses.traits import wants_eager
 from gen_service.serving.admission import MemoryGate, TraceSize
 from gen_service.serving.batching import BatchEntry, BatchingChoice, BatchLoop
+from gen_service.serving.intake import (
+    Intake,
+    Job,
+    Message,
+    StepCost,
+    prior_step_seconds,
+    request_seconds_limit,
+    row_steps,
+)
 from gen_service.serving.limits import MAX_CANDIDATES, BodyLimits, RequestLimits
 from gen_service.serving.self_check import SelfCheck
 
-__all__ = ["Message", "ServiceConfig", "Admission", "Ticket", "Metrics", "WorkStream", "Service", "failure_error"]
+__all__ = ["ServiceConfig", "Admission", "Ticket", "Metrics", "WorkStream", "Service", "failure_error"]
 
 log = logging.getLogger("kvdiv.service")
-
-
-@dataclass(frozen=True)
-class Message:
-    """One chat message (text content only)."""
-
-    role: str
-    content: str
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class ServiceConfig:
     max_body_bytes: int = 1 << 20
     max_input_bytes: int = 1 << 20      # text of inputs / messages, checked before tokenising
     body_timeout_s: float = 10.0        # time to receive a request body
-    max_request_seconds: float | None = None  # wall time of one request's model work
+    max_request_seconds: float | None = None  # wall time of one request's model work (None: by device; inf: none)
     api_key: str | None = None
     retry_after_s: int = 1              # Retry-After on 429
     max_candidates: int = 64            # candidates in one /v1/traces request (1: `candidates` off)
@@ -197,6 +197,8 @@ def failure_error(exc: BaseException, field: str, policies: tuple[str, ...]) -> 
     if isinstance(exc, RequestTimeout):
         return ApiError(424, str(exc), "timeout")
     oom = type(exc).__name__ == "OutOfMemoryError"
+    if isinstance(exc, PolicyError) and exc.permanent:
+        return invalid(field, str(exc), permanent=True)
     if isinstance(exc, PolicyError) or (not oom and any(p.strip() != "full" for p in policies)):
         first_line = (str(exc).strip().splitlines() or [""])[0][:200]
         return invalid(field, f"policy cannot run on this prompt ({type(exc).__name__}: {first_line})")
@@ -213,8 +215,12 @@ class WorkStream:
     the same way and the stream ends with :class:`RequestTimeout`."""
 
     def __init__(self, service: Service, make: Callable[[Callable[[], bool]], Iterator[Any]], ticket: Ticket,
-                 deadline: float | None = None, batch: BatchLoop | None = None, cost: int = 0, rows: int = 0):
+                 deadline: float | None = None, batch: BatchLoop | None = None, cost: int | TraceSize = 0,
+                 rows: int = 0, meter: Callable[[Any], int] | None = None):
         self.loop = asyncio.get_running_loop()
+        # a trace's row-steps so far (``meter``: an item's) and when its model work began, for
+        # the service's step cost (:class:`gen_service.serving.intake.StepCost`)
+        self.meter, self.row_steps, self.began = meter, 0, time.monotonic()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.deadline = deadline
@@ -241,15 +247,18 @@ class WorkStream:
 
     def put(self, item: Any) -> None:
         """Relay one item to the event loop (model thread)."""
+        if self.meter is not None:
+            self.row_steps += self.meter(item)
         self._put("item", item)
 
     def _work(self) -> None:
         self._service.model_work_started()
+        self.began = time.monotonic()
         try:
             if self.stopped():
                 raise Cancelled()
             for item in self._make(self.stopped):
-                self._put("item", item)
+                self.put(item)
                 if self.stopped():
                     raise Cancelled()
         except BaseException as exc:  # forwarded to the event loop side
@@ -261,13 +270,15 @@ class WorkStream:
         """The work ended (model thread): ``done``, or its error (a stop past the deadline
         as :class:`RequestTimeout`); the admission slot is released here, exactly once."""
         cancelled = False
+        if self.meter is not None and (exc is None or isinstance(exc, Cancelled)):
+            self._service.step_cost.observe(time.monotonic() - self.began, self.row_steps)
         try:
             if exc is None:
                 self._put("done", None)
             elif isinstance(exc, Cancelled) and self.expired() and not self.cancel.is_set():
                 self._service.metrics.timeouts.inc()
                 self._put("error", RequestTimeout(f"request exceeded --max-request-seconds "
-                                                  f"({self._service.config.max_request_seconds:g} s)"))
+                                                  f"({self._service.max_request_seconds:g} s)"))
             else:
                 cancelled = isinstance(exc, Cancelled)
                 self._put("error", exc)
@@ -328,10 +339,14 @@ class Service:
         self.text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvdiv-text")
         self.admission = Admission(self.config.max_queue)
         self.memory = MemoryGate.for_engine(engine, self.config.memory_budget)
+        # --max-request-seconds in force (by device when not given) and the step cost it is held against
+        self.max_request_seconds = request_seconds_limit(self.config.max_request_seconds, engine.lm.device.type)
+        parameters = sum(p.numel() for p in engine.model.parameters())
+        self.step_cost = StepCost(prior_step_seconds(parameters, engine.lm.device.type))
         self.metrics = Metrics()
         self.batching = BatchingChoice.for_device(engine.lm.device.type, self.config.max_batch_requests)
         # --max-batch-requests 1: every request alone on the model thread, as before batching
-        self.batch = (BatchLoop(self.executor, engine._runner, self.batching.max_requests, self.memory.budget,
+        self.batch = (BatchLoop(self.executor, engine.runner, self.batching.max_requests, self.memory.budget,
                                 self.metrics) if self.batching.max_requests > 1 else None)
         if self.batch is not None:
             # requests decoded together: a request's bits must not depend on its batch-mates
@@ -339,9 +354,11 @@ class Service:
         self.created = int(time.time())
         self.tokenizer = engine.lm.tokenizer
         self.special_ids = frozenset(self.tokenizer.all_special_ids)  # a property that rebuilds a list per access
-        self.model_info = ModelInfo.of(engine.lm)  # what every policy is built against
         self.self_check: SelfCheck | None = None     # the start-up self-check's result (None: skipped)
-        engine.registry.build(self.config.eviction, self.model_info)  # fail at start on a bad --eviction
+        # every check a request meets before its work starts (gen_service/serving/intake.py)
+        self.intake = Intake(engine.registry, ModelInfo.of(engine.lm), engine.lm.vocab_size, engine.lm.max_context,
+                             self.memory, self.step_cost, self.max_request_seconds)
+        engine.registry.build(self.config.eviction, self.intake.info)  # fail at start on a bad --eviction
 
     # ------------------------------------------------------------------ model thread
 
@@ -369,22 +386,25 @@ class Service:
             self.batch.plain_work(1)   # the batch loop admits no trace request while this waits
         return WorkStream(self, make, ticket, self._deadline(own))
 
-    def start_trace(self, job: TraceJob, ticket: Ticket, cost: TraceSize | None = None,
-                    own: bool = False) -> WorkStream:
-        """Queue a ``/v1/traces`` request: alone on the model thread (``--max-batch-requests 1``),
-        or into the decoding batch (:mod:`gen_service.serving.batching`) with its memory
-        size ``cost`` counted against the budget with the live requests' (the merged
-        batch's estimate, :func:`gen_service.serving.admission.batch_bytes`). ``own``: the
-        server's own work (the start-up self-check), without ``--max-request-seconds``'
-        deadline: a client's limit, which a slow machine's check must not trip."""
+    def start_trace(self, job: Job, ticket: Ticket, own: bool = False) -> WorkStream:
+        """Queue an admitted ``/v1/traces`` request (:meth:`Intake.admit`): alone on the model
+        thread (``--max-batch-requests 1``), or into the decoding batch
+        (:mod:`gen_service.serving.batching`) with its memory size counted against the budget
+        with the live requests' (the merged batch's estimate,
+        :func:`gen_service.serving.admission.batch_bytes`). Its model time and row-steps update
+        :attr:`step_cost` when it ends. ``own``: the server's own work (the start-up
+        self-check), without ``--max-request-seconds``' deadline: a client's limit, which a slow
+        machine's check must not trip."""
+        trace = job.trace
+        meter = partial(row_steps, replicates=trace.replicates)
         if self.batch is None:
-            return self.start(lambda cancelled: self.engine.trace(job, cancelled), ticket, own)
-        rows = job.replicates * max(1, len(job.candidates))
-        return WorkStream(self, lambda cancelled: self.engine.trace_steps(job, cancelled), ticket, self._deadline(own),
-                          batch=self.batch, cost=cost, rows=rows)
+            return WorkStream(self, lambda cancelled: self.engine.trace(trace, cancelled), ticket, self._deadline(own),
+                              meter=meter)
+        return WorkStream(self, lambda cancelled: self.engine.trace_steps(trace, cancelled), ticket,
+                          self._deadline(own), batch=self.batch, cost=job.memory, rows=trace.rows, meter=meter)
 
     def _deadline(self, own: bool = False) -> float | None:
-        limit = None if own else self.config.max_request_seconds
+        limit = None if own else self.max_request_seconds
         return None if limit is None else time.monotonic() + limit
 
     def model_work_started(self) -> None:
@@ -458,67 +478,3 @@ class Service:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    # ------------------------------------------------------------------ checks before streaming
-
-    def check_context(self, ids: list[int], new_tokens: int, field: str) -> None:
-        if not ids:
-            raise invalid(field, "empty input")
-        ctx = self.engine.lm.max_context
-        if len(ids) + new_tokens > ctx:
-            raise invalid(field, f"prompt of {len(ids)} tokens + {new_tokens} new tokens exceeds the "
-                                 f"model context of {ctx}")
-
-    def check_memory(self, rows: int, prompt_tokens: int, horizon: int, kind: str, candidates: int = 1,
-                     policies: tuple[str, ...] = (), reference: str = "full",
-                     context_tokens: int | None = None, top_logprobs: int = 0) -> TraceSize:
-        """422 when the request's estimated memory can never fit the budget
-        (gen_service/serving/admission.py); a multi-candidate request counts every
-        candidate's caches and rows. Returns its
-        :class:`~gen_service.serving.admission.TraceSize` (what the decoding batch counts
-        for it, at the merged batch's longest prompt and largest T: :meth:`start_trace`).
-
-        With ``policies`` (the candidates' ids, already checked by :meth:`check_policy`)
-        each candidate's sides are described from its plan and the reference's for this
-        prompt (``context_tokens``: what the press compresses), so a side that stores
-        per-row copies of the prompt (a press acting while decoding, a quantized cache)
-        counts them and the 422 names that candidate."""
-        sides = None
-        if policies:
-            info = self.model_info
-            length = prompt_tokens if context_tokens is None else context_tokens
-            ref = self.engine.registry.build(reference, info).plan(length)
-            sides = [self.memory.describe(p, ref, self.engine.registry.build(p, info).plan(length), kind)
-                     for p in policies]
-        try:
-            self.memory.admit(rows, prompt_tokens, horizon, kind, candidates, sides, top_logprobs)
-        except RequestTooLarge as exc:
-            raise invalid("replicates", str(exc)) from exc
-        return self.memory.size(rows, prompt_tokens, horizon, kind, candidates, sides, top_logprobs)
-
-    def check_generate_memory(self, prompt_tokens: int, new_tokens: int, policy_id: str,
-                              prompt_logprobs: bool = False, field: str = "inputs") -> None:
-        """422 on ``field`` when a plain generation can never fit the memory budget: its
-        cache, its prefill (eager attention for a press scoring with the attention
-        weights) and, with ``prompt_logprobs``, the prompt's (L, V) float32 logits
-        (gen_service/serving/admission.py :func:`~gen_service.serving.admission.estimate_generate`). The policy
-        is already checked by :meth:`check_policy`."""
-        plan = self.engine.registry.build(policy_id, self.model_info).plan(prompt_tokens)
-        try:
-            self.memory.admit_generate(prompt_tokens, new_tokens, wants_eager(plan.press), prompt_logprobs)
-        except RequestTooLarge as exc:
-            raise invalid(field, str(exc)) from exc
-
-    def check_policy(self, field: str, policy_id: str, prompt_len: int) -> None:
-        """Build the policy for this prompt through the registry so a bad id is a 422
-        before any byte is sent: :meth:`PolicyRegistry.build` parses it, checks every
-        parameter (types, ranges, server-side options, budgets against the model's
-        context) and constructs the press once; the plan then fits it to this prompt.
-        ``prompt_len`` counts what the press compresses (the context, not a question)."""
-        try:
-            policy = self.engine.registry.build(policy_id, self.model_info)
-            policy.plan(prompt_len)
-        except PolicyError as exc:
-            raise invalid(field, str(exc)) from None
-        except (TypeError, ValueError, AssertionError) as exc:  # a press rejecting its parameters
-            raise invalid(field, f"policy cannot be built ({type(exc).__name__}: {exc})") from None
