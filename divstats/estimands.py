@@ -35,8 +35,10 @@ from typing import Literal
 
 __all__ = [
     "ACCEPTED_PER_CALL", "AGGREGATIONS", "ESTIMANDS", "EXPOSURE_CONTRIBUTION", "Estimand",
-    "FIRST_MISMATCH_CONTRIBUTION", "FULL_VALUES", "LOSS", "MISMATCH_FRACTION", "OCCURRENCE", "SPECULATIVE_ESTIMANDS",
+    "FIRST_MISMATCH_CONTRIBUTION", "FULL_VALUES", "LOSS", "MISMATCH_FRACTION", "OCCURRENCE", "RATE",
+    "SPECULATIVE_ESTIMANDS",
     "TAIL_CAPACITY", "TARGET_CALLS", "TOKENS_PER_CALL", "WINDOW_MISMATCH", "by_name", "markdown_table", "names",
+    "value_range",
 ]
 
 #: How an estimand combines over documents (equal document weights, docs/statistics.md §3).
@@ -216,6 +218,34 @@ def by_name(name: str) -> Estimand:
     raise KeyError(f"unknown estimand {name!r}; expected one of {names()}")
 
 
+def value_range(name: str, horizon: float | None = None) -> tuple[float, float] | None:
+    """The range an estimand's per-document values lie in, from its ``bounds``: (0, 1), (0, T) or None.
+
+    The bounded intervals and tests (``divstats.estimation.bounded``) read it, so a new row with a
+    range gets them without more code.
+
+    Parameters
+    ----------
+    name : str
+        An estimand name (of :data:`ESTIMANDS` or :data:`SPECULATIVE_ESTIMANDS`); other names: None.
+    horizon : float, optional
+        T, for the counts of steps (None: their range is unknown).
+
+    Returns
+    -------
+    tuple of float, or None
+
+    Examples
+    --------
+    >>> value_range("occurrence"), value_range("rmtd", 32), value_range("rmtd"), value_range("branch_tv")
+    ((0.0, 1.0), (0.0, 32.0), None, None)
+    """
+    row = next((e for e in ESTIMANDS + SPECULATIVE_ESTIMANDS if e.name == name), None)
+    if row is None or row.bounds == "none" or (row.bounds == "horizon" and horizon is None):
+        return None
+    return (0.0, 1.0) if row.bounds == "unit" else (0.0, float(horizon))
+
+
 def markdown_table(rows: tuple[Estimand, ...] = ESTIMANDS) -> str:
     """The table as docs/statistics.md prints it (one line per estimand).
 
@@ -261,6 +291,7 @@ def _spelled(name: str) -> str:
 # (tests/test_divstats_estimands.py scans the sources).
 OCCURRENCE = _spelled("occurrence")
 LOSS = _spelled("loss")
+RATE = _spelled("rate")
 MISMATCH_FRACTION = _spelled("mismatch_fraction")
 FIRST_MISMATCH_CONTRIBUTION = _spelled("first_mismatch_contribution")
 EXPOSURE_CONTRIBUTION = _spelled("exposure_contribution")
