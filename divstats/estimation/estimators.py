@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from divstats.estimands import ESTIMANDS, RATE, by_name, names
+from divstats.estimands import ESTIMANDS, RATE, by_name, names, value_range
 from divstats.estimation.bounded import (
     BETTING_ONLY_BELOW,
     MIN_DOCS_BOUNDED,
@@ -410,7 +410,7 @@ def _bounded_ends(kept: tuple[np.ndarray, ...], statistic, point: np.ndarray, ci
 def _interval_ranges(T: int) -> tuple[np.ndarray, np.ndarray]:
     """(lower, upper) range of each of INTERVAL_QUANTITIES: probabilities and fractions in [0, 1],
     counts of steps in [0, T]; agreeing_tokens is left unbounded."""
-    upper = {e.name: {"unit": 1.0, "horizon": T}[e.bounds] for e in ESTIMANDS if e.bounds != "none"}
+    upper = {e.name: value_range(e.name, T)[1] for e in ESTIMANDS if e.bounds != "none"}
     lower = np.array([-np.inf if q not in upper else 0.0 for q in INTERVAL_QUANTITIES])
     return lower, np.array([float(upper.get(q, np.inf)) for q in INTERVAL_QUANTITIES])
 
