@@ -196,3 +196,15 @@ def test_every_estimate_lies_in_its_interval_over_simulated_studies(kind):
             assert float(agg["rate"].max()) > 1
         assert not _estimate_outside(agg, ci), (n, seed, "scaled")
         assert "unclipped" in ci["rate_low"].attrs["scale"]
+
+
+def test_speculative_target_calls_get_the_bounded_interval():
+    from divstats.estimation.speculative import aggregate_speculative, speculative
+    from divstats.truth.studies import PolicyEffect, simulate_study
+    for n, how in ((6, "betting"), (25, None)):
+        ds = simulate_study(n, {"a": PolicyEffect(0.3)}, horizon=8, replicates=10, kind="reference", seed=1)
+        agg = aggregate_speculative(speculative(ds, gamma=(2, 4)))
+        est, lo, hi = (agg[f"target_calls{s}"].values for s in ("", "_low", "_high"))
+        assert np.all((1 <= lo) & (lo <= est) & (est <= hi) & (hi <= 8))
+        assert how is None or agg.attrs["target_calls_method"] == how
+        assert np.isnan(agg["tokens_per_call_low"].values).all() == (n < 10)    # the ratios: refused below 10
