@@ -137,6 +137,11 @@ def _template():
     return env.get_template("report.html.j2")
 
 
+#: Columns of running text: in a wrapping table (class "wrap") they get a readable width, so the
+#: table fits a 1,300-px window instead of clipping its verdicts.
+LONG_COLUMNS: tuple[str, ...] = ("verdict",)
+
+
 def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
     """The self-contained report page.
 
@@ -175,7 +180,7 @@ def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
         noise_floor_status=noise_floor_status(an), noise_floor_rows=noise_floor_rows(an),
         speculative_status=speculative_status(an), speculative_rows=speculative_rows(an),
         compression_status=compression_status(an), compression_rows=compression_rows(an),
-        crossing_rows=crossing_rows(an),
+        crossing_rows=crossing_rows(an), long_columns=LONG_COLUMNS,
         images={k: base64.b64encode(v).decode() for k, v in figs.items()}, reproduce=reproduce_snippet(an))
 
 
