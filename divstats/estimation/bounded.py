@@ -129,6 +129,11 @@ def betting_evalue(values: np.ndarray, mean: float | np.ndarray, low: float = 0.
     numpy.ndarray
         The e-value, one per leading index; under the null its expectation is ≤ 1.
 
+    Raises
+    ------
+    ValueError
+        If ``alternative`` is not one of "two-sided", "less", "greater".
+
     Examples
     --------
     >>> import numpy as np
@@ -156,11 +161,17 @@ def betting_pvalue(values: np.ndarray, mean: float | np.ndarray, low: float = 0.
     """min(1, 1/E) for :func:`betting_evalue`'s E: a valid p-value at every n (Markov's inequality).
 
     It is at most α exactly when ``mean`` lies outside :func:`betting_interval` at the matching
-    level and side, so the test and the interval agree.  Parameters as for :func:`betting_evalue`.
+    level and side, so the test and the interval agree.
+
+    Parameters
+    ----------
+    values, mean, low, high, alternative, level, seed, n_permutations
+        As for :func:`betting_evalue`.
 
     Returns
     -------
     numpy.ndarray
+        The p-value, one per leading index.
 
     Examples
     --------
@@ -294,7 +305,26 @@ def difference_range(values: tuple[float, float], reference: float | np.ndarray 
 
 
 def in_range(values: np.ndarray, low: float, high: float) -> bool:
-    """Whether every finite value lies in [low, high] (up to rounding), so that a bounded method applies."""
+    """Whether every finite value lies in [low, high] (up to rounding), so that a bounded method applies.
+
+    Parameters
+    ----------
+    values : numpy.ndarray
+        The values to check.
+    low, high : float
+        The range.
+
+    Returns
+    -------
+    bool
+        True when every finite value is inside the range, within 1e-9 of its width.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> in_range(np.array([0.0, 1.0]), 0.0, 1.0), in_range(np.array([1.2]), 0.0, 1.0)
+    (True, False)
+    """
     x = np.asarray(values, dtype=float)
     span = 1e-9 * max(1.0, abs(high - low))
     return bool(np.all((x >= low - span) & (x <= high + span)))

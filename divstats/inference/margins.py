@@ -137,6 +137,22 @@ def uses_betting(d: np.ndarray, test: str, bounds: tuple[float, float] | None, m
     """Whether a test at a margin is the betting test: bootstrap-t asked for, below its threshold, on
     differences whose range is known and holds them (the betting test keeps its size at every n).
 
+    Parameters
+    ----------
+    d : numpy.ndarray
+        The per-document differences.
+    test : str
+        The test asked for.
+    bounds : tuple of float or None
+        The differences' known range, or None when it is unknown.
+    min_docs : int or None
+        A caller's own threshold; when given, the shipped thresholds (and the betting test) do not apply.
+
+    Returns
+    -------
+    bool
+        True when the betting test replaces bootstrap-t.
+
     Examples
     --------
     >>> import numpy as np
