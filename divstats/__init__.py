@@ -21,6 +21,7 @@ from divstats.design.rounds import RoundPlan, counted_replicates, plan_round
 from divstats.errors import DivstatsError, NotIdentified, OutputError, PlanError
 from divstats.estimands import ANSWER_ESTIMANDS, ESTIMANDS, SPECULATIVE_ESTIMANDS, Estimand
 from divstats.estimation.answers import answer_values
+from divstats.estimation.bounded import betting_interval, bounded_mean_interval
 from divstats.estimation.budget_curves import budget_curves
 from divstats.estimation.components import variance_components
 from divstats.estimation.curves import branch_tv, branch_tv_window, logit_curves, survival
@@ -61,7 +62,8 @@ __all__ = [
     "ConfidenceInterval", "DecompositionResult", "DivstatsError", "ESTIMANDS", "Effect", "Estimand", "ExactResult",
     "MIN_DOCS_MEAN_BOUND", "NotIdentified", "OutputError", "PairedTestResult", "Plan", "PlanError", "PlanResult",
     "PolicyEffect", "RoundPlan", "SPECULATIVE_ESTIMANDS", "SpeculativeExact", "SpeculativeRuns", "aggregate",
-    "aggregate_intervals", "aggregate_speculative", "analyze", "assign_split", "branch_tv", "branch_tv_window",
+    "aggregate_intervals", "aggregate_speculative", "analyze", "assign_split", "betting_interval",
+    "bounded_mean_interval", "branch_tv", "branch_tv_window",
     "counted_replicates", "decompose", "design", "estimate", "exact", "exact_target_calls", "extremal_kernels", "holm",
     "interval_by_window", "load_plan", "logit_curves", "markov_kernels", "noise_floor", "paired_test", "plan_round",
     "power", "run_plan", "sharp_interval", "shipped_plan", "shipped_plans", "simulate", "simulate_speculative",
