@@ -44,7 +44,8 @@ import xarray as xr
 from scipy import stats
 
 from divstats.estimation.answers import score_arrays
-from divstats.estimation.resample import MIN_DOCS_AGGREGATE, document_interval
+from divstats.estimation.bounded import MIN_DOCS_BOUNDED, betting_interval, bounded_mean_interval
+from divstats.estimation.resample import document_interval, too_few_documents
 from divstats.inference.paired import paired_test
 from divstats.inference.results import Effect, PairedTestResult
 from divstats.intervals import ConfidenceInterval
@@ -55,23 +56,43 @@ __all__ = ["AnswersResult", "CouplingSaving", "MIN_DOCS_ANSWERS", "RIGHT", "accu
 #: A score at or above this counts as a right answer for the flips (0/1 scores: 1 is right).
 RIGHT = 0.5
 #: Fewest documents for an interval of an accuracy or of the paired difference (below: NaN
-#: with the reason); the coverage table is docs/statistics.md §12 (benchmarks/bench_answers_coverage.py).
-MIN_DOCS_ANSWERS = MIN_DOCS_AGGREGATE
+#: with the reason): the bounded intervals' (valid at every n, but wider than half the range
+#: below it); the coverage table is docs/statistics.md §12 (benchmarks/bench_answers_coverage.py).
+MIN_DOCS_ANSWERS = MIN_DOCS_BOUNDED
 #: Test names, as results state them.
 MCNEMAR = "mcnemar-exact"
 SIGN_FLIP = "sign-flip permutation over documents"
 
 
-def answer_interval(values: np.ndarray, low: float, high: float, level: float = 0.95) -> tuple[float, float, float,
-                                                                                                    str]:
+#: The resampling side of the "bounded" interval needs this many documents away from the most common value
+#: (the rule of thumb of 10 successes and 10 failures for a normal approximation of a proportion): with
+#: fewer, e.g. a policy that flips 1 answer in 20, the documents' differences are nearly all 0, the t-type
+#: interval has (nearly) zero width and covered 0.66 at 20 documents (benchmarks/bench_answers_coverage.py),
+#: so the betting interval, valid at every n, is used alone.
+MIN_OFF_MODE = 10
+
+
+def _off_mode(v: np.ndarray) -> int:
+    """Documents whose value differs from the most common value."""
+    _, counts = np.unique(v, return_counts=True)
+    return int(v.size - counts.max()) if v.size else 0
+
+
+def answer_interval(values: np.ndarray, low: float, high: float, level: float = 0.95,
+                    method: str = "bounded") -> tuple[float, float, float, str]:
     """Mean over documents of per-document values bounded in [low, high], with its interval.
 
     The one call site of the interval of an accuracy ([0, 1]) or a paired difference of
-    accuracies ([−1, 1]): the t interval over documents (``document_interval``'s
-    ``jackknife-t``, which for a mean is the t interval) clipped to the range, refused below
-    :data:`MIN_DOCS_ANSWERS` documents.  (The hybrid-t of the other aggregates is not used:
-    on per-document values piled at a bound its bootstrap resamples have no spread and its
-    ends run off to infinity.)
+    accuracies ([−1, 1]).  ``method``:
+
+    * ``"bounded"`` (the default): :func:`divstats.bounded_mean_interval` — the betting
+      interval (valid at every n) below 10 documents, from there the narrower of it and the
+      hybrid-t interval — except that with fewer than :data:`MIN_OFF_MODE` documents away
+      from the most common value (rare flips) it is the betting interval alone; refused below
+      :data:`MIN_DOCS_ANSWERS` documents;
+    * ``"betting"``: :func:`divstats.betting_interval` alone;
+    * ``"t"``: the t interval over documents clipped to the range (what this used before the
+      bounded intervals; kept for the coverage benchmark's comparison).
 
     Parameters
     ----------
@@ -81,6 +102,8 @@ def answer_interval(values: np.ndarray, low: float, high: float, level: float = 
         The range of a value.
     level : float
         Confidence level.
+    method : {"bounded", "betting", "t"}
+        The interval (above).
 
     Returns
     -------
@@ -91,15 +114,29 @@ def answer_interval(values: np.ndarray, low: float, high: float, level: float = 
     --------
     >>> import numpy as np
     >>> est, lo, hi, why = answer_interval(np.r_[np.ones(15), np.zeros(5)], 0.0, 1.0)
-    >>> round(est, 2), bool(0.5 < lo < est < hi < 1.0), why
+    >>> round(est, 2), bool(0.4 < lo < est < hi <= 1.0), why
     (0.75, True, '')
     """
     v = np.asarray(values, dtype=float)
     v = v[np.isfinite(v)]
     if v.size == 0:
         return math.nan, math.nan, math.nan, "no document has a value"
-    res = document_interval((v,), lambda a: a.mean(-1)[None], level=level, method="jackknife-t",
-                            min_docs=MIN_DOCS_ANSWERS, what="answer intervals")
+    if method == "t":
+        res = document_interval((v,), lambda a: a.mean(-1)[None], level=level, method="jackknife-t",
+                                min_docs=MIN_DOCS_ANSWERS, what="answer intervals")
+    elif method == "bounded" and _off_mode(v) < MIN_OFF_MODE:
+        return answer_interval(v, low, high, level, "betting")
+    elif method == "bounded":
+        res = bounded_mean_interval(np.clip(v, low, high), low, high, level=level, min_docs=MIN_DOCS_ANSWERS,
+                                    what="answer intervals")
+    elif method == "betting":
+        reason = too_few_documents(v.size, MIN_DOCS_ANSWERS, "answer intervals")
+        if reason:
+            return float(v.mean()), math.nan, math.nan, reason
+        ci = betting_interval(np.clip(v, low, high), low, high, level=level)
+        return float(v.mean()), float(ci.low), float(ci.high), ""
+    else:
+        raise ValueError(f"method must be 'bounded', 'betting' or 't', got {method!r}")
     lo, hi = float(res.low[0]), float(res.high[0])
     if not res.reason:
         lo, hi = max(lo, low), min(hi, high)

@@ -289,8 +289,8 @@ def answers_text_table(table: xr.Dataset) -> str:
     >>> from divstats.inference.answers import compare_answers_dataset
     >>> x = xr.DataArray(np.ones((12, 1, 1)), dims=("doc", "policy", "replicate"), coords={"policy": ["a"]})
     >>> print(answers_text_table(compare_answers_dataset(xr.Dataset({"x_score": x, "y_score": x * 0}))))
-    policy  docs  P acc   Q acc  Q - P [95% interval]         p (test)                  lost/gained
-    a         12  100.0%   0.0%  -100.0 pts [-100.0, -100.0]  4.88e-04 (mcnemar-exact)  12/0
+    policy  docs  P acc   Q acc  Q - P [95% interval]        p (test)                  lost/gained
+    a         12  100.0%   0.0%  -100.0 pts [-100.0, -42.9]  4.88e-04 (mcnemar-exact)  12/0
     """
     level = float(table.attrs.get("level", 0.95))
     head = ["policy", "docs", "P acc", "Q acc", f"Q - P [{100 * level:g}% interval]", "p (test)", "lost/gained"]
