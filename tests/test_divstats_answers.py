@@ -267,3 +267,43 @@ def test_a_plan_tests_accuracy_change_against_the_full_model(traces: xr.Dataset)
     d = (traces["y_score"] - traces["x_score"]).sel(policy="snapkv@0.3").mean("replicate").values
     full = (traces["y_score"] - traces["x_score"]).sel(policy="full").mean("replicate").values
     assert row["p_value"] == pytest.approx(stats.ttest_rel(d, full, alternative="less").pvalue)
+
+
+def test_power_sizes_a_study_for_an_accuracy_margin(traces: xr.Dataset) -> None:
+    d = (traces["y_score"] - traces["x_score"]).sel(policy="recent@0.5").mean("replicate").values
+    full = (traces["y_score"] - traces["x_score"]).sel(policy="full").mean("replicate").values
+    margin = round(float(-(d - full).mean()) + 0.05, 3)          # the pilot's loss is 5 points inside it
+    plan = {"plan": {"name": "answers", "salt": "s"},
+            "hypothesis": [{"id": "NI", "family": "answers", "metric": "accuracy_change",
+                            "compare": ["recent@0.5", "full"], "direction": "noninferiority", "margin": margin,
+                            "test": "bootstrap-t", "split": "all"}]}
+    res = divstats.power(plan, traces, docs=[50, 400], replicates=[2], n_sims=300, seed=1)
+    t = res.table.set_index("docs")
+    assert t.loc[50, "effect"] == pytest.approx((d - full).mean())
+    assert t.loc[400, "power"] > t.loc[50, "power"]
+
+
+def test_kvdiv_power_reads_a_plan_on_answers(traces: xr.Dataset, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from divstats.cli.power import power_command
+
+    path = tmp_path / "pilot.nc"
+    traces.to_netcdf(path, engine="h5netcdf")
+    plan = tmp_path / "plan.toml"
+    plan.write_text('[plan]\nname = "answers"\nsalt = "s"\n\n[[hypothesis]]\nid = "NI"\nfamily = "answers"\n'
+                    'metric = "accuracy_change"\ncompare = ["snapkv@0.5", "full"]\ndirection = "noninferiority"\n'
+                    'margin = 0.1\ntest = "bootstrap-t"\nsplit = "all"\n')
+    out = CliRunner().invoke(power_command, [str(path), "--plan", str(plan), "--docs", "100", "--sims", "200"])
+    assert out.exit_code == 0, out.output
+    assert "accuracy_change" in out.output and "NI" in out.output
+
+
+def test_a_plan_certifies_a_budget_on_accuracy_change() -> None:
+    ds = simulate_study(60, {"snapkv@0.9": PolicyEffect(0.5), "snapkv@0.5": PolicyEffect(0.5)}, horizon=6,
+                        replicates=1, seed=2)
+    ds = with_answer_scores(ds, {"snapkv@0.9": (0.04, 0.3), "snapkv@0.5": (0.6, 0.0)}, x_accuracy=0.9)
+    plan = {"plan": {"name": "answers", "salt": "s"},
+            "certify": [{"id": "C", "family": "snapkv", "metric": "accuracy_change", "margin": 0.05, "split": "all"}]}
+    row = divstats.run_plan(ds, plan, n_resamples=199).certify.iloc[0]
+    assert row["worse"] == "smaller" and row["certified"] == "snapkv@0.9"      # @0.9 about even; @0.5 loses ~50 points
