@@ -307,3 +307,22 @@ def test_a_plan_certifies_a_budget_on_accuracy_change() -> None:
             "certify": [{"id": "C", "family": "snapkv", "metric": "accuracy_change", "margin": 0.05, "split": "all"}]}
     row = divstats.run_plan(ds, plan, n_resamples=199).certify.iloc[0]
     assert row["worse"] == "smaller" and row["certified"] == "snapkv@0.9"      # @0.9 about even; @0.5 loses ~50 points
+
+
+def test_analyze_takes_an_answers_dataset_scores_without_tokens(tmp_path) -> None:
+    from protocols.schema import answers_dataset
+
+    from divstats.report.analysis import compute
+    from divstats.report.write import write_report
+
+    rng = np.random.default_rng(0)
+    x = (rng.random((30, 2)) < 0.7).astype(float)
+    y = np.where(rng.random((30, 2)) < 0.3, 0.0, x)
+    ds = answers_dataset(x, y, policies=["snapkv@0.5", "snapkv@0.3"], answers=[["1"]] * 30, scorer="ruler_all",
+                         model="m")
+    paths = write_report(compute(ds, n_resamples=99, progress=False), tmp_path)
+    page = paths["report.html"].read_text(encoding="utf-8")
+    assert "Does it change the answer?" in page and "Aggregate estimates" not in page
+    res = xr.load_dataset(paths["results.nc"], engine="h5netcdf")
+    assert int(res["answer_lost"].sel(policy="snapkv@0.5")) == int(np.sum((x[:, 0] == 1) & (y[:, 0] == 0)))
+    assert "snapkv@0.3" in paths["summary.md"].read_text(encoding="utf-8")

@@ -299,6 +299,8 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
     >>> an.plan is None, [(r.a, r.b) for r, _ in an.decompositions]
     (True, [('b', 'a')])
     """
+    if traces.attrs.get("kind") == Kind.ANSWERS:
+        return _answers_only(traces, plan, seed=seed, n_resamples=n_resamples, level=level)
     plan = None if plan is None else load_plan(plan)
     if plan is None and policy_aliases:
         raise ValueError("policy aliases substitute planned policies; without a plan there is nothing to alias")
@@ -342,6 +344,28 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
                     branch_tv=bt, interval=ivw, variance=vc, plan_result=pres, decompositions=decs,
                     notes=notes + (pres.notes if pres is not None else []), options=options, noise_floor=floor,
                     speculative=spec, logit_curves=lc, compression=comp, answers=answers)
+
+
+def _answers_only(traces: xr.Dataset, plan: PlanSource | None, *, seed: int, n_resamples: int,
+                  level: float) -> Analysis:
+    """The analysis of an ``answers`` dataset (scores without tokens, e.g. a leaderboard's): the answers alone.
+
+    There is no drift to estimate (no tokens), so every drift section is empty and the
+    report is its "Does it change the answer?" section; a plan would test drift estimands
+    on tokens the data lack, so it is refused.
+    """
+    if plan is not None:
+        raise PlanError("an answers dataset carries scores without tokens: analyze it without a plan "
+                        "(hypotheses on accuracy_change need traces kvdiv collected)")
+    est = with_answer_values(xr.Dataset(coords={k: v for k, v in traces.coords.items() if "replicate" not in v.dims}),
+                             traces)
+    answers = compute_answers(traces, est, level=level, n_resamples=n_resamples, seed=seed)
+    options = {"window": -1, "seed": int(seed), "n_resamples": int(n_resamples), "level": float(level),
+               "policy_aliases": "{}", "interval_windows": "[]"}
+    empty = xr.Dataset()
+    return Analysis(traces=traces, plan=None, estimates=est, aggregate=empty, aggregate_ci=empty, survival=empty,
+                    branch_tv=None, interval=None, variance=None, plan_result=None, decompositions=[],
+                    notes=list(answers.notes) if answers is not None else [], options=options, answers=answers)
 
 
 def _compression(est: xr.Dataset, pres: PlanResult | None, level: float, n_resamples: int, seed: int,
