@@ -310,10 +310,9 @@ def test_a_plan_certifies_a_budget_on_accuracy_change() -> None:
 
 
 def test_analyze_takes_an_answers_dataset_scores_without_tokens(tmp_path) -> None:
-    from protocols.schema import answers_dataset
-
     from divstats.report.analysis import compute
     from divstats.report.write import write_report
+    from protocols.schema import answers_dataset
 
     rng = np.random.default_rng(0)
     x = (rng.random((30, 2)) < 0.7).astype(float)
