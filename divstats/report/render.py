@@ -179,7 +179,8 @@ def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
 def _drift_context(an: Analysis) -> dict[str, Any]:
     """The drift sections' rows; empty for an answers dataset (scores without tokens: nothing drifts)."""
     if not an.survival.data_vars:
-        return {"drift": False, "summary": {"kind": "answers (scores without tokens)", "documents": str(an.traces.sizes["doc"]),
+        return {"drift": False,
+                "summary": {"kind": "answers (scores without tokens)", "documents": str(an.traces.sizes["doc"]),
                             "policies": ", ".join(str(p) for p in an.traces["policy"].values)},
                 "estimate_rows": [], "decomposition_rows": [], "branch_rows": [], "interval_method": "",
                 "variance_rows": [], "noise_floor_status": "no tokens: nothing to compare with a noise floor",
