@@ -110,6 +110,11 @@ def answer_interval(values: np.ndarray, low: float, high: float, level: float = 
     (float, float, float, str)
         Estimate, low, high and the refusal reason ("" when the interval is given).
 
+    Raises
+    ------
+    ValueError
+        For an unknown method.
+
     Examples
     --------
     >>> import numpy as np
