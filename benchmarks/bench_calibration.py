@@ -83,14 +83,16 @@ def paired_table(n_sims: int, sizes: list[int], shift: float) -> None:
 def bounded_table(n_sims: int, sizes: list[int]) -> None:
     print(f"\n## Bounded means in [0, 1] (level 0.95; {n_sims} simulated studies per cell; coverage >= "
           f"{0.95 - 2 * mc_se(0.95, n_sims):.3f} is within 2 SE of 0.95)")
-    print("| law | n | betting: coverage / median width | auto (hybrid-t): coverage / median width / whole range "
-          "| narrower: coverage / median width | betting narrower in |")
-    print("|---|---|---|---|---|---|")
+    print("| law | n | betting: coverage / median width | auto (today): coverage / median width / whole range "
+          "| hybrid-t: coverage / median width | narrower of betting and hybrid-t: coverage / median width "
+          "| betting narrower in |")
+    print("|---|---|---|---|---|---|---|")
     for law, n in itertools.product(BOUNDED_LAWS, sizes):
         t = time.time()
         c = bounded_coverage(law, n_docs=n, n_sims=n_sims, seed=n)
         print(f"| {law} | {n} | {c.coverage['betting']:.3f} / {c.median_width['betting']:.3f} "
               f"| {c.coverage['auto']:.3f} / {c.median_width['auto']:.3f} / {c.whole_range['auto']} "
+              f"| {c.coverage['hybrid-t']:.3f} / {c.median_width['hybrid-t']:.3f} "
               f"| {c.coverage['narrower']:.3f} / {c.median_width['narrower']:.3f} | {c.betting_chosen:.2f} |"
               f"  <!-- {time.time() - t:.0f} s -->", flush=True)
 

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
-    "ACCEPTED_PER_CALL", "ACCURACY", "ACCURACY_CHANGE", "AGGREGATIONS", "ANSWER_ESTIMANDS", "ESTIMANDS",
-    "EXPOSURE_CONTRIBUTION", "Estimand",
-    "FIRST_MISMATCH_CONTRIBUTION", "FULL_VALUES", "LOSS", "MISMATCH_FRACTION", "OCCURRENCE", "SPECULATIVE_ESTIMANDS",
+    "ACCEPTED_PER_CALL", "ACCURACY", "ACCURACY_CHANGE", "AGGREGATIONS", "ANSWER_ESTIMANDS", "BOUNDS", "ESTIMANDS",
+    "EXPOSURE_CONTRIBUTION", "Estimand", "FIRST_MISMATCH_CONTRIBUTION", "FULL_VALUES", "LOSS", "MISMATCH_FRACTION",
+    "OCCURRENCE", "RATE", "SPECULATIVE_ESTIMANDS",
     "TAIL_CAPACITY", "TARGET_CALLS", "TOKENS_PER_CALL", "WINDOW_MISMATCH", "by_name", "markdown_table", "names",
+    "value_range",
 ]
 
 #: How an estimand combines over documents (equal document weights, docs/statistics.md §3).
@@ -46,6 +47,9 @@ AGGREGATIONS: dict[str, str] = {
     "ratio": "ratio of document means",
     "derived": "derived from the aggregated parts",
 }
+
+#: An estimand's range (``Estimand.bounds``): [0, 1], [0, T], [0, 1/T] (a share of one step of T) or none.
+BOUNDS: tuple[str, ...] = ("unit", "horizon", "step", "none")
 
 #: The full model's own value of an estimand (compared with itself it never diverges), as
 #: ``markdown_table`` prints it: 0, the horizon T, or none (undefined, e.g. a rate without exposure).
@@ -77,8 +81,9 @@ class Estimand:
         (``divstats.traces.replicates.VALUES``); None when computed from others.
     worse : {"larger", "smaller"}
         Which direction is worse for the candidate policy.
-    bounds : {"unit", "horizon", "none"}
-        Its range, [0, 1], [0, T] or unbounded (intervals are clipped to it).
+    bounds : {"unit", "horizon", "step", "none"}
+        Its range, [0, 1], [0, T], [0, 1/T] or unbounded (intervals are clipped to it, and a
+        document mean with a range gets the bounded interval, ``divstats.estimation.bounded``).
     plan : bool
         A plan may test it (a quantity that does not depend on the policy may not).
     full_value : {"zero", "horizon", "none"}
@@ -95,7 +100,7 @@ class Estimand:
     summary: bool = False
     replicate: int | None = None
     worse: Literal["larger", "smaller"] = "larger"
-    bounds: Literal["unit", "horizon", "none"] = "none"
+    bounds: Literal["unit", "horizon", "step", "none"] = "none"
     plan: bool = True
     full_value: Literal["zero", "horizon", "none"] = "none"
 
@@ -104,8 +109,8 @@ class Estimand:
             raise ValueError(f"{self.name}: aggregate must be one of {tuple(AGGREGATIONS)}")
         if self.worse not in ("larger", "smaller"):
             raise ValueError(f"{self.name}: worse must be 'larger' or 'smaller'")
-        if self.bounds not in ("unit", "horizon", "none"):
-            raise ValueError(f"{self.name}: bounds must be 'unit', 'horizon' or 'none'")
+        if self.bounds not in BOUNDS:
+            raise ValueError(f"{self.name}: bounds must be one of {BOUNDS}")
         if self.full_value not in FULL_VALUES:
             raise ValueError(f"{self.name}: full_value must be one of {tuple(FULL_VALUES)}")
         if self.summary and not self.interval:
@@ -136,7 +141,7 @@ ESTIMANDS: tuple[Estimand, ...] = (
     _E("mismatch_fraction", "loss / T = first_mismatch_contribution + exposure_contribution",
        "derived", post_dependent=True, interval=True, summary=True, bounds="unit", full_value="zero"),
     _E("first_mismatch_contribution", "occurrence / T",
-       "derived", interval=True, summary=True, bounds="unit", full_value="zero"),
+       "derived", interval=True, summary=True, bounds="step", full_value="zero"),
     _E("exposure_contribution", "(exposure / T) * rate (0 when exposure = 0, since then R = 0 on every path)",
        "derived", post_dependent=True, interval=True, summary=True, bounds="unit", full_value="zero"),
     _E("window_mismatch", ("E[sum_{tau < t <= tau + W} D_t]: mismatches observed in the W-step window "
@@ -232,6 +237,37 @@ def by_name(name: str) -> Estimand:
     raise KeyError(f"unknown estimand {name!r}; expected one of {names()}")
 
 
+def value_range(name: str, horizon: float | None = None) -> tuple[float, float] | None:
+    """The range an estimand's per-document values lie in, from its ``bounds``: (0, 1), (0, T) or None.
+
+    The bounded intervals and tests (``divstats.estimation.bounded``) read it, so a new row with a
+    range gets them without more code.
+
+    Parameters
+    ----------
+    name : str
+        An estimand name (of :data:`ESTIMANDS`, :data:`SPECULATIVE_ESTIMANDS` or :data:`ANSWER_ESTIMANDS`);
+        other names: None.
+    horizon : float, optional
+        T, for the counts of steps (None: their range is unknown).
+
+    Returns
+    -------
+    tuple of float, or None
+
+    Examples
+    --------
+    >>> value_range("occurrence"), value_range("rmtd", 32), value_range("rmtd"), value_range("branch_tv")
+    ((0.0, 1.0), (0.0, 32.0), None, None)
+    """
+    row = next((e for e in ESTIMANDS + SPECULATIVE_ESTIMANDS + ANSWER_ESTIMANDS if e.name == name), None)
+    if row is None or row.bounds == "none" or (row.bounds != "unit" and not horizon):
+        return None
+    if row.bounds == "unit":
+        return 0.0, 1.0
+    return 0.0, float(horizon) if row.bounds == "horizon" else 1.0 / float(horizon)
+
+
 def markdown_table(rows: tuple[Estimand, ...] = ESTIMANDS) -> str:
     """The table as docs/statistics.md prints it (one line per estimand).
 
@@ -277,6 +313,7 @@ def _spelled(name: str) -> str:
 # (tests/test_divstats_estimands.py scans the sources).
 OCCURRENCE = _spelled("occurrence")
 LOSS = _spelled("loss")
+RATE = _spelled("rate")
 MISMATCH_FRACTION = _spelled("mismatch_fraction")
 FIRST_MISMATCH_CONTRIBUTION = _spelled("first_mismatch_contribution")
 EXPOSURE_CONTRIBUTION = _spelled("exposure_contribution")

@@ -119,3 +119,80 @@ def test_rule_takes_betting_near_the_bound_and_resampling_inside():
     inner = np.random.default_rng(7).beta(4, 4, 30)
     ci = bounded_mean_interval(inner, 0.0, 1.0, n_resamples=499)
     assert ci.method == "hybrid-t" and ci.low[0] < inner.mean() < ci.high[0]
+
+
+@pytest.mark.parametrize("n", [10, 30])
+def test_margin_test_by_betting_keeps_its_size_at_the_margin(n):
+    # differences of two [0, 1] quantities, true mean exactly on the margin (the worst case): the
+    # non-inferiority test's rejection rate stays <= alpha + 2 SE (it is <= alpha by Markov)
+    from divstats.inference.margins import margin_test
+    rng = np.random.default_rng(n)
+    delta, sims = 0.05, 300
+    a = np.where(rng.random((sims, n)) < 0.5, rng.beta(2, 8, (sims, n)), 0.0)      # skewed, mean 0.1
+    b = np.clip(a - 0.05 + 0.02 * rng.standard_normal((sims, n)), 0, 1)
+    d = a - b
+    d = d - d.mean() + delta            # centred on the margin over the whole simulation
+    d = np.clip(d, -1, 1)
+    rejected = [margin_test(row, "bootstrap-t", "noninferiority", delta, bounds=(-1.0, 1.0)).pvalue <= 0.05
+                for row in d]
+    assert np.mean(rejected) <= 0.05 + 2 * np.sqrt(0.05 * 0.95 / sims)
+
+
+def test_margin_test_by_betting_can_show_non_inferiority_and_agrees_with_its_bound():
+    from divstats.inference.margins import margin_test
+    d = np.zeros(40)                                    # a policy that never diverged, vs the full model's 0
+    res = margin_test(d, "bootstrap-t", "noninferiority", 0.1, bounds=(0.0, 1.0))
+    assert res.details["method"] == "betting" and res.verdict == "non-inferior at margin 0.1"
+    assert res.confidence_interval().high < 0.1 and res.pvalue <= 0.05
+    far = margin_test(np.full(40, 0.3), "bootstrap-t", "noninferiority", 0.1, bounds=(0.0, 1.0))
+    assert far.pvalue > 0.05 and far.confidence_interval().high > 0.1
+    eq = margin_test(np.zeros(40), "bootstrap-t", "equivalence", 0.2, bounds=(-1.0, 1.0))
+    assert eq.verdict == "equivalent within ±0.2" and -0.2 < eq.confidence_interval().low
+
+
+def test_certify_budget_uses_betting_below_fifty_documents():
+    from divstats.inference.certify import certify_budget
+    v = np.zeros((40, 3))
+    v[:, 2] = 0.4
+    res = certify_budget(v, 0.1, budgets=["a@0.9", "a@0.5", "a@0.1"], bounds=(0.0, 1.0), n_resamples=99)
+    assert res.certified == "a@0.5" and res.tested == 3
+    v[:, :2] += np.linspace(0, 0.01, 40)[:, None]     # bootstrap-t needs a spread
+    refused = certify_budget(v, 0.1, budgets=["a@0.9", "a@0.5", "a@0.1"], n_resamples=99)
+    assert refused.certified is None and "n = 40 documents" in refused.reason
+
+
+# ---------------------------------------------------------------------------------------------
+# every estimate inside its own interval (results.nc, the report and the summary read these)
+# ---------------------------------------------------------------------------------------------
+
+def _estimate_outside(agg, ci):
+    from divstats.estimation.estimators import INTERVAL_QUANTITIES
+    bad = []
+    for q in INTERVAL_QUANTITIES:
+        est, lo, hi = (np.asarray(x, dtype=float) for x in (agg[q], ci[q + "_low"], ci[q + "_high"]))
+        shown = np.isfinite(est) & np.isfinite(lo) & np.isfinite(hi)
+        tol = 1e-9 * np.maximum(1.0, np.abs(est))
+        if np.any(shown & ((est < lo - tol) | (est > hi + tol))):
+            bad.append(q)
+    return bad
+
+
+@pytest.mark.parametrize("kind", ["coupled", "residual"])
+def test_every_estimate_lies_in_its_interval_over_simulated_studies(kind):
+    import divstats
+    from divstats.truth.studies import PolicyEffect, simulate_study
+    policies = {"mild": PolicyEffect(0.02), "mid": PolicyEffect(0.4), "harsh": PolicyEffect(3.0)}
+    for n, seed in ((6, 0), (12, 1), (25, 2)):
+        ds = simulate_study(n, policies, horizon=6, replicates=2, kind=kind, seed=seed, vocab_size=3)
+        est = divstats.estimate(ds)
+        agg, ci = divstats.aggregate(est), divstats.aggregate_intervals(est, n_resamples=199)
+        assert not _estimate_outside(agg, ci), (n, seed)
+        # ratios above 1: residual traces' Monte Carlo weighting can put per-document rates above 1;
+        # here post_mismatch is scaled so that the aggregate rate exceeds 1 too
+        big = est.copy()
+        big["post_mismatch"] = est["post_mismatch"] * 2.5
+        agg, ci = divstats.aggregate(big), divstats.aggregate_intervals(big, n_resamples=199)
+        if n >= 10:
+            assert float(agg["rate"].max()) > 1
+        assert not _estimate_outside(agg, ci), (n, seed, "scaled")
+        assert "unclipped" in ci["rate_low"].attrs["scale"]

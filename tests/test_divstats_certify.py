@@ -186,7 +186,9 @@ def test_report_section_renders(tmp_path) -> None:
     an = compute(ds, plan, n_resamples=99, progress=False)
     assert list(an.compression["family"].values) == ["snapkv@*", "recent@*"]
     row = an.plan_result.certify.iloc[0]
-    assert row["certified"] == "" and "n = 12 documents" in row["reason"]     # refused below 50, said why
+    # occurrence has a known range: below 50 documents each test is the betting test, which cannot
+    # show snapkv@0.9 within 0.1 from 12 documents (a bound near 0.26), and says so
+    assert row["certified"] == "" and "not shown non-inferior" in row["reason"]
     figs = make_figures(an)
     html = render_html(an, {k: figure_png(v) for k, v in figs.items()})
     assert "How much can I compress?" in html and "compression" in figs and "no budget certified" in html

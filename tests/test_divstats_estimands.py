@@ -117,7 +117,8 @@ def test_interval_ranges_come_from_the_table():
     import numpy as np
 
     lower, upper = estimators._interval_ranges(7)
-    old_upper = {"occurrence": 1.0, "rate": 1.0, "mismatch_fraction": 1.0, "first_mismatch_contribution": 1.0,
+    # first_mismatch_contribution = occurrence / T lies in [0, 1/T] (bounds "step")
+    old_upper = {"occurrence": 1.0, "rate": 1.0, "mismatch_fraction": 1.0, "first_mismatch_contribution": 1 / 7,
                  "exposure_contribution": 1.0, "rmtd": 7, "exposure": 7, "loss_lower": 7, "loss_upper": 7}
     q = estimators.INTERVAL_QUANTITIES
     np.testing.assert_array_equal(lower, [0.0 if n in old_upper else -np.inf for n in q])

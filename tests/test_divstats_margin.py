@@ -213,8 +213,12 @@ def test_run_plan_refuses_below_the_threshold_with_the_reason():
     row = run_plan(ds, _plan({"id": "r", "family": "f", "metric": "rmtd", "compare": ["p", "full"],
                               "direction": "noninferiority", "margin": -1, "test": "bootstrap-t",
                               "split": "all"}), n_resamples=99).table.iloc[0]
-    assert math.isnan(row["p_value"]) and "need ≥ 50" in row["note"] and row["verdict"].startswith("not estimable")
+    # rmtd has a known range [0, T]: below 50 documents the betting test stands in for bootstrap-t
+    assert 0 < row["p_value"] <= 1 and "betting" in row["estimand"] and not row["verdict"].startswith("not estimable")
     assert row["mean_b"] == 6.0      # the full model's rmtd is the horizon
+    # a metric of unknown range (branch-aligned TV is not an estimand row) is still refused below 50
+    res = margin_test(np.linspace(-0.01, 0.01, 12), "bootstrap-t", "noninferiority", 0.05)
+    assert math.isnan(res.pvalue) and "need ≥ 50" in res.reason
 
 
 def test_report_gives_verdicts_and_the_margin_figure():
@@ -233,7 +237,8 @@ def test_report_gives_verdicts_and_the_margin_figure():
     an = compute(ds, plan, n_resamples=99, progress=False)
     rows = {r["id"]: r for r in plan_rows(an.plan_result)}
     assert rows["NI"]["H1"] == "A − B < 0.05" and rows["EQ"]["H1"] == "|A − B| < 0.05"
-    assert rows["NI"]["verdict"].startswith("not estimable") and rows["D"]["verdict"] == ""
+    # NI (bootstrap-t on a [0, 1] metric) runs as the betting test; EQ (ttest) is refused below 1000
+    assert rows["NI"]["verdict"].startswith(("non-inferior", "not shown")) and rows["D"]["verdict"] == ""
     assert "margins" in make_figures(an)
     md = render_markdown(an)
     assert "## Verdicts at a margin" in md and "- EQ (mismatch_fraction, p − q): not estimable" in md

@@ -228,3 +228,30 @@ def test_the_header_gives_each_models_replicates_and_vocabulary():
     same = data_summary(combine([a, a.assign_attrs(model="m3")], "model"))
     assert same["replicates per (doc, policy)"] == "4" and same["vocabulary"] == "6"
     assert data_summary(a)["replicates per (doc, policy)"] == "4"
+
+
+def test_analyze_emits_no_library_warnings(tmp_path, caplog, capfd) -> None:
+    # residual traces with 2 replicates (too few draws for arviz's ESS: it used to log "Shape
+    # validation failed") and a control (the noise floor of exactly 0): no warning, no log record
+    import logging
+    import warnings
+
+    import divstats
+    from divstats.report.write import analyze
+    from divstats.truth.studies import PolicyEffect, simulate_study
+
+    ds = simulate_study(6, {"full": PolicyEffect(0.0), "snapkv@0.5": PolicyEffect(0.3),
+                            "snapkv@0.9": PolicyEffect(0.05)}, horizon=5, replicates=2, kind="residual", seed=0)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        vc = divstats.variance_check(ds)
+        an = analyze(ds, None, tmp_path / "out", n_resamples=99, progress=False)
+    assert not [str(w.message) for w in caught]
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    err = capfd.readouterr().err          # arviz logs through its own handler, not the root logger
+    assert "WARNING" not in err and "Shape validation" not in err and "legend" not in err
+    assert bool(vc["ess"].isnull().all())          # 2 replicates: no ESS, said in its description
+    assert "fewer than 4 replicates" in vc["ess"].attrs["description"]
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "∞× floor" not in md and "floor exactly 0 (no numerical divergence in 60 steps)" in md
+    assert an.noise_floor.attrs["control_steps"] == 60

@@ -160,7 +160,12 @@ def test_decomposition_refused_below_thresholds_with_reason(n) -> None:
 def test_aggregate_intervals_refused_below_threshold_with_reason() -> None:
     ds = simulate_study(6, {"a": PolicyEffect(0.1), "b": PolicyEffect(0.3)}, horizon=6, replicates=4, seed=1)
     ci = dv.aggregate_intervals(dv.estimate(ds), n_resamples=199)
-    assert np.isnan(ci["occurrence_low"]).all() and np.isnan(ci["rate_high"]).all()
+    # the ratio (rate) and the unbounded agreeing_tokens are refused; the bounded means get the
+    # betting interval from MIN_DOCS_BOUNDED (5) documents on (divstats.estimation.bounded)
+    assert np.isnan(ci["rate_high"]).all() and np.isnan(ci["agreeing_tokens_low"]).all()
+    assert np.isfinite(ci["occurrence_low"]).all() and ci["occurrence_low"].attrs["method"] == "betting"
+    few = dv.aggregate_intervals(dv.estimate(ds.isel(doc=slice(0, 4))), n_resamples=199)
+    assert np.isnan(few["occurrence_low"]).all()
     assert ci.attrs["reason"] == (f"not estimable: n = 6 documents, intervals for aggregate estimates need "
                                   f"≥ {MIN_DOCS_AGGREGATE} (coverage table in docs/plans.md)")
 

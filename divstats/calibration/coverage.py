@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from divstats.estimation.bounded import betting_interval
+from divstats.estimation.bounded import betting_interval, resampled_interval
 from divstats.estimation.estimators import INTERVAL_QUANTITIES, aggregate_statistic
 from divstats.estimation.resample import MIN_DOCS_AGGREGATE, MIN_DOCS_INTERVAL, document_interval
 from divstats.inference.decompose import PARTS, parts_and_shares, split_gap
@@ -662,8 +662,9 @@ def bounded_coverage(law: str = "near-bound-skewed", *, n_docs: int = 10, n_sims
     """Coverage and width of a [0, 1] mean's intervals: betting, ``auto`` (resampling) and the narrower.
 
     ``betting`` is the betting interval, ``auto`` the resampling interval over documents as before
-    (hybrid-t below 100 documents, clipped to [0, 1]; measured below its refusal threshold too),
-    ``narrower`` the narrower of the two in each study.  :func:`divstats.estimation.bounded.bounded_mean_interval`
+    (hybrid-t below 100 documents, jackknife-t from 100, clipped to [0, 1]; measured below its refusal
+    threshold too), ``hybrid-t`` the hybrid-t interval at every n (clipped), ``narrower`` the narrower of
+    betting and hybrid-t in each study.  :func:`divstats.estimation.bounded.bounded_mean_interval`
     (what the report uses for a bounded estimand) is ``betting`` below its switch and ``narrower`` from
     there on; the switch was read off this table.  The truth is the law's mean (:data:`BOUNDED_LAWS`).
 
@@ -688,7 +689,7 @@ def bounded_coverage(law: str = "near-bound-skewed", *, n_docs: int = 10, n_sims
     --------
     >>> c = bounded_coverage(n_docs=10, n_sims=4, n_resamples=99)
     >>> sorted(c.coverage)
-    ['auto', 'betting', 'narrower']
+    ['auto', 'betting', 'hybrid-t', 'narrower']
     """
     draw, truth = BOUNDED_LAWS[law]
     rng = np.random.default_rng(seed)
@@ -700,13 +701,16 @@ def bounded_coverage(law: str = "near-bound-skewed", *, n_docs: int = 10, n_sims
         ci = document_interval((x[i],), lambda a: a.mean(axis=-1)[None], level=level, n_resamples=n_resamples,
                                seed=seed + i, min_docs=2)
         lows["auto"][i], highs["auto"][i] = np.clip(ci.low[0], 0, 1), np.clip(ci.high[0], 0, 1)
+    # bounded_mean_interval's partner: hybrid-t at every n, the same resamples for every study
+    hyb = resampled_interval(x, level=level, n_resamples=n_resamples, seed=seed)
+    lows["hybrid-t"], highs["hybrid-t"] = np.clip(hyb.low, 0, 1), np.clip(hyb.high, 0, 1)
     # the narrower of the two (bounded_mean_interval's rule from its switch on; betting alone below it)
-    take_bet = (highs["auto"] - lows["auto"]) >= (highs["betting"] - lows["betting"])
+    take_bet = (highs["hybrid-t"] - lows["hybrid-t"]) >= (highs["betting"] - lows["betting"])
     mean = x.mean(axis=-1)
-    lows["narrower"] = np.where(take_bet, lows["betting"], np.minimum(lows["auto"], mean))
-    highs["narrower"] = np.where(take_bet, highs["betting"], np.maximum(highs["auto"], mean))
+    lows["narrower"] = np.where(take_bet, lows["betting"], np.minimum(lows["hybrid-t"], mean))
+    highs["narrower"] = np.where(take_bet, highs["betting"], np.maximum(highs["hybrid-t"], mean))
     cov, width, whole = {}, {}, {}
-    for m in ("betting", "auto", "narrower"):
+    for m in ("betting", "auto", "hybrid-t", "narrower"):
         cov[m] = float(np.mean((lows[m] <= truth) & (truth <= highs[m])))
         width[m] = float(np.median(highs[m] - lows[m]))
         whole[m] = int(np.sum((lows[m] <= 0) & (highs[m] >= 1)))

@@ -18,8 +18,17 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from divstats.estimands import ESTIMANDS, names
+from divstats.estimands import ESTIMANDS, RATE, by_name, names, value_range
+from divstats.estimation.bounded import (
+    BETTING_ONLY_BELOW,
+    MIN_DOCS_BOUNDED,
+    betting_interval,
+    choose_bounded,
+    in_range,
+    resampled_interval,
+)
 from divstats.estimation.resample import MIN_DOCS_AGGREGATE, document_interval
+from divstats.intervals import ConfidenceInterval
 from divstats.traces.arrays import cov_of_means, mean_se, ratio_se
 from divstats.traces.chunked import load, map_docs
 from divstats.traces.replicates import REPLICATE_ESTIMANDS, Replicates, replicate_values
@@ -327,26 +336,81 @@ def aggregate_statistic(T: int):
     return statistic
 
 
+#: Why the rate and its interval are on an unclipped scale (results.nc's ``rate_low``/``_high`` attrs, the report).
+RATE_SCALE = ("unclipped: the rate's estimate is a ratio of Monte Carlo estimates, and residual traces' "
+              "conditional weighting can put it above 1 although the true rate is at most 1; the interval "
+              "is on the same scale, clipped to [0, max(1, estimate)] so that it holds the estimate")
+
+#: The interval quantities that are document means of per-document values in a known range (every
+#: ``bounds`` row but the ratios): their intervals follow ``bounded.bounded_mean_interval``'s rule.
+BOUNDED_MEANS: tuple[str, ...] = tuple(q for q in INTERVAL_QUANTITIES
+                                       if by_name(q).bounds != "none" and by_name(q).aggregate != "ratio")
+
+
 def _column_interval(arrays: list[np.ndarray], T: int, level: float, method: str, n_resamples: int,
-                     seed: int) -> tuple[np.ndarray, np.ndarray, int, int, str]:
-    """One (policy[, model]) column: drop documents without data, then the document interval."""
+                     seed: int) -> tuple[np.ndarray, np.ndarray, int, int, list[str], str]:
+    """One (policy[, model]) column: drop documents without data, then the document interval.
+
+    Returns the ends, documents used and dropped, each quantity's method and the refusal reason
+    of the quantities that got no interval ("" if none)."""
     present = np.isfinite(arrays[0]) & np.isfinite(arrays[MEAN_OVER_DOCS.index("exposure")])
     kept = tuple(np.where(np.isnan(a[present]), np.nan, a[present]) for a in arrays)
-    ci = document_interval(kept, aggregate_statistic(T), level=level, method=method,
+    statistic = aggregate_statistic(T)
+    ci = document_interval(kept, statistic, level=level, method=method,
                            n_resamples=n_resamples, seed=seed, min_docs=MIN_DOCS_AGGREGATE,
                            what="intervals for aggregate estimates")
-    # hybrid-t ends are additive and can leave the quantity's range (an occurrence above 1);
-    # the truth lies in the range, so clipping to it changes no coverage
     lo_b, hi_b = _interval_ranges(T)
+    point = ci.point
+    # hybrid-t ends are additive and can leave the quantity's range (an occurrence above 1); the truth
+    # lies in the range, so clipping to it changes no coverage.  The range is widened to hold the
+    # estimate itself: the rate's estimate can exceed 1 (below), and an estimate is never outside its
+    # own interval.
     with np.errstate(invalid="ignore"):
-        low, high = np.clip(ci.low, lo_b, hi_b), np.clip(ci.high, lo_b, hi_b)
-    return low, high, int(present.sum()), int((~present).sum()), ci.reason or ci.method
+        low = np.clip(ci.low, np.fmin(lo_b, point), np.fmax(hi_b, point))
+        high = np.clip(ci.high, np.fmin(lo_b, point), np.fmax(hi_b, point))
+    how = [ci.reason or ci.method] * len(INTERVAL_QUANTITIES)
+    n = int(present.sum())
+    if method == "auto" and n >= MIN_DOCS_BOUNDED:
+        low, high = _bounded_ends(kept, statistic, point, ci, low, high, how, level, n_resamples, seed, T)
+    reasons = {w for w in how if w.startswith("not estimable")}
+    return low, high, n, int((~present).sum()), how, "; ".join(sorted(reasons))
+
+
+def _bounded_ends(kept: tuple[np.ndarray, ...], statistic, point: np.ndarray, ci, low: np.ndarray,
+                  high: np.ndarray, how: list[str], level: float, n_resamples: int, seed: int,
+                  T: int) -> tuple[np.ndarray, np.ndarray]:
+    """The :data:`BOUNDED_MEANS` rows of one column by ``bounded_mean_interval``'s rule (``how`` updated).
+
+    A quantity takes it when its per-document values all lie in its range and average to its
+    estimate (Monte Carlo weighting can put a document's value outside: then the resampling
+    interval stays)."""
+    per_doc = statistic(*(a[:, None] for a in kept))          # (k, n): each document's own value
+    lo_b, hi_b = _interval_ranges(T)
+    rows = [i for i, q in enumerate(INTERVAL_QUANTITIES) if q in BOUNDED_MEANS
+            and np.all(np.isfinite(per_doc[i])) and in_range(per_doc[i], lo_b[i], hi_b[i])
+            and np.isclose(per_doc[i].mean(), point[i], rtol=1e-9, atol=1e-12)]
+    if not rows:
+        return low, high
+    width = hi_b[rows] - lo_b[rows]
+    unit = (per_doc[rows] - lo_b[rows, None]) / width[:, None]
+    bet = betting_interval(unit, level=level, seed=seed)
+    bet = ConfidenceInterval(lo_b[rows] + width * bet.low, lo_b[rows] + width * bet.high)
+    resampled = None
+    if unit.shape[-1] >= BETTING_ONLY_BELOW:
+        r = resampled_interval(per_doc[rows], level=level, n_resamples=n_resamples, seed=seed)
+        resampled = ConfidenceInterval(r.low, r.high)
+    b_low, b_high, chosen = choose_bounded(point[rows], bet, resampled, "hybrid-t", lo_b[rows], hi_b[rows])
+    low, high = low.copy(), high.copy()
+    low[rows], high[rows] = b_low, b_high
+    for i, m in zip(rows, chosen, strict=True):
+        how[i] = m
+    return low, high
 
 
 def _interval_ranges(T: int) -> tuple[np.ndarray, np.ndarray]:
     """(lower, upper) range of each of INTERVAL_QUANTITIES: probabilities and fractions in [0, 1],
     counts of steps in [0, T]; agreeing_tokens is left unbounded."""
-    upper = {e.name: {"unit": 1.0, "horizon": T}[e.bounds] for e in ESTIMANDS if e.bounds != "none"}
+    upper = {e.name: value_range(e.name, T)[1] for e in ESTIMANDS if e.bounds != "none"}
     lower = np.array([-np.inf if q not in upper else 0.0 for q in INTERVAL_QUANTITIES])
     return lower, np.array([float(upper.get(q, np.inf)) for q in INTERVAL_QUANTITIES])
 
@@ -401,23 +465,32 @@ def aggregate_intervals(estimates: xr.Dataset, *, level: float = 0.95, n_resampl
     n_cols = cols["occurrence"].shape[0]
     low = np.full((len(INTERVAL_QUANTITIES), n_cols), np.nan)
     high = low.copy()
-    used, dropped, how = np.zeros(n_cols, int), np.zeros(n_cols, int), []
+    used, dropped, how, refused = np.zeros(n_cols, int), np.zeros(n_cols, int), set(), set()
+    method_of = np.empty((len(INTERVAL_QUANTITIES), n_cols), dtype=object)
     for j in range(n_cols):
-        lo, hi, used[j], dropped[j], what = _column_interval([cols[k][j] for k in MEAN_OVER_DOCS], T, level,
-                                                             method, n_resamples, seed)
+        lo, hi, used[j], dropped[j], methods, reason = _column_interval(
+            [cols[k][j] for k in MEAN_OVER_DOCS], T, level, method, n_resamples, seed)
         low[:, j], high[:, j] = lo, hi
-        how.append(what)
+        method_of[:, j] = methods
+        how |= {m for m in methods if not m.startswith("not estimable")}
+        if reason:
+            refused.add(reason)
     shape = template.shape
     out = {}
     for i, name in enumerate(INTERVAL_QUANTITIES):
-        out[f"{name}_low"] = template.copy(data=low[i].reshape(shape))
-        out[f"{name}_high"] = template.copy(data=high[i].reshape(shape))
+        used_here = sorted({m for m in method_of[i] if not str(m).startswith("not estimable")})
+        attrs = {"method": ", ".join(used_here)} if used_here else {}
+        if name == RATE:
+            attrs["scale"] = RATE_SCALE
+        out[f"{name}_low"] = template.copy(data=low[i].reshape(shape)).assign_attrs(attrs)
+        out[f"{name}_high"] = template.copy(data=high[i].reshape(shape)).assign_attrs(attrs)
     out["n_docs"] = template.copy(data=used.reshape(shape)).assign_attrs(
         description="documents with data for this policy (used by the interval)")
     out["n_dropped"] = template.copy(data=dropped.reshape(shape)).assign_attrs(
         description="documents without data for this policy (dropped from its interval, not resampled as NaN)")
-    refused = {w for w in how if w.startswith("not estimable")}
     return xr.Dataset(out, attrs={"level": level, "n_resamples": n_resamples, "seed": seed,
-                                  "method": f"{method} over documents (divstats.estimation.resample)",
-                                  "methods_used": ", ".join(sorted(set(how) - refused)),
+                                  "method": f"{method} over documents (divstats.estimation.resample); the bounded "
+                                            "means by divstats.estimation.bounded.bounded_mean_interval's rule",
+                                  "methods_used": ", ".join(sorted(how)),
+                                  "bounded_min_docs": MIN_DOCS_BOUNDED,
                                   "min_docs": MIN_DOCS_AGGREGATE, "reason": "; ".join(sorted(refused))})

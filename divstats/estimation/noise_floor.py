@@ -162,7 +162,10 @@ def noise_floor(ds: xr.Dataset, *, control: str | None = None, window: int | Non
     ci = aggregate_intervals(est, level=level, n_resamples=n_resamples, seed=seed)
     all_tv = max_tv(ds)
     tv = all_tv.sel(policy=control, drop=True)
-    out = xr.Dataset(attrs={"control": control, "factor": NOISE_FLOOR_FACTOR, "level": level,
+    # the steps the control was decoded over (documents x replicates x horizon): a floor of exactly 0
+    # says "no numerical divergence in this many steps", so the report names the number
+    steps = int(ds.sizes.get("doc", 1) * ds.sizes.get("replicate", 1) * int(ds.attrs.get("horizon", 0)))
+    out = xr.Dataset(attrs={"control": control, "factor": NOISE_FLOOR_FACTOR, "level": level, "control_steps": steps,
                             "interval_method": str(ci.attrs.get("methods_used", "")),
                             "interval_reason": str(ci.attrs.get("reason", "")), "note": ""})
     for m in (OCCURRENCE, MISMATCH_FRACTION):

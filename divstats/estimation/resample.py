@@ -285,10 +285,11 @@ def bootstrap_t(arrays: tuple[np.ndarray, ...], statistic: Callable[..., np.ndar
 
 def _studentized_quantiles(arrays: tuple[np.ndarray, ...], statistic: Callable[..., np.ndarray],
                            point: np.ndarray, level: float, n_resamples: int,
-                           seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                           seed: int, standard_error: Callable[..., np.ndarray] | None = None,
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(SE_jack, q_{1-a/2}(t*), q_{a/2}(t*)) with t* from :func:`bootstrap_t`."""
     se = _jackknife_se(arrays, statistic).reshape(point.shape)
-    t = bootstrap_t(arrays, statistic, point, n_resamples, seed)
+    t = bootstrap_t(arrays, statistic, point, n_resamples, seed, standard_error=standard_error)
     # a resample with no spread: t* = 0 with no shift, else beyond every finite t* (an infinite end)
     t = np.nan_to_num(t, posinf=1e150, neginf=-1e150)
     a = (1 - level) / 2
@@ -298,9 +299,10 @@ def _studentized_quantiles(arrays: tuple[np.ndarray, ...], statistic: Callable[.
 
 def _bootstrap_t(arrays: tuple[np.ndarray, ...], statistic: Callable[..., np.ndarray],
                  point: np.ndarray, level: float, n_resamples: int, seed: int,
-                 hybrid: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                 hybrid: bool = False, standard_error: Callable[..., np.ndarray] | None = None,
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """Studentized bootstrap; ``hybrid``: each end no nearer than the jackknife-t's and Hall's."""
-    se, hi_q, lo_q = _studentized_quantiles(arrays, statistic, point, level, n_resamples, seed)
+    se, hi_q, lo_q = _studentized_quantiles(arrays, statistic, point, level, n_resamples, seed, standard_error)
     if not hybrid:
         return point - hi_q * se, point - lo_q * se
     q = stats.t.ppf(0.5 + level / 2, arrays[0].shape[-1] - 1)
@@ -330,7 +332,8 @@ def _scipy_bootstrap(arrays: tuple[np.ndarray, ...], statistic: Callable[..., np
 def document_interval(arrays: tuple[np.ndarray, ...], statistic: Callable[..., np.ndarray], *,
                       level: float = 0.95, method: str = "auto", n_resamples: int = 1999,
                       seed: int = 0, min_docs: int = MIN_DOCS_INTERVAL,
-                      what: str = "intervals over documents") -> DocumentInterval:
+                      what: str = "intervals over documents",
+                      standard_error: Callable[..., np.ndarray] | None = None) -> DocumentInterval:
     """Two-sided interval over documents for ``statistic(*arrays)``.
 
     Parameters
@@ -352,6 +355,10 @@ def document_interval(arrays: tuple[np.ndarray, ...], statistic: Callable[..., n
         ``MIN_DOCS_*`` constants).
     what : str
         The kind of interval, as the refusal reason names it.
+    standard_error : callable, optional
+        The bootstrap methods' SE* of the statistic from resampled arrays (``bootstrap_t``'s);
+        default the jackknife SE, which costs documents² per resample.  For a document mean it is
+        sd / √n exactly, in documents per resample (``divstats.estimation.bounded``).
 
     Returns
     -------
@@ -385,7 +392,8 @@ def document_interval(arrays: tuple[np.ndarray, ...], statistic: Callable[..., n
     if method == "jackknife-t":
         low, high = _jackknife_t(arrays, statistic, point, level)
     elif method in ("bootstrap-t", "hybrid-t"):
-        low, high = _bootstrap_t(arrays, statistic, point, level, n_resamples, seed, method == "hybrid-t")
+        low, high = _bootstrap_t(arrays, statistic, point, level, n_resamples, seed, method == "hybrid-t",
+                                 standard_error)
     else:
         low, high = _scipy_bootstrap(arrays, statistic, point, level, method, n_resamples, seed)
     return DocumentInterval(point, ConfidenceInterval(low, high), method, level, n)

@@ -33,6 +33,10 @@ def _arviz():
     return arviz
 
 
+#: Fewest replicates for the ESS and MCSE (arviz's minimum draws for one chain); below, NaN.
+MIN_DIAGNOSTIC_DRAWS = 4
+
+
 def _mc_diagnostics(values: np.ndarray, present: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """ESS and MCSE of the mean of per-replicate values (rows, n), via arviz (one chain).
 
@@ -47,6 +51,8 @@ def _mc_diagnostics(values: np.ndarray, present: np.ndarray) -> tuple[np.ndarray
     mcse = np.full(len(values), np.nan)
     for c in np.unique(counts):
         rows = counts == c
+        if c < MIN_DIAGNOSTIC_DRAWS:
+            continue   # arviz's ESS needs 4 draws of a chain (it warns and guesses below): NaN here
         data = xr.Dataset({"loss": (("chain", "draw", "row"), compact[rows, :c].T[None])})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -72,7 +78,8 @@ def variance_check(ds: xr.Dataset) -> xr.Dataset:
     * ``efficiency`` = (var_crude_implied * T) / (var_residual * steps_residual):
       crude model steps needed per residual model step for equal precision (> 1
       favours the residual mode);
-    * ``ess``, ``mcse``: arviz effective sample size and MCSE of the mean loss
+    * ``ess``, ``mcse``: arviz effective sample size and MCSE of the mean loss (NaN with
+      fewer than 4 replicates, where arviz cannot estimate them)
       (replicates as one chain; ESS near n says they behave as independent draws).
 
     Parameters
@@ -138,6 +145,8 @@ def variance_check(ds: xr.Dataset) -> xr.Dataset:
         "steps_residual": w(steps, "mean model steps per residual replicate (T + K)"),
         "steps_crude": w(np.full(lay.rows, float(T)), "model steps per crude replicate (T)"),
         "efficiency": w(eff, "compute-adjusted efficiency: (var_crude * T) / (var_residual * (T + K))"),
-        "ess": w(ess, "arviz effective sample size of the mean residual loss (replicates as one chain)"),
-        "mcse": w(mcse, "arviz Monte Carlo SE of the residual loss estimate"),
+        "ess": w(ess, "arviz effective sample size of the mean residual loss (replicates as one chain; "
+                      f"NaN with fewer than {MIN_DIAGNOSTIC_DRAWS} replicates)"),
+        "mcse": w(mcse, "arviz Monte Carlo SE of the residual loss estimate (NaN with fewer than "
+                        f"{MIN_DIAGNOSTIC_DRAWS} replicates)"),
     }, attrs={"horizon": T, "n_replicates": n})

@@ -29,7 +29,8 @@ import numpy as np
 import xarray as xr
 
 from divstats.errors import DivstatsError
-from divstats.estimands import ANSWER_ESTIMANDS, ESTIMANDS
+from divstats.estimands import ANSWER_ESTIMANDS, ESTIMANDS, value_range
+from divstats.estimation.bounded import difference_range
 from divstats.estimation.sweeps import family_values
 from divstats.inference.margins import margin_test
 from divstats.inference.results import PairedTestResult
@@ -151,7 +152,8 @@ class CertifyResult:
 def certify_budget(values: np.ndarray, margin: float, *, alpha: float = 0.05, worse: str = "larger",
                    reference: float | np.ndarray = 0.0, budgets: Sequence[str] | None = None,
                    kept: Sequence[float] | None = None, test: str = "bootstrap-t", n_resamples: int = 9999,
-                   seed: int = 0, min_docs: int | None = None) -> CertifyResult:
+                   seed: int = 0, min_docs: int | None = None,
+                   bounds: tuple[float, float] | None = None) -> CertifyResult:
     """The smallest budget certified non-inferior at a margin, by fixed-sequence tests.
 
     Parameters
@@ -179,6 +181,10 @@ def certify_budget(values: np.ndarray, margin: float, *, alpha: float = 0.05, wo
         Bootstrap resamples and their seed (the same seed for every budget).
     min_docs : int, optional
         Refusal threshold override (the calibration measures below it; leave it alone).
+    bounds : (float, float), optional
+        The range the values lie in (the metric's, ``divstats.estimands.value_range``): below
+        ``MIN_DOCS_MARGIN`` documents each bootstrap-t test is then the betting test, valid at every n
+        (``divstats.inference.margins.margin_test``).
 
     Returns
     -------
@@ -221,12 +227,13 @@ def certify_budget(values: np.ndarray, margin: float, *, alpha: float = 0.05, wo
     if ref.ndim == 1 and ref.size != n_docs:
         raise ValueError(f"reference has {ref.size} values for {n_docs} documents")
     ref_text = f"{float(ref):g}" if ref.ndim == 0 else "the measured control"
+    d_range = difference_range(bounds, ref if ref.ndim == 0 else None) if bounds is not None else None
     results = []
     for j in range(k):
         d = x[:, j] - ref
         results.append(margin_test(d[np.isfinite(d)], test, "noninferiority", margin, worse, 1.0 - alpha,
                                    n_resamples=n_resamples, seed=seed, min_docs=min_docs,
-                                   hodges_lehmann_effect=False))
+                                   hodges_lehmann_effect=False, bounds=d_range))
     p = np.array([r.pvalue for r in results])
     # fixed-sequence adjusted p: the running max; a refused (NaN) test stops the sequence
     adjusted = np.full(k, math.nan)
@@ -334,6 +341,7 @@ def certify_family(estimates: xr.Dataset, family: str, metric: str, margin: floa
                                 f"or collect the control policy 'full'")
     else:
         ref = float(reference)
+    kwargs.setdefault("bounds", value_range(metric, estimates.attrs.get("horizon")))
     return certify_budget(values, margin, alpha=alpha, worse=worse, reference=ref, budgets=members, kept=kept,
                           **kwargs)
 

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from divstats.estimation.bounded import MIN_DOCS_BOUNDED, betting_interval, betting_pvalue, in_range
 from divstats.estimation.resample import MIN_DOCS_MARGIN, MIN_DOCS_MARGIN_T, too_few_documents
 from divstats.inference.choices import MARGIN_TESTS, TEST_DESCRIPTIONS, WORSE
 from divstats.inference.effects import hodges_lehmann, mean_difference_t
@@ -20,7 +21,11 @@ from divstats.inference.multiplicity import rejects
 from divstats.inference.refusals import not_estimable_reason
 from divstats.inference.results import Effect, PairedTestResult
 
-__all__ = ["margin_not_estimable_reason", "margin_test", "margin_verdict"]
+__all__ = ["BETTING_NOTE", "margin_not_estimable_reason", "margin_test", "margin_verdict", "uses_betting"]
+
+#: Added to a test's estimand where the betting test stood in for bootstrap-t (a bounded metric, few documents).
+BETTING_NOTE = (f"; below {MIN_DOCS_MARGIN} documents, on a metric of known range, the betting test of a bounded "
+                "mean (Waudby-Smith & Ramdas; p = 1 / e-value, valid at every n)")
 
 
 def _check_margin(test: str, alternative: str, margin: float | None, worse: str) -> float:
@@ -128,9 +133,33 @@ def _margin_sides(d: np.ndarray, test: str, shift: float, side: str, n_resamples
     return t, p, (lo if side == "greater" else hi) - shift
 
 
+def uses_betting(d: np.ndarray, test: str, bounds: tuple[float, float] | None, min_docs: int | None = None) -> bool:
+    """Whether a test at a margin is the betting test: bootstrap-t asked for, below its threshold, on
+    differences whose range is known and holds them (the betting test keeps its size at every n).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> uses_betting(np.zeros(12), "bootstrap-t", (-1.0, 1.0)), uses_betting(np.zeros(12), "bootstrap-t", None)
+    (True, False)
+    """
+    return (test == "bootstrap-t" and bounds is not None and min_docs is None
+            and MIN_DOCS_BOUNDED <= d.size < MIN_DOCS_MARGIN and in_range(d, *bounds))
+
+
+def _betting_sides(d: np.ndarray, shift: float, side: str, bounds: tuple[float, float], seed: int,
+                   level: float) -> tuple[float, float, float]:
+    """(e-value, p, bound) of the betting test of mean(d) vs ``-shift`` (``side`` = H1) and its (level) bound."""
+    lo, hi = bounds
+    p = float(betting_pvalue(d, -shift, lo, hi, alternative=side, level=level, seed=seed))
+    ci = betting_interval(d, lo, hi, level=level, alternative=side, seed=seed)
+    return (1.0 / p if p > 0 else math.inf), p, float(ci.low if side == "greater" else ci.high)
+
+
 def margin_test(d: np.ndarray, test: str, alternative: str, margin: float, worse: str = "larger",
                 confidence_level: float = 0.95, *, n_resamples: int = 9999, seed: int = 0,
-                min_docs: int | None = None, hodges_lehmann_effect: bool = True) -> PairedTestResult:
+                min_docs: int | None = None, hodges_lehmann_effect: bool = True,
+                bounds: tuple[float, float] | None = None) -> PairedTestResult:
     """TOST (equivalence) or the one-sided test at the margin (non-inferiority) of the mean of ``d``.
 
     ``paired_test`` with a margin alternative runs this on ``a - b``; ``min_docs``
@@ -158,6 +187,11 @@ def margin_test(d: np.ndarray, test: str, alternative: str, margin: float, worse
         Refusal threshold override.
     hodges_lehmann_effect : bool
         Also compute the Hodges–Lehmann effect (False: NaN; the calibration skips it).
+    bounds : (float, float), optional
+        The range the differences are known to lie in (``divstats.estimation.bounded.difference_range``
+        of the metric's range).  With it, ``bootstrap-t`` below ``MIN_DOCS_MARGIN`` documents (where it is
+        refused) is the betting test of a bounded mean instead (``details["method"] = "betting"``): its
+        p-value is 1/e-value, valid at every n (docs/plans.md, "Tests at a margin").
 
     Returns
     -------
@@ -175,9 +209,11 @@ def margin_test(d: np.ndarray, test: str, alternative: str, margin: float, worse
     d = d[np.isfinite(d)]
     alpha = 1.0 - confidence_level
     level = round(1.0 - 2.0 * alpha, 12) if alternative == "equivalence" else confidence_level
-    reason = margin_not_estimable_reason(d, test, min_docs)
-    details: dict[str, object] = {"effect_kind": "mean_difference", "mean_ci": test, "n_zero": int(np.sum(d == 0)),
-                                  "alpha": alpha}
+    betting = uses_betting(d, test, bounds, min_docs)
+    reason = "" if betting else margin_not_estimable_reason(d, test, min_docs)
+    details: dict[str, object] = {"effect_kind": "mean_difference", "mean_ci": "betting" if betting else test,
+                                  "n_zero": int(np.sum(d == 0)), "alpha": alpha,
+                                  "method": "betting" if betting else test}
     mean, nan = (float(d.mean()) if d.size else math.nan), math.nan
     if reason:
         return PairedTestResult(
@@ -189,12 +225,17 @@ def margin_test(d: np.ndarray, test: str, alternative: str, margin: float, worse
     lo, hi = -math.inf, math.inf
     sides = []
     # H0 mean <= -delta (rejected: "greater" on d + delta); H0 mean >= delta ("less" on d - delta)
+    def one_side(shift: float, side: str) -> tuple[float, float, float]:
+        if betting:
+            return _betting_sides(d, shift, side, bounds, seed, confidence_level)
+        return _margin_sides(d, test, shift, side, n_resamples, seed, confidence_level)
+
     if alternative == "equivalence" or worse == "smaller":
-        t_lo, p_lo, lo = _margin_sides(d, test, margin, "greater", n_resamples, seed, confidence_level)
+        t_lo, p_lo, lo = one_side(margin, "greater")
         sides.append((p_lo, t_lo))
         details.update(p_lower=p_lo, t_lower=t_lo)
     if alternative == "equivalence" or worse == "larger":
-        t_hi, p_hi, hi = _margin_sides(d, test, -margin, "less", n_resamples, seed, confidence_level)
+        t_hi, p_hi, hi = one_side(-margin, "less")
         sides.append((p_hi, t_hi))
         details.update(p_upper=p_hi, t_upper=t_hi)
     pvalue, statistic = max(sides)       # TOST: the larger of the two one-sided p-values
@@ -205,6 +246,7 @@ def margin_test(d: np.ndarray, test: str, alternative: str, margin: float, worse
     return PairedTestResult(
         test=test, alternative=alternative, n=int(d.size), statistic=float(statistic), pvalue=float(pvalue),
         test_effect=effect, mean_effect=effect, hl_effect=Effect(*(float(x) for x in hl)),
-        confidence_level=level, exact=test == "ttest", details=details, estimand=TEST_DESCRIPTIONS[test],
-        margin=margin, worse=worse if alternative == "noninferiority" else "",
+        confidence_level=level, exact=test == "ttest", details=details,
+        estimand=TEST_DESCRIPTIONS[test] + (BETTING_NOTE if betting else ""), margin=margin,
+        worse=worse if alternative == "noninferiority" else "",
         verdict=margin_verdict(alternative, rejects(pvalue, alpha), margin, worse))

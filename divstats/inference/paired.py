@@ -101,7 +101,8 @@ def _clean_pairs(a: np.ndarray, b: np.ndarray | float) -> np.ndarray:
 def paired_test(a: np.ndarray, b: np.ndarray | float, test: TestName = "wilcoxon",
                 alternative: Alternative = "two-sided", *, confidence_level: float = 0.95,
                 n_resamples: int = 9999, seed: int = 0, mean_ci: str = "bootstrap-t",
-                margin: float | None = None, worse: str = "larger") -> PairedTestResult:
+                margin: float | None = None, worse: str = "larger",
+                bounds: tuple[float, float] | None = None) -> PairedTestResult:
     """Test the paired difference ``a - b`` across documents.
 
     ``alternative`` is about A − B: ``less`` means H1: A < B. Pairs with a missing
@@ -156,6 +157,10 @@ def paired_test(a: np.ndarray, b: np.ndarray | float, test: TestName = "wilcoxon
     worse : {"larger", "smaller"}
         Non-inferiority: the direction of A − B that is worse for A (the estimand
         table's ``worse``; "larger" for mismatch-type metrics, "smaller" for rmtd).
+    bounds : (float, float), optional
+        Tests at a margin: the range of A − B when the metric's range is known
+        (``divstats.estimation.bounded.difference_range``); ``bootstrap-t`` below its threshold is
+        then the betting test (:func:`~divstats.inference.margins.margin_test`).
 
     Returns
     -------
@@ -185,7 +190,7 @@ def paired_test(a: np.ndarray, b: np.ndarray | float, test: TestName = "wilcoxon
     d = _clean_pairs(a, b)
     if alternative in MARGIN_ALTERNATIVES:
         return margin_test(d, test, alternative, margin, worse, confidence_level, n_resamples=n_resamples,
-                           seed=seed)
+                           seed=seed, bounds=bounds)
     reason = not_estimable_reason(d, test, alternative)
     if reason:
         return _not_estimable(test, alternative, d, reason, confidence_level)

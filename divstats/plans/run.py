@@ -23,8 +23,9 @@ import pandas as pd
 import xarray as xr
 
 from divstats.errors import DivstatsError, NotIdentified, PlanError
-from divstats.estimands import ANSWER_ESTIMANDS, ESTIMANDS
+from divstats.estimands import ANSWER_ESTIMANDS, ESTIMANDS, value_range
 from divstats.estimation.answers import with_answer_values
+from divstats.estimation.bounded import difference_range
 from divstats.estimation.curves import branch_tv
 from divstats.estimation.estimators import estimate
 from divstats.estimation.speculative import SPECULATIVE_METRICS, speculative
@@ -437,7 +438,8 @@ def _run_hypothesis(h: Hypothesis, plan: Plan, data: _Data, split: pd.DataFrame,
             data.notes.append(note)
             rows.append(_row(h, m, data, labels, devs, None, xa, xb, note))
             continue
-        margin = {"margin": h.margin, "worse": h.worse} if h.direction in MARGIN_ALTERNATIVES else {}
+        margin = {"margin": h.margin, "worse": h.worse, "bounds": _difference_bounds(h, data, sides[1])} \
+            if h.direction in MARGIN_ALTERNATIVES else {}
         res = paired_test(xa, xb, h.test, h.direction, confidence_level=1 - h.alpha,
                           n_resamples=n_resamples, seed=seed, **margin)
         # a refused mean-difference interval (too few documents) is said where the test is not
@@ -452,6 +454,16 @@ def _run_hypothesis(h: Hypothesis, plan: Plan, data: _Data, split: pd.DataFrame,
 def _known_full(pid: str, data: _Data) -> bool:
     """``full`` as side B with no measured control in the data: its known value is used."""
     return pid == FULL and FULL not in [str(p) for p in data.ds["policy"].values]
+
+
+def _difference_bounds(h: Any, data: Any, side_b: str) -> tuple[float, float] | None:
+    """The range of A − B for a test at a margin: from the metric's range (None: unknown, no betting test)."""
+    horizon = data.ds.attrs.get("horizon")
+    rng = value_range(h.metric, horizon)
+    if rng is None:
+        return None
+    ref = full_model_value(h.metric, horizon) if _known_full(side_b, data) else None
+    return difference_range(rng, ref)
 
 
 def _dropped_note(h: Hypothesis, m: Any, xa: np.ndarray, xb: np.ndarray) -> str:
@@ -486,7 +498,8 @@ def _row(h: Hypothesis, m: Any, data: _Data, labels: tuple[str, str, str], devs:
         "mean_b": float(np.mean(xb[both])) if both.any() else nan,
         "mean_difference": get("mean_difference"), "mean_ci_low": get("mean_ci_low"),
         "mean_ci_high": get("mean_ci_high"), "hodges_lehmann": get("hodges_lehmann"),
-        "hl_ci_low": get("hl_ci_low"), "hl_ci_high": get("hl_ci_high"), "estimand": TEST_DESCRIPTIONS[h.test],
+        "hl_ci_low": get("hl_ci_low"), "hl_ci_high": get("hl_ci_high"),
+        "estimand": res.estimand if res is not None and res.estimand else TEST_DESCRIPTIONS[h.test],
         "n_dropped": int((~both).sum()), "deviation": "; ".join(devs),
         "note": note,
         "margin": h.margin if h.margin is not None else nan,

@@ -24,11 +24,11 @@ import numpy as np
 import xarray as xr
 
 from divstats.errors import PlanError
-from divstats.estimands import MISMATCH_FRACTION, OCCURRENCE, by_name
+from divstats.estimands import MISMATCH_FRACTION, OCCURRENCE, RATE, by_name
 from divstats.estimation.answers import with_answer_values
 from divstats.estimation.budget_curves import budget_curves
 from divstats.estimation.curves import branch_tv, logit_curves, survival
-from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
+from divstats.estimation.estimators import RATE_SCALE, aggregate, aggregate_intervals, estimate
 from divstats.estimation.interval import interval_by_window
 from divstats.estimation.noise_floor import compare_to_floor, control_policy, floor_warnings, noise_floor
 from divstats.estimation.speculative import aggregate_speculative, speculative
@@ -155,6 +155,41 @@ def _progress(total: int, enabled: bool):
 
     return tqdm(total=total, file=sys.stderr, disable=not enabled, desc="analyze", unit="step",
                 leave=False)
+
+
+def rate_scale_notes(agg: xr.Dataset) -> list[str]:
+    """A note naming each policy (and model) whose rate estimate exceeds 1, with why and its scale.
+
+    Parameters
+    ----------
+    agg : xarray.Dataset
+        :func:`~divstats.estimation.estimators.aggregate`'s output.
+
+    Returns
+    -------
+    list of str
+        One note, or none when every rate is at most 1.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> agg = xr.Dataset({"rate": ("policy", np.array([0.5, 1.01]))}, coords={"policy": ["a", "b"]})
+    >>> rate_scale_notes(agg)[0][:40]
+    'Rate above 1 (b: 1.01): the rate is uncl'
+    """
+    if RATE not in agg:
+        return []
+    rate = agg[RATE]
+    above = rate.where(rate > 1).stack(cell=rate.dims) if rate.dims else rate.where(rate > 1)
+    cells = [] if not rate.dims else [
+        (", ".join(str(v) for v in (c if isinstance(c, tuple) else (c,))), float(above.sel(cell=c)))
+        for c in above["cell"].values if np.isfinite(above.sel(cell=c))]
+    if not rate.dims and float(rate) > 1:
+        cells = [("", float(rate))]
+    if not cells:
+        return []
+    which = "; ".join(f"{w}: {v:.4g}" if w else f"{v:.4g}" for w, v in cells)
+    return [f"Rate above 1 ({which}): the rate is {RATE_SCALE}."]
 
 
 def _optional_curves(traces: xr.Dataset, window: int | None, notes: list[str]) -> tuple[Any, Any]:
@@ -315,6 +350,7 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
         else None
     agg = aggregate(est)
     agg_ci = aggregate_intervals(est, level=level, n_resamples=n_resamples, seed=seed)
+    notes += rate_scale_notes(agg)
     bar.update()
     pres = None
     if plan is not None:

@@ -123,7 +123,8 @@ def _title(ax, text: str, model: Any) -> None:
 
 
 def _legend(ax, n: int) -> None:
-    if n:
+    # only where something is labelled: matplotlib warns "No artists with labels found" otherwise
+    if n and ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, frameon=False, loc="best")
 
 
@@ -236,7 +237,8 @@ def decomposition_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
         ax.grid(axis="x", alpha=0.3)
         _title(ax, "Where the mismatches come from", model)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncols=min(2, len(labels)), fontsize=8, frameon=False)
+    if labels:
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(2, len(labels)), fontsize=8, frameon=False)
     return fig
 
 
@@ -285,7 +287,8 @@ def gap_figure(rows: Sequence[Mapping[str, Any]]) -> Figure:
     ax.set_xlabel("contribution to M_A − M_B (mismatch fraction)")
     ax.grid(axis="x", alpha=0.3)
     ax.set_title("Gap attribution (Shapley) with paired bootstrap intervals", fontsize=11)
-    fig.legend(loc="outside lower center", ncols=4, fontsize=8, frameon=False)
+    if ax.get_legend_handles_labels()[0]:
+        fig.legend(loc="outside lower center", ncols=4, fontsize=8, frameon=False)
     return fig
 
 

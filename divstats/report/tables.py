@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 __all__ = [
     "EXPLORATORY", "SUMMARY_QUANTITIES", "branch_tv_rows", "certified_map", "compression_rows", "compression_status",
     "crossing_rows", "data_summary", "decomposition_rows",
-    "decomposition_table", "estimate_rows", "fmt", "fmt_ci", "fmt_p", "noise_floor_rows", "noise_floor_status",
+    "decomposition_table", "estimate_rows", "floor_text", "fmt", "fmt_ci", "fmt_p", "noise_floor_rows",
+    "noise_floor_status", "vs_floor",
     "plan_rows", "SPECULATIVE_QUANTITIES", "speculative_rows", "speculative_status", "unify", "variance_rows",
 ]
 
@@ -474,6 +475,61 @@ def noise_floor_status(an: Analysis) -> str:
             "(NOISE_FLOOR_FACTOR) is flagged ⚠, since its effect cannot be told from numerics.")
 
 
+def floor_text(floor: float, steps: int) -> str:
+    """One noise-floor unit as the report prints it; a floor of exactly 0 said in words.
+
+    Parameters
+    ----------
+    floor : float
+        The floor (``floor_<metric>`` of :func:`~divstats.estimation.noise_floor.noise_floor`).
+    steps : int
+        The steps the control was decoded over (its ``control_steps`` attr; 0 if unknown).
+
+    Returns
+    -------
+    str
+
+    Examples
+    --------
+    >>> floor_text(0.0, 1920)
+    'floor exactly 0 (no numerical divergence in 1,920 steps)'
+    >>> floor_text(0.012, 1920)
+    '0.012'
+    """
+    if floor == 0:
+        where = f" in {steps:,} steps" if steps > 0 else ""
+        return f"floor exactly 0 (no numerical divergence{where})"
+    return fmt(floor)
+
+
+def vs_floor(value: float, units: float, floor: float) -> str:
+    """A policy's value beside the noise floor: "×floor" only where the floor is positive.
+
+    The one formatting of a value against the floor (the report's noise-floor table; the demo's
+    headline takes it from here).  A ratio to a floor of exactly 0 is infinite and says nothing, so
+    the value is given with "floor exactly 0" instead.
+
+    Parameters
+    ----------
+    value, units, floor : float
+        :func:`~divstats.estimation.noise_floor.compare_to_floor`'s ``<m>``, ``<m>_units``, ``<m>_floor``.
+
+    Returns
+    -------
+    str
+
+    Examples
+    --------
+    >>> vs_floor(0.98, float("inf"), 0.0)
+    '0.98 (floor exactly 0)'
+    >>> vs_floor(0.3, 10.0, 0.03)
+    '0.3 (10× floor)'
+    """
+    if floor == 0:
+        return f"{fmt(value)} (floor exactly 0)"
+    return f"{fmt(value)} ({fmt(units, 3)}× floor)"
+
+
 def noise_floor_rows(an: Analysis) -> list[dict[str, str]]:
     """The control's floor (first row) and each policy beside it, in noise-floor units, with ⚠ where within.
 
@@ -517,14 +573,15 @@ def noise_floor_rows(an: Analysis) -> list[dict[str, str]]:
         rows.append(row)
         unit = {"model": m} if m is not None else {}
         unit["policy"] = "one floor unit"
-        unit.update({q: fmt(nf["floor_" + q].sel(sel)) for q in NOISE_FLOOR_METRICS})
+        unit.update({q: floor_text(float(nf["floor_" + q].sel(sel)), int(nf.attrs.get("control_steps", 0)))
+                     for q in NOISE_FLOOR_METRICS})
         unit["within the floor"] = f"(×{NOISE_FLOOR_FACTOR:g} flags)"
         rows.append(unit)
     for r in compare_to_floor(an.aggregate, nf):
         row = {"model": r["model"]} if r["model"] is not None else {}
         row["policy"] = r["policy"]
         for q in NOISE_FLOOR_METRICS:
-            row[q] = f"{fmt(r[q])} ({fmt(r[q + '_units'], 3)}× floor)"
+            row[q] = vs_floor(r[q], r[q + "_units"], r[q + "_floor"])
         row["within the floor"] = ("⚠ " + ", ".join(r["within"])) if r["within"] else ""
         rows.append(row)
     return unify(rows)
