@@ -325,3 +325,30 @@ def test_analyze_takes_an_answers_dataset_scores_without_tokens(tmp_path) -> Non
     res = xr.load_dataset(paths["results.nc"], engine="h5netcdf")
     assert int(res["answer_lost"].sel(policy="snapkv@0.5")) == int(np.sum((x[:, 0] == 1) & (y[:, 0] == 0)))
     assert "snapkv@0.3" in paths["summary.md"].read_text(encoding="utf-8")
+
+
+def test_token_summary_against_a_direct_computation() -> None:
+    from protocols.examples import example_dataset
+
+    from divstats.estimation.token_summary import token_summary
+
+    ds = example_dataset("coupled", docs=12, policies=["a", "b"], replicates=2, horizon=6, top_logprobs=2)
+    ts = token_summary(ds)
+    one = ds.sel(policy="b")
+    p1, q1 = one["p_top_token"].isel(top=0).values, one["q_top_token"].isel(top=0).values     # (doc, rep, step)
+    agree = (p1 == q1).reshape(12, -1).mean(axis=1)
+    assert float(ts["token_top1_agreement"].sel(policy="b")) == pytest.approx(agree.mean())
+    lo, hi = _t_interval(agree)
+    assert float(ts["token_top1_agreement_low"].sel(policy="b")) == pytest.approx(max(lo, 0.0))
+    x, y = one["x_token"].values, one["y_token"].values
+    flips = []
+    for d in range(12):
+        shared, diff = 0, 0
+        for r in range(2):
+            tau = next((t + 1 for t in range(6) if x[d, r, t] != y[d, r, t]), 7)
+            shared += min(tau, 6)
+            diff += int(np.sum(p1[d, r, :min(tau, 6)] != q1[d, r, :min(tau, 6)]))
+        flips.append(diff / shared)
+    assert float(ts["token_flip_rate"].sel(policy="b")) == pytest.approx(np.mean(flips))
+    kl = one["kl_pq"].values.reshape(12, -1)
+    assert float(ts["token_kl_inf_share"].sel(policy="b")) == pytest.approx(np.isinf(kl).mean())

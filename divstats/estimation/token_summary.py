@@ -75,7 +75,8 @@ def token_summary(ds: xr.Dataset, level: float = 0.95) -> xr.Dataset:
     -------
     xarray.Dataset
         Over ``policy`` (and ``model``): each name of :data:`TOKEN_SUMMARIES` with ``_low``
-        and ``_high``, and ``token_n_docs``, ``token_n_tokens``; empty without logit traces.
+        and ``_high``, and ``token_n_docs``, ``token_n_tokens``, ``token_kl_inf_share``; empty without
+        logit traces.
 
     Examples
     --------
@@ -110,6 +111,7 @@ def token_summary(ds: xr.Dataset, level: float = 0.95) -> xr.Dataset:
     names = list(TOKEN_SUMMARIES)
     out = {k: np.full(shape, math.nan) for n in names for k in (n, n + "_low", n + "_high")}
     out["token_n_docs"], out["token_n_tokens"] = np.zeros(shape), np.zeros(shape)
+    out["token_kl_inf_share"] = np.full(shape, math.nan)
     for idx in np.ndindex(*shape):
         flat = {a: b[idx].reshape(n_docs, -1) for a, b in (("kl", kl), ("agree", agree), ("flip", flip))}
         per_doc = {"token_kl_mean": _per_doc(flat["kl"], None), "token_kl_q90": _per_doc(flat["kl"], 0.9),
@@ -132,9 +134,12 @@ def token_summary(ds: xr.Dataset, level: float = 0.95) -> xr.Dataset:
             out[name + "_low"][idx], out[name + "_high"][idx] = lo, hi
         out["token_n_docs"][idx] = int(np.sum(~np.isnan(per_doc["token_kl_mean"])))
         out["token_n_tokens"][idx] = int(np.sum(~np.isnan(flat["kl"])))
+        if out["token_n_tokens"][idx]:
+            out["token_kl_inf_share"][idx] = float(np.sum(np.isinf(flat["kl"]))) / out["token_n_tokens"][idx]
     coords = {d: ds[d].values for d in extra if d in ds.coords}
     desc = {**TOKEN_SUMMARIES, "token_n_docs": "documents with an observed token",
-            "token_n_tokens": "observed tokens (steps x replicates x documents)"}
+            "token_n_tokens": "observed tokens (steps x replicates x documents)",
+            "token_kl_inf_share": "share of the observed tokens whose KL(P||Q) is infinite"}
     data = {}
     for k, v in out.items():
         base = k.removesuffix("_low").removesuffix("_high")

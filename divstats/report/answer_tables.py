@@ -167,6 +167,7 @@ def token_rows(aa: AnswerAnalysis | None) -> list[dict[str, str]]:
             pct = k in ("token_top1_agreement", "token_flip_rate")
             est = float(c[k])
             row[heads[k]] = f"{_pct(est) if pct else _fmt(est)} {_ci(float(c[k + '_low']), float(c[k + '_high']), pct)}"
+        row["KL = ∞"] = _pct(float(c["token_kl_inf_share"]))
         rows.append(row)
     return rows
 
@@ -253,7 +254,7 @@ def depth_figure(aa: AnswerAnalysis | None) -> Figure | None:
     pols = [str(p) for p in d["policy"].values]
     grid = np.vstack([d["answer_depth_x_accuracy"].mean("policy").values[None, :],
                       d["answer_depth_y_accuracy"].transpose("policy", "depth").values])
-    labels = ["P (full)"] + pols
+    labels = ["P (full cache)"] + pols
     fig = Figure(figsize=(6.8, 0.9 + 0.45 * len(labels)), layout="constrained")
     FigureCanvasAgg(fig)       # headless, and the global backend is left alone
     ax = fig.subplots()
@@ -290,7 +291,7 @@ def answers_text_table(table: xr.Dataset) -> str:
     >>> x = xr.DataArray(np.ones((12, 1, 1)), dims=("doc", "policy", "replicate"), coords={"policy": ["a"]})
     >>> print(answers_text_table(compare_answers_dataset(xr.Dataset({"x_score": x, "y_score": x * 0}))))
     policy  docs  P acc   Q acc  Q - P [95% interval]        p (test)                  lost/gained
-    a         12  100.0%   0.0%  -100.0 pts [-100.0, -42.9]  4.88e-04 (mcnemar-exact)  12/0
+    a         12  100.0%   0.0%  -100.0 pts [-100.0, -42.9]  4.88e-04 (McNemar exact)  12/0
     """
     level = float(table.attrs.get("level", 0.95))
     head = ["policy", "docs", "P acc", "Q acc", f"Q - P [{100 * level:g}% interval]", "p (test)", "lost/gained"]
@@ -305,7 +306,8 @@ def answers_text_table(table: xr.Dataset) -> str:
         rows.append([label, str(int(f["answer_n_docs"])), _pct_plain(f["answer_x_accuracy"]),
                      _pct_plain(f["answer_y_accuracy"]), f"{diff} {ci}",
                      ("—" if not np.isfinite(p) else (f"{p:.2e}" if p < 1e-3 else f"{p:.4f}"))
-                     + f" ({c['answer_test'].values})", f"{int(f['answer_lost'])}/{int(f['answer_gained'])}"])
+                     + f" ({_SHORT_TEST.get(str(c['answer_test'].values), '—')})",
+                     f"{int(f['answer_lost'])}/{int(f['answer_gained'])}"])
     return _columns(head, rows)
 
 
