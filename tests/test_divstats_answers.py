@@ -328,9 +328,8 @@ def test_analyze_takes_an_answers_dataset_scores_without_tokens(tmp_path) -> Non
 
 
 def test_token_summary_against_a_direct_computation() -> None:
-    from protocols.examples import example_dataset
-
     from divstats.estimation.token_summary import token_summary
+    from protocols.examples import example_dataset
 
     ds = example_dataset("coupled", docs=12, policies=["a", "b"], replicates=2, horizon=6, top_logprobs=2)
     ts = token_summary(ds)
@@ -352,3 +351,15 @@ def test_token_summary_against_a_direct_computation() -> None:
     assert float(ts["token_flip_rate"].sel(policy="b")) == pytest.approx(np.mean(flips))
     kl = one["kl_pq"].values.reshape(12, -1)
     assert float(ts["token_kl_inf_share"].sel(policy="b")) == pytest.approx(np.isinf(kl).mean())
+
+
+def test_kvdiv_analyze_prints_the_answers_table(traces: xr.Dataset, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from divstats.cli.analyze import analyze
+
+    path = tmp_path / "traces.nc"
+    traces.to_netcdf(path, engine="h5netcdf")
+    out = CliRunner().invoke(analyze, [str(path), "--out", str(tmp_path / "out"), "--n-resamples", "99"])
+    assert out.exit_code == 0, out.output
+    assert "Q - P [95% interval]" in out.output and "recent@0.5" in out.output
