@@ -1,0 +1,35 @@
+"""kvdiv.passkey: the demo's pass-key answers table, on a dataset with known answers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvdiv.passkey import PASSKEY_POLICIES, answers_headline
+from protocols import answer_variables, coupled_dataset
+
+
+def _scored(x: np.ndarray, y: np.ndarray, temperature: float = 0.0):
+    n_doc, n_pol = x.shape
+    tokens = np.ones((n_doc, n_pol, 1, 3), dtype=int)
+    ds = coupled_dataset(np.zeros(tokens.shape), tokens, tokens, vocab_size=5, policies=list(PASSKEY_POLICIES),
+                         sampling={"temperature": temperature})
+    return ds.assign(answer_variables(n_doc, n_pol, 1, x_score=x[..., None], y_score=y[..., None],
+                                      answers=[["1"]] * n_doc, scorer="ruler_all"))
+
+
+def test_headline_counts_and_tests_each_policy():
+    rng = np.random.default_rng(1)
+    x = (rng.random((30, 3)) < 0.8).astype(float)
+    y = x.copy()
+    y[:, 0] = 0.0                       # snapkv@0.5 loses every key P found
+    y[:5, 1] = 1 - y[:5, 1]             # recent@0.5 flips five answers
+    text = answers_headline(_scored(x, y))
+    assert "30 pass-key documents, greedy" in text
+    lines = {line.split()[0]: line for line in text.splitlines()[3:]}
+    lost = int(x[:, 0].sum())
+    assert lines["snapkv@0.5"].endswith(f"{lost}/0") and "mcnemar-exact" in lines["snapkv@0.5"]
+    flips = x[:5, 1]
+    assert lines["recent@0.5"].endswith(f"{int(flips.sum())}/{int(5 - flips.sum())}")
+    assert lines["snapkv@0.3"].endswith("0/0")
+    # McNemar's exact p for `lost` discordant pairs all one way: 2 * 0.5**lost
+    assert f"{2 * 0.5 ** lost:.2e}" in lines["snapkv@0.5"]
