@@ -3,7 +3,7 @@
 Beside the drift of the main study, the demo asks SmolLM2 for pass keys: about 30
 RULER-style ``passkey`` documents near 500 tokens (``kvdiv docs --task passkey``, the
 needle depths spread evenly), collected as ``coupled`` traces, greedy (temperature 0, the
-leaderboards' setting), R = 1, long enough to finish the answer (T = 16), under
+leaderboards' setting), R = 1, long enough to finish the answer (T = 12), under
 ``snapkv@0.5``, ``recent@0.5``, ``snapkv@0.3`` and the control ``full``. The collector
 decodes P's and each Q's answer and ``kvdiv pack`` scores them (``x_score``,
 ``y_score``); the headline prints an answers table per policy.
@@ -36,7 +36,7 @@ class PasskeyStudy:
 
     docs: int = 30
     target_tokens: int = 500
-    max_new_tokens: int = 16      # "The pass key is 48213." and EOS: SmolLM2 spends about 12 tokens
+    max_new_tokens: int = 12      # "The pass key is 48213." is 11 SmolLM2 tokens, the key from the 6th
     replicates: int = 1           # greedy: every replicate is the same
     temperature: float = 0.0
     control: bool = True
