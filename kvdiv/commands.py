@@ -19,8 +19,8 @@ import click
 
 from collector.cli import collect as collector_collect
 from collector.tasks import TASKS
-from kvdiv.demo import DEFAULT_MODELS as _DEMO_MODELS
-from kvdiv.demo import DEFAULT_REPLICATES, MODEL_REPLICATES, DemoConfig
+from kvdiv.demo_spec import DEFAULT_MODELS as _DEMO_MODELS
+from kvdiv.demo_spec import DEFAULT_REPLICATES, MODEL_REPLICATES, DemoConfig
 
 if TYPE_CHECKING:
     from kvdiv.adaptive import AdaptiveSpec
@@ -62,7 +62,7 @@ def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: b
     if server is not None:
         tokenizer = D.server_token_counter(server, api_key)
     else:
-        from kvdiv.demo import load_tokenizer
+        from kvdiv.demo_documents import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer_id)
     try:
@@ -133,7 +133,8 @@ def demo(out: Path, docs_count: int | None, replicates: int | None, max_new_toke
          concurrency: int | None, api_key: str | None, plan: Path | None, control: bool,
          reference_docs: int | None) -> None:
     """The paper's study end to end: documents, server, traces, plan, report."""
-    from kvdiv.demo import DemoConfig, DemoError, run_demo
+    from kvdiv.demo import run_demo
+    from kvdiv.demo_spec import DemoError
 
     overrides = {k: v for k, v in dict(docs_count=docs_count, replicates=replicates, max_new_tokens=max_new_tokens,
                                        window=window, target_tokens=target_tokens,

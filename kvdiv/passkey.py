@@ -72,7 +72,7 @@ def collect_passkey(study: PasskeyStudy, root: Path, urls: list[str], *, seed: i
         Requests that failed (a rerun retries them).
     """
     from collector.tasks import task_documents
-    from kvdiv.demo import load_tokenizer
+    from kvdiv.demo_documents import load_tokenizer
 
     t0 = time.monotonic()
     docs_path = root / "documents.jsonl"

@@ -141,7 +141,7 @@ def test_pack_to_a_file_keeps_the_answers(tiny: LiveServer, tmp_path: Path, suff
 def test_smollm2_answers_pass_keys_end_to_end(tmp_path: Path):
     """The embedded SmolLM2, greedy, on three short pass-key documents: P's decoded answers hold keys."""
     pytest.importorskip("gguf")
-    from kvdiv.demo import load_tokenizer
+    from kvdiv.demo_documents import load_tokenizer
 
     docs = D.write_jsonl(task_documents("passkey", 3, target_tokens=150, tokenizer=load_tokenizer("embedded")),
                          tmp_path / "pk.jsonl")
