@@ -19,7 +19,8 @@ Steps for each model (each shown on stderr as it runs):
    sweep of "How much can I compress?" (``kvdiv.demo_spec.SWEEP``: snapkv and recent at 0.3 besides);
    then a small reference set for the speculative-decoding section: paths from the
    full model scored by ``snapkv@0.5`` and ``recent@0.5`` on the first few documents
-   (``kvdiv collect --kind reference``, in ``reference/``);
+   (``kvdiv collect --kind reference``, in ``reference/``); on SmolLM2, the pass-key set:
+   greedy coupled answers to 30 pass-key documents, scored (``kvdiv.passkey``, in ``passkey/``);
 4. stop the server, pack ``traces.nc`` (and ``reference.nc``); with several models,
    combine them along ``model`` into ``--out``/traces.nc (and reference.nc);
 5. run the shipped plan (``paper``, divstats package data) with ``snapkv#512`` substituted by
