@@ -64,7 +64,7 @@ def answers_headline(ds: Any, *, seed: int = 0) -> str:
     over documents, the test's p (McNemar's exact test on greedy 0/1 answers) and lost/gained.
 
     The numbers are ``divstats.compare_answers_dataset``'s, laid out by
-    ``divstats.report.answer_tables.answers_text_table`` (docs/statistics.md §12).
+    ``divstats.answers_text_table`` (docs/statistics.md §12).
 
     Parameters
     ----------
@@ -83,8 +83,7 @@ def answers_headline(ds: Any, *, seed: int = 0) -> str:
     DivstatsError
         Traces without scores.
     """
-    from divstats import compare_answers_dataset
-    from divstats.report.answer_tables import answers_text_table
+    from divstats import answers_text_table, compare_answers_dataset
 
     table = compare_answers_dataset(ds, seed=seed)
     title = (f"  does it change the answer? {ds.sizes['doc']} pass-key documents, "
