@@ -252,10 +252,10 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     """``POST /detokenize``: ``{"texts": [...], "ends": [[...], ...]}``, decoded off the event loop.
 
-    ``texts[i]`` is ``ids[i]`` decoded with the model's tokenizer; ``ends[i][k]`` is the
-    length of the text of ``ids[i][:k + 1]`` (capped at ``len(texts[i])``), so a character
-    offset into the text maps back to the token that produced it (the collector places
-    an answer among a trace's tokens with it).
+    ``texts[i]`` is ``ids[i]`` decoded with the model's tokenizer; ``ends[i][k]`` is where the
+    text of ``ids[i][:k + 1]`` ends in it (:meth:`Service.token_ends`), so a character offset
+    into the text maps back to the token that produced it (the collector places an answer
+    among a trace's tokens with it).
     """
     svc, data = await read_json(request)
     req = parse_detokenize(data, svc.engine.lm.vocab_size)
@@ -263,12 +263,9 @@ async def detokenize(request: Request) -> Response:
     def work() -> bytes:
         texts, ends = [], []
         for row in req.ids:
-            ids = list(row)
-            text = svc.decode(ids, skip_special_tokens=req.skip_special_tokens)
+            text = svc.decode(list(row), skip_special_tokens=req.skip_special_tokens)
             texts.append(text)
-            # a prefix's text, token by token (T is small: an answer of tens of tokens)
-            ends.append([min(len(svc.decode(ids[:k + 1], skip_special_tokens=req.skip_special_tokens)), len(text))
-                         for k in range(len(ids))])
+            ends.append(svc.token_ends(list(row), len(text), skip_special_tokens=req.skip_special_tokens))
         return json.dumps({"texts": texts, "ends": ends}).encode()
 
     async with svc.admitted():
