@@ -39,6 +39,16 @@ def test_answer_ids_cut_at_the_first_eos():
     assert answer_ids(np.array([[4, 2, 2], [2, 2, 2], [5, 6, 7]]), [2, 9]) == [[4], [], [5, 6, 7]]
 
 
+def test_answer_start_is_the_token_where_the_answer_begins():
+    from collector.answers import _answer_start
+
+    # "The key is 4711." as tokens "The", " key", " is", " 47", "11", "."
+    text, ends = "The key is 4711.", [3, 7, 10, 13, 15, 16]
+    assert _answer_start(text, ends, ["4711"]) == 3
+    assert _answer_start(text, ends, ["KEY", "4711"]) == 1     # the earliest answer, case-insensitive
+    assert _answer_start(text, ends, ["9999"]) == -1
+
+
 def test_detokenize_route(tiny: LiveServer):
     tok = tiny.service.tokenizer
     ids = tok.encode("ab c", add_special_tokens=False)
