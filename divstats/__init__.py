@@ -49,6 +49,8 @@ from divstats.inference.results import Effect, PairedTestResult
 from divstats.intervals import ConfidenceInterval
 from divstats.plans.format import Plan, assign_split, load_plan, shipped_plan, shipped_plans
 from divstats.plans.run import PlanResult, run_plan
+from divstats.report.answer_tables import answers_text_table
+from divstats.report.headline import certify_headline, headline, speculative_headline
 from divstats.truth.exact import ExactResult, exact
 from divstats.truth.extremal import extremal_kernels
 from divstats.truth.simulate import simulate
@@ -68,6 +70,7 @@ __all__ = [
     "interval_by_window", "load_plan", "logit_curves", "markov_kernels", "noise_floor", "paired_test", "plan_round",
     "power", "run_plan", "sharp_interval", "shipped_plan", "shipped_plans", "simulate", "simulate_speculative",
     "simulate_study", "speculative", "survival", "variance_check", "variance_components",
+    "certify_headline", "headline", "speculative_headline", "answers_text_table",
 ]
 
 

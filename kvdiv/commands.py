@@ -19,8 +19,8 @@ import click
 
 from collector.cli import collect as collector_collect
 from collector.tasks import TASKS
-from kvdiv.demo import DEFAULT_MODELS as _DEMO_MODELS
-from kvdiv.demo import DEFAULT_REPLICATES, MODEL_REPLICATES, DemoConfig
+from kvdiv.demo_spec import DEFAULT_MODELS as _DEMO_MODELS
+from kvdiv.demo_spec import DEFAULT_REPLICATES, MODEL_REPLICATES, DemoConfig
 
 if TYPE_CHECKING:
     from kvdiv.adaptive import AdaptiveSpec
@@ -62,7 +62,7 @@ def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: b
     if server is not None:
         tokenizer = D.server_token_counter(server, api_key)
     else:
-        from kvdiv.demo import load_tokenizer
+        from kvdiv.demo_documents import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer_id)
     try:
@@ -127,17 +127,22 @@ def _task_documents(task: str, source: str, tokenizer: object, target_tokens: in
 @click.option("--reference-docs", type=click.IntRange(min=0), default=None,
               help="Documents of the small reference set (speculative decoding; 0 skips it).  "
                    f"[default: {_DEMO.reference_docs}]")
+@click.option("--passkey-docs", type=click.IntRange(min=0), default=None,
+              help="Pass-key documents of the answers set (SmolLM2, greedy: does compression change the answer?; "
+                   f"0 skips it).  [default: {_DEMO.passkey_docs}]")
 def demo(out: Path, docs_count: int | None, replicates: int | None, max_new_tokens: int | None,
          window: int | None, target_tokens: int | None, seed: int, servers: tuple[str, ...], models: str,
          model: str | None,
          concurrency: int | None, api_key: str | None, plan: Path | None, control: bool,
-         reference_docs: int | None) -> None:
+         reference_docs: int | None, passkey_docs: int | None) -> None:
     """The paper's study end to end: documents, server, traces, plan, report."""
-    from kvdiv.demo import DemoConfig, DemoError, run_demo
+    from kvdiv.demo import run_demo
+    from kvdiv.demo_spec import DemoError
 
     overrides = {k: v for k, v in dict(docs_count=docs_count, replicates=replicates, max_new_tokens=max_new_tokens,
                                        window=window, target_tokens=target_tokens,
-                                       concurrency=concurrency, reference_docs=reference_docs).items()
+                                       concurrency=concurrency, reference_docs=reference_docs,
+                                       passkey_docs=passkey_docs).items()
                  if v is not None}
     chosen = [model] if model else [m.strip() for m in models.split(",") if m.strip()]
     if not chosen or len(set(chosen)) != len(chosen):

@@ -78,8 +78,9 @@ ANSWER_VARS: dict[str, tuple[str, ...]] = {
     "task": ("doc",),
     "needle_depth": ("doc",),
 }
-#: dtype kind per answer variable: float64, str (object or unicode), int32.
+#: The dtype of the scores and of ``needle_depth``; ``x_answer_start`` is :data:`TOKEN_DTYPE`.
 SCORE_DTYPE = np.float64
+#: The answer variables holding strings (object or unicode dtype).
 ANSWER_STR_VARS = ("x_text", "y_text", "answers", "scorer", "task")
 
 #: Optional variables recognised by validation (others are allowed and ignored); the
