@@ -49,7 +49,6 @@ from divstats.inference.results import Effect, PairedTestResult
 from divstats.intervals import ConfidenceInterval
 from divstats.plans.format import Plan, assign_split, load_plan, shipped_plan, shipped_plans
 from divstats.plans.run import PlanResult, run_plan
-from divstats.report.answer_tables import answers_text_table
 from divstats.report.headline import certify_headline, headline, speculative_headline
 from divstats.truth.exact import ExactResult, exact
 from divstats.truth.extremal import extremal_kernels
@@ -59,7 +58,7 @@ from divstats.truth.studies import PolicyEffect, markov_kernels, simulate_study
 
 __all__ = [
     "ANSWER_ESTIMANDS", "AnswersResult", "CouplingSaving", "accuracy_by_depth", "answer_values", "change_by_divergence",
-    "compare_answers", "compare_answers_dataset", "coupling_saving",
+    "answers_text_table", "compare_answers", "compare_answers_dataset", "coupling_saving",
     "CertifyResult", "budget_curves", "certify_budget", "certify_family", "kv_kept", "sweep_families",
     "ConfidenceInterval", "DecompositionResult", "DivstatsError", "ESTIMANDS", "Effect", "Estimand", "ExactResult",
     "MIN_DOCS_MEAN_BOUND", "NotIdentified", "OutputError", "PairedTestResult", "Plan", "PlanError", "PlanResult",
@@ -70,7 +69,7 @@ __all__ = [
     "interval_by_window", "load_plan", "logit_curves", "markov_kernels", "noise_floor", "paired_test", "plan_round",
     "power", "run_plan", "sharp_interval", "shipped_plan", "shipped_plans", "simulate", "simulate_speculative",
     "simulate_study", "speculative", "survival", "variance_check", "variance_components",
-    "certify_headline", "headline", "speculative_headline", "answers_text_table",
+    "certify_headline", "headline", "speculative_headline",
 ]
 
 
@@ -79,4 +78,8 @@ def __getattr__(name: str):
         from divstats.report.write import analyze  # lazy: the report pulls in matplotlib
 
         return analyze
+    if name == "answers_text_table":
+        from divstats.report.answer_tables import answers_text_table  # lazy, as analyze
+
+        return answers_text_table
     raise AttributeError(f"module 'divstats' has no attribute {name!r}")
