@@ -196,3 +196,32 @@ def test_every_estimate_lies_in_its_interval_over_simulated_studies(kind):
             assert float(agg["rate"].max()) > 1
         assert not _estimate_outside(agg, ci), (n, seed, "scaled")
         assert "unclipped" in ci["rate_low"].attrs["scale"]
+
+
+def test_speculative_target_calls_get_the_bounded_interval():
+    from divstats.estimation.speculative import aggregate_speculative, speculative
+    from divstats.truth.studies import PolicyEffect, simulate_study
+    for n, how in ((6, "betting"), (25, None)):
+        ds = simulate_study(n, {"a": PolicyEffect(0.3)}, horizon=8, replicates=10, kind="reference", seed=1)
+        agg = aggregate_speculative(speculative(ds, gamma=(2, 4)))
+        est, lo, hi = (agg[f"target_calls{s}"].values for s in ("", "_low", "_high"))
+        assert np.all((1 <= lo) & (lo <= est) & (est <= hi) & (hi <= 8))
+        assert how is None or agg.attrs["target_calls_method"] == how
+        assert np.isnan(agg["tokens_per_call_low"].values).all() == (n < 10)    # the ratios: refused below 10
+
+
+def test_one_sided_paired_test_below_fifty_is_the_betting_test_and_keeps_its_size():
+    from divstats.inference.paired import paired_test
+    rng = np.random.default_rng(11)
+    sims, n = 300, 12
+    # skewed differences of [0, 1] quantities with mean exactly 0 (the null's boundary)
+    a = np.where(rng.random((sims, n)) < 0.3, rng.beta(2, 3, (sims, n)), 0.0)
+    d = a - a.mean()
+    d = np.clip(d, -1, 1)
+    p = np.array([paired_test(row, 0.0, "bootstrap-t", "greater", bounds=(-1.0, 1.0)).pvalue for row in d])
+    assert np.mean(p <= 0.05) <= 0.05 + 2 * np.sqrt(0.05 * 0.95 / sims)
+    res = paired_test(np.full(30, 0.4) + np.linspace(0, 0.1, 30), 0.0, "bootstrap-t", "greater", bounds=(-1.0, 1.0))
+    assert res.details["method"] == "betting" and res.pvalue <= 0.05 and res.confidence_interval().low > 0
+    assert res.confidence_interval().high == np.inf
+    refused = paired_test(np.linspace(0.3, 0.5, 30), 0.0, "bootstrap-t", "greater")      # no range: refused
+    assert np.isnan(refused.pvalue) and "need ≥ 50" in refused.reason

@@ -108,11 +108,16 @@ def test_plan_row_is_refused_with_its_reason_and_the_report_renders() -> None:
     hyp = {"id": "h", "family": "f", "metric": "occurrence", "compare": ["a", "b"], "split": "all",
            "test": "bootstrap-t"}
     plan = {"plan": {"name": "small", "alpha": ALPHA, "salt": "s"}, "windows": {},
-            "hypothesis": [{**hyp, "direction": "less"}, {**hyp, "id": "h2", "direction": "two-sided"}]}
+            "hypothesis": [{**hyp, "direction": "less", "metric": "agreeing_tokens"},
+                           {**hyp, "id": "h2", "direction": "two-sided"},
+                           {**hyp, "id": "h3", "direction": "less"}]}
     t = run_plan(ds, plan, n_resamples=199).table.set_index("id")
+    # agreeing_tokens has no known range: the one-sided test is refused below 50 documents
     assert np.isnan(t.loc["h", "p_value"]) and not t.loc["h", "reject"] and t.loc["h", "n_docs"] == 12
     assert "one-sided bootstrap-t tests of a mean difference need ≥" in t.loc["h", "note"]
     assert np.isfinite(t.loc["h2", "p_value"])
+    # occurrence lies in [0, 1]: below 50 documents the one-sided test is the betting test
+    assert np.isfinite(t.loc["h3", "p_value"]) and "betting" in t.loc["h3", "estimand"]
     md = render_markdown(compute(ds, plan, n_resamples=99, progress=False))
     assert "one-sided bootstrap-t tests of a mean difference need ≥" in md
 

@@ -26,8 +26,9 @@ import pandas as pd
 import xarray as xr
 
 from divstats.errors import DivstatsError, PlanError
-from divstats.estimands import OCCURRENCE
+from divstats.estimands import OCCURRENCE, value_range
 from divstats.estimation.answers import with_answer_values
+from divstats.estimation.bounded import difference_range
 from divstats.estimation.estimators import estimate
 from divstats.estimation.sweeps import family_values
 from divstats.inference.certify import certify_budget
@@ -43,9 +44,11 @@ CERTIFY_POWER_COLUMNS: tuple[str, ...] = (
 )
 
 
-def _differences(est: xr.Dataset, c: Certification, model: str | None) -> tuple[np.ndarray, tuple[str, ...],
-                                                                                np.ndarray]:
-    """(pilot documents x budgets) differences from the reference, the members and their KV kept."""
+def _differences_and_range(est: xr.Dataset, c: Certification, model: str | None) -> tuple[
+        np.ndarray, tuple[str, ...], np.ndarray, tuple[float, float] | None]:
+    """(pilot documents x budgets) differences from the reference, the members, their KV kept and the
+    range of a difference (None: the metric's range is unknown), so that a certification below 50
+    documents is the betting test, as in the analysis."""
     values, members, kept, docs = family_values(est, c.family, c.metric, model=model)
     one = est.sel(model=model) if model is not None else est
     if c.reference == FULL and FULL in [str(p) for p in one["policy"].values]:
@@ -55,7 +58,9 @@ def _differences(est: xr.Dataset, c: Certification, model: str | None) -> tuple[
     else:
         ref = float(c.reference)
     d = values - ref
-    return d[np.all(np.isfinite(d), axis=1)], members, kept
+    rng = value_range(c.metric, est.attrs.get("horizon"))
+    d_range = difference_range(rng, ref if np.ndim(ref) == 0 else None) if rng is not None else None
+    return d[np.all(np.isfinite(d), axis=1)], members, kept, d_range
 
 
 def certify_power(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, *, docs: Sequence[int] | None = None,
@@ -118,7 +123,7 @@ def certify_power(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, *, do
             models = [m for m in models if m == c.model] or [None]
         for model in models:
             try:
-                d, members, kept = _differences(est, c, model)
+                d, members, kept, d_range = _differences_and_range(est, c, model)
             except DivstatsError as exc:
                 raise PlanError(f"certify {c.id!r}: {exc}") from None
             if d.shape[0] < 2:
@@ -130,7 +135,7 @@ def certify_power(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, *, do
                 for s in range(n_sims):
                     sample = d[rng.integers(0, d.shape[0], tested)]
                     idx = certify_budget(sample, c.margin, alpha=c.alpha, worse=c.worse, test=c.test,
-                                         n_resamples=n_resamples, seed=s).certified_index
+                                         n_resamples=n_resamples, seed=s, bounds=d_range).certified_index
                     hits[: idx + 1] += 1
                 power[i] = hits / n_sims
             for j, budget in enumerate(members):

@@ -1,4 +1,4 @@
-"""Intervals and tests for the mean of a bounded quantity, valid at every n: betting (docs/statistics.md §7).
+"""Intervals and tests for the mean of a bounded quantity, valid at every n: betting (docs/statistics.md §3).
 
 Most of what kvdiv estimates lives in a known range (the estimand table's ``bounds``:
 [0, 1] for occurrence and the fractions, [0, T] for counts of steps; a paired
@@ -28,14 +28,15 @@ lower bound, with log(1/α) in λ).
 Why betting, and not an empirical-Bernstein bound or a library:
 
 * Waudby-Smith & Ramdas show the betting interval is never wider than the empirical-Bernstein
-  interval asymptotically and markedly narrower at small n; at 10 documents near a bound
-  (the near-bound law of docs/measurements.md) it is about 0.35 wide where the empirical-Bernstein
-  interval of Maurer & Pontil is wider than the range (tests/test_divstats_bounded.py).
-* ``confseq`` (the authors' package) builds C++ extensions with Boost at install time (no wheel
-  for Python 3.11), and ``expectation`` computes confidence sequences (valid at every time,
-  wider than the fixed-n interval); the fixed-n betting interval is a few lines of numpy, so it
-  is written here and checked against exact properties instead: coverage by simulation on
-  laws at the bound, reduction to Clopper–Pearson's scale on 0/1 data, monotonicity.
+  interval asymptotically and markedly narrower at small n: Maurer & Pontil's empirical-Bernstein
+  half-width sqrt(2 V log(4/α) / n) + 7 log(4/α) / (3 (n − 1)) alone exceeds 1 at 10 documents
+  (7 log 80 / 27 = 1.14), where the betting interval near a bound is 0.37 wide (docs/measurements.md).
+* ``confseq`` (the authors' package) has no wheel for Python 3.11 (its source build needs
+  scikit-build, CMake and a C++ compiler), and ``expectation`` is not on the index kvdiv installs
+  from (it computes confidence sequences, valid at every time and wider than the fixed-n
+  interval); the fixed-n betting interval is a few lines of numpy, so it is written here and
+  checked against exact properties instead: coverage by simulation on laws at the bound,
+  Clopper–Pearson's scale on 0/1 data, the e-value's mean under the null, monotonicity.
 """
 
 from __future__ import annotations

@@ -20,7 +20,16 @@ import xarray as xr
 
 from divstats.errors import DivstatsError
 from divstats.estimands import SPECULATIVE_ESTIMANDS
+from divstats.estimation.bounded import (
+    BETTING_ONLY_BELOW,
+    MIN_DOCS_BOUNDED,
+    betting_interval,
+    choose_bounded,
+    in_range,
+    resampled_interval,
+)
 from divstats.estimation.resample import MIN_DOCS_AGGREGATE, document_interval
+from divstats.intervals import ConfidenceInterval
 from divstats.traces.arrays import core_array, kind_of, layout, mean_se, present_replicates, ratio_se
 from divstats.traces.replicates import eos_rows, horizon_of
 from protocols import Kind
@@ -269,6 +278,19 @@ def _ranges(gamma: float, horizon: float, scale: float) -> tuple[np.ndarray, np.
             np.array([max(horizon, 1.0), gamma + 1.0, gamma, (gamma + 1.0) / scale]))
 
 
+def _bounded_calls(calls: np.ndarray, point: float, horizon: float, level: float, n_resamples: int,
+                   seed: int) -> tuple[float, float, str]:
+    """target_calls' interval by ``bounded_mean_interval``'s rule (its values lie in [0, T])."""
+    bet = betting_interval(calls[None], 0.0, horizon, level=level, seed=seed)
+    res = None
+    if calls.size >= BETTING_ONLY_BELOW:
+        r = resampled_interval(calls[None], level=level, n_resamples=n_resamples, seed=seed)
+        res = ConfidenceInterval(r.low, r.high)
+    lo, hi, how = choose_bounded(np.array([point]), ConfidenceInterval(bet.low, bet.high), res, "hybrid-t",
+                                 0.0, horizon)
+    return float(lo[0]), float(hi[0]), how[0]
+
+
 def aggregate_speculative(spec: xr.Dataset, *, level: float = 0.95, n_resamples: int = 2000, seed: int = 0,
                           method: str = "auto", dim: str = "doc") -> xr.Dataset:
     """Combine :func:`speculative`'s per-document estimates with equal document weights.
@@ -324,6 +346,7 @@ def aggregate_speculative(spec: xr.Dataset, *, level: float = 0.95, n_resamples:
     point = np.full((len(_AGG), cols), np.nan)
     low, high = point.copy(), point.copy()
     used = np.zeros(cols, int)
+    methods = [""] * cols
     reasons: set[str] = set()
     for j in range(cols):
         ok = np.isfinite(arrays[0][j]) & np.isfinite(arrays[1][j]) & np.isfinite(arrays[2][j])
@@ -339,6 +362,13 @@ def aggregate_speculative(spec: xr.Dataset, *, level: float = 0.95, n_resamples:
         lo_b, hi_b = _ranges(float(gam[j]), float(spec.attrs.get("horizon", np.inf)), float(scale[j]))
         point[:, j] = ci.point
         low[:, j], high[:, j] = np.clip(ci.low, lo_b, hi_b), np.clip(ci.high, lo_b, hi_b)
+        calls_j = arrays[0][j][ok]
+        if method == "auto" and used[j] >= MIN_DOCS_BOUNDED and in_range(calls_j, 0.0, hi_b[0]):
+            # target_calls is a document mean of counts in [0, T]: the bounded rule, as for the
+            # estimand table's bounded estimands (divstats.estimation.bounded)
+            low[0, j], high[0, j], methods[j] = _bounded_calls(calls_j, ci.point[0], hi_b[0], level,
+                                                               n_resamples, seed)
+            low[0, j] = min(max(low[0, j], lo_b[0]), ci.point[0])     # at least one call
         if ci.reason:
             reasons.add(ci.reason)
     n_docs = spec.sizes[dim]
@@ -371,6 +401,7 @@ def aggregate_speculative(spec: xr.Dataset, *, level: float = 0.95, n_resamples:
     agg = xr.Dataset(out, attrs={**spec.attrs, "level": level, "n_resamples": n_resamples, "seed": seed,
                                  "method": f"{method} over documents (divstats.estimation.resample)",
                                  "min_docs": MIN_DOCS_AGGREGATE, "reason": "; ".join(sorted(reasons)),
+                                 "target_calls_method": ", ".join(sorted(set(methods) - {""})),
                                  "weights": "equal document weights"})
     if has_speedup:
         agg["best_gamma"] = _best_gamma(agg["speedup"])

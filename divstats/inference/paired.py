@@ -67,6 +67,7 @@ import math
 
 import numpy as np
 
+from divstats.estimation.bounded import betting_interval, betting_pvalue
 from divstats.estimation.resample import MIN_DOCS_MEAN_BOUND, MIN_DOCS_MEAN_DIFFERENCE, too_few_documents
 from divstats.inference.choices import (
     ALTERNATIVES,
@@ -79,7 +80,7 @@ from divstats.inference.choices import (
 )
 from divstats.inference.effects import hodges_lehmann, mean_difference_interval
 from divstats.inference.location_tests import bootstrap_t_test, sign_flip_test, signed_rank_test, t_test
-from divstats.inference.margins import margin_test
+from divstats.inference.margins import BETTING_NOTE, margin_test, uses_betting
 from divstats.inference.refusals import not_estimable_reason
 from divstats.inference.results import Effect, PairedTestResult
 
@@ -158,9 +159,10 @@ def paired_test(a: np.ndarray, b: np.ndarray | float, test: TestName = "wilcoxon
         Non-inferiority: the direction of A − B that is worse for A (the estimand
         table's ``worse``; "larger" for mismatch-type metrics, "smaller" for rmtd).
     bounds : (float, float), optional
-        Tests at a margin: the range of A − B when the metric's range is known
-        (``divstats.estimation.bounded.difference_range``); ``bootstrap-t`` below its threshold is
-        then the betting test (:func:`~divstats.inference.margins.margin_test`).
+        The range of A − B when the metric's range is known
+        (``divstats.estimation.bounded.difference_range``): a one-sided ``bootstrap-t`` test or a
+        test at a margin below 50 documents (where bootstrap-t is refused) is then the betting test
+        of a bounded mean (:func:`~divstats.inference.margins.margin_test`), valid at every n.
 
     Returns
     -------
@@ -192,6 +194,8 @@ def paired_test(a: np.ndarray, b: np.ndarray | float, test: TestName = "wilcoxon
         return margin_test(d, test, alternative, margin, worse, confidence_level, n_resamples=n_resamples,
                            seed=seed, bounds=bounds)
     reason = not_estimable_reason(d, test, alternative)
+    if reason and alternative in ("less", "greater") and uses_betting(d, test, bounds):
+        return _betting_one_sided(d, alternative, bounds, confidence_level, seed)
     if reason:
         return _not_estimable(test, alternative, d, reason, confidence_level)
     statistic, pvalue, exact, bt_lo, bt_hi = _location_test(d, test, alternative, n_resamples, seed,
@@ -270,6 +274,27 @@ def _location_test(d: np.ndarray, test: str, alternative: str, n_resamples: int,
     if test == "permutation":
         return (*sign_flip_test(d, alternative, n_resamples, seed), math.nan, math.nan)
     return bootstrap_t_test(d, alternative, n_resamples, seed, confidence_level)
+
+
+def _betting_one_sided(d: np.ndarray, alternative: str, bounds: tuple[float, float], confidence_level: float,
+                       seed: int) -> PairedTestResult:
+    """The one-sided bootstrap-t test below its threshold, on a metric of known range: the betting test.
+
+    p = 1 / e-value against mean 0 (size <= alpha at every n), the bound the one-sided betting bound."""
+    lo_r, hi_r = bounds
+    p = float(betting_pvalue(d, 0.0, lo_r, hi_r, alternative=alternative, level=confidence_level, seed=seed))
+    ci = betting_interval(d, lo_r, hi_r, level=confidence_level, alternative=alternative, seed=seed)
+    lo, hi = (ci.low, math.inf) if alternative == "greater" else (-math.inf, ci.high)
+    mean = float(d.mean())
+    hl, hl_lo, hl_hi = hodges_lehmann(d, confidence_level, alternative)
+    effect = Effect(mean, float(lo), float(hi))
+    return PairedTestResult(
+        test="bootstrap-t", alternative=alternative, n=int(d.size), statistic=(1.0 / p if p > 0 else math.inf),
+        pvalue=p, test_effect=effect, mean_effect=effect, hl_effect=Effect(float(hl), float(hl_lo), float(hl_hi)),
+        confidence_level=confidence_level, exact=False,
+        details={"effect_kind": "mean_difference", "mean_ci": "betting", "method": "betting",
+                 "n_zero": int(np.sum(d == 0))},
+        estimand=TEST_DESCRIPTIONS["bootstrap-t"] + BETTING_NOTE)
 
 
 def _not_estimable(test: str, alternative: str, d: np.ndarray, reason: str,

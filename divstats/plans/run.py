@@ -438,10 +438,9 @@ def _run_hypothesis(h: Hypothesis, plan: Plan, data: _Data, split: pd.DataFrame,
             data.notes.append(note)
             rows.append(_row(h, m, data, labels, devs, None, xa, xb, note))
             continue
-        margin = {"margin": h.margin, "worse": h.worse, "bounds": _difference_bounds(h, data, sides[1])} \
-            if h.direction in MARGIN_ALTERNATIVES else {}
+        margin = {"margin": h.margin, "worse": h.worse} if h.direction in MARGIN_ALTERNATIVES else {}
         res = paired_test(xa, xb, h.test, h.direction, confidence_level=1 - h.alpha,
-                          n_resamples=n_resamples, seed=seed, **margin)
+                          n_resamples=n_resamples, seed=seed, bounds=_difference_bounds(h, data, sides[1]), **margin)
         # a refused mean-difference interval (too few documents) is said where the test is not
         why = res.reason or res.ci_reason
         note = "; ".join(x for x in (dropped, f"{h.id}: {why}" if why else "") if x)
@@ -457,7 +456,7 @@ def _known_full(pid: str, data: _Data) -> bool:
 
 
 def _difference_bounds(h: Any, data: Any, side_b: str) -> tuple[float, float] | None:
-    """The range of A − B for a test at a margin: from the metric's range (None: unknown, no betting test)."""
+    """The range of A − B from the metric's range (None: unknown, so no betting test below 50 documents)."""
     horizon = data.ds.attrs.get("horizon")
     rng = value_range(h.metric, horizon)
     if rng is None:

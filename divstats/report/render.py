@@ -141,6 +141,11 @@ def _template():
     return env.get_template("report.html.j2")
 
 
+#: Columns of running text: in a wrapping table (class "wrap") they get a readable width, so the
+#: table fits a 1,300-px window instead of clipping its verdicts.
+LONG_COLUMNS: tuple[str, ...] = ("verdict",)
+
+
 def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
     """The self-contained report page.
 
@@ -173,6 +178,7 @@ def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
         options=", ".join(f"{k}={v}" for k, v in an.options.items()),
         notes=_notes(an), exploratory=EXPLORATORY, plan_rows=plan_rows(pr), n_docs=an.traces.sizes["doc"],
         level_percent=int(an.options["level"] * 100), **_drift_context(an), answers=answers_context(an.answers),
+        long_columns=LONG_COLUMNS,
         images={k: base64.b64encode(v).decode() for k, v in figs.items()}, reproduce=reproduce_snippet(an))
 
 

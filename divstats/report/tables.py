@@ -836,8 +836,8 @@ def compression_status(an: Analysis) -> str:
     if np.isfinite(curves.attrs.get("margin", math.nan)):
         text += (f" Dashed: reference + margin ({fmt(curves.attrs['reference_level'])} + "
                  f"{fmt(curves.attrs['margin'])}); ★: the budget certified non-inferior by fixed-sequence tests "
-                 f"from the most to the least KV kept (no adjustment needed; below 50 documents the tests are "
-                 f"refused).")
+                 f"from the most to the least KV kept (no adjustment needed; below 50 documents each test is the "
+                 f"betting test where the metric's range is known, and refused otherwise).")
     else:
         text += (" No [[certify]] in the plan: no margin, nothing certified "
                  "(docs/plans.md, \"How much can I compress?\").")
