@@ -48,8 +48,9 @@ AGGREGATIONS: dict[str, str] = {
     "derived": "derived from the aggregated parts",
 }
 
-#: An estimand's range (``Estimand.bounds``): [0, 1], [0, T], [0, 1/T] (a share of one step of T) or none.
-BOUNDS: tuple[str, ...] = ("unit", "horizon", "step", "none")
+#: An estimand's range (``Estimand.bounds``): [0, 1], [0, T], [0, 1/T] (a share of one step of T), [−1, 1]
+#: (a difference of two [0, 1] quantities: the answers' accuracy_change) or none.
+BOUNDS: tuple[str, ...] = ("unit", "horizon", "step", "signed", "none")
 
 #: The full model's own value of an estimand (compared with itself it never diverges), as
 #: ``markdown_table`` prints it: 0, the horizon T, or none (undefined, e.g. a rate without exposure).
@@ -81,8 +82,8 @@ class Estimand:
         (``divstats.traces.replicates.VALUES``); None when computed from others.
     worse : {"larger", "smaller"}
         Which direction is worse for the candidate policy.
-    bounds : {"unit", "horizon", "step", "none"}
-        Its range, [0, 1], [0, T], [0, 1/T] or unbounded (intervals are clipped to it, and a
+    bounds : {"unit", "horizon", "step", "signed", "none"}
+        Its range, [0, 1], [0, T], [0, 1/T], [−1, 1] or unbounded (intervals are clipped to it, and a
         document mean with a range gets the bounded interval, ``divstats.estimation.bounded``).
     plan : bool
         A plan may test it (a quantity that does not depend on the policy may not).
@@ -100,7 +101,7 @@ class Estimand:
     summary: bool = False
     replicate: int | None = None
     worse: Literal["larger", "smaller"] = "larger"
-    bounds: Literal["unit", "horizon", "step", "none"] = "none"
+    bounds: Literal["unit", "horizon", "step", "signed", "none"] = "none"
     plan: bool = True
     full_value: Literal["zero", "horizon", "none"] = "none"
 
@@ -185,7 +186,7 @@ ANSWER_ESTIMANDS: tuple[Estimand, ...] = (
        "mean", interval=True, component=False, worse="smaller", bounds="unit"),
     _E("accuracy_change", ("E[score of Q's answer - score of P's answer] on the coupled pairs: the change in "
                            "task accuracy the policy makes (Q - P, in [-1, 1]; 0 for the full model)"),
-       "mean", interval=True, component=False, worse="smaller", full_value="zero"),
+       "mean", interval=True, component=False, worse="smaller", bounds="signed", full_value="zero"),
 )
 
 
@@ -261,6 +262,8 @@ def value_range(name: str, horizon: float | None = None) -> tuple[float, float] 
     ((0.0, 1.0), (0.0, 32.0), None, None)
     """
     row = next((e for e in ESTIMANDS + SPECULATIVE_ESTIMANDS + ANSWER_ESTIMANDS if e.name == name), None)
+    if row is not None and row.bounds == "signed":
+        return -1.0, 1.0
     if row is None or row.bounds == "none" or (row.bounds != "unit" and not horizon):
         return None
     if row.bounds == "unit":

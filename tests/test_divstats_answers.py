@@ -363,3 +363,16 @@ def test_kvdiv_analyze_prints_the_answers_table(traces: xr.Dataset, tmp_path) ->
     out = CliRunner().invoke(analyze, [str(path), "--out", str(tmp_path / "out"), "--n-resamples", "99"])
     assert out.exit_code == 0, out.output
     assert "Q - P [95% interval]" in out.output and "recent@0.5" in out.output
+
+
+def test_accuracy_change_certifies_below_50_documents_with_the_betting_test() -> None:
+    """accuracy_change lies in [-1, 1] (the table's "signed" range), so below 50 documents the margin test bets."""
+    from divstats.estimands import value_range
+
+    assert value_range("accuracy_change") == (-1.0, 1.0) and value_range("accuracy") == (0.0, 1.0)
+    ds = simulate_study(30, {"snapkv@0.9": PolicyEffect(0.5), "snapkv@0.5": PolicyEffect(0.5)}, horizon=6,
+                        replicates=1, seed=3)
+    ds = with_answer_scores(ds, {"snapkv@0.9": (0.0, 0.0), "snapkv@0.5": (0.6, 0.0)}, x_accuracy=0.9)
+    est = divstats.answer_values(ds)
+    res = divstats.certify_family(est, "snapkv", "accuracy_change", -0.2, worse="smaller", n_resamples=199)
+    assert np.isfinite(res.pvalue[0]) and res.certified == "snapkv@0.9"   # never changes an answer: certified
