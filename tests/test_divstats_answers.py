@@ -376,3 +376,22 @@ def test_accuracy_change_certifies_below_50_documents_with_the_betting_test() ->
     est = divstats.answer_values(ds)
     res = divstats.certify_family(est, "snapkv", "accuracy_change", -0.2, worse="smaller", n_resamples=199)
     assert np.isfinite(res.pvalue[0]) and res.certified == "snapkv@0.9"   # never changes an answer: certified
+
+
+def test_the_answers_go_per_model(tmp_path) -> None:
+    from divstats.report.analysis import compute
+    from divstats.report.answer_tables import answers_text_table
+
+    ds = simulate_study(20, {"snapkv@0.5": PolicyEffect(0.3), "snapkv@0.3": PolicyEffect(0.5)}, horizon=6,
+                        replicates=2, models=["m1", "m2"])
+    dims = [d for d in ds["x_token"].dims if d != "step"]
+    rng = np.random.default_rng(0)
+    x = (rng.random(tuple(ds.sizes[d] for d in dims)) < 0.7).astype(float)
+    y = np.where(rng.random(x.shape) < 0.3, 0.0, x)
+    an = compute(ds.assign(x_score=(dims, x), y_score=(dims, y)), n_resamples=99, progress=False)
+    assert set(an.answers.table["answer_lost"].dims) == {"model", "policy"}
+    one = compare_answers(ds.assign(x_score=(dims, x))["x_score"].sel(model="m2", policy="snapkv@0.3").values,
+                          ds.assign(y_score=(dims, y))["y_score"].sel(model="m2", policy="snapkv@0.3").values,
+                          n_resamples=99)
+    assert int(an.answers.table["answer_lost"].sel(model="m2", policy="snapkv@0.3")) == one.lost
+    assert "snapkv@0.3 [m2]" in answers_text_table(an.answers.table)
