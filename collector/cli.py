@@ -40,7 +40,8 @@ def _split_policies(value: str) -> list[str]:
 @click.option("--wait-for-servers", type=click.FloatRange(min=0), default=300.0, show_default=True,
               help="Seconds to wait while no listed server answers before stopping (a rerun resumes).")
 @click.option("--docs", "docs_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
-              help="JSONL document set (see `kvdiv docs`).")
+              help="JSONL document set (see `kvdiv docs`). With `answers` (`kvdiv docs --task`), a coupled run ends "
+                   "by decoding P's and Q's answers for `kvdiv pack` to score.")
 @click.option("--policies", required=True,
               help="Comma-separated candidate policy ids, e.g. snapkv@0.5,recent@0.5; a family lists several "
                    "amounts of one method: snapkv@0.9,0.7,0.5 or the range snapkv@0.9..0.3/0.2 (ends included).")

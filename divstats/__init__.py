@@ -3,7 +3,8 @@
 The contract is docs/statistics.md; every estimand there has an exact enumerator
 (``exact``), a simulator producing trace datasets (``simulate``) and estimators
 for each trace kind (``estimate``, ``survival``, ``branch_tv``, ``sharp_interval``).
-Comparisons between policies (``decompose``, ``paired_test``) and prespecified
+Comparisons between policies (``decompose``, ``paired_test``), the task answers'
+paired statistics (``compare_answers``, docs/statistics.md §12) and prespecified
 plans (``load_plan``, ``run_plan``) and the round planning of an adaptive
 collection (``plan_round``) sit on top. Every estimand is a row of ``ESTIMANDS``;
 every interval a result returns is a ``ConfidenceInterval(low, high)``. The modules live in rooms by job
@@ -18,7 +19,8 @@ from divstats.design.allocation import design
 from divstats.design.power import power
 from divstats.design.rounds import RoundPlan, counted_replicates, plan_round
 from divstats.errors import DivstatsError, NotIdentified, OutputError, PlanError
-from divstats.estimands import ESTIMANDS, SPECULATIVE_ESTIMANDS, Estimand
+from divstats.estimands import ANSWER_ESTIMANDS, ESTIMANDS, SPECULATIVE_ESTIMANDS, Estimand
+from divstats.estimation.answers import answer_values
 from divstats.estimation.bounded import betting_interval, bounded_mean_interval
 from divstats.estimation.budget_curves import budget_curves
 from divstats.estimation.components import variance_components
@@ -30,6 +32,15 @@ from divstats.estimation.resample import MIN_DOCS_MEAN_BOUND
 from divstats.estimation.speculative import aggregate_speculative, speculative
 from divstats.estimation.sweeps import kv_kept, sweep_families
 from divstats.estimation.variance import variance_check
+from divstats.inference.answers import (
+    AnswersResult,
+    CouplingSaving,
+    accuracy_by_depth,
+    change_by_divergence,
+    compare_answers,
+    compare_answers_dataset,
+    coupling_saving,
+)
 from divstats.inference.certify import CertifyResult, certify_budget, certify_family
 from divstats.inference.decompose import DecompositionResult, decompose
 from divstats.inference.multiplicity import holm
@@ -47,6 +58,8 @@ from divstats.truth.speculative import SpeculativeExact, SpeculativeRuns, exact_
 from divstats.truth.studies import PolicyEffect, markov_kernels, simulate_study
 
 __all__ = [
+    "ANSWER_ESTIMANDS", "AnswersResult", "CouplingSaving", "accuracy_by_depth", "answer_values", "change_by_divergence",
+    "answers_text_table", "compare_answers", "compare_answers_dataset", "coupling_saving",
     "CertifyResult", "budget_curves", "certify_budget", "certify_family", "kv_kept", "sweep_families",
     "ConfidenceInterval", "DecompositionResult", "DivstatsError", "ESTIMANDS", "Effect", "Estimand", "ExactResult",
     "MIN_DOCS_MEAN_BOUND", "NotIdentified", "OutputError", "PairedTestResult", "Plan", "PlanError", "PlanResult",
@@ -66,4 +79,8 @@ def __getattr__(name: str):
         from divstats.report.write import analyze  # lazy: the report pulls in matplotlib
 
         return analyze
+    if name == "answers_text_table":
+        from divstats.report.answer_tables import answers_text_table  # lazy, as analyze
+
+        return answers_text_table
     raise AttributeError(f"module 'divstats' has no attribute {name!r}")

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
-    "ACCEPTED_PER_CALL", "AGGREGATIONS", "BOUNDS", "ESTIMANDS", "EXPOSURE_CONTRIBUTION", "Estimand",
-    "FIRST_MISMATCH_CONTRIBUTION", "FULL_VALUES", "LOSS", "MISMATCH_FRACTION", "OCCURRENCE", "RATE",
-    "SPECULATIVE_ESTIMANDS", "TAIL_CAPACITY", "TARGET_CALLS", "TOKENS_PER_CALL", "WINDOW_MISMATCH", "by_name",
-    "formula_text", "markdown_table", "names", "value_range",
+    "ACCEPTED_PER_CALL", "ACCURACY", "ACCURACY_CHANGE", "AGGREGATIONS", "ANSWER_ESTIMANDS", "BOUNDS", "ESTIMANDS",
+    "EXPOSURE_CONTRIBUTION", "Estimand", "FIRST_MISMATCH_CONTRIBUTION", "FULL_VALUES", "LOSS", "MISMATCH_FRACTION",
+    "OCCURRENCE", "RATE", "SPECULATIVE_ESTIMANDS", "TAIL_CAPACITY", "TARGET_CALLS", "TOKENS_PER_CALL",
+    "WINDOW_MISMATCH", "by_name", "formula_text", "markdown_table", "names", "value_range",
 ]
 
 #: How an estimand combines over documents (equal document weights, docs/statistics.md §3).
@@ -50,8 +50,9 @@ AGGREGATIONS: dict[str, str] = {
     "derived": "derived from the aggregated parts",
 }
 
-#: An estimand's range (``Estimand.bounds``): [0, 1], [0, T], [0, 1/T] (a share of one step of T) or none.
-BOUNDS: tuple[str, ...] = ("unit", "horizon", "step", "none")
+#: An estimand's range (``Estimand.bounds``): [0, 1], [0, T], [0, 1/T] (a share of one step of T), [−1, 1]
+#: (a difference of two [0, 1] quantities: the answers' accuracy_change) or none.
+BOUNDS: tuple[str, ...] = ("unit", "horizon", "step", "signed", "none")
 
 #: The full model's own value of an estimand (compared with itself it never diverges), as
 #: ``markdown_table`` prints it: 0, the horizon T, or none (undefined, e.g. a rate without exposure).
@@ -83,8 +84,8 @@ class Estimand:
         (``divstats.traces.replicates.VALUES``); None when computed from others.
     worse : {"larger", "smaller"}
         Which direction is worse for the candidate policy.
-    bounds : {"unit", "horizon", "step", "none"}
-        Its range, [0, 1], [0, T], [0, 1/T] or unbounded (intervals are clipped to it, and a
+    bounds : {"unit", "horizon", "step", "signed", "none"}
+        Its range, [0, 1], [0, T], [0, 1/T], [−1, 1] or unbounded (intervals are clipped to it, and a
         document mean with a range gets the bounded interval, ``divstats.estimation.bounded``).
     plan : bool
         A plan may test it (a quantity that does not depend on the policy may not).
@@ -106,7 +107,7 @@ class Estimand:
     summary: bool = False
     replicate: int | None = None
     worse: Literal["larger", "smaller"] = "larger"
-    bounds: Literal["unit", "horizon", "step", "none"] = "none"
+    bounds: Literal["unit", "horizon", "step", "signed", "none"] = "none"
     plan: bool = True
     full_value: Literal["zero", "horizon", "none"] = "none"
     formula: tuple[str, ...] = ()
@@ -137,6 +138,7 @@ _BOUNDS = ("estimation.estimators._point_and_se", "estimation.components.replica
            "estimation.interval._bounds")
 #: The speculative-decoding estimands (docs/statistics.md §10).
 _SPECULATIVE = ("estimation.speculative.speculative",)
+_ANSWERS = ("estimation.answers.answer_values",)
 
 #: The estimands, in the order of ``divstats.estimate``'s variables.
 ESTIMANDS: tuple[Estimand, ...] = (
@@ -193,6 +195,22 @@ SPECULATIVE_ESTIMANDS: tuple[Estimand, ...] = (
        "ratio", interval=True, component=False, worse="smaller", formula=_SPECULATIVE),
     _E("accepted_per_call", "E[A] / E[C]: accepted drafts per target call (ratio of expectations)",
        "ratio", interval=True, component=False, worse="smaller", formula=_SPECULATIVE),
+)
+
+#: The answer estimands (docs/statistics.md §12): per (doc, policy) from the answer scores
+#: ``x_score`` (P's) and ``y_score`` (Q's) that traces with task outcomes carry, replicates
+#: averaged within the document (``divstats.estimation.answers.answer_values``).  A table of
+#: their own, as the speculative one is: they are no function of the token traces, so they
+#: have no per-replicate slot in ``traces/replicates`` nor an exact value in ``truth/exact``.
+#: Plans test them (``metric = "accuracy_change"``, ``compare = [policy, "full"]``) and
+#: ``certify_budget`` certifies a budget on them at an accuracy margin.
+ANSWER_ESTIMANDS: tuple[Estimand, ...] = (
+    _E("accuracy", "E[score of Q's answer]: the policy's task accuracy (mean score in [0, 1])",
+       "mean", interval=True, component=False, worse="smaller", bounds="unit", formula=_ANSWERS),
+    _E("accuracy_change", ("E[score of Q's answer - score of P's answer] on the coupled pairs: the change in "
+                           "task accuracy the policy makes (Q - P, in [-1, 1]; 0 for the full model)"),
+       "mean", interval=True, component=False, worse="smaller", bounds="signed", full_value="zero",
+       formula=_ANSWERS),
 )
 
 
@@ -253,7 +271,8 @@ def value_range(name: str, horizon: float | None = None) -> tuple[float, float] 
     Parameters
     ----------
     name : str
-        An estimand name (of :data:`ESTIMANDS` or :data:`SPECULATIVE_ESTIMANDS`); other names: None.
+        An estimand name (of :data:`ESTIMANDS`, :data:`SPECULATIVE_ESTIMANDS` or :data:`ANSWER_ESTIMANDS`);
+        other names: None.
     horizon : float, optional
         T, for the counts of steps (None: their range is unknown).
 
@@ -266,7 +285,9 @@ def value_range(name: str, horizon: float | None = None) -> tuple[float, float] 
     >>> value_range("occurrence"), value_range("rmtd", 32), value_range("rmtd"), value_range("branch_tv")
     ((0.0, 1.0), (0.0, 32.0), None, None)
     """
-    row = next((e for e in ESTIMANDS + SPECULATIVE_ESTIMANDS if e.name == name), None)
+    row = next((e for e in ESTIMANDS + SPECULATIVE_ESTIMANDS + ANSWER_ESTIMANDS if e.name == name), None)
+    if row is not None and row.bounds == "signed":
+        return -1.0, 1.0
     if row is None or row.bounds == "none" or (row.bounds != "unit" and not horizon):
         return None
     if row.bounds == "unit":
@@ -280,7 +301,7 @@ def markdown_table(rows: tuple[Estimand, ...] = ESTIMANDS) -> str:
     Parameters
     ----------
     rows : tuple of Estimand, optional
-        :data:`ESTIMANDS` (§3) or :data:`SPECULATIVE_ESTIMANDS` (§10).
+        :data:`ESTIMANDS` (§3), :data:`SPECULATIVE_ESTIMANDS` (§10) or :data:`ANSWER_ESTIMANDS` (§12).
 
     Returns
     -------
@@ -334,8 +355,8 @@ def formula_text(estimand: Estimand) -> str:
 
 def _spelled(name: str) -> str:
     """``name``, checked against the tables on import: a renamed row fails here, not in a figure."""
-    if name not in {e.name for e in ESTIMANDS + SPECULATIVE_ESTIMANDS}:
-        raise KeyError(f"{name!r} is not a row of ESTIMANDS or SPECULATIVE_ESTIMANDS")
+    if name not in {e.name for e in ESTIMANDS + SPECULATIVE_ESTIMANDS + ANSWER_ESTIMANDS}:
+        raise KeyError(f"{name!r} is not a row of ESTIMANDS, SPECULATIVE_ESTIMANDS or ANSWER_ESTIMANDS")
     return name
 
 
@@ -354,3 +375,5 @@ TAIL_CAPACITY = _spelled("tail_capacity")
 TARGET_CALLS = _spelled("target_calls")
 TOKENS_PER_CALL = _spelled("tokens_per_call")
 ACCEPTED_PER_CALL = _spelled("accepted_per_call")
+ACCURACY = _spelled("accuracy")
+ACCURACY_CHANGE = _spelled("accuracy_change")

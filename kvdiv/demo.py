@@ -19,7 +19,8 @@ Steps for each model (each shown on stderr as it runs):
    sweep of "How much can I compress?" (``kvdiv.demo_spec.SWEEP``: snapkv and recent at 0.3 besides);
    then a small reference set for the speculative-decoding section: paths from the
    full model scored by ``snapkv@0.5`` and ``recent@0.5`` on the first few documents
-   (``kvdiv collect --kind reference``, in ``reference/``);
+   (``kvdiv collect --kind reference``, in ``reference/``); on SmolLM2, the pass-key set:
+   greedy coupled answers to 30 pass-key documents, scored (``kvdiv.passkey``, in ``passkey/``);
 4. stop the server, pack ``traces.nc`` (and ``reference.nc``); with several models,
    combine them along ``model`` into ``--out``/traces.nc (and reference.nc);
 5. run the shipped plan (``paper``, divstats package data) with ``snapkv#512`` substituted by
@@ -51,6 +52,7 @@ from collector import documents as D
 from collector.collect import CollectConfig, collect
 from collector.pack import pack_run, save_dataset
 from divstats import certify_headline, headline, speculative_headline
+from kvdiv import passkey
 from kvdiv.demo_documents import prepare_documents
 from kvdiv.demo_plan import shipped_plan, write_demo_plan
 from kvdiv.demo_spec import (
@@ -189,25 +191,44 @@ def _collect_part(cfg: DemoConfig, part: ModelPart, urls: list[str], docs_path: 
         raise DemoError((stop and stop()) or f"{len(result.failed)} requests failed; rerun the same command to "
                         f"retry them ({part.out / 'journal'} keeps every complete request)")
     for ts in cfg.trace_sets():
-        _collect_set(cfg, part, ts, urls, docs_path, stop)
+        if ts.applies(part.model):
+            _collect_set(cfg, part, ts, urls, docs_path, stop)
+
+
+def _set_documents(cfg: DemoConfig, part: ModelPart, ts: TraceSet, docs_path: Path) -> list[D.Document]:
+    """A further set's documents: its task's (``kvdiv docs --task``, counted with the model's tokenizer),
+    or the first ``ts.docs`` of the study's."""
+    if not ts.task:
+        return D.read_jsonl(docs_path)[:ts.docs]
+    from collector.tasks import task_documents
+    from kvdiv.demo_documents import load_tokenizer
+
+    return task_documents(ts.task, ts.docs, target_tokens=ts.target_tokens, tokenizer=load_tokenizer(part.model),
+                          seed=cfg.seed)
 
 
 def _collect_set(cfg: DemoConfig, part: ModelPart, ts: TraceSet, urls: list[str], docs_path: Path,
                  stop: Callable[[], str | None] | None) -> None:
-    """A further set: the first ``ts.docs`` documents, each scored by ``ts.policies``.
+    """A further set: its documents (:func:`_set_documents`), each scored by ``ts.policies``.
 
     Its own journal (``<name>/journal`` in the model's folder), so that a rerun resumes it like the main one.
     """
     root = part.out / ts.name
-    docs = D.read_jsonl(docs_path)[:ts.docs]
-    set_docs = D.write_jsonl(docs, root / "documents.jsonl")
-    _say(f"      {ts.name} traces: {len(docs)} docs × {', '.join(ts.policies)}, "
-         f"R={ts.replicates}, T={cfg.max_new_tokens}")
+    docs = _set_documents(cfg, part, ts, docs_path)
+    path = root / "documents.jsonl"
+    if path.exists() and D.read_jsonl(path) != docs:
+        raise DemoError(f"{path} holds other {ts.name} documents than these settings give; rerun with the same "
+                        "options to resume, or pass a new --out")
+    set_docs = D.write_jsonl(docs, path)
+    T = ts.max_new_tokens or cfg.max_new_tokens
+    _say(f"      {ts.name} traces: {len(docs)} docs × {', '.join(ts.policies)}"
+         + (" + the control full" if ts.control else "") + f", R={ts.replicates}, T={T}"
+         + (", greedy" if ts.temperature == 0 else ""))
     result = collect(CollectConfig.flat(
         servers=urls, docs_file=set_docs, policies=list(ts.policies), out=root / "journal",
-        kind=ts.kind, replicates=ts.replicates, max_new_tokens=cfg.max_new_tokens,
-        temperature=1.0, seed=cfg.seed, template=part.template, api_key=cfg.api_key,
-        concurrency=cfg.concurrency, progress=cfg.progress, control=False),
+        kind=ts.kind, replicates=ts.replicates, max_new_tokens=T,
+        temperature=ts.temperature, seed=cfg.seed, template=ts.template or part.template, api_key=cfg.api_key,
+        concurrency=cfg.concurrency, progress=cfg.progress, control=ts.control),
         stop_reason=stop)
     _say(f"      {result.summary()}")
     if not result.ok:
@@ -218,23 +239,27 @@ def _collect_set(cfg: DemoConfig, part: ModelPart, ts: TraceSet, urls: list[str]
 def _pack_part(cfg: DemoConfig, part: ModelPart) -> None:
     save_dataset(pack_run(part.out / "journal", progress=False), part.out / "traces.nc", overwrite=True)
     for ts in cfg.trace_sets():
-        save_dataset(pack_run(part.out / ts.name / "journal", progress=False), part.out / ts.file, overwrite=True)
+        if ts.applies(part.model):
+            save_dataset(pack_run(part.out / ts.name / "journal", progress=False), part.out / ts.file,
+                         overwrite=True)
 
 
 def _combined(cfg: DemoConfig, parts: list[ModelPart]) -> dict[str, Path]:
     """The traces to analyse by file name (``traces.nc`` and each further set's): one model's own
     files, or every model's combined along ``model`` (named by the short ids) into ``cfg.out``."""
-    names = ["traces.nc", *(ts.file for ts in cfg.trace_sets())]
+    names = {"traces.nc": parts, **{ts.file: [p for p in parts if ts.applies(p.model)] for ts in cfg.trace_sets()}}
+    out = {name: on[0].out / name for name, on in names.items() if len(on) == 1}   # one model's own file
     if len(parts) == 1:
-        return {name: parts[0].out / name for name in names}
+        return out
     import protocols
     from collector.rounds import pad_replicates
 
     _say(f"      combining {', '.join(p.model for p in parts)} along model")
-    models = [p.model for p in parts]
-    out = {}
-    for name in names:
-        sets = [protocols.open_traces(p.out / name).load() for p in parts]
+    for name, on in names.items():
+        if len(on) < 2:
+            continue
+        models = [p.model for p in on]
+        sets = [protocols.open_traces(p.out / name).load() for p in on]
         # a model studied at a smaller R holds absent replicates in the others' slots
         # (docs/contract.md): every estimate is that of its own R (residual traces only)
         width = max(ds.sizes["replicate"] for ds in sets)
@@ -294,4 +319,5 @@ SET_ANALYSES: dict[str, SetAnalysis] = {
     "reference": SetAnalysis(
         _analyse_reference, speculative_headline,
         lambda an, traces: f"speculative decoding: {an.paths['report.html']}   reference traces: {traces}"),
+    "passkey": SetAnalysis(passkey.analyse, passkey.headline, passkey.footer),
 }

@@ -65,6 +65,21 @@ class TraceSet:
         The first ``docs`` documents of the study's set (0: not collected).
     replicates : int
         R, at most the smallest residual R (a set without absent replicates needs the same R on every model).
+    task : str
+        A task of ``kvdiv docs --task`` (collector.tasks): the set's ``docs`` documents are that task's,
+        ``target_tokens`` long in the model's tokens, instead of the study's; "" for the study's.
+    target_tokens : int
+        The task documents' length.
+    temperature : float
+        The sampling temperature (0: greedy).
+    max_new_tokens : int
+        T; 0 for the study's.
+    template : str
+        The prompt template; "" for the model's.
+    control : bool
+        Collect the control ``full`` as a candidate too.
+    models : tuple of str
+        The models it is collected on; () for every model studied.
     """
 
     name: str
@@ -72,10 +87,21 @@ class TraceSet:
     policies: tuple[str, ...]
     docs: int
     replicates: int
+    task: str = ""
+    target_tokens: int = 0
+    temperature: float = 1.0
+    max_new_tokens: int = 0
+    template: str = ""
+    control: bool = False
+    models: tuple[str, ...] = ()
 
     @property
     def file(self) -> str:
         return f"{self.name}.nc"
+
+    def applies(self, model: str) -> bool:
+        """Whether the set is collected on ``model``."""
+        return not self.models or model in self.models
 
 
 @dataclass(frozen=True)
@@ -134,7 +160,15 @@ DEMO_STUDY = StudySpec(
     max_new_tokens=8,
     window=7,   # W = T - 1: branches reach the horizon, so every estimand is identified
     control=True,
-    trace_sets=(TraceSet("reference", "reference", ("snapkv@0.5", "recent@0.5"), docs=10, replicates=2),),
+    trace_sets=(
+        TraceSet("reference", "reference", ("snapkv@0.5", "recent@0.5"), docs=10, replicates=2),
+        # Does compression change the answer? (docs/collector.md, "The demo"): pass keys near 500 tokens, the
+        # needle depths spread evenly, greedy as the leaderboards, T = 12 (SmolLM2 answers "The pass key is
+        # 48213." in 11 tokens), on the chat model
+        TraceSet("passkey", "coupled", ("snapkv@0.5", "recent@0.5", "snapkv@0.3"), docs=30, replicates=1,
+                 task="passkey", target_tokens=500, temperature=0.0, max_new_tokens=12, template="qa", control=True,
+                 models=("smollm2-135m",)),
+    ),
     headline_quantities=("occurrence", "rmtd", "exposure"),
 )
 
@@ -218,6 +252,8 @@ class DemoConfig:
     #: The reference set's documents (0 skips it) and R (at most the smallest residual R: :meth:`reference_r`).
     reference_docs: int = DEMO_STUDY.trace_set("reference").docs
     reference_replicates: int = DEMO_STUDY.trace_set("reference").replicates
+    #: The pass-key set's documents (0 skips it).
+    passkey_docs: int = DEMO_STUDY.trace_set("passkey").docs
 
     def sizes(self) -> dict[str, Any]:
         """The settings that decide the traces (compared on resume)."""
@@ -236,16 +272,24 @@ class DemoConfig:
         return min([self.reference_replicates] + [self.replicates_for(m) for m in self.models])
 
     def trace_sets(self) -> list[TraceSet]:
-        """The study's further trace sets at this run's sizes, those of 0 documents left out.
+        """The study's further trace sets at this run's sizes, those of 0 documents (or of no model
+        studied) left out.
 
-        The reference set takes ``reference_docs`` and :meth:`reference_r`; every set's R is at
-        most the smallest residual R (as :meth:`reference_r` explains).
+        The reference set takes ``reference_docs`` and :meth:`reference_r`, the pass-key set
+        ``passkey_docs``; every set's R is at most the smallest residual R (as :meth:`reference_r`
+        explains).
         """
         smallest = min(self.replicates_for(m) for m in self.models)
-        sets = [dataclasses.replace(ts, docs=self.reference_docs, replicates=self.reference_r())
-                if ts.name == "reference" else dataclasses.replace(ts, replicates=min(ts.replicates, smallest))
-                for ts in DEMO_STUDY.trace_sets]
-        return [ts for ts in sets if ts.docs]
+        sets = []
+        for ts in DEMO_STUDY.trace_sets:
+            if ts.name == "reference":
+                ts = dataclasses.replace(ts, docs=self.reference_docs, replicates=self.reference_r())
+            else:
+                ts = dataclasses.replace(ts, replicates=min(ts.replicates, smallest))
+            if ts.name == "passkey":
+                ts = dataclasses.replace(ts, docs=self.passkey_docs)
+            sets.append(ts)
+        return [ts for ts in sets if ts.docs and any(ts.applies(m) for m in self.models)]
 
     def parts(self) -> list[ModelPart]:
         """One part per model: its folder (``out`` itself for a single model, as before), template and R."""

@@ -102,7 +102,7 @@ def test_a_model_at_a_smaller_r_combines_with_absent_replicates_and_keeps_its_es
     from collector.pack import save_dataset
     from kvdiv.demo import _combined as combine_parts
 
-    cfg = DemoConfig(out=tmp_path, models=MODELS, reference_docs=0)
+    cfg = DemoConfig(out=tmp_path, models=MODELS, reference_docs=0, passkey_docs=0)
     parts = cfg.parts()
     assert [p.replicates for p in parts] == [MODEL_REPLICATES[m] for m in MODELS] == [4, 2]
     assert DemoConfig(out=tmp_path, models=MODELS, replicates=3).replicates_for("gemma3-270m") == 3

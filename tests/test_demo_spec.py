@@ -37,13 +37,14 @@ def test_a_config_defaults_to_the_study_and_options_override_it(tmp_path: Path) 
 
 
 def test_further_trace_sets_take_the_runs_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (ref,) = DemoConfig(out=tmp_path).trace_sets()
+    ref, passkey = DemoConfig(out=tmp_path).trace_sets()
     assert (ref.name, ref.kind, ref.file, ref.docs, ref.replicates) == ("reference", "reference", "reference.nc", 10, 2)
-    assert DemoConfig(out=tmp_path, reference_docs=0).trace_sets() == []
+    assert (passkey.name, passkey.docs, passkey.replicates) == ("passkey", 30, 1)
+    assert DemoConfig(out=tmp_path, reference_docs=0, passkey_docs=0).trace_sets() == []
     assert DemoConfig(out=tmp_path, models=["approx"], reference_replicates=3).trace_sets()[0].replicates == 3
     # a row added to the study is collected too, its R at most the smallest residual R
-    extra = TraceSet("passkey", "residual", ("snapkv@0.5",), docs=4, replicates=8)
+    extra = TraceSet("extra", "residual", ("snapkv@0.5",), docs=4, replicates=8)
     monkeypatch.setattr(spec_module, "DEMO_STUDY",
                         dataclasses.replace(DEMO_STUDY, trace_sets=(*DEMO_STUDY.trace_sets, extra)))
     sets = DemoConfig(out=tmp_path).trace_sets()
-    assert [ts.name for ts in sets] == ["reference", "passkey"] and sets[1].replicates == 2
+    assert [ts.name for ts in sets] == ["reference", "passkey", "extra"] and sets[2].replicates == 2

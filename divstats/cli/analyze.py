@@ -96,6 +96,11 @@ def _echo_summary(an: Analysis, paths: Mapping[str, Path]) -> None:
         for r in an.plan_result.table.itertuples(index=False):
             click.echo(f"  {r.id:<24} {r.label:<12} p={r.p_value:.3g} p_adj={r.p_adjusted:.3g} "
                        f"reject={'yes' if r.reject else 'no'} effect={r.effect:.4g}")
+    if an.answers is not None and an.answers.has_answers:
+        from divstats.report.answer_tables import answers_text_table  # lazy: the report pulls in matplotlib
+
+        click.echo("answers (Q - P paired over documents; docs/statistics.md §12):")
+        click.echo(answers_text_table(an.answers.table))
     for note in an.notes:
         click.echo(f"note: {note}", err=True)
     for dev in (an.plan_result.deviations if an.plan_result is not None else []):

@@ -27,6 +27,7 @@ import xarray as xr
 
 from divstats.errors import DivstatsError, PlanError
 from divstats.estimands import OCCURRENCE, value_range
+from divstats.estimation.answers import with_answer_values
 from divstats.estimation.bounded import difference_range
 from divstats.estimation.estimators import estimate
 from divstats.estimation.sweeps import family_values
@@ -109,7 +110,8 @@ def certify_power(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, *, do
     plan = load_plan(plan)
     if not plan.certifications:
         return pd.DataFrame(columns=list(CERTIFY_POWER_COLUMNS))
-    est = pilot if OCCURRENCE in pilot.data_vars else estimate(pilot, window=window)
+    # the answer estimands (accuracy_change: certify at an accuracy margin) beside the trace estimands
+    est = pilot if OCCURRENCE in pilot.data_vars else with_answer_values(estimate(pilot, window=window), pilot)
     sizes = sorted(set(docs or DOC_GRID))
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(seed)

@@ -20,10 +20,11 @@ import numpy as np
 import xarray as xr
 
 from divstats.errors import PlanError
+from divstats.estimation.answers import answer_values, has_answers
 from divstats.estimation.components import document_values, paired_document_values
 from divstats.estimation.curves import branch_tv_window
 from divstats.estimation.speculative import SPECULATIVE_METRICS, speculative
-from divstats.plans.format import FULL, WINDOW_METRICS, Hypothesis, Plan, load_plan
+from divstats.plans.format import ANSWER_METRICS, FULL, WINDOW_METRICS, Hypothesis, Plan, load_plan
 from divstats.plans.run import full_model_value
 from divstats.traces.arrays import layout, present_replicates
 
@@ -107,6 +108,36 @@ def _speculative_values(pilot: xr.Dataset, metric: str, gamma: int) -> xr.Datase
                        "replicates": counted_replicates(pilot).broadcast_like(res[metric])})
 
 
+def _answer_difference(pilot: xr.Dataset, h: Hypothesis, a: str, b: str) -> tuple[xr.Dataset, str, str, str]:
+    """Per-document answer-metric difference A − B and its Monte Carlo variance (docs/statistics.md §12).
+
+    The per-document values are :func:`divstats.estimation.answers.answer_values` (replicates
+    averaged), their squared standard errors over replicates the Monte Carlo part; against
+    ``full`` without a measured control B is the full model's known value (0 for
+    ``accuracy_change``: Q − P already pairs each answer with P's).
+    """
+    if not has_answers(pilot):
+        raise PlanError(f"hypothesis {h.id!r}: metric {h.metric!r} needs answer scores (x_score, y_score) in the "
+                        "pilot")
+    vals = answer_values(pilot)
+    m = h.metric
+
+    def side(pol: str) -> xr.Dataset:
+        v = vals.sel(policy=pol, drop=True)
+        return xr.Dataset({"value": v[m], "mc_var": (v[m + "_se"] ** 2).fillna(0.0),
+                           "replicates": v[m + "_n"].astype(float)})
+
+    pa = side(a)
+    if b == FULL and FULL not in [str(p) for p in pilot["policy"].values]:
+        full = full_model_value(m, pilot.attrs.get("horizon"))
+        diff = xr.Dataset({"value": pa["value"] - full, "mc_var": pa["mc_var"], "replicates": pa["replicates"]})
+        return diff, a, b, f"B = the full model's known {m} ({full:g})"
+    pb = side(b)
+    diff = xr.Dataset({"value": pa["value"] - pb["value"], "mc_var": pa["mc_var"] + pb["mc_var"],
+                       "replicates": (pa["replicates"] + pb["replicates"]) / 2})
+    return diff, a, b, "Monte Carlo covariance between policies taken as 0"
+
+
 def counted_replicates(pilot: xr.Dataset) -> xr.DataArray:
     """Replicates that count in each cell's estimates (over the pilot's lead dims).
 
@@ -179,6 +210,8 @@ def _hypothesis_values(h: Hypothesis, plan: Plan, pilot: xr.Dataset, vals: xr.Da
         # the policies score the same P-samples (reference traces), so this covariance is
         # positive and the sum overstates the difference's Monte Carlo variance: conservative
         return diff, a, b, "Monte Carlo covariance between policies taken as 0 (conservative: shared P-samples)"
+    if h.metric in ANSWER_METRICS:
+        return _answer_difference(pilot, h, a, b)
     if vals is None or h.metric not in vals["metric"].values:
         raise PlanError(f"hypothesis {h.id!r}: metric {h.metric!r} has no variance components")
     if b == FULL and FULL not in [str(p) for p in pilot["policy"].values]:
@@ -241,8 +274,9 @@ def hypothesis_pilots(plan: Plan | str | Mapping[str, Any], pilot: xr.Dataset, *
             raise PlanError(f"policy {out!r} (planned {pid!r}) is not in the pilot; available: {policies}")
         return out
 
-    vals = document_values(pilot, window) if any(h.metric not in WINDOW_METRICS + tuple(SPECULATIVE_METRICS)
-                                                  for h in plan.hypotheses) else None
+    vals = document_values(pilot, window) if any(
+        h.metric not in WINDOW_METRICS + tuple(SPECULATIVE_METRICS) + tuple(ANSWER_METRICS)
+        for h in plan.hypotheses) else None
     models = [m for m in pilot["model"].values] if "model" in pilot.dims else [None]
     sizes = _family_sizes(plan, len(models))
     out: list[HypothesisPilot] = []

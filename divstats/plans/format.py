@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from divstats.errors import PlanError
-from divstats.estimands import by_name
+from divstats.estimands import ANSWER_ESTIMANDS, by_name
 from divstats.estimation.speculative import SPECULATIVE_METRICS
 from divstats.inference.choices import ALTERNATIVES, MARGIN_ALTERNATIVES, MARGIN_TESTS, TESTS, WORSE
 from protocols.policies import PolicyIdError, expand_policy_family
@@ -36,6 +36,9 @@ __all__ = [
     "CORRECTIONS", "FULL", "SPLITS", "WINDOW_METRICS", "Certification", "Hypothesis", "Plan", "PlanError", "PlanSource",
     "load_plan", "parse_aliases", "shipped_plan", "shipped_plans",
 ]
+
+#: The answer metrics a plan may test or certify (docs/statistics.md §12), with the side that is worse.
+ANSWER_METRICS: dict[str, str] = {e.name: e.worse for e in ANSWER_ESTIMANDS}
 
 SPLITS: tuple[str, ...] = ("confirmatory", "exploratory", "all")
 CORRECTIONS: tuple[str, ...] = ("holm", "none")
@@ -302,6 +305,17 @@ def _validate_certifications(raw: Any, alpha: float, problems: list[str]) -> lis
     return out
 
 
+def _metric_problems(metric: Any, where: str) -> list[str]:
+    """A certification's metric must be a row of the estimand table or of the answers' table."""
+    if metric in ANSWER_METRICS:
+        return []
+    try:
+        by_name(str(metric))
+    except KeyError:
+        return [f"{where}: 'metric' must be an estimand of divstats.ESTIMANDS or ANSWER_ESTIMANDS, got {metric!r}"]
+    return []
+
+
 def _validate_certification(c: Mapping[str, Any], where: str, alpha: float, seen: set[str],
                             found: list[str]) -> Certification | None:
     """One [[certify]] table: its problems appended to ``found``; the Certification if none."""
@@ -314,10 +328,7 @@ def _validate_certification(c: Mapping[str, Any], where: str, alpha: float, seen
         if c["id"] in seen:
             found.append(f"{where}: duplicate id {c['id']!r}")
         seen.add(c["id"])
-    try:
-        by_name(str(c.get("metric")))
-    except KeyError:
-        found.append(f"{where}: 'metric' must be an estimand of divstats.ESTIMANDS, got {c.get('metric')!r}")
+    found.extend(_metric_problems(c.get("metric"), where))
     if isinstance(c.get("family"), str):
         found.extend(f"{where}: {p}" for p in _family_problems(c["family"]))
     margin, worse = _check_margin({**c, "direction": "noninferiority", "test": c.get("test", "bootstrap-t")},
@@ -480,6 +491,8 @@ def _default_worse(metric: Any) -> str:
     """The estimand table's ``worse`` for ``metric`` ("larger" for metrics it does not list, e.g. branch_tv)."""
     if metric in SPECULATIVE_METRICS:
         return SPECULATIVE_METRICS[metric]
+    if metric in ANSWER_METRICS:
+        return ANSWER_METRICS[metric]
     try:
         return by_name(str(metric)).worse
     except KeyError:

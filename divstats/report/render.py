@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from divstats.inference.choices import MARGIN_ALTERNATIVES
 from divstats.report import figures as F
+from divstats.report.answer_tables import answers_context, answers_text_table, make_answer_figures
 from divstats.report.tables import (
     EXPLORATORY,
     branch_tv_rows,
@@ -72,6 +73,8 @@ def make_figures(an: Analysis) -> dict[str, Figure]:
     >>> sorted(make_figures(compute(ds, n_resamples=99, progress=False)))
     ['branch_tv', 'decomposition', 'gap', 'interval', 'survival']
     """
+    if not an.survival.data_vars:       # an answers dataset: no tokens, no drift figures
+        return dict(make_answer_figures(an.answers))
     figs: dict[str, Any] = {"survival": F.survival_figure(an.survival),
                             "decomposition": F.decomposition_figure(an.aggregate)}
     rows = decomposition_rows(an)
@@ -92,6 +95,7 @@ def make_figures(an: Analysis) -> dict[str, Figure]:
         figs["speculative"] = F.speculative_figure(an.speculative, level=an.options["level"])
     if an.compression is not None:
         figs["compression"] = F.compression_figure(an.compression, certified_map(an))
+    figs.update(make_answer_figures(an.answers))
     return figs
 
 
@@ -171,17 +175,31 @@ def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
     return _template().render(
         generator=GENERATOR, title=an.plan.name if an.plan else "descriptive (no plan)", plan=an.plan,
         split_counts={"confirmatory": counts.get("confirmatory", 0), "exploratory": counts.get("exploratory", 0)},
-        summary=data_summary(an.traces), options=", ".join(f"{k}={v}" for k, v in an.options.items()),
+        options=", ".join(f"{k}={v}" for k, v in an.options.items()),
         notes=_notes(an), exploratory=EXPLORATORY, plan_rows=plan_rows(pr), n_docs=an.traces.sizes["doc"],
-        level_percent=int(an.options["level"] * 100), estimate_rows=estimate_rows(an),
-        decomposition_rows=decomposition_table(an), branch_rows=branch_tv_rows(an.branch_tv),
-        interval_method=str(an.aggregate_ci.attrs.get("methods_used", "")),
-        variance_rows=variance_rows(an.variance) if an.variance is not None else [],
-        noise_floor_status=noise_floor_status(an), noise_floor_rows=noise_floor_rows(an),
-        speculative_status=speculative_status(an), speculative_rows=speculative_rows(an),
-        compression_status=compression_status(an), compression_rows=compression_rows(an),
-        crossing_rows=crossing_rows(an), long_columns=LONG_COLUMNS,
+        level_percent=int(an.options["level"] * 100), **_drift_context(an), answers=answers_context(an.answers),
+        long_columns=LONG_COLUMNS,
         images={k: base64.b64encode(v).decode() for k, v in figs.items()}, reproduce=reproduce_snippet(an))
+
+
+def _drift_context(an: Analysis) -> dict[str, Any]:
+    """The drift sections' rows; empty for an answers dataset (scores without tokens: nothing drifts)."""
+    if not an.survival.data_vars:
+        return {"drift": False,
+                "summary": {"kind": "answers (scores without tokens)", "documents": str(an.traces.sizes["doc"]),
+                            "policies": ", ".join(str(p) for p in an.traces["policy"].values)},
+                "estimate_rows": [], "decomposition_rows": [], "branch_rows": [], "interval_method": "",
+                "variance_rows": [], "noise_floor_status": "no tokens: nothing to compare with a noise floor",
+                "noise_floor_rows": [], "speculative_status": "", "speculative_rows": [], "compression_status": "",
+                "compression_rows": [], "crossing_rows": []}
+    return {"drift": True, "summary": data_summary(an.traces), "estimate_rows": estimate_rows(an),
+            "decomposition_rows": decomposition_table(an), "branch_rows": branch_tv_rows(an.branch_tv),
+            "interval_method": str(an.aggregate_ci.attrs.get("methods_used", "")),
+            "variance_rows": variance_rows(an.variance) if an.variance is not None else [],
+            "noise_floor_status": noise_floor_status(an), "noise_floor_rows": noise_floor_rows(an),
+            "speculative_status": speculative_status(an), "speculative_rows": speculative_rows(an),
+            "compression_status": compression_status(an), "compression_rows": compression_rows(an),
+            "crossing_rows": crossing_rows(an)}
 
 
 def _notes(an: Analysis) -> list[str]:
@@ -268,7 +286,8 @@ def render_markdown(an: Analysis) -> str:
     else:
         lines = [f"{SUMMARY_HEADING}descriptive (no plan)", "",
                  "- plan: none; every comparison is exploratory"]
-    lines += [f"- {k}: {v}" for k, v in data_summary(an.traces).items()]
+    drift = _drift_context(an)
+    lines += [f"- {k}: {v}" for k, v in drift["summary"].items()]
     devs = an.plan_result.deviations if an.plan_result is not None else []
     lines += [f"- note: {n}" for n in an.notes + _interval_notes(an)] + [f"- deviation: {d}" for d in devs]
     if an.plan is not None:
@@ -277,7 +296,12 @@ def render_markdown(an: Analysis) -> str:
         if margins is not None:
             lines += ["", "## Verdicts at a margin", ""] + [
                 f"- {r.id} ({r.metric}, {r.a} − {r.b}): {r.verdict}" for r in margins.itertuples(index=False)]
-    lines += ["", f"## Aggregate estimates — {EXPLORATORY}", "", _md_table(estimate_rows(an)), ""]
+    if an.answers is not None and an.answers.has_answers:
+        lines += ["", f"## Does it change the answer? — {EXPLORATORY}", "", "```",
+                  answers_text_table(an.answers.table), "```"]
+    if not an.survival.data_vars:      # an answers dataset: nothing drifts
+        return "\n".join(lines)
+    lines += ["", f"## Aggregate estimates — {EXPLORATORY}", "", _md_table(drift["estimate_rows"]), ""]
     lines += _noise_floor_markdown(an)
     if an.speculative is not None:
         lines += [f"## Speculative decoding — {EXPLORATORY}", "", speculative_status(an), "",

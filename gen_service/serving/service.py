@@ -478,3 +478,32 @@ class Service:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    #: Tokens of context before each token whose text :meth:`token_ends` decodes.
+    END_WINDOW = 8
+
+    def token_ends(self, ids: list[int], length: int, skip_special_tokens: bool = True) -> list[int]:
+        """Where each token's text ends in the decoded ``ids`` (``/detokenize``'s ``ends``),
+        capped at ``length`` (the whole text's).
+
+        A token's text is what it adds to the length of the decoding of the
+        :attr:`END_WINDOW` tokens before it (as TGI streams text), so a row costs two short
+        decodes per token rather than a decoding of every prefix. A window starting mid-text
+        loses its leading space in both decodings alike; a character split over two tokens
+        counts at the first (as a replacement character) and adds nothing at the second.
+
+        Examples
+        --------
+        >>> class Chars(Service):
+        ...     def __init__(self): pass
+        ...     def decode(self, ids, skip_special_tokens=True): return "".join(map(chr, ids))
+        >>> Chars().token_ends([104, 105, 33], 3)
+        [1, 2, 3]
+        """
+        ends, at = [], 0
+        for k in range(len(ids)):
+            lo = max(0, k - self.END_WINDOW)
+            before = self.decode(ids[lo:k], skip_special_tokens) if k > lo else ""
+            at += max(0, len(self.decode(ids[lo:k + 1], skip_special_tokens)) - len(before))
+            ends.append(min(at, length))
+        return ends
