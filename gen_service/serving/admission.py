@@ -431,8 +431,9 @@ def return_freed_memory() -> bool:
     freed, stay in the heap's arenas; and tensors held only by reference cycles wait for the
     garbage collector, which a quiet server never runs. A full collection, then
     ``malloc_trim(0)`` (every arena's free pages) brought a cancelled R = 128 request's CPU
-    server back to its RSS before it (-2.8 %; +37.4 % without either, +19.7 % with the trim
-    alone; docs/service.md, "The intake"). Elsewhere than glibc, only the collection is done.
+    server back below its RSS before it (-2.8 % at the second such request; +37.4 % without
+    either, +19.7 % with the trim alone; docs/service.md, "The intake"). Elsewhere than glibc,
+    only the collection is done.
 
     Returns
     -------
