@@ -1,7 +1,7 @@
 """Bias of the adaptive collection's estimates (``kvdiv collect --target-se/--budget``), by simulation.
 
-Each setting runs the whole procedure (``kvdiv.adaptive.simulate_adaptive``: a pilot,
-then rounds allocated by ``kvdiv.adaptive.plan_round``, stacked as ``kvdiv pack``
+Each setting runs the whole procedure (``divstats.calibration.adaptive.simulate_adaptive``: a pilot,
+then rounds allocated by ``divstats.plan_round`` with the command's settings, stacked as ``kvdiv pack``
 stacks them) many times on simulated documents whose estimands ``divstats.exact``
 knows, and reports, per metric, the bias of
 
@@ -21,7 +21,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvdiv.adaptive import AdaptiveSpec, bias_table, simulate_adaptive
+from divstats.calibration.adaptive import bias_table, simulate_adaptive
+from kvdiv.adaptive import AdaptiveSpec
 
 TYPICAL = {"effects": (0.06, 0.15), "pilot_replicates": 3}
 # rare divergence next to frequent, and a pilot of 2: the pilot's variance says least where it matters most
@@ -50,7 +51,8 @@ def main() -> None:
     print(f"{'setting':<48}{'metric':<15}{'estimate':<23}{'rel. bias':>10}{'± se':>8}{'max|z|':>8}"
           f"{'rounds':>8}{'R/pair':>8}")
     for name, (spec, population) in SETTINGS.items():
-        sim = simulate_adaptive(spec, docs=args.docs, repetitions=args.repetitions, seed=args.seed, **population)
+        sim = simulate_adaptive(spec.metrics, **spec.round_settings(), docs=args.docs, repetitions=args.repetitions,
+                                seed=args.seed, **population)
         rounds, per_pair = float(sim["rounds"].mean()), float(sim["counted"].mean())
         for row in bias_table(sim, spec.metrics):
             print(f"{name:<48}{row['metric']:<15}{row['estimate']:<23}{row['relative_bias']:>+10.4f}"

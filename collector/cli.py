@@ -100,8 +100,12 @@ def collect(servers: tuple[str, ...], servers_file: Path | None, wait_for_server
     except OSError as exc:  # the --out folder or the documents file: unwritable, vanished
         raise click.ClickException(f"{exc.filename or out}: {exc.strerror or exc}") from None
     click.echo(result.summary(), err=True)
-    if not result.ok:
+    if result.refused:   # designed refusals: rerunning cannot collect them
+        click.echo("The server refuses the REFUSED policies on its model by design (docs/presses-by-family.md): "
+                   "rerunning will not collect them; collect without them (--policies).", err=True)
+    if result.retry_helps:
         click.echo(f"Rerun the same command to retry the failed requests; {out} keeps the rest.", err=True)
+    if not result.ok:
         sys.exit(1)
     click.echo(f"complete: `kvdiv pack {out} -o {out / 'traces.nc'}`", err=True)
 

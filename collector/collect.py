@@ -20,8 +20,10 @@ altered or malformed streams, server error records) are retried with exponential
 backoff and jitter, on whichever server is free; a request that still fails after
 ``retry.max_attempts`` is reported and left incomplete. Permanent failures (a 4xx, a
 header that answers another request, a digested stream that does not assemble)
-end the request at once. No failure of one request escapes its worker: the run
-always finishes and reports.
+end the request at once. A refusal the server marks permanent (a press it refuses on
+its model by design) ends its policy for every document: the policy is not sent
+again in the run, and the result names it once with the documents it affects. No
+failure of one request escapes its worker: the run always finishes and reports.
 
 Determinism: each request's seed is derived from (seed, document, policy), never from
 the order of completion, so a resumed run produces the same traces as an
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import sys
 import time
 from collections import deque
@@ -111,6 +114,7 @@ class Collector:
         self.ready.extend(todo)
         self.pending = len(todo)
         self.unfinished = {job.key: job for job in todo}
+        self.refused: dict[str, str] = {}       # policy -> the server's designed refusal
 
     def _resume(self, params: dict[str, Any], ledger: RunLedger) -> tuple[list[Job], dict[str, str]]:
         """Requests still to do: those without a complete file, and those whose file fails its checks
@@ -164,6 +168,9 @@ class Collector:
         waiting_since: float | None = None
         while self.pending:
             self.wake.clear()
+            self._drop_refused()
+            if not self.pending:
+                break
             self.pool.refresh(force=False)
             waiting_since = self._watch_servers(waiting_since)
             if not self.pending:
@@ -255,7 +262,8 @@ class Collector:
 
     async def _run(self, client: Any, server: Server, jobs: list[Job]) -> None:
         """One attempt of ``jobs`` on ``server`` (whose slot the dispatcher took); each request then
-        completes, retries or fails on its own, as if it had been sent alone."""
+        completes, retries or fails on its own, as if it had been sent alone (a designed refusal
+        of one candidate: that policy ends, the others go back, :meth:`_resend_alone`)."""
         self.progress.servers(self.pool)
         for job in jobs:
             job.attempts += 1
@@ -292,7 +300,13 @@ class Collector:
     def _resend_alone(self, jobs: list[Job], exc: Refused) -> None:
         """A multi-candidate request refused as a whole (e.g. a 422 naming one candidate): each
         policy goes back alone, so that it names its own error; the attempt does not count."""
-        self._say(f"{jobs[0].doc.id}: grouped request refused ({exc}); sending its policies one by one")
+        named = re.search(r"candidates\[(\d+)\]", str(exc))
+        if exc.designed and named and int(named.group(1)) < len(jobs):   # that candidate's policy ends here
+            job = jobs.pop(int(named.group(1)))
+            job.attempts -= 1
+            self._refuse(job, str(exc))
+        else:
+            self._say(f"{jobs[0].doc.id}: grouped request refused ({exc}); sending its policies one by one")
         for job in jobs:
             job.attempts -= 1
             job.solo = True
@@ -391,8 +405,33 @@ class Collector:
             self._retry(job, error)
         elif isinstance(error, PermanentError) and error.fatal:
             self._abort(str(error))
+        elif isinstance(error, Refused) and error.designed:
+            self._refuse(job, str(error))
         else:
             self._finish(job, str(error))
+
+    def _refuse(self, job: Job, reason: str) -> None:
+        """A designed refusal: ``job``'s policy ends for every document (said once, never retried)."""
+        if job.policy not in self.refused:
+            self.refused[job.policy] = reason
+            self._say(f"policy {job.policy} is refused by the server by design (permanent, not retried, not sent "
+                      f"for the other documents): {reason}")
+        self._drop(job)
+
+    def _drop(self, job: Job) -> None:
+        """End ``job`` as refused by design (its policy's entry in the result)."""
+        if self.unfinished.pop(job.key, None) is None:
+            return
+        self.result.refused.setdefault(job.policy, (self.refused[job.policy], []))[1].append(job.doc.id)
+        self.pending -= 1
+        self.wake.set()
+
+    def _drop_refused(self) -> None:
+        """Ready requests of refused policies end unsent."""
+        if self.refused and any(job.policy in self.refused for job in self.ready):
+            for job in [j for j in self.ready if j.policy in self.refused]:
+                self.ready.remove(job)
+                self._drop(job)
 
     def _retry(self, job: Job, exc: RetryableError) -> None:
         """Put a failed attempt back on the queue (after a backoff), or end the request."""

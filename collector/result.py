@@ -21,6 +21,10 @@ class CollectResult:
         ``"doc × policy"`` -> the reason it failed.
     set_aside : dict
         ``"doc × policy"`` -> why its journal file was set aside for recollection.
+    refused : dict
+        policy -> (the server's reason, the documents it was refused for): policies a
+        server refuses on its model by design (a 422 marked permanent), never retried;
+        a rerun cannot collect them.
     retries, tokens : int
         Attempts repeated, tokens received.
     elapsed_s : float
@@ -35,6 +39,7 @@ class CollectResult:
     completed: int = 0
     failed: dict[str, str] = field(default_factory=dict)
     set_aside: dict[str, str] = field(default_factory=dict)
+    refused: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
     retries: int = 0
     tokens: int = 0
     elapsed_s: float = 0.0
@@ -42,7 +47,20 @@ class CollectResult:
 
     @property
     def ok(self) -> bool:
-        return not self.failed
+        return not self.failed and not self.refused
+
+    @property
+    def retry_helps(self) -> bool:
+        """Whether rerunning may collect more: some request failed other than by a designed refusal."""
+        return bool(self.failed)
+
+    def refused_text(self) -> str:
+        """Each refused policy once: its reason and the (document, policy) pairs it affects."""
+        lines = []
+        for policy, (reason, docs) in sorted(self.refused.items()):
+            shown = ", ".join(docs[:10]) + (f" and {len(docs) - 10} more" if len(docs) > 10 else "")
+            lines.append(f"  REFUSED {policy} for {len(docs)} document(s) ({shown}), permanent, not retried: {reason}")
+        return "\n".join(lines)
 
     def server_table(self) -> str:
         """Per-server throughput: requests completed, failed attempts, tokens, tokens/s while busy."""
@@ -63,6 +81,9 @@ class CollectResult:
             text += "\n" + self.server_table()
         for key, reason in sorted(self.set_aside.items()):
             text += f"\n  SET ASIDE {key}: {reason}"
+        if self.refused:
+            n = sum(len(docs) for _, docs in self.refused.values())
+            text += f"; {n} (document, policy) pairs refused by design\n" + self.refused_text()
         for key, reason in sorted(self.failed.items()):
             text += f"\n  FAILED {key}: {reason}"
         return text

@@ -33,8 +33,9 @@ import numpy as np
 
 from collector.checks import asked_replicates
 from collector.journal import Journal
+from protocols import absent_value
 
-__all__ = ["RoundLayout", "absent_value", "pad_replicates", "stack_rounds"]
+__all__ = ["RoundLayout", "pad_replicates", "stack_rounds"]
 
 
 @dataclass(frozen=True)
@@ -97,20 +98,6 @@ class RoundLayout:
     def round_of_slot(self) -> np.ndarray:
         """The ``round`` coordinate: the round of each replicate slot (int32)."""
         return np.repeat(np.array(self.rounds, dtype=np.int32), self.widths)
-
-
-def absent_value(name: str, dtype: np.dtype) -> Any:
-    """The contract's "nothing observed" value of a per-replicate variable (an absent replicate).
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> absent_value("shared_tv", np.dtype("float32")), absent_value("branch_step", np.dtype("int32"))
-    (nan, 0)
-    """
-    if np.issubdtype(dtype, np.floating):
-        return np.nan
-    return 0 if name == "branch_step" else -1
 
 
 def pad_replicates(ds: Any, width: int) -> Any:

@@ -15,7 +15,10 @@ HTTP 401/403                          fatal :class:`PermanentError` (every reque
                                       share it: check ``--api-key``)
 any other HTTP status                 :class:`Refused` (a :class:`PermanentError`; a
                                       multi-candidate request is then resent policy by
-                                      policy)
+                                      policy); with ``"permanent": true`` in its body
+                                      (a press the server refuses on its model by
+                                      design) ``designed``: the policy is refused for
+                                      every document, never sent again in the run
 ``httpx.ConnectError``                retryable, server unreachable, request not sent
 ``httpx.ConnectTimeout``,             retryable, server unreachable
 ``httpx.ReadTimeout``
@@ -48,11 +51,24 @@ class Refused(PermanentError):
     ----------
     status : int
         The HTTP status.
+    designed : bool
+        The server marked it ``permanent``: a press it refuses on its model by design
+        (docs/presses-by-family.md), whatever the document.
     """
 
-    def __init__(self, message: str, status: int) -> None:
+    def __init__(self, message: str, status: int, designed: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.designed = designed
+
+
+def _marked_permanent(body: bytes) -> bool:
+    """Whether a JSON error body says ``"permanent": true``."""
+    try:
+        obj = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(obj, dict) and obj.get("permanent") is True
 
 
 def error_message(status: int, body: bytes) -> str:
@@ -105,13 +121,15 @@ def refusal(status: int, body: bytes, headers: Mapping[str, str]) -> RetryableEr
     True
     >>> refusal(422, b'{"detail": "replicates"}', {})
     Refused('HTTP 422: replicates')
+    >>> refusal(422, b'{"error": "candidate: refused", "permanent": true}', {}).designed
+    True
     """
     message = error_message(status, body)
     if status in RETRY_STATUS:
         return RetryableError(message, retry_after(headers))
     if status in AUTH_STATUS:
         return PermanentError(f"{message} (check --api-key)", fatal=True)
-    return Refused(message, status)
+    return Refused(message, status, designed=_marked_permanent(body))
 
 
 @contextmanager

@@ -35,8 +35,10 @@ from divstats.inference.multiplicity import holm
 from divstats.inference.paired import paired_test
 from divstats.inference.results import Effect, PairedTestResult
 from divstats.intervals import ConfidenceInterval
-from divstats.plans.format import Plan, assign_split, load_plan, shipped_plan, shipped_plans
+from divstats.plans.format import Plan, load_plan, shipped_plan, shipped_plans
 from divstats.plans.run import PlanResult, run_plan
+from divstats.plans.split import assign_split
+from divstats.report.headline import certify_headline, headline, speculative_headline
 from divstats.truth.exact import ExactResult, exact
 from divstats.truth.extremal import extremal_kernels
 from divstats.truth.simulate import simulate
@@ -53,6 +55,7 @@ __all__ = [
     "interval_by_window", "load_plan", "logit_curves", "markov_kernels", "noise_floor", "paired_test", "plan_round",
     "power", "run_plan", "sharp_interval", "shipped_plan", "shipped_plans", "simulate", "simulate_speculative",
     "simulate_study", "speculative", "survival", "variance_check", "variance_components",
+    "certify_headline", "headline", "speculative_headline",
 ]
 
 

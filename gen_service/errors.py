@@ -55,11 +55,14 @@ class NonFiniteLogits(ServiceError):
 
 class PolicyError(ServiceError, ValueError):
     """A policy id the server cannot serve (unknown name, bad parameter...); the HTTP
-    layer answers 422 before streaming. ``field`` names the offending part."""
+    layer answers 422 before streaming. ``field`` names the offending part; ``permanent``
+    marks a designed refusal of the press on this model (gen_service.presses.families):
+    the same request can never succeed on this server, and the 422 says so."""
 
-    def __init__(self, message: str, field: str | None = None):
+    def __init__(self, message: str, field: str | None = None, permanent: bool = False):
         super().__init__(message)
         self.field = field
+        self.permanent = permanent
 
 
 class RequestTooLarge(ServiceError, ValueError):
@@ -101,24 +104,34 @@ class ApiError(ServiceError):
         TGI's ``error_type`` (``validation``, ``overloaded``, ``generation``, ...).
     headers : dict, optional
         Extra response headers (``Retry-After`` on 429).
+    permanent : bool
+        A designed refusal (a press kvdiv refuses on this model): the body carries
+        ``"permanent": true`` and a client must not retry the request.
 
     Examples
     --------
     >>> ApiError(429, "queue is full", "overloaded").body()
     {'error': 'queue is full', 'error_type': 'overloaded'}
+    >>> ApiError(422, "candidate: refused", "validation", permanent=True).body()["permanent"]
+    True
     """
 
-    def __init__(self, status: int, message: str, error_type: str, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, error_type: str, headers: dict[str, str] | None = None,
+                 permanent: bool = False):
         super().__init__(message)
         self.status, self.message, self.error_type = status, message, error_type
         self.headers = dict(headers or {})
+        self.permanent = permanent
 
-    def body(self) -> dict[str, str]:
-        """The JSON error body TGI's clients parse."""
-        return {"error": self.message, "error_type": self.error_type}
+    def body(self) -> dict[str, object]:
+        """The JSON error body TGI's clients parse (plus ``permanent`` on a designed refusal)."""
+        out: dict[str, object] = {"error": self.message, "error_type": self.error_type}
+        if self.permanent:
+            out["permanent"] = True
+        return out
 
 
-def invalid(field: str, why: str) -> ApiError:
+def invalid(field: str, why: str, permanent: bool = False) -> ApiError:
     """A 422 validation error whose message names the field first.
 
     Parameters
@@ -127,6 +140,8 @@ def invalid(field: str, why: str) -> ApiError:
         The request field, as a path (``parameters.top_p``, ``messages[0].content``).
     why : str
         What is wrong with it.
+    permanent : bool
+        A designed refusal: no retry can succeed (:class:`ApiError`).
 
     Returns
     -------
@@ -142,4 +157,4 @@ def invalid(field: str, why: str) -> ApiError:
     >>> invalid("parameters.top_p", "must be in (0, 1]").message
     'parameters.top_p: must be in (0, 1]'
     """
-    return ApiError(422, f"{field}: {why}", "validation")
+    return ApiError(422, f"{field}: {why}", "validation", permanent=permanent)

@@ -21,7 +21,8 @@ estimate is biased (docs/design.md); ``kvdiv pack`` marks round 0 with the ``rou
 coordinate and ``divstats`` leaves it out of every estimate. With one allocated
 round (``budget``, or a target met after round 1) the estimate is exactly
 unbiased; further rounds, allocated from the data of round 1, leave a small bias,
-measured by simulation in docs/design.md and ``tests/test_adaptive.py``.
+measured by simulation (``divstats.calibration.adaptive``) in docs/design.md and
+``tests/test_adaptive.py``.
 
 The collector does the collecting (``collector.collect`` with ``round_index`` and
 ``allocation``); this module, the application layer, decides the rounds, because
@@ -40,7 +41,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import xarray as xr
 
 from collector.collect import CollectConfig, collect
@@ -50,10 +50,8 @@ from collector.result import CollectResult
 from divstats import RoundPlan
 from protocols import Kind
 
-__all__ = [
-    "AdaptiveResult", "AdaptiveSpec", "RoundPlan", "bias_table", "collect_adaptive", "parse_target", "plan_metrics",
-    "plan_round", "simulate_adaptive",
-]
+__all__ = ["AdaptiveResult", "AdaptiveSpec", "RoundPlan", "collect_adaptive", "next_round", "parse_target",
+           "plan_metrics"]
 
 BUDGET_UNITS = ("replicates", "cost")
 
@@ -146,6 +144,11 @@ class AdaptiveSpec:
     @property
     def rounds_allowed(self) -> int:
         return 1 if self.budget is not None else self.max_rounds
+
+    def round_settings(self) -> dict[str, Any]:
+        """The allocation's settings as ``divstats.plan_round`` (and ``simulate_adaptive``) take them."""
+        return {"target_se": self.target_se, "budget": self.budget, "budget_unit": self.budget_unit, "by": self.by,
+                "max_rounds": self.max_rounds, "min_replicates": self.min_replicates}
 
     def record(self) -> dict[str, Any]:
         """The JSON the manifest keeps (``adaptive.spec``)."""
@@ -257,11 +260,13 @@ def plan_metrics(plan_source: Any) -> tuple[tuple[str, ...], list[str], str]:
     return tuple(metrics), skipped, f"{plan.name} sha256={plan.sha256}"
 
 
-def plan_round(data: xr.Dataset, spec: AdaptiveSpec, round_index: int) -> RoundPlan:
-    """The next round's replicates per (document, policy), from everything collected so far.
+def next_round(data: xr.Dataset, spec: AdaptiveSpec, round_index: int) -> RoundPlan:
+    """``kvdiv collect``'s next round: ``divstats.plan_round`` with a spec's settings, its stop worded for the command.
 
-    The statistics are ``divstats.plan_round``'s; this wraps it for ``kvdiv collect``
-    (a spec, and reasons worded with the command's flags).
+    The statistics are ``divstats.plan_round``'s (the one function of that name); this
+    passes it the spec's settings (:meth:`AdaptiveSpec.round_settings`), turns a metric
+    without a Monte Carlo variance into the command's error, and words the reason to stop
+    at ``--max-rounds`` with the flag to raise.
 
     Parameters
     ----------
@@ -287,16 +292,14 @@ def plan_round(data: xr.Dataset, spec: AdaptiveSpec, round_index: int) -> RoundP
     --------
     >>> from divstats import PolicyEffect, simulate_study
     >>> pilot = simulate_study(3, {"a": PolicyEffect(0.1)}, horizon=5, replicates=4, kind="residual")
-    >>> nxt = plan_round(pilot, AdaptiveSpec(("loss",), budget=40), 1)
+    >>> nxt = next_round(pilot, AdaptiveSpec(("loss",), budget=40), 1)
     >>> nxt.pairs, nxt.replicates >= 40
     (3, True)
     """
     import divstats
 
     try:
-        plan = divstats.plan_round(data, spec.metrics, round_index, target_se=spec.target_se, budget=spec.budget,
-                                   budget_unit=spec.budget_unit, by=spec.by, max_rounds=spec.max_rounds,
-                                   min_replicates=spec.min_replicates)
+        plan = divstats.plan_round(data, spec.metrics, round_index, **spec.round_settings())
     except divstats.NotIdentified as exc:
         raise ConfigError(f"{exc}; target other --metrics (the pilot is kept)") from None
     if round_index > spec.rounds_allowed and spec.budget is None:
@@ -422,7 +425,7 @@ def collect_adaptive(cfg: CollectConfig, spec: AdaptiveSpec, *, say: Callable[[s
             say(f"round {k}: resuming ({sum(map(sum, (row.values() for row in allocation.values())))} "
                 "replicates allocated)")
         else:
-            plan = plan_round(pack_run(cfg.out, progress=False), spec, k)   # rounds 0..k-1, all complete
+            plan = next_round(pack_run(cfg.out, progress=False), spec, k)   # rounds 0..k-1, all complete
             out.plans[k] = plan
             if not plan.replicates:
                 out.stopped = plan.reason
@@ -436,179 +439,11 @@ def collect_adaptive(cfg: CollectConfig, spec: AdaptiveSpec, *, say: Callable[[s
                 f"{plan.replicates} replicates for {plan.pairs} pairs")
         out.results[k] = collect(cfg.for_round(k, allocation), stop_reason)
         k += 1
-    if not out.ok:
+    last = out.results[max(out.results)]
+    if not out.ok and last.refused and not last.retry_helps:   # designed refusals: a rerun cannot collect them
+        out.stopped = (f"round {max(out.results)} is incomplete: the server refuses {', '.join(sorted(last.refused))} "
+                       "on its model by design; collect without them (--policies)")
+    elif not out.ok:
         out.stopped = f"round {max(out.results)} is incomplete; rerun the same command to resume it"
     _record(journal, spec, out.plans, out.stopped)
     return out
-
-
-# ---------------------------------------------------------------------------
-# The procedure on simulated documents whose every estimand is known exactly
-# ---------------------------------------------------------------------------
-
-class _Pool:
-    """Replicates drawn ahead for every simulated (doc, policy), handed out in order: each is used once."""
-
-    def __init__(self, draw: Callable[[int], xr.Dataset], size: int) -> None:
-        self.draw, self.size = draw, size
-        self.data = draw(size)
-        self.cursor = np.zeros((self.data.sizes["doc"], self.data.sizes["policy"]), dtype=int)
-
-    def take(self, counts: np.ndarray, width: int) -> np.ndarray:
-        """Indices (doc, policy, width) of ``counts`` fresh replicates per pair, -1 in the slots left absent."""
-        if int((self.cursor + counts).max()) > self.data.sizes["replicate"]:
-            more = self.draw(max(self.size, int(counts.max())))
-            self.data = xr.concat([self.data, more], dim="replicate", data_vars="minimal", coords="minimal",
-                                   compat="override", join="override")
-        slot = np.arange(width)
-        index = np.where(slot < counts[..., None], self.cursor[..., None] + slot, -1)
-        self.cursor += counts
-        return index
-
-    def dataset(self, index: np.ndarray, layout: Any) -> xr.Dataset:
-        """The traces ``kvdiv pack`` would write: these replicates in the layout's round blocks."""
-        from collector.rounds import absent_value
-
-        n = index.shape[-1]
-        out = self.data.isel(replicate=slice(0, n)).assign_coords(replicate=np.arange(n, dtype=np.int32))
-        safe = np.maximum(index, 0)
-        taken_vars = {}
-        for name, var in self.data.data_vars.items():
-            if "replicate" not in var.dims:
-                continue
-            rest = [d for d in var.dims if d not in ("doc", "policy", "replicate")]
-            values = var.transpose("doc", "policy", "replicate", *rest).values
-            idx = np.broadcast_to(safe.reshape(safe.shape + (1,) * len(rest)), safe.shape + values.shape[3:])
-            taken = np.take_along_axis(values, idx, axis=2)
-            taken[index < 0] = absent_value(str(name), values.dtype)
-            taken_vars[name] = (("doc", "policy", "replicate", *rest), taken)
-        out = out.assign(taken_vars)   # one merge, not one per variable: this runs a few times per repetition
-        if layout.adaptive:
-            out = out.assign_coords(round=("replicate", layout.round_of_slot()))
-        return out
-
-
-def simulate_adaptive(spec: AdaptiveSpec, *, docs: int = 6, effects: Sequence[float] = (0.06, 0.15),
-                      horizon: int = 5, window: int | None = None, vocab_size: int = 4, pilot_replicates: int = 3,
-                      repetitions: int = 100, doc_sd: float = 0.3, seed: int = 0) -> xr.Dataset:
-    """Run the adaptive procedure on simulated documents and compare its estimates with the exact values.
-
-    Each (document, policy) is a small Markov pair of kernels
-    (``divstats.markov_kernels``) whose estimands ``divstats.exact``
-    enumerates. A repetition simulates the pilot (residual traces), then, round by
-    round, asks :func:`plan_round` (the function ``kvdiv collect`` uses) for the next
-    allocation and gives each pair that many fresh replicates, laid out in round
-    blocks with absent slots as ``kvdiv pack`` lays them out
-    (``collector.rounds.RoundLayout``), and finally estimates with
-    ``divstats.estimate`` (which leaves out round 0). Replicates are drawn ahead in
-    one batch per pair (``divstats.simulate``) and each is used once, which is the
-    same as drawing them round by round.
-
-    Parameters
-    ----------
-    spec : AdaptiveSpec
-        The target or budget and its metrics.
-    docs : int
-        Documents; each has its own kernels and a strength multiplier exp(N(0, doc_sd)).
-    effects : sequence of float
-        One simulated policy per strength (``PolicyEffect``).
-    horizon, window, vocab_size : int
-        T, W (None: T) and V.
-    pilot_replicates : int
-        R of round 0.
-    repetitions : int
-        Independent runs of the whole procedure.
-    doc_sd : float
-        SD of the documents' log strength multiplier.
-    seed : int
-        Seed of the documents and of every draw.
-
-    Returns
-    -------
-    xarray.Dataset
-        Over (repetition, doc, policy): for each metric m, ``m`` (the estimate
-        ``kvdiv analyze`` reports: rounds >= 1), ``m_pooled`` (round 0 pooled in) and,
-        over (doc, policy), ``m_exact``; ``counted`` (replicates of rounds >= 1) and,
-        per repetition, ``rounds`` (rounds after the pilot).
-
-    Examples
-    --------
-    >>> sim = simulate_adaptive(AdaptiveSpec(("occurrence",), budget=30), docs=2, repetitions=2)
-    >>> sorted(sim.data_vars)
-    ['counted', 'occurrence', 'occurrence_exact', 'occurrence_pooled', 'rounds']
-    """
-    import divstats
-    import protocols
-    from collector.rounds import RoundLayout
-    from divstats import PolicyEffect, markov_kernels
-
-    rng = np.random.default_rng(seed)
-    policies = [f"p{j}" for j in range(len(effects))]
-    kernels, exact = {}, {}
-    for d in range(docs):
-        scale = float(np.exp(rng.normal(0.0, doc_sd)))
-        for j, effect in enumerate(effects):
-            p, q = markov_kernels(seed * 100_003 + d, j, PolicyEffect(effect), vocab_size, scale)
-            kernels[(f"doc{d}", policies[j])] = (p, q)
-            exact[(f"doc{d}", policies[j])] = divstats.exact(p, q, vocab_size, horizon, window)
-
-    def draw(n: int) -> xr.Dataset:
-        per_doc = [protocols.combine([divstats.simulate(*kernels[(f"doc{d}", pol)], vocab_size, horizon, n,
-                                                        kind="residual", window=window,
-                                                        seed=int(rng.integers(2 ** 31)), doc=f"doc{d}", policy=pol)
-                                      for pol in policies], dim="policy", validate=False) for d in range(docs)]
-        return protocols.combine(per_doc, dim="doc", validate=False)
-
-    pool = _Pool(draw, repetitions * (pilot_replicates + 16))
-    rows = []
-    for _ in range(repetitions):
-        layout = RoundLayout({"replicates": pilot_replicates}, {})
-        blocks = [pool.take(np.full(pool.cursor.shape, pilot_replicates), pilot_replicates)]
-        k = 1
-        while (plan := plan_round(pool.dataset(np.concatenate(blocks, -1), layout), spec, k)).replicates:
-            layout = RoundLayout(layout.params, {**layout.allocations, k: plan.allocation()})
-            counts = plan.further.transpose("doc", "policy").values
-            blocks.append(pool.take(counts, layout.widths[-1]))
-            k += 1
-        data = pool.dataset(np.concatenate(blocks, -1), layout)
-        est, pooled = divstats.estimate(data), divstats.estimate(data.drop_vars("round", errors="ignore"))
-        rows.append(xr.Dataset({**{m: est[m] for m in spec.metrics},
-                                **{f"{m}_pooled": pooled[m] for m in spec.metrics},
-                                "counted": divstats.counted_replicates(data), "rounds": k - 1}))
-    out = xr.concat(rows, dim="repetition", coords="minimal", compat="override")
-    out = out.drop_vars([c for c in out.coords if c not in ("doc", "policy")])
-    for m in spec.metrics:
-        values = [[exact[(str(d), str(p))][m] for p in out["policy"].values] for d in out["doc"].values]
-        out[f"{m}_exact"] = (("doc", "policy"), np.array(values, dtype=float))
-    return out.assign_attrs(spec=spec.describe(), pilot_replicates=pilot_replicates, horizon=horizon)
-
-
-def bias_table(sim: xr.Dataset, metrics: Sequence[str]) -> list[dict[str, float | str]]:
-    """Bias of the adaptive and the pooled estimates in a :func:`simulate_adaptive` result.
-
-    Parameters
-    ----------
-    sim : xarray.Dataset
-        :func:`simulate_adaptive`'s output.
-    metrics : sequence of str
-        Metrics to report.
-
-    Returns
-    -------
-    list of dict
-        Per metric and estimate (``rounds >= 1`` or ``pooled``): the mean over cells
-        of the bias relative to the exact value, its SE over repetitions, the largest
-        |z| of a cell's bias, and the mean bias in the metric's units.
-    """
-    rows = []
-    for m in metrics:
-        truth = sim[f"{m}_exact"]
-        for name, var in (("rounds >= 1", m), ("pooled with the pilot", f"{m}_pooled")):
-            err = sim[var] - truth
-            n = sim.sizes["repetition"]
-            z = err.mean("repetition") / (err.std("repetition", ddof=1) / np.sqrt(n))
-            rel = (err / truth).mean(["doc", "policy"])   # one number per repetition: its SE is honest
-            rows.append({"metric": m, "estimate": name, "relative_bias": float(rel.mean()),
-                         "se": float(rel.std(ddof=1) / np.sqrt(n)), "max_abs_z": float(np.abs(z).max()),
-                         "bias": float(err.mean())})
-    return rows

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import click
 
 from collector.cli import collect as collector_collect
-from kvdiv.demo import DEFAULT_MODELS as _DEMO_MODELS
-from kvdiv.demo import DEFAULT_REPLICATES, MODEL_REPLICATES, DemoConfig
+from kvdiv.demo_spec import DEFAULT_MODELS as _DEMO_MODELS
+from kvdiv.demo_spec import DEFAULT_REPLICATES, MODEL_REPLICATES, DemoConfig
 
 if TYPE_CHECKING:
     from kvdiv.adaptive import AdaptiveSpec
@@ -57,7 +57,7 @@ def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: b
     if server is not None:
         tokenizer = D.server_token_counter(server, api_key)
     else:
-        from kvdiv.demo import load_tokenizer
+        from kvdiv.demo_documents import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer_id)
     try:
@@ -109,7 +109,8 @@ def demo(out: Path, docs_count: int | None, replicates: int | None, max_new_toke
          concurrency: int | None, api_key: str | None, plan: Path | None, control: bool,
          reference_docs: int | None) -> None:
     """The paper's study end to end: documents, server, traces, plan, report."""
-    from kvdiv.demo import DemoConfig, DemoError, run_demo
+    from kvdiv.demo import run_demo
+    from kvdiv.demo_spec import DemoError
 
     overrides = {k: v for k, v in dict(docs_count=docs_count, replicates=replicates, max_new_tokens=max_new_tokens,
                                        window=window, target_tokens=target_tokens,
@@ -179,8 +180,12 @@ def _collect_adaptive(options: dict[str, object], adaptive: dict[str, object]) -
     for k, res in sorted(result.results.items()):
         click.echo(f"round {k}: {res.summary()}", err=True)
     click.echo(f"stopped: {result.stopped}", err=True)
+    if any(res.refused for res in result.results.values()):   # designed refusals: a rerun cannot collect them
+        click.echo("The server refuses the REFUSED policies on its model by design (docs/presses-by-family.md): "
+                   "rerunning will not collect them; collect without them (--policies).", err=True)
     if not result.ok:
-        click.echo(f"Rerun the same command to resume; {out} keeps every complete request.", err=True)
+        if any(res.retry_helps for res in result.results.values()):
+            click.echo(f"Rerun the same command to resume; {out} keeps every complete request.", err=True)
         sys.exit(1)
     click.echo(f"complete: `kvdiv pack {out} -o {Path(str(out)) / 'traces.nc'}` (estimates use the rounds after "
                "the pilot)", err=True)

@@ -36,6 +36,7 @@ from protocols.policies import (
 from protocols.schema import (
     COUPLING,
     SCHEMA,
+    absent_value,
     coupled_dataset,
     eos_ids,
     reference_dataset,
@@ -66,7 +67,7 @@ __all__ = [
     "PolicyIdError", "PolicySpec", "PressTerm", "Problem", "QuantTerm", "StoreError", "Stream", "StreamReader",
     "parse_option_value",
     "TraceFileError", "TraceStoreWriter",
-    "assemble_stream",
+    "absent_value", "assemble_stream",
     "prompt_digest", "read_stream",
     "ProtocolError", "StreamError", "StreamWriter", "TV_ZERO_ATOL", "TraceValidationError", "__version__",
     "assemble", "branch_record", "combine", "converters", "coupled_dataset", "dataset_lines", "encode_line",

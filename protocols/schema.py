@@ -24,7 +24,8 @@ from protocols.version import __version__
 __all__ = [
     "COUPLING", "KINDS", "MISSING_TOKEN", "OPTIONAL_VARS", "PER_MODEL_COORDS", "PROB_DTYPE", "REQUIRED_ATTRS",
     "REQUIRED_VARS",
-    "SCHEMA", "SPLITS", "TOKEN_DTYPE", "VARIABLE_DOCS", "coupled_dataset", "eos_ids", "eos_set", "eos_table",
+    "SCHEMA", "SPLITS", "TOKEN_DTYPE", "VARIABLE_DOCS", "absent_value", "coupled_dataset", "eos_ids", "eos_set",
+    "eos_table",
     "reference_dataset", "residual_dataset", "sampling_params",
 ]
 
@@ -98,6 +99,36 @@ VARIABLE_DOCS: dict[str, str] = {
 #: per-doc coordinates that may differ between models (each model's tokenizer counts its own
 #: prompt): combined along ``model`` they become (``model``, ``doc``) coordinates
 PER_MODEL_COORDS = ("prompt_tokens",)
+
+
+def absent_value(name: str, dtype: np.dtype) -> Any:
+    """The contract's "nothing observed" value of a per-replicate variable (an absent replicate, docs/contract.md §1).
+
+    Parameters
+    ----------
+    name : str
+        The variable's name.
+    dtype : numpy.dtype
+        Its dtype.
+
+    Returns
+    -------
+    float or int
+        NaN for a float, 0 for ``branch_step``, -1 (:data:`MISSING_TOKEN`) for any other integer.
+
+    Raises
+    ------
+    TypeError
+        ``dtype`` is not a dtype numpy understands.
+
+    Examples
+    --------
+    >>> absent_value("shared_tv", np.dtype("float32")), absent_value("branch_step", np.dtype("int32"))
+    (nan, 0)
+    """
+    if np.issubdtype(dtype, np.floating):
+        return np.nan
+    return 0 if name == "branch_step" else MISSING_TOKEN
 
 
 def eos_ids(attrs: Mapping[str, Any]) -> tuple[int, ...]:

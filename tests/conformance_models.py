@@ -27,13 +27,18 @@ _COMMON: dict[str, Any] = dict(vocab_size=320, hidden_size=64, intermediate_size
 @dataclass(frozen=True)
 class Family:
     """One architecture: its ``model_type``, the config values that switch its features on,
-    and what they are (for the table)."""
+    and what they are (for the table); ``name`` tells two configs of one type apart."""
 
     model_type: str
     config: dict[str, Any]
     features: str
     attn_implementation: str = "sdpa"
     extra: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", self.model_type)
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -70,6 +75,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("phi3", dict(sliding_window=WINDOW, tie_word_embeddings=False, partial_rotary_factor=0.5,
                         pad_token_id=0),
            f"fused qkv, window {WINDOW} on every layer, partial rotary"),
+    # no window: every layer is compressed, so the presses meet partial rotary (issue 41)
+    Family("phi3", dict(tie_word_embeddings=False, partial_rotary_factor=0.5, pad_token_id=0),
+           "fused qkv, partial rotary (half of each head rotated), no window", name="phi3_partial"),
     Family("olmo2", dict(tie_word_embeddings=False), "q/k norms (full width), post-norms"),
     Family("olmo3", dict(sliding_window=WINDOW, num_hidden_layers=4,
                          layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
@@ -84,7 +92,7 @@ FAMILIES: tuple[Family, ...] = (
                                         "full_attention"]),
            f"window {WINDOW} on 3 of 4 layers, rope on windowed layers only, logit scale, parallel block"),
 )
-BY_NAME = {f.model_type: f for f in FAMILIES}
+BY_NAME = {f.name: f for f in FAMILIES}
 
 
 def build(family: Family, seed: int = 0) -> torch.nn.Module:
@@ -109,7 +117,7 @@ def loaded(family: Family, seed: int = 0) -> Any:
     from gen_service.models.loading import LoadedModel, byte_tokenizer
 
     model = build(family, seed)
-    return LoadedModel(model=model, tokenizer=byte_tokenizer(), name=f"conformance:{family.model_type}",
+    return LoadedModel(model=model, tokenizer=byte_tokenizer(), name=f"conformance:{family.name}",
                        eos_token_id=None, vocab_size=model.config.vocab_size, max_context=512,
                        device=torch.device("cpu"), dtype=torch.float32)
 
@@ -340,3 +348,143 @@ class _Null:
 
     def __getattr__(self, name: str) -> Any:
         return lambda *a, **k: self
+
+
+# --------------------------------------------------------------------------- presses x families
+
+@dataclass(frozen=True)
+class Cell:
+    """One press on one family (tests/test_presses_families.py, docs/presses-by-family.md).
+
+    ``outcome``: ``equals kvpress`` (kvpress's own pipeline runs it on this model and kvdiv's
+    greedy candidate tokens are the pipeline's), ``runs`` (kvdiv runs it; kvpress's pipeline
+    is not comparable here: it also compresses windowed layers, or it fails), ``refused``
+    (kvdiv refuses it on this model by design; run anyway, it fails) or ``FAILS`` (a bug:
+    neither runs nor refused). ``detail``: the refusal, the kvpress failure, or the difference.
+    """
+
+    press: str
+    policy: str
+    outcome: str
+    detail: str = ""
+
+
+#: greedy tokens compared with kvpress's pipeline, after a question of QUESTION_LEN tokens
+PIPELINE_HORIZON, QUESTION_LEN = 8, 6
+
+
+def press_policies(num_layers: int) -> list[tuple[str, str]]:
+    """(press class, policy id) for every press of the table that runs without an artifact."""
+    from gen_service.presses.table import PRESSES
+
+    out = []
+    for p in PRESSES:
+        if not p.kinds or p.artifact is not None:
+            continue
+        policy = p.example
+        if p.name == "CAMPress":   # a budget the prompt passes: it evicts within the few steps run
+            policy = "kvpress:CAMPress(KnormPress)#24:compression_interval=2"
+        if p.name == "PerLayerCompressionPress":   # one ratio per layer
+            policy = ("kvpress:PerLayerCompressionPress(KnormPress):compression_ratios="
+                      + ";".join(["0.3", "0.7"] * num_layers)[: 4 * num_layers - 1])
+        out.append((p.name, policy))
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
+
+
+def _run(engine: Any, policy: str, ids: list[int]) -> None:
+    from gen_service.engine.jobs import TraceJob
+
+    for _ in engine.trace(TraceJob(prompt_ids=ids, candidate=policy, kind="coupled", horizon=3, replicates=1, seed=0)):
+        pass
+
+
+def _kvdiv_greedy(engine: Any, policy: str, ids: list[int], question: list[int]) -> list[int]:
+    from gen_service.engine.coupling import Sampling
+    from gen_service.engine.jobs import TraceJob
+
+    job = TraceJob(prompt_ids=ids, question_ids=question, candidate=policy, horizon=PIPELINE_HORIZON, replicates=1,
+                   sampling=Sampling(do_sample=False), seed=0)
+    torch.manual_seed(0)   # presses drawing from the global generator (LeverageScore) draw as kvpress's run
+    return [r["y_token"][0] for r in engine.trace(job) if isinstance(r, dict) and r["type"] == "step"]
+
+
+def kvpress_greedy(model: torch.nn.Module, press: Any, ids: list[int], question: list[int]) -> list[int]:
+    """kvpress's own ``kv-press-text-generation`` pipeline (its ``_forward``: prefill under
+    the press, then the question and greedy decoding), with kvpress's own window attention
+    (not kvdiv's: gen_service.presses.rotary); the answer's token ids."""
+    from unittest import mock
+
+    import kvpress  # noqa: F401  (registers the pipeline)
+    from kvpress import SnapKVPress
+    from kvpress.pipeline import KVPressTextGenerationPipeline
+
+    from gen_service.presses.rotary import kvpress_window_attention
+
+    class Ids:   # the pipeline decodes its answer: keep the ids
+        def decode(self, ids: Any, **_: Any) -> str:
+            return ",".join(str(int(i)) for i in ids)
+
+    pipe = KVPressTextGenerationPipeline.__new__(KVPressTextGenerationPipeline)
+    pipe.model, pipe.tokenizer = model, Ids()
+    tensors = {"context_ids": torch.tensor([ids]), "questions_ids": [torch.tensor([question])]}
+    torch.manual_seed(0)
+    with mock.patch.object(SnapKVPress, "compute_window_attention", staticmethod(kvpress_window_attention())), \
+            torch.inference_mode():
+        answer = pipe._forward(tensors, max_new_tokens=PIPELINE_HORIZON, press=press)[0]
+    return [int(t) for t in answer.split(",")]
+
+
+def press_cells(lm: Any) -> list[Cell]:
+    """Every press of the table on ``lm`` (a conformance family's model, its config's
+    ``_name_or_path`` a folder holding its tokenizer: KVzip loads it from there), each
+    over a prompt longer than every window: refused by design, run, and compared with
+    kvpress's own pipeline where that compresses the same layers kvdiv does (a model
+    without windowed layers)."""
+    from dataclasses import replace
+    from unittest import mock
+
+    from gen_service.engine.facade import Engine
+    from gen_service.errors import PolicyError
+    from gen_service.presses.registry import ModelInfo
+
+    engine = Engine(lm)
+    info = ModelInfo.of(lm)
+    ids, question = prompt(0), prompt(1, n=QUESTION_LEN)
+    cells = []
+    for name, policy in press_policies(info.num_layers):
+        try:
+            engine.registry.build(policy, info)
+        except PolicyError as exc:
+            if not exc.permanent:
+                cells.append(Cell(name, policy, "FAILS", f"not built: {exc}"))
+                continue
+            try:   # a refusal by design: run anyway, it must fail
+                with mock.patch("gen_service.presses.registry.refusal", lambda *a, **k: None):
+                    _run(engine, policy, ids)
+                cells.append(Cell(name, policy, "FAILS", f"refused, yet it runs: {exc}"))
+            except Exception:
+                cells.append(Cell(name, policy, "refused", str(exc).split(": ", 1)[1]))
+            continue
+        try:
+            _run(engine, policy, ids)
+        except Exception as exc:
+            cells.append(Cell(name, policy, "FAILS", _first_line(exc)))
+            continue
+        if info.features is not None and info.features.windowed:
+            cells.append(Cell(name, policy, "runs", "kvpress compresses the windowed layers too: not compared"))
+            continue
+        press = engine.registry.build(policy, replace(info, features=None)).plan(len(ids)).press
+        try:
+            want = kvpress_greedy(lm.model, press, ids, question)
+        except Exception as exc:
+            cells.append(Cell(name, policy, "runs", f"kvpress's pipeline fails: {_first_line(exc)}"))
+            continue
+        got = _kvdiv_greedy(engine, policy, ids, question)
+        same = got == want
+        cells.append(Cell(name, policy, "equals kvpress" if same else "FAILS",
+                          "" if same else f"greedy tokens differ from kvpress's pipeline: {got} vs {want}"))
+    return cells

@@ -19,7 +19,7 @@ from collector.errors import ConfigError, ManifestMismatch
 from collector.journal import Journal
 from collector.pack import pack_run
 from divstats.estimation.components import document_values
-from kvdiv.adaptive import AdaptiveSpec, collect_adaptive, parse_target, plan_metrics, plan_round
+from kvdiv.adaptive import AdaptiveSpec, collect_adaptive, next_round, parse_target, plan_metrics
 from kvdiv.cli import main
 
 POLICIES = ["snapkv@0.5", "recent@0.5"]
@@ -145,18 +145,18 @@ def test_errors_are_named(fake_server: FakeServer, docs_file: Path, tmp_path: Pa
         assert res.exit_code != 0 and message in res.output, (extra, res.output)
 
 
-def test_plan_round_counts_only_the_later_rounds(docs_file: Path, tmp_path: Path) -> None:
+def test_next_round_counts_only_the_later_rounds(docs_file: Path, tmp_path: Path) -> None:
     from divstats.truth.studies import PolicyEffect, simulate_study
 
     pilot = simulate_study(3, {"a": PolicyEffect(0.1)}, horizon=5, replicates=4, kind="residual", window=4)
-    first = plan_round(pilot, AdaptiveSpec(("occurrence",), target_se={"occurrence": 0.1}), 1)
+    first = next_round(pilot, AdaptiveSpec(("occurrence",), target_se={"occurrence": 0.1}), 1)
     assert first.pilot_only and int(first.counted.sum()) == 0 and int(first.further.min()) >= 2
-    assert plan_round(pilot, AdaptiveSpec(("occurrence",), budget=10), 2).reason == "the budget is spent"
+    assert next_round(pilot, AdaptiveSpec(("occurrence",), budget=10), 2).reason == "the budget is spent"
     # a budget in cost units: no recorded times, so decoding steps (T + K per residual replicate)
     from divstats.design.allocation import CostModel
 
     steps = CostModel.from_traces(pilot).steps_per_replicate
-    spent = plan_round(pilot, AdaptiveSpec(("occurrence",), budget=300, budget_unit="cost"), 1).replicates
+    spent = next_round(pilot, AdaptiveSpec(("occurrence",), budget=300, budget_unit="cost"), 1).replicates
     assert steps > 1 and spent == int(300 / steps)
 
 
@@ -171,14 +171,14 @@ def test_one_round_by_default_and_more_on_a_rerun(fake_server: FakeServer, docs_
 
 
 def test_the_adaptive_estimate_is_unbiased_against_exact_values() -> None:
-    """The whole procedure (pilot, allocation by plan_round, rounds stacked as pack does, divstats.estimate)
-    on simulated documents whose estimands divstats.exact enumerates: the default estimate (one round after the
-    pilot, the pilot left out) has no bias beyond 3 SE + 2% (relative, mean over pairs), and no pair's bias is
-    beyond 4.5 SE (8 pairs)."""
-    from kvdiv.adaptive import bias_table, simulate_adaptive
+    """The whole procedure (pilot, allocation by divstats.plan_round with the command's settings, rounds
+    stacked as pack does, divstats.estimate) on simulated documents whose estimands divstats.exact enumerates:
+    the default estimate (one round after the pilot, the pilot left out) has no bias beyond 3 SE + 2%
+    (relative, mean over pairs), and no pair's bias is beyond 4.5 SE (8 pairs)."""
+    from divstats.calibration.adaptive import bias_table, simulate_adaptive
 
     spec = AdaptiveSpec(("occurrence", "loss"), target_se={"occurrence": 0.02, "loss": 0.1})
-    sim = simulate_adaptive(spec, docs=4, repetitions=50, seed=11)
+    sim = simulate_adaptive(spec.metrics, **spec.round_settings(), docs=4, repetitions=50, seed=11)
     assert int(sim["rounds"].max()) == 1 and float(sim["counted"].std()) > 0   # the allocation did vary by pair
     rows = {(r["metric"], r["estimate"]): r for r in bias_table(sim, spec.metrics)}
     for m in spec.metrics:
@@ -192,10 +192,11 @@ def test_pooling_the_pilot_is_biased_and_the_adaptive_estimate_is_not() -> None:
     """The contrast the design rests on (docs/design.md): with a budget spent by Neyman allocation, loss pooled
     with the pilot that chose the allocation is biased (-1.35% ± 0.19% in bench_adaptive.py), the rounds after
     the pilot are not."""
-    from kvdiv.adaptive import bias_table, simulate_adaptive
+    from divstats.calibration.adaptive import bias_table, simulate_adaptive
 
     spec = AdaptiveSpec(("occurrence", "loss"), budget=120)
-    sim = simulate_adaptive(spec, docs=4, repetitions=150, seed=0)   # the documents of bench_adaptive.py
+    # the documents of bench_adaptive.py
+    sim = simulate_adaptive(spec.metrics, **spec.round_settings(), docs=4, repetitions=150, seed=0)
     rows = {(r["metric"], r["estimate"]): r for r in bias_table(sim, spec.metrics)}
     for m in spec.metrics:
         row = rows[(m, "rounds >= 1")]

@@ -7,7 +7,7 @@ batches of the same make-up). And one request run alone and merged with 7 others
 the same records bit for bit, tokens and TV: the pooled prompts are padded to a whole
 number of the CPU attention kernel's key blocks (``shared_cache.CPU_KEY_BLOCK``), so a
 group's keys fall in the same blocks whatever the longest prompt beside it
-(docs/service.md, "Batch invariance and the control").
+(docs/server-design.md, "Batch invariance and the control").
 """
 
 from __future__ import annotations

@@ -262,3 +262,19 @@ def test_a_journal_from_before_prompt_sha256_still_packs_and_resumes(docs_file: 
     clean = pack_run(clean_run[0], progress=False)
     for name in clean.data_vars:
         assert old[name].values.tobytes() == clean[name].values.tobytes(), name
+
+
+@pytest.mark.timeout(60)
+def test_a_designed_refusal_ends_its_policy_for_every_document_once(docs_file: Path, tmp_path: Path) -> None:
+    """A 422 marked permanent (a press the server refuses on its model): asked once, never
+    retried, not sent for the other documents; the summary names the policy once with its
+    documents, and rerunning is not advised (nothing a rerun could collect)."""
+    with FakeServer() as server:
+        server.faults_for = {(f"doc{i}", "recent@0.5"): ["422_permanent"] * 6 for i in range(3)}
+        result = collect(_cfg([server.url], docs_file, tmp_path / "run", max_attempts=6))
+        asked = [r["doc_id"] for r in server.requests if r["candidate"] == "recent@0.5"]
+    assert len(asked) == 1 and result.retries == 0
+    assert result.completed == 3 and not result.failed and not result.retry_helps and not result.ok
+    reason, documents = result.refused["recent@0.5"]
+    assert sorted(documents) == ["doc0", "doc1", "doc2"] and "partial rotary" in reason
+    assert result.summary().count("REFUSED") == 1 and "3 document(s)" in result.summary()

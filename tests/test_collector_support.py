@@ -196,6 +196,10 @@ class FakeServer:
         if fault == "422":
             return JSONResponse({"error": "candidate: unknown policy", "error_type": "validation"},
                                 status_code=422)
+        if fault == "422_permanent":   # a press the server refuses on its model by design
+            return JSONResponse({"error": f"candidate: policy {body.get('candidate')!r}: ThinKPress cannot run on "
+                                          "Phi3ForCausalLM: partial rotary", "error_type": "validation",
+                                 "permanent": True}, status_code=422)
         if fault == "gzip_garbage":
             return StreamingResponse(self._stream(body, "ok"), media_type="application/x-ndjson",
                                      headers={"Content-Encoding": "gzip"})

@@ -63,7 +63,7 @@ FAST_PAIRS = {("qwen2", "generate"), ("gemma2", "per-row copies")}
 
 
 @pytest.mark.parametrize(("family", "loop"), [
-    pytest.param(f.model_type, lp.name, marks=() if lp.name in FAST or (f.model_type, lp.name) in FAST_PAIRS
+    pytest.param(f.name, lp.name, marks=() if lp.name in FAST or (f.name, lp.name) in FAST_PAIRS
                  else pytest.mark.slow)
     for f in FAMILIES for lp in LOOPS])
 def test_p_is_the_models_own_forward(models: dict, family: str, loop: str) -> None:
@@ -74,7 +74,7 @@ def test_p_is_the_models_own_forward(models: dict, family: str, loop: str) -> No
 def test_every_window_is_shorter_than_the_prompt() -> None:
     for fam in FAMILIES:
         windows = [w for w in layer_windows(build(fam).config) if w is not None]
-        assert all(w < PROMPT_LEN for w in windows), fam.model_type
+        assert all(w < PROMPT_LEN for w in windows), fam.name
     assert sum(any(layer_windows(build(f).config)) for f in FAMILIES) >= 7
 
 
@@ -181,7 +181,7 @@ def test_rerotating_presses_use_each_layers_own_rotary(models: dict, family: str
                not isinstance(layer.self_attn.rotary_emb, LayerRotary) for layer in lm.model.model.layers)
 
 
-MIXED = [f.model_type for f in FAMILIES if len(set(getattr(build(f).config, "layer_types", None) or ())) > 1]
+MIXED = [f.name for f in FAMILIES if len(set(getattr(build(f).config, "layer_types", None) or ())) > 1]
 
 
 @pytest.mark.parametrize("family", MIXED)

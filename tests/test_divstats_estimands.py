@@ -117,19 +117,21 @@ def test_interval_ranges_come_from_the_table():
 
 # --------------------------------------------------------------------------- where a name is spelled
 
-#: The modules that may spell an estimand's name (a string literal equal to it): the table and
-#: the modules where formulas are.  Everywhere else derives the name from the table (a row's flag,
-#: or a constant of divstats.estimands such as TAIL_CAPACITY).
-SPELLED_IN: dict[str, str] = {
-    "estimands.py": "the table itself",
-    "traces/replicates.py": "the per-replicate formulas, one function per trace kind",
-    "estimation/estimators.py": "the ratio and derived estimands' formulas (estimate, aggregate)",
-    "estimation/components.py": "each estimand's per-replicate influence",
-    "estimation/interval.py": "the sharp interval's ends, loss_lower and loss_upper",
-    "estimation/variance.py": "loss per replicate, in the variance-dominance check",
-    "estimation/speculative.py": "the speculative-decoding estimands' formulas",
+#: Modules that spell estimand names without holding a formula of the table, and why.
+SPELLED_BESIDE_FORMULAS: dict[str, str] = {
     "inference/decompose.py": "the gap decomposition: its parts are named after the estimands they vary",
 }
+
+
+def formula_modules(rows: tuple[Estimand, ...] = ESTIMANDS + SPECULATIVE_ESTIMANDS) -> set[str]:
+    """The files the table names as where formulas are (``room/module.py``)."""
+    return {where.rpartition(".")[0].replace(".", "/") + ".py" for e in rows for where in e.formula}
+
+
+#: The modules that may spell an estimand's name (a string literal equal to it): the table, the
+#: modules its ``formula`` column names, and the few above.  Everywhere else derives the name from
+#: the table (a row's flag, or a constant of divstats.estimands such as TAIL_CAPACITY).
+SPELLED_IN: set[str] = {"estimands.py", *formula_modules(), *SPELLED_BESIDE_FORMULAS}
 #: The old FULL_MODEL_VALUES, before it was derived from the table.
 OLD_FULL_MODEL_VALUES = {
     **{m: 0.0 for m in ("occurrence", "exposure", "post_mismatch", "loss", "mismatch_fraction",
@@ -189,3 +191,87 @@ def test_the_name_constants_are_rows() -> None:
     constants = {k: v for k, v in vars(estimands).items() if k.isupper() and isinstance(v, str)}
     assert constants and set(constants.values()) <= ALL_NAMES
     assert all(k == v.upper() for k, v in constants.items())
+
+
+# --------------------------------------------------------------------------- where each formula is
+
+def _source(where: str) -> str:
+    import importlib
+    import inspect
+
+    module, _, function = where.rpartition(".")
+    obj = getattr(importlib.import_module(f"divstats.{module}"), function, None)
+    assert inspect.isfunction(obj), f"divstats.{where} is not a function"
+    return inspect.getsource(obj)
+
+
+@pytest.mark.parametrize("row", ESTIMANDS + SPECULATIVE_ESTIMANDS, ids=lambda e: e.name)
+def test_every_formula_location_resolves_and_computes_its_estimand(row: Estimand) -> None:
+    """Each function the row names exists and computes the estimand (names it, or its name constant)."""
+    import re
+
+    assert row.formula, f"{row.name}: no formula location"
+    for where in row.formula:
+        assert re.search(rf"\b({row.name}|{row.name.upper()})\b", _source(where)), (
+            f"divstats.{where} does not compute {row.name}")
+
+
+def test_the_formula_check_fails_for_a_wrong_location() -> None:
+    with pytest.raises(AssertionError, match="is not a function"):
+        _source("estimation.estimators.no_such_function")
+    assert "tail_capacity" not in _source("estimation.estimators.derived_quantities")
+
+
+def test_the_table_names_exactly_the_modules_that_spell_names() -> None:
+    """No module is allowed to spell names without a reason: each SPELLED_IN module spells one."""
+    import ast
+
+    for rel in SPELLED_IN:
+        tree = ast.parse((ROOT / "divstats" / rel).read_text(encoding="utf-8"))
+        assert any(isinstance(n, ast.Constant) and n.value in ALL_NAMES for n in ast.walk(tree)), (
+            f"divstats/{rel} is allowed to spell estimand names but spells none")
+
+
+def _stripped(names, suffixes=("_se", "_cov", "_low", "_high", "_sd_docs")) -> set[str]:
+    out = set()
+    for name in map(str, names):
+        for suffix in suffixes:
+            if name.endswith(suffix):
+                name = name[: -len(suffix)]
+                break
+        out.add(name)
+    return out
+
+
+#: Variables beside the estimands: the covariance behind the rate's delta method
+#: (``post_mismatch_exposure_cov``) and aggregate_intervals' document counts.
+NOT_ESTIMANDS = {"post_mismatch_exposure", "n_docs", "n_dropped"}
+
+
+@pytest.mark.parametrize("kind", ["coupled", "residual", "reference"])
+def test_every_variable_the_estimators_emit_is_in_the_table(kind: str) -> None:
+    from divstats.estimation.interval import sharp_interval
+    from divstats.truth.studies import PolicyEffect, simulate_study
+
+    ds = simulate_study(3, {"a": PolicyEffect(0.2), "b": PolicyEffect(0.4)}, horizon=5, replicates=3, kind=kind)
+    table = {e.name for e in ESTIMANDS}
+    rep = replicates.replicate_values(ds)
+    assert set(rep.values) == {*replicates.REPLICATE_ESTIMANDS, "cost"}
+    assert set(replicates.REPLICATE_ESTIMANDS) <= table
+    est = divstats.estimate(ds)
+    assert _stripped(est.data_vars) - NOT_ESTIMANDS == table
+    assert _stripped(divstats.aggregate(est).data_vars) - NOT_ESTIMANDS <= table
+    assert _stripped(divstats.aggregate_intervals(est, n_resamples=50).data_vars) - NOT_ESTIMANDS <= table
+    assert set(components.replicate_influence(ds).data_vars) == set(components.METRICS) <= table
+    # the sharp interval's variables are rows, or a row's lower or upper end (docs/statistics.md §6)
+    bounds = {n.removesuffix("_lower").removesuffix("_upper") for n in _stripped(sharp_interval(ds).data_vars)}
+    assert bounds <= table, bounds - table
+
+
+def test_every_speculative_variable_is_in_its_table() -> None:
+    import numpy as np
+
+    ds = protocols.reference_dataset(np.zeros((3, 4), int), np.full((3, 4), -0.5), np.full((3, 4), -0.7),
+                                     vocab_size=8)
+    spec = divstats.speculative(ds, gamma=(1, 2))
+    assert _stripped(spec.data_vars) == {e.name for e in SPECULATIVE_ESTIMANDS}

@@ -248,7 +248,8 @@ def test_report_gives_verdicts_and_the_margin_figure():
 # ---------------------------------------------------------------------------
 
 def test_power_of_margin_tests_at_zero_and_at_a_stated_difference():
-    from divstats.design.power import hypothesis_pilots, power, power_at, refused_reason
+    from divstats.design.pilot import hypothesis_pilots
+    from divstats.design.power import power, power_at, refused_reason
     from divstats.truth.studies import PolicyEffect, simulate_study
     pilot = simulate_study(12, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.06)}, horizon=6, replicates=4, seed=4)
     plan = _plan({"id": "eq", "family": "f", "metric": "occurrence", "compare": ["a", "b"],

@@ -118,7 +118,8 @@ def test_plan_row_is_refused_with_its_reason_and_the_report_renders() -> None:
 
 
 def test_power_is_zero_with_the_reason_where_the_one_sided_test_is_refused() -> None:
-    from divstats.design.power import hypothesis_pilots, power, power_at
+    from divstats.design.pilot import hypothesis_pilots
+    from divstats.design.power import power, power_at
 
     pilot = simulate_study(8, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.2)}, horizon=6, replicates=4, seed=1)
     hyp = {"id": "h", "family": "f", "metric": "occurrence", "compare": ["a", "b"], "split": "all",

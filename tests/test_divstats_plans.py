@@ -20,16 +20,9 @@ from divstats.inference.effects import hodges_lehmann
 from divstats.inference.location_tests import signed_rank_null_cdf
 from divstats.inference.multiplicity import holm
 from divstats.inference.paired import paired_test
-from divstats.plans.format import (
-    PlanError,
-    assign_split,
-    load_plan,
-    parse_aliases,
-    shipped_plan,
-    split_table,
-    split_uniform,
-)
+from divstats.plans.format import PlanError, load_plan, parse_aliases, shipped_plan
 from divstats.plans.run import TABLE_COLUMNS, run_plan
+from divstats.plans.split import assign_split, split_table, split_uniform
 
 PAPER = shipped_plan("paper")  # package data, as a wheel install has it
 POLICIES = ["snapkv@0.5", "snapkv#512", "recent@0.5", "snapkv@0.9"]

@@ -7,7 +7,8 @@ import pytest
 
 import divstats
 from divstats.calibration.power import PowerDesign, power_calibration
-from divstats.design.power import hypothesis_pilots, power, power_at
+from divstats.design.pilot import hypothesis_pilots
+from divstats.design.power import power, power_at
 from divstats.errors import PlanError
 from divstats.truth.studies import PolicyEffect, simulate_study
 
@@ -139,7 +140,8 @@ def test_pilot_replicates_are_the_counted_ones() -> None:
     # power table's default R and the per-replicate variance use the counted R.
     import numpy as np
 
-    from divstats.design.power import counted_replicates, power
+    from divstats.design.pilot import counted_replicates
+    from divstats.design.power import power
     from divstats.truth.studies import PolicyEffect, simulate_study
 
     ds = simulate_study(6, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.15)}, horizon=6, replicates=6,
@@ -181,7 +183,8 @@ def test_large_studies_have_power_not_nan(direction: str) -> None:
     # scipy's noncentral t returns NaN at large noncentrality (here ~100); power is then ~1 or ~0
     import math
 
-    from divstats.design.power import hypothesis_pilots, power_at
+    from divstats.design.pilot import hypothesis_pilots
+    from divstats.design.power import power_at
     from divstats.truth.studies import PolicyEffect, simulate_study
 
     pilot = simulate_study(8, {"a": PolicyEffect(0.05), "b": PolicyEffect(0.3)}, horizon=6, replicates=4, seed=1)

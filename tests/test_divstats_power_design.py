@@ -7,7 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from divstats.design.allocation import CostModel, design
-from divstats.design.power import hypothesis_pilots, power_at
+from divstats.design.pilot import hypothesis_pilots
+from divstats.design.power import power_at
 from divstats.truth.studies import PolicyEffect, simulate_study
 
 PLAN = {"plan": {"name": "d", "alpha": 0.05, "salt": "d", "confirmatory_fraction": 0.5},

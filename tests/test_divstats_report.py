@@ -16,8 +16,9 @@ from matplotlib.figure import Figure
 import divstats
 from divstats.cli.analyze import analyze, split
 from divstats.inference.decompose import decompose
-from divstats.plans.format import assign_split, shipped_plan
+from divstats.plans.format import shipped_plan
 from divstats.plans.run import run_plan
+from divstats.plans.split import assign_split
 from divstats.report import figures as F
 from divstats.report.analysis import compute
 from divstats.report.render import make_figures

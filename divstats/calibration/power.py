@@ -18,7 +18,8 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from divstats.design.power import hypothesis_pilots, power_at
+from divstats.design.pilot import hypothesis_pilots
+from divstats.design.power import power_at
 from divstats.estimands import OCCURRENCE
 from divstats.estimation.components import replicate_influence
 from divstats.inference.paired import paired_pvalue

@@ -15,13 +15,8 @@ from typing import TYPE_CHECKING
 import click
 
 from divstats.errors import DivstatsError, PlanError
-from divstats.plans.format import (
-    load_plan,
-    parse_aliases,
-    shipped_plans,
-    split_disagreement_note,
-    split_table,
-)
+from divstats.plans.format import load_plan, parse_aliases, shipped_plans
+from divstats.plans.split import split_disagreement_note, split_table
 from protocols import open_traces
 from protocols.chunks import cluster_options, dask_client, read_chunks
 

@@ -32,7 +32,8 @@ import pandas as pd
 import xarray as xr
 from scipy.optimize import nnls
 
-from divstats.design.power import HypothesisPilot, hypothesis_pilots, power_at, power_range
+from divstats.design.pilot import HypothesisPilot, hypothesis_pilots
+from divstats.design.power import power_at, power_range
 from divstats.estimands import LOSS
 from divstats.estimation.components import document_values
 from divstats.traces.replicates import replicate_values

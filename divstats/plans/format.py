@@ -1,11 +1,11 @@
-"""Prespecified analysis plans (docs/statistics.md §8): the format, its validation, the split.
+"""Prespecified analysis plans (docs/statistics.md §8): the format and its validation.
 
 A plan is a TOML file written before the data are looked at. It fixes the
 document split (a salted hash of the document id), the early/late age windows and
 every hypothesis: metric, the two things compared, direction, test, family and
 correction. :func:`load_plan` reads and validates one (a file, TOML text, a dict,
 or the name of a plan shipped with divstats, e.g. ``"paper"``) and returns a frozen
-:class:`Plan`; :func:`assign_split` gives the document split it fixes. Running a
+:class:`Plan`; :func:`divstats.plans.split.assign_split` gives the document split it fixes. Running a
 plan on traces is :func:`divstats.plans.run.run_plan`. The format is documented in
 ``docs/plans.md``.
 
@@ -26,8 +26,6 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from divstats.errors import PlanError
 from divstats.estimands import by_name
 from divstats.estimation.speculative import SPECULATIVE_METRICS
@@ -36,8 +34,7 @@ from protocols.policies import PolicyIdError, expand_policy_family
 
 __all__ = [
     "CORRECTIONS", "FULL", "SPLITS", "WINDOW_METRICS", "Certification", "Hypothesis", "Plan", "PlanError", "PlanSource",
-    "assign_split", "load_plan", "parse_aliases", "shipped_plan", "shipped_plans", "split_disagreement_note",
-    "split_table", "split_uniform",
+    "load_plan", "parse_aliases", "shipped_plan", "shipped_plans",
 ]
 
 SPLITS: tuple[str, ...] = ("confirmatory", "exploratory", "all")
@@ -573,125 +570,8 @@ def _check_families(hyps: Sequence[Hypothesis], problems: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------------
-# The document split
+# Run-time policy substitutions
 # ---------------------------------------------------------------------------
-
-def split_uniform(doc_id: str, salt: str) -> float:
-    """sha256(salt + ":" + doc_id) read as a uniform number in [0, 1).
-
-    Parameters
-    ----------
-    doc_id : str
-        The document id.
-    salt : str
-        The plan's salt.
-
-    Returns
-    -------
-    float
-        The first 8 bytes of the digest as a big-endian integer, divided by 2**64.
-
-    Examples
-    --------
-    >>> 0 <= split_uniform("doc0", "kvdiv-paper-v1") < 1
-    True
-    """
-    digest = hashlib.sha256(f"{salt}:{doc_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0 ** 64
-
-
-def assign_split(doc_ids: Sequence[str], salt: str, confirmatory_fraction: float = 0.5) -> list[str]:
-    """The authoritative split: confirmatory iff the salted hash falls below the fraction.
-
-    Parameters
-    ----------
-    doc_ids : sequence of str
-        Document ids (anything else is converted with ``str``).
-    salt : str
-        The plan's salt.
-    confirmatory_fraction : float
-        The plan's confirmatory fraction.
-
-    Returns
-    -------
-    list of str
-        ``"confirmatory"`` or ``"exploratory"`` per document, in order.
-
-    Examples
-    --------
-    >>> assign_split(["a", "b"], "s", 1.0)
-    ['confirmatory', 'confirmatory']
-    """
-    return ["confirmatory" if split_uniform(str(d), salt) < confirmatory_fraction else "exploratory"
-            for d in doc_ids]
-
-
-def split_table(doc_ids: Sequence[str], plan: Plan, dataset_split: Sequence[str] | None = None) -> pd.DataFrame:
-    """doc → plan split, the dataset's split label (if any) and whether they agree.
-
-    Parameters
-    ----------
-    doc_ids : sequence of str
-        Document ids.
-    plan : Plan
-        The plan whose salt and fraction define the split.
-    dataset_split : sequence of str, optional
-        The data's own split labels; a blank label means "not assigned" and is
-        not a disagreement.
-
-    Returns
-    -------
-    pandas.DataFrame
-        Columns ``doc``, ``split``, ``dataset_split``, ``agrees``.
-
-    Raises
-    ------
-    PlanError
-        When ``dataset_split`` does not hold one label per document.
-
-    Examples
-    --------
-    >>> t = split_table(["doc0"], load_plan("paper"), ["exploratory"])
-    >>> t.columns.tolist()
-    ['doc', 'split', 'dataset_split', 'agrees']
-    """
-    ids = [str(d) for d in doc_ids]
-    table = pd.DataFrame({"doc": ids, "split": assign_split(ids, plan.salt, plan.confirmatory_fraction)})
-    ds_split = [str(s) for s in dataset_split] if dataset_split is not None else [""] * len(ids)
-    if len(ds_split) != len(ids):
-        raise PlanError(f"{len(ds_split)} split labels for {len(ids)} documents")
-    table["dataset_split"] = ds_split
-    table["agrees"] = [(s == "" or s == p) for s, p in zip(ds_split, table["split"], strict=True)]
-    return table
-
-
-def split_disagreement_note(table: pd.DataFrame, limit: int = 5) -> str | None:
-    """A sentence describing disagreements with the dataset's split labels, or None.
-
-    Parameters
-    ----------
-    table : pandas.DataFrame
-        A :func:`split_table`.
-    limit : int
-        How many disagreeing documents to name.
-
-    Returns
-    -------
-    str or None
-        None when every label agrees (or is blank).
-
-    Examples
-    --------
-    >>> split_disagreement_note(split_table(["doc0"], load_plan("paper"))) is None
-    True
-    """
-    bad = table.loc[~table["agrees"]]
-    if bad.empty:
-        return None
-    examples = ", ".join(f"{r.doc} (data: {r.dataset_split}, plan: {r.split})" for r in bad.head(limit).itertuples())
-    return (f"{len(bad)} of {len(table)} documents carry a dataset split label that disagrees with the "
-            f"plan's hash split; the plan's split was used (e.g. {examples}).")
-
 
 def parse_aliases(items: Sequence[str]) -> dict[str, str]:
     """Parse run-time policy substitutions (``--policy-alias PLANNED=ACTUAL``).

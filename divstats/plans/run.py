@@ -40,9 +40,8 @@ from divstats.plans.format import (
     Plan,
     PlanSource,
     load_plan,
-    split_disagreement_note,
-    split_table,
 )
+from divstats.plans.split import split_disagreement_note, split_table
 from protocols import Kind
 
 __all__ = ["CERTIFY_COLUMNS", "EXTRA_COLUMNS", "FULL_MODEL_VALUES", "TABLE_COLUMNS", "PlanResult", "full_model_value",

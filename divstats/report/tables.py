@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
-from divstats.design.power import counted_replicates
+from divstats.design.pilot import counted_replicates
 from divstats.estimands import ACCEPTED_PER_CALL, TARGET_CALLS, TOKENS_PER_CALL, names
 from divstats.estimation.noise_floor import NO_CONTROL, NOISE_FLOOR_FACTOR, NOISE_FLOOR_METRICS, compare_to_floor
 from divstats.inference.decompose import PARTS

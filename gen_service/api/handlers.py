@@ -316,13 +316,19 @@ async def metrics(request: Request) -> Response:
 
 async def policies(request: Request) -> Response:
     """``GET /v1/policies``: names, examples, the grammar and every kvpress press (what it
-    takes, whether it runs coupled and residual, and why not when it does not)."""
+    takes, whether it runs coupled and residual, and why not when it does not), and the
+    presses refused on the loaded model (``refused``: press, model feature, what would be
+    needed; gen_service.presses.families), each press's ``runs_here`` saying so too."""
     svc = state(request)
     reg = svc.engine.registry
+    refused = await svc.off_loop(reg.refusals, svc.intake.info)
+    presses = [{**row, "runs_here": row["name"] not in refused and (row["coupled"] or row["residual"])}
+               for row in catalog()]
     return JSONResponse({"default": svc.config.eviction, "names": reg.names(), "examples": reg.examples(),
                          "grammar": "full | name@retention | name#budget | Wrapper(Inner, ...)@r | id:k=v,... "
                                     "| id+quant:kivi@bits:k=v,... | quant:kivi@bits:k=v,...",
-                         "presses": catalog()})
+                         "model": svc.engine.lm.name, "presses": presses,
+                         "refused": {name: r.info() for name, r in refused.items()}})
 
 
 # ---------------------------------------------------------------------- traces

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from gen_service.attention.plan import layer_windows
+from gen_service.presses.rotary import install as install_window_attention
 
 __all__ = ["LayerRotary", "compressible_layers", "decoding_hooks", "press_applied", "rotary_free"]
 
@@ -90,7 +91,9 @@ def _layer_rotary(model: torch.nn.Module, idx: int) -> LayerRotary | None:
 @contextmanager
 def press_applied(press: Any, model: torch.nn.Module) -> Iterator[None]:
     """``with press(model)`` under the layered rule: the press's own context, its hooks
-    kept on the compressible layers only, each of those with its own rotary embedding."""
+    kept on the compressible layers only, each of those with its own rotary embedding
+    (and kvpress's window attention rotating queries as the model does: :mod:`gen_service.presses.rotary`)."""
+    install_window_attention()
     attns = [layer.self_attn for layer in model.model.layers]
     keep = set(compressible_layers(model))
     before = [dict(a._forward_hooks) for a in attns]
@@ -118,5 +121,6 @@ def press_applied(press: Any, model: torch.nn.Module) -> Iterator[None]:
 
 def decoding_hooks(press: Any, model: torch.nn.Module) -> list[Any]:
     """A decoding press's hooks on the compressible layers' attention (the handles)."""
+    install_window_attention()
     attns = [layer.self_attn for layer in model.model.layers]
     return [attns[i].register_forward_hook(press.forward_hook, with_kwargs=True) for i in compressible_layers(model)]

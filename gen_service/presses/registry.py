@@ -34,12 +34,13 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
 from typing import Any
 
 from gen_service.errors import PolicyError
 from gen_service.presses.artifacts import LOCAL_ARTIFACTS, OPTION_KEYS, artifact_path, attach, check_options
+from gen_service.presses.families import ModelFeatures, Refusal, refusal
 from gen_service.presses.kivi import KIVIConfig
 from gen_service.presses.params import ATTRIBUTE_PARAMS, check_value, param_specs, press_slots
 from gen_service.presses.table import PRESSES, by_name, lineage
@@ -62,16 +63,22 @@ _SERVER_KEYS = {"allow_download"} | OPTION_KEYS
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """The model facts a policy is checked against."""
+    """The model facts a policy is checked against (``features``: what the designed
+    refusals read, :mod:`gen_service.presses.families`; None for no model)."""
 
     max_context: int = 1 << 20
     num_layers: int = 0
+    features: ModelFeatures | None = None
 
     @classmethod
     def of(cls, lm: Any) -> ModelInfo:
         """From a :class:`gen_service.models.loading.LoadedModel` (or anything with those fields)."""
-        config = getattr(getattr(lm, "model", None), "config", None)
-        return cls(max_context=int(lm.max_context), num_layers=int(getattr(config, "num_hidden_layers", 0) or 0))
+        model = getattr(lm, "model", None)
+        config = getattr(model, "config", None)
+        # a causal LM's decoder layers (anything else, e.g. a test's stand-in, has no features)
+        features = ModelFeatures.of(model) if hasattr(getattr(model, "model", None), "layers") else None
+        return cls(max_context=int(lm.max_context), num_layers=int(getattr(config, "num_hidden_layers", 0) or 0),
+                   features=features)
 
 
 @dataclass
@@ -275,6 +282,10 @@ class PolicyRegistry:
         self.custom.update(extra or {})
         self.press_options = {k: dict(v) for k, v in (press_options or {}).items()}
         check_options(self.press_options)
+        #: table trait -> why every press with it is refused on the loaded model (the
+        #: start-up self-check's compressed probe failed: gen_service.serving.self_check)
+        self.disabled: dict[str, Refusal] = {}
+        self._refusals: dict[Any, dict[str, Refusal]] = {}
 
     def names(self) -> list[str]:
         return ["full", *ALIASES, *self.custom, "kvpress:<PressClass>"]
@@ -334,9 +345,33 @@ class PolicyRegistry:
             raise
         except (AssertionError, TypeError, ValueError, AttributeError) as exc:
             raise PolicyError(f"policy {spec.id!r}: {root.name} cannot be built: {exc or type(exc).__name__}") from None
+        found = refusal(press, info.features, self.disabled)
+        if found is not None:   # by design: the same request can never succeed on this model
+            raise PolicyError(f"policy {spec.id!r}: {found.message}", "press", permanent=True)
         if quant is not None:
             check_quantizable(spec.id, press)
         return policy
+
+    def refusals(self, info: ModelInfo) -> dict[str, Refusal]:
+        """Every press class of the table refused on the model ``info`` describes, by
+        name (``GET /v1/policies``): each row's example press checked as a request's is."""
+        key = (info, tuple(sorted(self.disabled.items(), key=lambda kv: kv[0])))
+        if key in self._refusals:
+            return dict(self._refusals[key])
+        out: dict[str, Refusal] = {}
+        bare = replace(info, features=None, num_layers=0)   # the press alone; the rules below
+        for row in PRESSES:
+            if not row.kinds:
+                continue   # not a method, or needs an artifact: the catalog's reason says so
+            try:
+                press = self.build(row.example, bare).plan(4096).press
+            except PolicyError:
+                continue
+            found = refusal(press, info.features, self.disabled)
+            if found is not None:
+                out[row.name] = found
+        self._refusals[key] = out
+        return dict(out)
 
     resolve = build  # the name the HTTP layer used before build() existed
 

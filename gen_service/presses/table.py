@@ -12,6 +12,9 @@ reads it from here:
 * operator artifacts (``presses/artifacts.py``): ``artifact.files``, ``artifact.loader``;
 * the traits the engine asks about (``presses/traits.py``): ``decoding``, ``rerotates``,
   ``eager``, ``per_head``, ``delegates_hook``, ``row_state``, ``seed``;
+* the designed refusals per model (``presses/families.py``): ``rotates_queries``,
+  ``weights_first``, ``no_eager``, ``all_layers``, ``own_pass``, ``unsupported`` (and
+  ``rerotates``); the self-check's compressed probe: ``window_attention``;
 * ``GET /v1/policies`` (:func:`catalog`), the coverage table in docs/service.md
   (:func:`markdown_table`, checked by tests/test_presses_table.py) and the catalog test
   (tests/test_presses_catalog.py runs every ``example`` in every claimed kind on
@@ -154,6 +157,26 @@ class PressSpec:
     seed : str
         It draws random numbers, from torch's global generator when this attribute is None
         (its prefill cannot be shared with other candidates'; traits.compresses_after_attention).
+    window_attention : bool
+        It scores with SnapKV's window attention (``SnapKVPress.compute_window_attention``,
+        which kvdiv runs with the model's own rotary: :mod:`gen_service.presses.rotary`); the
+        start-up self-check probes it (:mod:`gen_service.serving.self_check`).
+    rotates_queries : bool
+        It rotates queries itself with kvpress's full-width formula (cos/sin as wide as the
+        head): refused where the model's rotary embedding is narrower (:mod:`gen_service.presses.families`).
+    no_eager : bool
+        It asserts an attention that returns no weights: refused on models that run eager attention.
+    all_layers : bool
+        It compresses every layer itself, outside kvpress's per-layer hooks: refused on models
+        with sliding-window layers (which must stay whole).
+    unsupported : tuple of str
+        Model classes kvpress itself refuses the press for.
+    own_pass : bool
+        It scores with passes of its own through every layer (KVzip): its rotary rule holds
+        even on a model where no layer is compressed.
+    weights_first : bool
+        It reads the attention weights where the layer returns them (eager attention) and
+        rotates queries itself only otherwise: its rotary rule holds only without eager.
     """
 
     name: str
@@ -174,6 +197,13 @@ class PressSpec:
     delegates_hook: bool = False
     row_state: tuple[str, ...] = ()
     seed: str = ""
+    window_attention: bool = False
+    rotates_queries: bool = False
+    no_eager: bool = False
+    all_layers: bool = False
+    unsupported: tuple[str, ...] = ()
+    own_pass: bool = False
+    weights_first: bool = False
 
     def __post_init__(self) -> None:
         if not self.name.endswith("Press"):
@@ -220,21 +250,21 @@ def _downloaded(name: str, what: str, source: str) -> PressSpec:
 
 #: Every press class kvpress exports, in the order of the coverage table.
 PRESSES: tuple[PressSpec, ...] = (
-    _P("AdaKVPress", "kvpress:AdaKVPress(SnapKVPress)@0.5", per_head=True,
+    _P("AdaKVPress", "kvpress:AdaKVPress(SnapKVPress)@0.5", per_head=True, no_eager=True,
        aliases=(_alias("adakv", "AdaKVPress(SnapKVPress)"),)),
     _P("BasePress", kinds=(), reason=ABSTRACT),
-    _P("BlockPress", "kvpress:BlockPress(KnormPress)@0.5:block_size=32"),
+    _P("BlockPress", "kvpress:BlockPress(KnormPress)@0.5:block_size=32", no_eager=True),
     _P("CAMPress", "kvpress:CAMPress(KnormPress)#96:compression_interval=2", amount_field="target_size",
-       absolute=True, row_state=("_running_attn_sum",)),
-    _P("CapPress", _example("CapPress")),
-    _P("ChunkKVPress", "kvpress:ChunkKVPress(SnapKVPress)@0.5:chunk_length=8",
+       absolute=True, row_state=("_running_attn_sum",), rotates_queries=True, weights_first=True),
+    _P("CapPress", _example("CapPress"), rotates_queries=True),
+    _P("ChunkKVPress", "kvpress:ChunkKVPress(SnapKVPress)@0.5:chunk_length=8", no_eager=True,
        aliases=(_alias("chunkkv", "ChunkKVPress(SnapKVPress)"),)),
-    _P("ChunkPress", "kvpress:ChunkPress(KnormPress)@0.5:chunk_length=64"),
-    _P("CompactorPress", _example("CompactorPress")),
+    _P("ChunkPress", "kvpress:ChunkPress(KnormPress)@0.5:chunk_length=64", no_eager=True),
+    _P("CompactorPress", _example("CompactorPress"), rotates_queries=True),
     _P("ComposedPress", "kvpress:ComposedPress(SnapKVPress@0.5, ThinKPress@0.5)", delegates_hook=True),
     _P("CompressionRatioDecodingPress", "kvpress:CompressionRatioDecodingPress(KnormPress)@0.5:compression_interval=2",
        amount_field="target_compression_ratio"),
-    _P("CriticalAdaKVPress", "kvpress:CriticalAdaKVPress(SnapKVPress)@0.5", per_head=True,
+    _P("CriticalAdaKVPress", "kvpress:CriticalAdaKVPress(SnapKVPress)@0.5", per_head=True, no_eager=True,
        aliases=(_alias("critical-adakv", "CriticalAdaKVPress(SnapKVPress)"),)),
     _P("CriticalKVPress", "kvpress:CriticalKVPress(SnapKVPress)@0.5",
        aliases=(_alias("criticalkv", "CriticalKVPress(SnapKVPress)"),)),
@@ -246,9 +276,10 @@ PRESSES: tuple[PressSpec, ...] = (
        sets_inner_amount=True, decoding="decoding", per_head=True, row_state=("scores_buffer",),
        aliases=(_alias("dms", "DMSPress(KnormPress)", threshold=-9.0, sliding_window_size=16),)),
     _P("DuoAttentionPress", _example("DuoAttentionPress"), kinds=(), amount_field="head_compression_ratio",
+       rotates_queries=True, no_eager=True,
        artifact=Artifact("DuoAttention head patterns for the model", "GitHub")),
     _P("EntropyGatedChunkKVPress", "kvpress:EntropyGatedChunkKVPress(SnapKVPress)@0.5"),
-    _P("ExpectedAttentionPress", _example("ExpectedAttentionPress"),
+    _P("ExpectedAttentionPress", _example("ExpectedAttentionPress"), rotates_queries=True,
        aliases=(_alias("expected-attention", "ExpectedAttentionPress"),)),
     _P("ExpectedAttentionStatsPress", _example("ExpectedAttentionStatsPress"),
        artifact=Artifact("query statistics for the model", option="stats_folder=DIR")),
@@ -256,19 +287,21 @@ PRESSES: tuple[PressSpec, ...] = (
     # FinchPress finds its observation window from a delimiter token inside the prompt; here
     # the window is given directly, so no token has to be added to the model's vocabulary.
     _P("FinchPress", "kvpress:FinchPress@0.5:window_size=32", attributes={"window_size": 64},
-       fixed={"delimiter_token_id": -1}, rerotates="rerotate_keys"),
+       fixed={"delimiter_token_id": -1}, rerotates="rerotate_keys", window_attention=True),
     _P("KeyDiffPress", _example("KeyDiffPress"), aliases=(_alias("keydiff", "KeyDiffPress"),)),
     _P("KeyRerotationPress", "kvpress:KeyRerotationPress(KnormPress)@0.5", rerotates=True),
     _P("KnormPress", _example("KnormPress"), aliases=(_alias("knorm", "KnormPress"),)),
-    _P("KVComposePress", _example("KVComposePress"), eager=True, aliases=(_alias("kvcompose", "KVComposePress"),)),
+    _P("KVComposePress", _example("KVComposePress"), eager=True, all_layers=True,
+       aliases=(_alias("kvcompose", "KVComposePress"),)),
     _P("KVgradPress", _example("KVgradPress")),
     _downloaded("KVzapPress", "a KVzap scorer for the model", "hub repo nvidia/KVzap-<type>-<model>"),
-    _P("KVzipPress", _example("KVzipPress")),
+    _P("KVzipPress", _example("KVzipPress"), rotates_queries=True, no_eager=True, own_pass=True,
+       unsupported=("Gemma3ForCausalLM",)),
     _P("LagKVPress", "kvpress:LagKVPress@0.5:lag_size=32", aliases=(_alias("lagkv", "LagKVPress"),)),
     _P("LeverageScorePress", _example("LeverageScorePress")),
     _downloaded("LUKVPress", "an LU-KV budget curve for the model", "GitHub"),
     _P("MergingPress", "kvpress:MergingPress(KnormPress)@0.5"),
-    _P("NonCausalAttnPress", _example("NonCausalAttnPress")),
+    _P("NonCausalAttnPress", _example("NonCausalAttnPress"), rotates_queries=True),
     _P("ObservedAttentionPress", _example("ObservedAttentionPress"), eager=True,
        aliases=(_alias("h2o", "ObservedAttentionPress"),)),
     _P("PerLayerCompressionPress", "kvpress:PerLayerCompressionPress(KnormPress):compression_ratios=0.3;0.7",
@@ -287,15 +320,15 @@ PRESSES: tuple[PressSpec, ...] = (
                           "plus_path": ("adapter_config.json", "restore_embeddings.safetensors")},
                          restorekv, ("kvzip_plus_normalization", "plus_path"))),
     _P("ScorerPress", kinds=(), reason=ABSTRACT),
-    _P("SimLayerKVPress", "kvpress:SimLayerKVPress:n_recent=32,lazy_threshold=0.5",
+    _P("SimLayerKVPress", "kvpress:SimLayerKVPress:n_recent=32,lazy_threshold=0.5", window_attention=True,
        aliases=(_alias("simlayerkv", "SimLayerKVPress"),)),
-    _P("SnapKVPress", _example("SnapKVPress"), aliases=(_alias("snapkv", "SnapKVPress"),)),
+    _P("SnapKVPress", _example("SnapKVPress"), window_attention=True, aliases=(_alias("snapkv", "SnapKVPress"),)),
     _P("StreamingLLMPress", _example("StreamingLLMPress"),
        aliases=(_alias("recent", "StreamingLLMPress", n_sink=0), _alias("streaming", "StreamingLLMPress", n_sink=4),
                 _alias("streamingllm", "StreamingLLMPress", n_sink=4))),
-    _P("ThinKPress", _example("ThinKPress"), amount_field="key_channel_compression_ratio",
+    _P("ThinKPress", _example("ThinKPress"), amount_field="key_channel_compression_ratio", rotates_queries=True,
        aliases=(_alias("think", "ThinKPress"),)),
-    _P("TOVAPress", _example("TOVAPress"), aliases=(_alias("tova", "TOVAPress"),)),
+    _P("TOVAPress", _example("TOVAPress"), window_attention=True, aliases=(_alias("tova", "TOVAPress"),)),
 )
 
 _BY_NAME = {p.name: p for p in PRESSES}

@@ -427,8 +427,8 @@ class Intake:
         not a question)."""
         try:
             return Built(policy_id, self.registry.build(policy_id, self.info), context_tokens)
-        except PolicyError as exc:
-            raise invalid(field, str(exc)) from None
+        except PolicyError as exc:   # a designed refusal on this model is marked permanent
+            raise invalid(field, str(exc), permanent=exc.permanent) from None
         except ApiError:
             raise
         except (TypeError, ValueError, AssertionError) as exc:  # a press rejecting its parameters

@@ -14,6 +14,12 @@ Everything kvdiv reports is a distance from the full-cache model P, so before
   forced through it (the model's own attention and cache, transformers' code path). A
   difference beyond the tolerance refuses the start, naming the step, the side and
   the model's layer types beyond whose window the prompt runs.
+* **A compressed press.** :data:`PROBES`: SnapKV, whose window attention takes the
+  model's rotary embedding and attention path, runs one request over the same prompt.
+  When it fails, the server still starts, with every press of that family (the press
+  table's trait: ``window_attention``) refused on this model, the failure as the reason
+  (``PolicyRegistry.disabled``; ``/v1/policies`` lists it, a request gets a permanent 422)
+  rather than failing later inside a collection.
 * **The tokenizer.** A fixed text's ids with the tokenizer the server serves against
   the checkpoint's own (:mod:`gen_service.models.tokenizer_reference`); the first differing
   token refuses the start.
@@ -29,20 +35,22 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from gen_service.engine.jobs import CandidateDone, CandidateFailed, TraceJob
-from gen_service.errors import ConfigError
+from gen_service.errors import ConfigError, PolicyError
 from gen_service.models.float_head import logits as float32_logits
 from gen_service.models.loading import LoadedModel
 from gen_service.models.tokenizer_reference import CHECK_TEXT
+from gen_service.presses.families import Refusal
+from gen_service.presses.registry import ModelInfo
 
-__all__ = ["STEPS", "SelfCheck", "SelfCheckFailed", "check_decoding", "check_tokenizer", "windows_by_type",
-           "run_self_check", "tolerance_for"]
+__all__ = ["PROBES", "STEPS", "SelfCheck", "SelfCheckFailed", "check_compression", "check_decoding",
+           "check_tokenizer", "windows_by_type", "run_self_check", "tolerance_for"]
 
 log = logging.getLogger("kvdiv.service")
 
@@ -50,6 +58,8 @@ STEPS = 16                  # decoding steps per path
 REPLICATES = 2              # paths per candidate
 CANDIDATES = ("full", "streaming@0.5")   # P stacked beside a compressed Q, as a study's requests run
 SEEDS = (11, 12)            # one request each, decoded in one batch
+#: compressed presses run at start (policy, the press table trait refused on failure)
+PROBES = (("snapkv@0.5", "window_attention"),)
 MIN_PROMPT = 48             # tokens, for a model without windows
 # |Δ log p| allowed, by the weights' dtype: float32 decoding equals the model's forward to
 # rounding (1e-5 measured on SmolLM2); half precisions round every layer's output, and
@@ -84,6 +94,9 @@ class SelfCheck:
     tokenizer : dict
         ``source`` (the checkpoint's tokenizer it was compared with, or None), ``tokens``
         (the fixed text's length in tokens) and ``first_difference`` (None when equal).
+    compression : list of dict
+        One per :data:`PROBES`: ``policy``, ``passed``, and ``refused`` (the reason every
+        press with the trait ``family`` is refused on this model; None when it ran).
     message : str
         The failure, in words ("" when passed).
     """
@@ -97,6 +110,7 @@ class SelfCheck:
     paths: int = 0
     windows: dict[str, int] = field(default_factory=dict)
     tokenizer: dict[str, Any] = field(default_factory=dict)
+    compression: list[dict[str, Any]] = field(default_factory=list)
     message: str = ""
 
     def info(self) -> dict[str, Any]:
@@ -288,6 +302,48 @@ def check_decoding(service: Any, tolerance: float, steps: int = STEPS) -> dict[s
             "paths": len(SEEDS) * len(CANDIDATES) * REPLICATES, "windows": windows}
 
 
+def check_compression(service: Any, steps: int = 2) -> list[dict[str, Any]]:
+    """Run each of :data:`PROBES` through the engine on the check prompt; a probe that
+    fails marks its trait unavailable in the engine's registry (``disabled``), so every
+    press with it is refused on this model with the failure as the reason.
+
+    Returns
+    -------
+    list of dict
+        ``policy``, ``family`` (the trait), ``passed`` and ``refused`` (None, or the reason).
+    """
+    lm, registry = service.engine.lm, service.engine.registry
+    info = ModelInfo.of(lm)
+    length = min(max(MIN_PROMPT, max(windows_by_type(lm.model.config).values(), default=0) + 32),
+                 lm.max_context - steps - 1)
+    prompt = _prompt(lm, length)
+    out = []
+    for policy, trait in PROBES:
+        refused = None
+        try:
+            registry.build(policy, info)
+            job = TraceJob(prompt_ids=prompt, candidate=policy, kind="coupled", horizon=steps, replicates=1,
+                           seed=SEEDS[0], doc="self-check")
+            for _ in service.engine.trace(job):
+                pass
+        except PolicyError as exc:
+            if not exc.permanent:
+                raise
+            refused = str(exc)    # refused by design already: nothing to mark
+        except Exception as exc:  # the press family cannot run here: refused, not a failed start
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            press = registry.build(policy, replace(info, features=None)).press_name
+            registry.disabled[trait] = Refusal(
+                press, type(lm.model).__name__,
+                f"the start-up self-check's {policy} failed on this model ({type(exc).__name__}: {first})",
+                f"kvdiv support for this model's rotary embedding or attention in {press}'s family "
+                f"(the press table's {trait!r} presses)")
+            refused = registry.disabled[trait].message
+            log.warning("self-check: %s; every %r press is refused on this model", refused, trait)
+        out.append({"policy": policy, "family": trait, "passed": refused is None, "refused": refused})
+    return out
+
+
 def _decoding_message(lm: LoadedModel, found: dict[str, Any], tolerance: float) -> str:
     w = found["first"]
     types = ", ".join(f"{t} × {n}" for t, n in _layer_types(lm.model.config).items())
@@ -336,12 +392,13 @@ def run_self_check(service: Any, tolerance: float | None = None, steps: int = ST
     if tok["first_difference"] is not None:
         raise SelfCheckFailed(_tokenizer_message(lm, tok))
     found = check_decoding(service, tol, steps)
-    seconds = time.perf_counter() - t0
     if found["first"] is not None:
         raise SelfCheckFailed(_decoding_message(lm, found, tol))
+    compression = check_compression(service)
+    seconds = time.perf_counter() - t0
     check = SelfCheck(passed=True, tolerance=tol, max_error=found["max_error"], seconds=round(seconds, 3),
                       prompt_tokens=found["prompt_tokens"], steps=steps, paths=found["paths"],
-                      windows=found["windows"], tokenizer=tok)
+                      windows=found["windows"], tokenizer=tok, compression=compression)
     log.info("self-check passed: max |Δ log p| %.2g (tolerance %g) over %d paths × %d steps at a %d-token "
              "prompt; tokenizer %s; %.2f s", check.max_error, tol, check.paths, steps, check.prompt_tokens,
              tok["source"] or "without a reference", seconds)

@@ -197,6 +197,8 @@ def failure_error(exc: BaseException, field: str, policies: tuple[str, ...]) -> 
     if isinstance(exc, RequestTimeout):
         return ApiError(424, str(exc), "timeout")
     oom = type(exc).__name__ == "OutOfMemoryError"
+    if isinstance(exc, PolicyError) and exc.permanent:
+        return invalid(field, str(exc), permanent=True)
     if isinstance(exc, PolicyError) or (not oom and any(p.strip() != "full" for p in policies)):
         first_line = (str(exc).strip().splitlines() or [""])[0][:200]
         return invalid(field, f"policy cannot run on this prompt ({type(exc).__name__}: {first_line})")
