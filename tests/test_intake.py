@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import math
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -95,7 +97,8 @@ def test_time_refusal_says_the_estimate_and_the_limit() -> None:
     assert ok.seconds == pytest.approx(0.8)
     msg = _refused(intake, _request(replicates=200, horizon=100, kind="residual"))
     assert msg.startswith("replicates: needs an estimated 40 s (40000 row-steps: R=200 x T=100 x 2 for the "
-                          "branches, at 1 ms per row-step, a prior from the model's size: nothing timed yet)")
+                          "branches, at 1 ms per row-step, a prior of 1 ms from the model's size: nothing timed "
+                          "yet)")
     assert "the limit is --max-request-seconds 10 s: at most R=50 fits at this T" in msg and "do not retry" in msg
     # the server's own work (the self-check) is not held to a client's limit
     big = TraceJob(prompt_ids=[1, 2, 3], candidate="full", replicates=200, horizon=100)
@@ -104,13 +107,18 @@ def test_time_refusal_says_the_estimate_and_the_limit() -> None:
     assert _intake(seconds=None).admit(_request(replicates=200, horizon=100), _Encoder()).seconds > 10
 
 
-def test_step_cost_moves_from_its_prior_to_what_requests_measure() -> None:
-    cost = StepCost(prior=1.0, weight=0.5)
+def test_step_cost_moves_from_its_prior_by_each_request_s_size() -> None:
+    cost = StepCost(prior=1.0, scale=100)
     cost.observe(seconds=1.0, steps=0)      # nothing decoded (cancelled in prefill): no measurement
     assert cost.seconds == 1.0 and cost.measured == 0
-    cost.observe(seconds=2.0, steps=100)    # the first measurement replaces the prior
-    cost.observe(seconds=4.0, steps=100)
-    assert cost.seconds == pytest.approx(0.5 * 0.02 + 0.5 * 0.04) and cost.measured == 2
+    cost.observe(seconds=2.0, steps=100)    # 0.02 s per row-step, weight 1 - 1/e
+    w = 1 - math.exp(-1)
+    assert cost.seconds == pytest.approx((1 - w) * 1.0 + w * 0.02)
+    before = cost.seconds
+    cost.observe(seconds=0.004, steps=1)    # a tiny request hardly moves it
+    assert cost.seconds == pytest.approx(before * math.exp(-0.01) + (1 - math.exp(-0.01)) * 0.004)
+    cost.observe(seconds=40.0, steps=2000)  # a large one sets it
+    assert cost.seconds == pytest.approx(0.02, rel=1e-6) and cost.measured == 3
     assert row_steps({"type": "step"}, 8) == row_steps({"type": "reference_step"}, 8) == 8
     assert row_steps({"type": "branch", "tv": [0.0] * 4}, 8) == 3 and row_steps({"type": "header"}, 8) == 0
     assert request_seconds_limit(None, "cpu") == 600.0 and request_seconds_limit(None, "cuda") is None
@@ -137,3 +145,48 @@ def test_a_grouped_request_builds_each_policy_exactly_once() -> None:
         assert s.service.step_cost.measured == measured + 1   # and its time measured the step cost
     finally:
         s.stop()
+
+
+def test_a_trace_s_pages_go_back_to_the_os_when_its_work_ends(monkeypatch) -> None:
+    """A cancelled request of R = 128 left the CPU server's RSS +37 % above before; collecting
+    and trimming the heap once its caches are garbage brings it back (docs/service.md, "The intake")."""
+    import gen_service.serving.service as service_module
+    from gen_service.errors import Cancelled
+
+    trims: list[int] = []
+    monkeypatch.setattr(service_module, "return_freed_memory", lambda: trims.append(1) or True)
+    s = LiveServer()
+    body = {"inputs": PROMPT, "candidate": "snapkv@0.5", "replicates": 2, "parameters": {"max_new_tokens": 3}}
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            assert c.post("/v1/traces", json=body).status_code == 200
+            time.sleep(0.5)
+            assert trims == []      # a small request: a full collection would cost more than it frees
+            monkeypatch.setattr(service_module, "TRIM_BYTES", 0)   # as if it were large
+            assert c.post("/v1/traces", json=body).status_code == 200
+            for _ in range(100):
+                if trims:
+                    break
+                time.sleep(0.05)
+            assert trims == [1]
+            c.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
+            assert trims == [1]     # plain generations: no trim
+    finally:
+        s.stop()
+    # a stop's traceback, which would hold the engine's frames and their caches, is not forwarded
+    got: list = []
+
+    class _Stream(service_module.WorkStream):
+        def __init__(self) -> None:   # only what end() reads
+            self.began, self.meter, self.cancel, self.trim = None, None, __import__("threading").Event(), False
+            self.deadline, self._ticket = None, type("T", (), {"release": lambda self, c: None})()
+
+        def _put(self, kind, value) -> None:
+            got.append(value)
+
+    try:
+        raise Cancelled()
+    except Cancelled as exc:
+        assert exc.__traceback__ is not None
+        _Stream().end(exc)
+    assert got[0].__traceback__ is None

@@ -12,11 +12,12 @@ The package splits deciding from running, as vLLM does:
 ================  =====================================================================
 module            what it holds
 ================  =====================================================================
-``jobs``          the request (:class:`TraceJob`) and the signals besides records
-                  (:class:`CandidateDone`, :class:`CandidateFailed`; the exceptions
-                  :class:`Cancelled` and :class:`CandidateError` are in ``gen_service.errors``)
-``coupling``      the coupling math (statistics.md §1, §2, §5): sampling, the processed laws,
-                  the maximal coupling
+``jobs``          the request (:class:`TraceJob`, its :class:`Sampling`, its policies built
+                  once: :class:`Built`) and the signals besides records (:class:`CandidateDone`,
+                  :class:`CandidateFailed`; the exceptions :class:`Cancelled` and
+                  :class:`CandidateError` are in ``gen_service.errors``); torch-free
+``coupling``      the coupling math (statistics.md §1, §2, §5): the processed laws, the
+                  maximal coupling, the seeded generators
 ``top_logprobs``  a step's top-k log-probabilities and KL/entropy (``top_logprobs: k``)
 ``sides``         the data the loops and the scheduler exchange: :class:`Side` (one
                   model's cache and policy state), :class:`Forward`, :class:`Prefilled`

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from gen_service.attention.shared_cache import stackable
 from gen_service.engine.scheduler import Ask, Runner, run_forwards
 from gen_service.errors import Cancelled
-from gen_service.serving.admission import TraceSize, batch_bytes
+from gen_service.serving.admission import TRIM_BYTES, TraceSize, batch_bytes, return_freed_memory
 
 # ``--max-batch-requests`` when the flag is not given, by the device type the model runs
 # on: (requests, why). Batching must never make a collection slower than one request at
@@ -170,6 +170,7 @@ class BatchLoop:
         self.max_requests, self.budget, self.metrics = max_requests, budget, metrics
         self._lock = threading.Lock()
         self._state = _State()
+        self._garbage = 0   # bytes of the requests admitted since the heap was last trimmed
 
     # ------------------------------------------------------------------ event-loop side
 
@@ -204,6 +205,8 @@ class BatchLoop:
                 if live and merged_bytes([*live, st.pending[0]]) > self.budget:
                     break
                 live.append(st.pending.popleft())
+                cost = live[-1].cost
+                self._garbage += cost.total if isinstance(cost, TraceSize) else cost or 0
             self.metrics.batch_waiting.set(len(st.pending))
             if live:
                 return True
@@ -231,6 +234,10 @@ class BatchLoop:
         finally:
             self.metrics.batch_requests.set(0)
             self.metrics.batch_rows.set(0)
+            live.clear()
+            if self._garbage >= TRIM_BYTES:   # the batch's caches are garbage now: their pages back to the OS
+                self._garbage = 0
+                return_freed_memory()
 
     def _step(self, live: list[BatchEntry]) -> None:
         """Advance every live request to its next ask, run all the asks' forwards together,

@@ -49,10 +49,10 @@ __all__ = ["CPU_REQUEST_SECONDS", "Encoder", "Generation", "Intake", "Job", "Mes
 #: default is no limit: a GPU step is 10-100x cheaper and collections there run large requests.
 CPU_REQUEST_SECONDS = 600.0
 #: Floating-point operations per second assumed before any request was timed (the prior of
-#: :class:`StepCost`): low on purpose, so that a fresh server over-estimates rather than admits
-#: what it cannot finish. SmolLM2-135M on a 2-core CPU measured 3.8 ms per row-step at R = 1024;
-#: this prior gives 27 ms.
-PRIOR_FLOPS = {"cpu": 2e10, "cuda": 2e12}
+#: :class:`StepCost`). A refusal is for good, so the estimate should err short rather than refuse
+#: what would finish (the deadline still stops what runs long): SmolLM2-135M on a 2-core CPU
+#: measured 3.8 ms per row-step at R = 1024, and this prior gives 5.4 ms.
+PRIOR_FLOPS = {"cpu": 1e11, "cuda": 1e13}
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ def prior_step_seconds(parameters: int, device_type: str) -> float:
     Examples
     --------
     >>> round(prior_step_seconds(134_515_008, "cpu") * 1000, 1)
-    26.9
+    5.4
     """
     return 4.0 * parameters / PRIOR_FLOPS.get(device_type, PRIOR_FLOPS["cpu"])
 
@@ -245,45 +245,49 @@ def request_seconds_limit(flag: float | None, device_type: str) -> float | None:
 
 
 class StepCost:
-    """Seconds per row-step on this server: a prior, then an exponentially weighted mean of
-    the trace requests it ran (their model time over their row-steps).
+    """Seconds per row-step on this server: a prior, moved by every trace request it runs (its
+    decoding time over its row-steps), each by a weight that grows with its size.
 
-    The first measurement replaces the prior (usually the start-up self-check's requests);
-    each later one moves the mean by ``weight``. A request's time includes its prefill, so
-    short requests measure more per row-step than long ones: the estimate errs long.
+    A request of ``n`` row-steps moves the mean by ``1 - exp(-n / scale)``: the start-up
+    self-check's requests (64 row-steps each) barely, a request of ``scale`` row-steps by 63 %.
+    Small requests pay a step's fixed costs over few rows and measure several times more per
+    row-step than large ones; the large ones, the only ones a limit can refuse, set the rate.
+    A request is timed from its first record (its prefills done) to its end, cancelled ones
+    included: the estimate leaves the prefill out and errs short.
 
     Parameters
     ----------
     prior : float
         Seconds per row-step before any measurement (:func:`prior_step_seconds`).
-    weight : float
-        The weight of each new measurement.
+    scale : float
+        The row-steps of a request that moves the mean by 63 %.
 
     Examples
     --------
     >>> cost = StepCost(prior=0.02)
-    >>> cost.observe(seconds=2.0, steps=1000); cost.seconds
-    0.002
-    >>> cost.observe(seconds=4.0, steps=1000); round(cost.seconds, 4), cost.measured
-    (0.0026, 2)
+    >>> cost.observe(seconds=2.0, steps=64); round(cost.seconds, 4)     # a self-check's request
+    0.0201
+    >>> cost.observe(seconds=40.0, steps=20_000); round(cost.seconds, 4), cost.measured
+    (0.0044, 2)
     """
 
-    def __init__(self, prior: float, weight: float = 0.3):
-        self.seconds, self.weight, self.measured = float(prior), float(weight), 0
+    def __init__(self, prior: float, scale: float = 10_000):
+        self.prior = self.seconds = float(prior)
+        self.scale, self.measured = float(scale), 0
         self._lock = threading.Lock()
 
     def observe(self, seconds: float, steps: int) -> None:
-        """One request's model time over the row-steps it decoded (ignored without any)."""
+        """One request's decoding time over the row-steps it decoded (ignored without any)."""
         if steps <= 0 or seconds <= 0:
             return
         with self._lock:
-            rate = seconds / steps
-            self.seconds = rate if not self.measured else (1 - self.weight) * self.seconds + self.weight * rate
+            weight = 1.0 - math.exp(-steps / self.scale)
+            self.seconds = (1 - weight) * self.seconds + weight * seconds / steps
             self.measured += 1
 
     def info(self) -> dict[str, Any]:
         """What /info reports."""
-        return {"seconds_per_row_step": self.seconds, "row_step_measurements": self.measured}
+        return {"seconds_per_row_step": self.seconds, "prior": self.prior, "requests_timed": self.measured}
 
 
 class Intake:
@@ -361,42 +365,49 @@ class Intake:
         job = replace(job, policies=Policies(built[job.reference], tuple(built[p] for p in job.policy_ids)))
         if job.top_logprobs > self.vocab_size:
             raise invalid("top_logprobs", f"must be <= the vocabulary size {self.vocab_size}")
-        memory = self._memory(job)
         steps = row_steps_of(job)
         seconds = steps * self.cost.seconds
-        if not own:
-            self._check_time(job, steps, seconds)
-        return Job(job, memory, steps, seconds)
+        # memory and time both bound R: one 422 on ``replicates`` says every bound it breaks
+        why = [self._memory_refusal(job), None if own else self._time_refusal(job, steps, seconds)]
+        if any(why):
+            raise invalid("replicates", "; and it ".join(w for w in why if w) + ". Refused for good on this "
+                          "server (not a load condition; do not retry)")
+        return Job(job, self._size(job), steps, seconds)
 
-    def _memory(self, job: TraceJob) -> TraceSize:
-        """422 on ``replicates`` when the request's memory can never fit the budget; else its
-        :class:`TraceSize`. Each candidate's sides are described from its plan and the
-        reference's, so a side that stores per-row copies of the prompt counts them."""
+    def _sides(self, job: TraceJob) -> tuple:
+        """:meth:`MemoryGate.admit`'s arguments: each candidate's sides described from its plan
+        and the reference's, so a side that stores per-row copies of the prompt counts them."""
         assert job.policies is not None
         ref = job.policies.reference.prepared
         sides = [self.memory.describe(c.id, ref, c.prepared, job.kind) for c in job.policies.candidates]
-        args = (job.replicates, job.prompt_len, job.horizon, job.kind, len(sides), sides, job.top_logprobs)
-        try:
-            self.memory.admit(*args)
-        except RequestTooLarge as exc:
-            raise invalid("replicates", str(exc)) from exc
-        return self.memory.size(*args)
+        return job.replicates, job.prompt_len, job.horizon, job.kind, len(sides), sides, job.top_logprobs
 
-    def _check_time(self, job: TraceJob, steps: int, seconds: float) -> None:
-        """422 on ``replicates`` when the estimate exceeds ``--max-request-seconds``."""
+    def _memory_refusal(self, job: TraceJob) -> str | None:
+        """Why the request's memory can never fit the budget, or None."""
+        try:
+            self.memory.admit(*self._sides(job))
+        except RequestTooLarge as exc:
+            return str(exc)
+        return None
+
+    def _size(self, job: TraceJob) -> TraceSize:
+        return self.memory.size(*self._sides(job))
+
+    def _time_refusal(self, job: TraceJob, steps: int, seconds: float) -> str | None:
+        """Why the request cannot finish within ``--max-request-seconds``, or None."""
         if self.max_seconds is None or seconds <= self.max_seconds:
-            return
+            return None
         per = self.cost.seconds
         fit = int(self.max_seconds / (per * steps / job.replicates))
-        source = (f"measured over {self.cost.measured} request{'s' if self.cost.measured != 1 else ''} on this "
-                  f"server" if self.cost.measured else "a prior from the model's size: nothing timed yet")
+        n = self.cost.measured
+        source = f"a prior of {self.cost.prior * 1e3:.3g} ms from the model's size" + (
+            f", moved by the {n} request{'s' if n != 1 else ''} this server timed" if n else ": nothing timed yet")
         n = len(job.policy_ids)
-        raise invalid("replicates", (
-            f"needs an estimated {seconds:.0f} s ({steps} row-steps: R={job.replicates} x T={job.horizon}"
-            + (f" x {n} candidates" if n > 1 else "") + (" x 2 for the branches" if job.kind == Kind.RESIDUAL else "")
-            + f", at {per * 1e3:.3g} ms per row-step, {source}); the limit is --max-request-seconds "
-            f"{self.max_seconds:g} s: " + (f"at most R={fit} fits at this T" if fit else "shorten T")
-            + ". Refused for good on this server (not a load condition; do not retry)"))
+        return (f"needs an estimated {seconds:.0f} s ({steps} row-steps: R={job.replicates} x T={job.horizon}"
+                + (f" x {n} candidates" if n > 1 else "")
+                + (" x 2 for the branches" if job.kind == Kind.RESIDUAL else "")
+                + f", at {per * 1e3:.3g} ms per row-step, {source}); the limit is --max-request-seconds "
+                f"{self.max_seconds:g} s: " + (f"at most R={fit} fits at this T" if fit else "shorten T"))
 
     # ------------------------------------------------------------------ shared checks
 

@@ -32,7 +32,7 @@ from gen_service.engine.facade import Engine
 from gen_service.errors import ApiError, Cancelled, ConfigError, PolicyError, RequestTimeout, invalid
 from gen_service.models.loading import context_question_ids
 from gen_service.presses.registry import ModelInfo
-from gen_service.serving.admission import MemoryGate, TraceSize
+from gen_service.serving.admission import TRIM_BYTES, MemoryGate, TraceSize, return_freed_memory
 from gen_service.serving.batching import BatchEntry, BatchingChoice, BatchLoop
 from gen_service.serving.intake import (
     Intake,
@@ -216,11 +216,12 @@ class WorkStream:
 
     def __init__(self, service: Service, make: Callable[[Callable[[], bool]], Iterator[Any]], ticket: Ticket,
                  deadline: float | None = None, batch: BatchLoop | None = None, cost: int | TraceSize = 0,
-                 rows: int = 0, meter: Callable[[Any], int] | None = None):
+                 rows: int = 0, meter: Callable[[Any], int] | None = None, trim: bool = False):
         self.loop = asyncio.get_running_loop()
-        # a trace's row-steps so far (``meter``: an item's) and when its model work began, for
-        # the service's step cost (:class:`gen_service.serving.intake.StepCost`)
-        self.meter, self.row_steps, self.began = meter, 0, time.monotonic()
+        # a trace's row-steps so far (``meter``: an item's) and when its first item came (its
+        # prefills done), for the service's step cost (:class:`gen_service.serving.intake.StepCost`)
+        self.meter, self.row_steps, self.began = meter, 0, None
+        self.trim = trim   # give the heap's free pages back when the work ends (a large trace alone)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.deadline = deadline
@@ -249,11 +250,11 @@ class WorkStream:
         """Relay one item to the event loop (model thread)."""
         if self.meter is not None:
             self.row_steps += self.meter(item)
+            self.began = self.began or time.monotonic()
         self._put("item", item)
 
     def _work(self) -> None:
         self._service.model_work_started()
-        self.began = time.monotonic()
         try:
             if self.stopped():
                 raise Cancelled()
@@ -263,14 +264,16 @@ class WorkStream:
                     raise Cancelled()
         except BaseException as exc:  # forwarded to the event loop side
             self.end(exc)
-            return
-        self.end(None)
+        else:
+            self.end(None)
+        if self.trim:   # a large trace's caches are garbage now: their pages back to the OS
+            return_freed_memory()
 
     def end(self, exc: BaseException | None) -> None:
         """The work ended (model thread): ``done``, or its error (a stop past the deadline
         as :class:`RequestTimeout`); the admission slot is released here, exactly once."""
         cancelled = False
-        if self.meter is not None and (exc is None or isinstance(exc, Cancelled)):
+        if self.began is not None and (exc is None or isinstance(exc, Cancelled)):
             self._service.step_cost.observe(time.monotonic() - self.began, self.row_steps)
         try:
             if exc is None:
@@ -281,7 +284,9 @@ class WorkStream:
                                                   f"({self._service.max_request_seconds:g} s)"))
             else:
                 cancelled = isinstance(exc, Cancelled)
-                self._put("error", exc)
+                # a stop's traceback would hold the engine's frames, and their caches, until the
+                # event loop drops it: nothing in it is wanted
+                self._put("error", exc.with_traceback(None) if cancelled else exc)
         finally:
             self._ticket.release(cancelled)
 
@@ -399,7 +404,7 @@ class Service:
         meter = partial(row_steps, replicates=trace.replicates)
         if self.batch is None:
             return WorkStream(self, lambda cancelled: self.engine.trace(trace, cancelled), ticket, self._deadline(own),
-                              meter=meter)
+                              meter=meter, trim=job.memory.total >= TRIM_BYTES)
         return WorkStream(self, lambda cancelled: self.engine.trace_steps(trace, cancelled), ticket,
                           self._deadline(own), batch=self.batch, cost=job.memory, rows=trace.rows, meter=meter)
 
