@@ -30,7 +30,7 @@ __all__ = [
     "DEFAULT_QUESTION", "TEMPLATES", "Document", "DocumentsError", "TokenCounter", "approx_token_count",
     "chunk_text", "file_sha256", "iter_summary", "load_source", "paragraphs", "pydoc_documents", "read_jsonl",
     "read_txt_dir", "prompt_fields", "render_messages", "RAW_SUFFIX",
-    "TEMPLATE_NAMES", "select", "select_key", "server_token_counter", "token_counter",
+    "TEMPLATE_NAMES", "select", "select_key", "server_token_counter", "task_field_problem", "token_counter",
     "write_jsonl",
 ]
 
@@ -327,7 +327,55 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[Document]:
 def _document(obj: Any, path: str | os.PathLike[str], lineno: int) -> Document:
     if not isinstance(obj, dict) or not isinstance(obj.get("id"), (str, int)) or not isinstance(obj.get("text"), str):
         raise DocumentsError(f"{path}:{lineno}: each line needs an 'id' and a string 'text'")
+    problem = task_field_problem(obj)
+    if problem:
+        raise DocumentsError(f"{path}:{lineno}: {problem}")
+    if isinstance(obj.get("answers"), str):   # one answer: a one-item list
+        obj = {**obj, "answers": [obj["answers"]]}
     return Document.from_json(obj)
+
+
+def task_field_problem(obj: dict[str, Any]) -> str | None:
+    """The first problem with a document's task fields (docs/collector.md, "Tasks and answers"), or None.
+
+    Parameters
+    ----------
+    obj : dict
+        One document's JSON object.
+
+    Returns
+    -------
+    str or None
+        ``field 'NAME': what is wrong``.
+
+    Examples
+    --------
+    >>> task_field_problem({"answers": ["1"], "scorer": "ruler_all"}) is None
+    True
+    >>> task_field_problem({"scorer": "exact"})
+    "field 'scorer': a scorer is asked but the document has no 'answers'"
+    """
+    from protocols.scoring import UnknownScorerError, get_scorer
+
+    answers = obj.get("answers")
+    if answers is not None and not (isinstance(answers, str) or (
+            isinstance(answers, list) and all(isinstance(a, str) for a in answers))):
+        return f"field 'answers': expected a list of strings, got {json.dumps(answers)[:60]}"
+    if "scorer" in obj:
+        if not isinstance(obj["scorer"], str):
+            return f"field 'scorer': expected a scorer's name, got {json.dumps(obj['scorer'])[:60]}"
+        if answers is None:
+            return "field 'scorer': a scorer is asked but the document has no 'answers'"
+        try:
+            get_scorer(obj["scorer"])
+        except UnknownScorerError as exc:
+            return f"field 'scorer': {exc}"
+    depth = obj.get("needle_depth")
+    if depth is not None and not (isinstance(depth, (int, float)) and not isinstance(depth, bool) and 0 <= depth <= 1):
+        return f"field 'needle_depth': expected a number in [0, 1], got {json.dumps(depth)[:60]}"
+    if "task" in obj and not isinstance(obj["task"], str):
+        return f"field 'task': expected a string, got {json.dumps(obj['task'])[:60]}"
+    return None
 
 
 def read_txt_dir(path: str | os.PathLike[str]) -> list[Document]:

@@ -6,7 +6,7 @@ gen_service.
 Every error it raises on purpose derives from :class:`protocols.ProtocolError`.
 """
 
-from protocols import converters
+from protocols import converters, scoring
 from protocols.assemble import StreamError, assemble, assemble_stream
 from protocols.combine import CombineError, combine
 from protocols.converters import (
@@ -18,7 +18,7 @@ from protocols.converters import (
 )
 from protocols.errors import ProtocolError
 from protocols.io import OutputExistsError, TraceFileError, open_traces, save_traces
-from protocols.kinds import KINDS, WIRE_KINDS, Kind
+from protocols.kinds import KINDS, TRACE_KINDS, WIRE_KINDS, Kind
 from protocols.logit_fields import LOGIT_FIELDS, MAX_TOP_LOGPROBS, law_summaries, logit_vars, wire_logits, with_logits
 from protocols.policies import (
     PolicyIdError,
@@ -36,6 +36,8 @@ from protocols.policies import (
 from protocols.schema import (
     COUPLING,
     SCHEMA,
+    answer_variables,
+    answers_dataset,
     coupled_dataset,
     eos_ids,
     reference_dataset,
@@ -78,4 +80,6 @@ __all__ = [
     "sampling_params", "save_traces", "shared_step_record", "step_record", "validate",
     # logit traces (protocols.logit_fields)
     "LOGIT_FIELDS", "MAX_TOP_LOGPROBS", "law_summaries", "logit_vars", "wire_logits", "with_logits",
+    # task answers (docs/contract.md "Answers")
+    "TRACE_KINDS", "answer_variables", "answers_dataset", "scoring",
 ]

@@ -39,7 +39,9 @@ def _load(path: Path, chunks: int | str | None = None) -> xr.Dataset:
 def _shape(ds: xr.Dataset) -> str:
     parts = [f"{ds.sizes['model']} models"] if "model" in ds.dims else []
     parts += [f"{ds.sizes.get('doc', 0)} docs", f"{ds.sizes.get('policy', 0)} policies",
-              f"{ds.sizes.get('replicate', 0)} replicates", f"T={ds.attrs.get('horizon', '?')}"]
+              f"{ds.sizes.get('replicate', 0)} replicates"]
+    if ds.attrs.get("kind") != Kind.ANSWERS:   # scores without tokens have no horizon
+        parts.append(f"T={ds.attrs.get('horizon', '?')}")
     text = " × ".join(parts)
     if ds.attrs.get("kind") == Kind.RESIDUAL:
         text += f", W={ds.attrs.get('window', '?')}"
@@ -151,13 +153,20 @@ def info(path: Path) -> None:
                    f"{', '.join(map(str, ds.data_vars)) or 'none'})")
         raise SystemExit(1)
     a = ds.attrs
+    tokens = a.get("kind") != Kind.ANSWERS   # an answers file has scores, no tokens
     rows = [
         ("file", str(path)),
         ("schema", str(a.get("schema", "?"))),
-        ("kind", f"{a.get('kind', '?')} (coupling {a.get('coupling', '?')})"),
-        ("horizon", f"T={a.get('horizon', '?')}, window W={a.get('window', '?')}"),
-        ("vocab", f"{a.get('vocab_size', '?')} tokens, eos_token_id {a.get('eos_token_id', '?')}"
-                  + (f" (eos_token_ids {list(eos_ids(a))})" if "eos_token_ids" in a else "")),
+        ("kind", f"{a.get('kind', '?')} (coupling {a.get('coupling', '?')})" if tokens
+                 else f"{a.get('kind')} (task scores without tokens)"),
+    ]
+    if tokens:
+        rows += [
+            ("horizon", f"T={a.get('horizon', '?')}, window W={a.get('window', '?')}"),
+            ("vocab", f"{a.get('vocab_size', '?')} tokens, eos_token_id {a.get('eos_token_id', '?')}"
+                      + (f" (eos_token_ids {list(eos_ids(a))})" if "eos_token_ids" in a else "")),
+        ]
+    rows += [
         ("model", str(a.get("model", "?")) + (f" ({ds.sizes['model']} models: {_ids(ds.model.values)})"
                                                if "model" in ds.dims else "")),
         ("sampling", str(a.get("sampling", "?"))),
@@ -166,6 +175,9 @@ def info(path: Path) -> None:
         ("docs", _docs(ds)),
         ("policies", str(ds.sizes.get("policy", 0))),
     ]
+    answers = _answers(ds)
+    if answers:
+        rows.insert(-1, ("answers", answers))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         click.echo(f"{key:<{width}}  {value}")
@@ -177,6 +189,19 @@ def info(path: Path) -> None:
         click.echo(f"{'valid':<{width}}  yes")
     except TraceValidationError as err:
         click.echo(f"{'valid':<{width}}  no: {len(err.problems)} problem(s); run `kvdiv validate {path}`")
+
+
+def _answers(ds: xr.Dataset) -> str:
+    """The task-answer summary: tasks, scorers and P's and Q's mean scores ('' without scores)."""
+    if "x_score" not in ds.data_vars or "y_score" not in ds.data_vars:
+        return ""
+    parts = []
+    for name in ("task", "scorer"):
+        if name in ds.data_vars:
+            parts.append(f"{name} {', '.join(sorted({str(v) for v in ds[name].values.ravel()}))}")
+    x, y = (float(ds[n].mean(skipna=True)) if bool(ds[n].notnull().any()) else math.nan for n in ("x_score", "y_score"))
+    parts.append(f"mean score P {_num(round(x, 3), None)}, Q {_num(round(y, 3), None)}")
+    return "; ".join(parts)
 
 
 def _docs(ds: xr.Dataset) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["KINDS", "WIRE_KINDS", "Kind"]
+__all__ = ["KINDS", "TRACE_KINDS", "WIRE_KINDS", "Kind"]
 
 
 class Kind(StrEnum):
@@ -25,6 +25,8 @@ class Kind(StrEnum):
     RESIDUAL = "residual"
     #: Paths sampled from P with the log-probabilities of P and Q at each sampled token.
     REFERENCE = "reference"
+    #: Task scores of P's and Q's answers without their tokens (e.g. a leaderboard's predictions).
+    ANSWERS = "answers"
 
 
 #: Every kind a dataset may declare, as plain strings (for messages and choices).
@@ -34,3 +36,7 @@ KINDS: tuple[str, ...] = tuple(k.value for k in Kind)
 #: reference-step records, end); a server streams these on ``/v1/traces`` and the
 #: collector collects them. Reference traces also enter through the converters.
 WIRE_KINDS: tuple[str, ...] = (Kind.COUPLED.value, Kind.RESIDUAL.value, Kind.REFERENCE.value)
+
+#: Kinds that carry tokens (a horizon, a vocabulary, the coupling); ``answers`` carries
+#: only the scores of finished answers.
+TRACE_KINDS: tuple[str, ...] = WIRE_KINDS

@@ -22,8 +22,9 @@ from protocols.policies import policy_coords
 from protocols.version import __version__
 
 __all__ = [
-    "COUPLING", "KINDS", "MISSING_TOKEN", "OPTIONAL_VARS", "PER_MODEL_COORDS", "PROB_DTYPE", "REQUIRED_ATTRS",
-    "REQUIRED_VARS",
+    "ANSWER_STR_VARS", "ANSWER_VARS", "COUPLING", "KINDS", "MISSING_TOKEN", "OPTIONAL_VARS", "PER_MODEL_COORDS",
+    "PROB_DTYPE", "REQUIRED_ATTRS", "REQUIRED_ATTRS_BY_KIND", "REQUIRED_VARS", "SCORE_DTYPE", "answer_variables",
+    "answers_dataset",
     "SCHEMA", "SPLITS", "TOKEN_DTYPE", "VARIABLE_DOCS", "coupled_dataset", "eos_ids", "eos_set", "eos_table",
     "reference_dataset", "residual_dataset", "sampling_params",
 ]
@@ -56,7 +57,30 @@ REQUIRED_VARS: dict[str, dict[str, tuple[str, ...]]] = {
         "x_logp": ("doc", "policy", "replicate", "step"),
         "x_logq": ("doc", "policy", "replicate", "step"),
     },
+    # task scores without tokens (a leaderboard's predictions, docs/contract.md "Answers")
+    "answers": {
+        "x_score": ("doc", "policy", "replicate"),
+        "y_score": ("doc", "policy", "replicate"),
+    },
 }
+
+#: The task-answer variables (docs/contract.md "Answers"): optional in ``coupled``, the
+#: scores required in ``answers``. Scores are float64 in [0, 1] (NaN: not scored), texts
+#: and per-doc labels are strings, ``answers`` a JSON list of strings per document.
+ANSWER_VARS: dict[str, tuple[str, ...]] = {
+    "x_score": ("doc", "policy", "replicate"),
+    "y_score": ("doc", "policy", "replicate"),
+    "x_text": ("doc", "policy", "replicate"),
+    "y_text": ("doc", "policy", "replicate"),
+    "x_answer_start": ("doc", "policy", "replicate"),
+    "answers": ("doc",),
+    "scorer": ("doc",),
+    "task": ("doc",),
+    "needle_depth": ("doc",),
+}
+#: dtype kind per answer variable: float64, str (object or unicode), int32.
+SCORE_DTYPE = np.float64
+ANSWER_STR_VARS = ("x_text", "y_text", "answers", "scorer", "task")
 
 #: Optional variables recognised by validation (others are allowed and ignored); the
 #: logit traces (:mod:`protocols.logit_fields`) are optional in every kind.
@@ -68,15 +92,25 @@ OPTIONAL_VARS: dict[str, dict[str, tuple[str, ...]]] = {
     "residual": {},
     # the step's TV between P's and Q's laws on the sampled history (streamed by the server)
     "reference": {"tv": ("doc", "policy", "replicate", "step")},
+    "answers": {k: v for k, v in ANSWER_VARS.items() if k not in ("x_score", "y_score", "x_answer_start")},
 }
 for _kind, _optional in OPTIONAL_VARS.items():
-    _optional.update(logit_var_dims(_kind))
+    if _kind != "answers":  # no tokens, so no logit traces
+        _optional.update(logit_var_dims(_kind))
 del _kind, _optional
+OPTIONAL_VARS["coupled"].update(ANSWER_VARS)
 
+#: Attributes every trace kind (coupled, residual, reference) must carry.
 REQUIRED_ATTRS = (
     "schema", "kind", "horizon", "vocab_size", "window", "coupling",
     "eos_token_id", "model", "sampling", "producer",
 )
+#: Attributes per kind: an ``answers`` dataset has no tokens, so no horizon, vocabulary,
+#: window, EOS or coupling; ``sampling`` is optional there (a JSON object when present).
+REQUIRED_ATTRS_BY_KIND: dict[str, tuple[str, ...]] = {
+    **{k: REQUIRED_ATTRS for k in ("coupled", "residual", "reference")},
+    "answers": ("schema", "kind", "model", "producer"),
+}
 
 VARIABLE_DOCS: dict[str, str] = {
     "tv": "TV distance between the two next-token laws at this step (coupled histories)",
@@ -92,6 +126,15 @@ VARIABLE_DOCS: dict[str, str] = {
     "branch_x_token": "P-branch token at age k; -1 where unobserved",
     "branch_y_token": "Q-branch token at age k; -1 where unobserved",
     **{prefix + name: text + where for prefix, where in PATH_DOCS.items() for name, text in FIELD_DOCS.items()},
+    "x_score": "task score of P's answer in [0, 1] (the document's scorer against its answers); NaN = not scored",
+    "y_score": "task score of Q's answer in [0, 1] (the document's scorer against its answers); NaN = not scored",
+    "x_text": "P's answer decoded with the model's tokenizer (special tokens and EOS left out)",
+    "y_text": "Q's answer decoded with the model's tokenizer (special tokens and EOS left out)",
+    "x_answer_start": "step index (0-based) of P's token where its scored answer starts; -1 = not located",
+    "answers": "the document's acceptable answers: a JSON list of strings",
+    "scorer": "the scorer's name (protocols.scoring)",
+    "task": "the task the document belongs to (passkey, multikey, ...; '' = none)",
+    "needle_depth": "where the needle sits in the context, 0 = start, 1 = end (needle tasks; NaN otherwise)",
 }
 
 
@@ -586,6 +629,165 @@ def reference_dataset(
     coords["step"] = ("step", np.arange(1, horizon + 1, dtype=np.int32))
     return xr.Dataset(data, coords=coords, attrs=_attrs(
         "reference", horizon, vocab_size, 0, eos_token_id, model, sampling, producer, attrs, eos_token_ids))
+
+
+_to_str = np.frompyfunc(str, 1, 1)
+
+
+def answer_variables(
+    n_doc: int,
+    n_pol: int,
+    n_rep: int,
+    *,
+    x_score: Any = None,
+    y_score: Any = None,
+    x_text: Any = None,
+    y_text: Any = None,
+    x_answer_start: Any = None,
+    answers: Sequence[Sequence[str] | str] | None = None,
+    scorer: Sequence[str] | str | None = None,
+    task: Sequence[str] | str | None = None,
+    needle_depth: Sequence[float] | None = None,
+) -> dict[str, xr.Variable]:
+    """The answer variables (docs/contract.md "Answers") in their contract dtypes, for the given ones.
+
+    Parameters
+    ----------
+    n_doc, n_pol, n_rep : int
+        The dataset's sizes, which the arrays must match.
+    x_score, y_score : array_like, optional
+        Scores in [0, 1] (NaN: not scored), shaped (doc, policy, replicate); float64.
+    x_text, y_text : array_like of str, optional
+        P's and Q's decoded answers, shaped (doc, policy, replicate).
+    x_answer_start : array_like of int, optional
+        The step index where P's scored answer starts (-1: not located); int32.
+    answers : sequence, optional
+        Per document, the acceptable answers: a list of strings (stored JSON-encoded)
+        or its JSON text already.
+    scorer, task : str or sequence of str, optional
+        Per document (a single string is used for every document).
+    needle_depth : sequence of float, optional
+        Per document, in [0, 1] (NaN where the task has no needle).
+
+    Returns
+    -------
+    dict of str to xarray.Variable
+        Only the variables given; assign them to a dataset (``ds.assign(...)``).
+
+    Raises
+    ------
+    ValueError
+        An array of the wrong shape.
+
+    Examples
+    --------
+    >>> v = answer_variables(1, 1, 2, x_score=[[[1.0, 0.0]]], answers=[["4711"]], scorer="ruler_all")
+    >>> v["answers"].values.tolist(), str(v["x_score"].dtype)
+    (['["4711"]'], 'float64')
+    """
+    out: dict[str, xr.Variable] = {}
+    cube = (n_doc, n_pol, n_rep)
+
+    def put(name: str, value: Any, dtype: Any, shape: tuple[int, ...]) -> None:
+        if value is None:
+            return
+        if dtype is object:
+            if isinstance(value, str):   # one label for every document
+                value = [value] * n_doc
+            arr = np.asarray(value, dtype=object)
+            arr = _to_str(arr) if arr.size else arr
+        else:
+            arr = np.asarray(value, dtype=dtype)
+        if arr.shape != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {arr.shape}")
+        out[name] = _var(ANSWER_VARS[name], arr, name)
+
+    for name in ("x_score", "y_score"):
+        put(name, locals()[name], SCORE_DTYPE, cube)
+    for name in ("x_text", "y_text"):
+        put(name, locals()[name], object, cube)
+    put("x_answer_start", x_answer_start, TOKEN_DTYPE, cube)
+    if answers is not None:
+        put("answers", [a if isinstance(a, str) else json.dumps([str(x) for x in a], ensure_ascii=False)
+                        for a in answers], object, (n_doc,))
+    put("scorer", scorer, object, (n_doc,))
+    put("task", task, object, (n_doc,))
+    put("needle_depth", needle_depth, SCORE_DTYPE, (n_doc,))
+    return out
+
+
+def answers_dataset(
+    x_score: Any,
+    y_score: Any,
+    *,
+    docs: Sequence[str] | None = None,
+    policies: Sequence[str] | None = None,
+    model: str = "",
+    producer: str | None = None,
+    sampling: Mapping[str, Any] | str | None = None,
+    split: Sequence[str] | None = None,
+    prompt_tokens: Sequence[int] | None = None,
+    press: Sequence[str] | None = None,
+    retention: Sequence[float] | None = None,
+    budget: Sequence[int] | None = None,
+    attrs: Mapping[str, Any] | None = None,
+    **answer_vars: Any,
+) -> xr.Dataset:
+    """Build an ``answers`` dataset: P's and Q's task scores without tokens (docs/contract.md "Answers").
+
+    For scores from elsewhere (a leaderboard's predictions): no horizon, vocabulary,
+    window, EOS or coupling. P is the reference (full-cache) run, Q the policy's.
+
+    Parameters
+    ----------
+    x_score, y_score : array_like
+        Scores in [0, 1] (NaN: not scored), shaped (doc, policy, replicate) or
+        (doc, policy) for one replicate.
+    docs, policies : sequence of str, optional
+        Ids along ``doc`` and ``policy``; each policy id also gives the ``press``,
+        ``retention`` and ``budget`` coordinates (:func:`protocols.policies.policy_coords`).
+    model, producer : str, optional
+        Attrs naming the model and the program that produced the scores.
+    sampling : mapping or JSON str, optional
+        The decoding's parameters when known (attr ``sampling``; absent when None).
+    split, prompt_tokens, press, retention, budget : sequence, optional
+        As for :func:`coupled_dataset`.
+    attrs : mapping, optional
+        Extra attributes.
+    **answer_vars
+        The optional answer variables of :func:`answer_variables` (``x_text``,
+        ``y_text``, ``answers``, ``scorer``, ``task``, ``needle_depth``).
+
+    Returns
+    -------
+    xarray.Dataset
+        The dataset (not validated).
+
+    Raises
+    ------
+    ValueError
+        Arrays of the wrong rank or shape, or id lists of the wrong length.
+
+    Examples
+    --------
+    >>> ds = answers_dataset([[1.0, 0.0]], [[1.0, 1.0]], policies=["snapkv@0.5", "recent@0.5"],
+    ...                      answers=[["4711"]], scorer="ruler_all", model="m")
+    >>> dict(ds.sizes), ds.attrs["kind"]
+    ({'doc': 1, 'policy': 2, 'replicate': 1}, 'answers')
+    """
+    xs, ys = (np.asarray(a, dtype=SCORE_DTYPE) for a in (x_score, y_score))
+    xs, ys = (a[..., None] if a.ndim == 2 else a for a in (xs, ys))
+    if xs.ndim != 3 or xs.shape != ys.shape:
+        raise ValueError(f"x_score, y_score: expected two arrays shaped (doc, policy, replicate), "
+                         f"got {xs.shape} and {ys.shape}")
+    n_doc, n_pol, n_rep = xs.shape
+    data = answer_variables(n_doc, n_pol, n_rep, x_score=xs, y_score=ys, **answer_vars)
+    coords = _coords(n_doc, n_pol, n_rep, docs, policies, split, prompt_tokens, press, retention, budget)
+    a: dict[str, Any] = {"schema": SCHEMA, "kind": "answers", "model": str(model), "producer": producer or _producer()}
+    if sampling is not None:
+        a["sampling"] = _sampling_json(sampling)
+    a.update(attrs or {})
+    return xr.Dataset(data, coords=coords, attrs=a)
 
 
 def sampling_params(ds: xr.Dataset) -> dict[str, Any]:

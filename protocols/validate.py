@@ -43,9 +43,11 @@ import xarray as xr
 
 from protocols.chunks import DocChunk, doc_chunks, is_lazy
 from protocols.errors import ProtocolError
-from protocols.kinds import Kind
+from protocols.kinds import TRACE_KINDS, Kind
 from protocols.logit_fields import LOGIT_FIELDS, LOGIT_TOKENS, LOGIT_TOP, logit_prefixes, logit_var_dims
 from protocols.schema import (
+    ANSWER_STR_VARS,
+    ANSWER_VARS,
     COUPLING,
     KINDS,
     MISSING_TOKEN,
@@ -53,8 +55,10 @@ from protocols.schema import (
     PER_MODEL_COORDS,
     PROB_DTYPE,
     REQUIRED_ATTRS,
+    REQUIRED_ATTRS_BY_KIND,
     REQUIRED_VARS,
     SCHEMA,
+    SCORE_DTYPE,
     SPLITS,
     TOKEN_DTYPE,
     eos_table,
@@ -154,6 +158,8 @@ def _where(ds: xr.Dataset, dims: tuple[str, ...], idx: tuple[int, ...]) -> str:
 
 
 def _fmt(v: Any) -> str:
+    if isinstance(v, str):   # an answer text or label: quoted, and short
+        return repr(v if len(v) <= 60 else v[:57] + "...")
     if isinstance(v, (float, np.floating)):
         # shortest repr of the stored precision: float32 1.3 prints as 1.3, not 1.29999995
         return "NaN" if np.isnan(v) else np.format_float_positional(v, trim="-")
@@ -212,7 +218,7 @@ def _eos_mask(ctx: _Ctx, tokens: np.ndarray) -> np.ndarray:
 
 def _check_attrs(ds: xr.Dataset) -> Iterator[str]:
     a = ds.attrs
-    for name in REQUIRED_ATTRS:
+    for name in REQUIRED_ATTRS_BY_KIND.get(a.get("kind"), REQUIRED_ATTRS):
         if name not in a:
             yield f"attribute {name!r} is missing"
     for name, expected in (("schema", SCHEMA), ("coupling", COUPLING)):
@@ -346,11 +352,24 @@ def _check_vars(ds: xr.Dataset, ctx: _Ctx) -> Iterator[str]:
         if set(var.dims) != set(full) or len(var.dims) != len(full):
             yield f"variable {name!r} has dims {var.dims}, expected {full}"
             continue
-        want = TOKEN_DTYPE if name in _TOKEN_VARS | _LOGIT_TOKEN_VARS else PROB_DTYPE
+        if name in ANSWER_STR_VARS:
+            if var.dtype.kind not in "OU":
+                yield f"variable {name!r} has dtype {var.dtype}, expected strings (object or unicode)"
+                continue
+            ctx.dims[name] = full
+            continue
+        want = _dtype(name)
         if var.dtype != want:
             yield f"variable {name!r} has dtype {var.dtype}, expected {np.dtype(want)}"
             continue
         ctx.dims[name] = full
+
+
+def _dtype(name: str) -> Any:
+    """The contract's dtype of a numeric variable."""
+    if name in _TOKEN_VARS | _LOGIT_TOKEN_VARS or name == "x_answer_start":
+        return TOKEN_DTYPE
+    return SCORE_DTYPE if name in ANSWER_VARS else PROB_DTYPE
 
 
 # ----------------------------------------------------------------------------- value rules
@@ -627,9 +646,54 @@ def _rule_logits(ctx: _Ctx) -> Iterator[str]:
                                "not sorted: larger than the entry before it (a top-k is most likely first)")
 
 
+def _answers_json(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per document: the value is a JSON list of strings; the list is empty."""
+    bad = np.zeros(a.shape, dtype=bool)
+    empty = np.zeros(a.shape, dtype=bool)
+    for i, text in enumerate(a.ravel().tolist()):   # one JSON document per doc: no vectorised parser
+        try:
+            value = json.loads(text) if isinstance(text, str) else None
+        except ValueError:
+            value = None
+        ok = isinstance(value, list) and all(isinstance(x, str) for x in value)
+        bad.flat[i], empty.flat[i] = not ok, ok and not value
+    return bad, empty
+
+
+def _rule_answers(ctx: _Ctx) -> Iterator[_Finding]:
+    """The answer variables (docs/contract.md "Answers"): scores and depths in [0, 1] or NaN; the
+    answer start -1 or a step; strings are strings; ``answers`` a JSON list of strings, and no
+    score where it is empty (nothing to score against)."""
+    arr = ctx.arrays
+    for name in ("x_score", "y_score", "needle_depth"):
+        if name in arr:
+            a = arr[name]
+            yield from _report(ctx, name, np.isinf(a) | (np.isfinite(a) & ((a < 0) | (a > 1))),
+                               "outside [0, 1] (NaN = not scored)" if name != "needle_depth"
+                               else "outside [0, 1] (NaN = no needle)")
+    if "x_answer_start" in arr:
+        a = arr["x_answer_start"]
+        top = ctx.horizon if ctx.horizon is not None else np.iinfo(np.int64).max
+        yield from _report(ctx, "x_answer_start", (a < -1) | (a >= top),
+                           f"outside -1..{top - 1} (a step index, -1 = not located)" if ctx.horizon is not None
+                           else "below -1 (-1 = not located)")
+    for name in ANSWER_STR_VARS:
+        if name in arr and arr[name].dtype == object:
+            yield from _report(ctx, name, ~np.frompyfunc(lambda v: isinstance(v, str), 1, 1)(arr[name]).astype(bool),
+                               "not a string")
+    if "answers" in arr:
+        bad, empty = _answers_json(arr["answers"])
+        yield from _report(ctx, "answers", bad, "not a JSON list of strings")
+        for name in ("x_score", "y_score"):
+            if name in arr:
+                lead = empty.reshape(empty.shape + (1,) * (arr[name].ndim - empty.ndim))
+                yield from _report(ctx, name, lead & ~np.isnan(arr[name]),
+                                   "scored where the document's answers are [] (nothing to score against: NaN)")
+
+
 _VALUE_RULES: tuple[Callable[[_Ctx], Iterator[_Finding]], ...] = (
     _rule_tv_range, _rule_token_range, _rule_mismatch, _rule_eos, _rule_shared_path, _rule_branch_masks,
-    _rule_logp, _rule_logits,
+    _rule_logp, _rule_logits, _rule_answers,
 )
 
 
@@ -697,7 +761,7 @@ def validate(ds: xr.Dataset, *, source: str | None = None, tv_atol: float = TV_Z
     Parameters
     ----------
     ds : xarray.Dataset
-        A ``coupled``, ``residual`` or ``reference`` trace dataset.
+        A ``coupled``, ``residual``, ``reference`` or ``answers`` dataset.
     source : str, optional
         Where it came from (e.g. a file name), added to the error message.
     tv_atol : float, default TV_ZERO_ATOL
@@ -747,7 +811,8 @@ def validate(ds: xr.Dataset, *, source: str | None = None, tv_atol: float = TV_Z
         )
         problems += list(_check_coords(ds, ctx))
         problems += list(_check_vars(ds, ctx))
-        problems += list(_check_logit_group(ds, kind))
+        if kind in TRACE_KINDS:
+            problems += list(_check_logit_group(ds, kind))
         problems += _value_problems(ds, ctx)
     if problems:
         raise TraceValidationError([p if isinstance(p, Problem) else Problem(p) for p in problems], source)

@@ -150,3 +150,27 @@ def test_docs_counts_tokens_through_a_server_without_torch(tmp_path) -> None:
     assert [d.meta["n_tokens"] for d in D.read_jsonl(out)] == [3, 2]   # the server's BOS is not counted
     with pytest.raises(D.DocumentsError, match="/tokenize"):
         D.server_token_counter("http://127.0.0.1:9", timeout_s=2)("text")
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"answers": [1, 2]}, "field 'answers': expected a list of strings, got [1, 2]"),
+    ({"scorer": "exact"}, "field 'scorer': a scorer is asked but the document has no 'answers'"),
+    ({"answers": ["a"], "scorer": "rouge9"}, "field 'scorer': unknown scorer 'rouge9'; known: ruler_all, ruler_part"),
+    ({"answers": ["a"], "needle_depth": 1.5}, "field 'needle_depth': expected a number in [0, 1], got 1.5"),
+    ({"answers": ["a"], "task": 3}, "field 'task': expected a string, got 3"),
+])
+def test_task_fields_are_checked_naming_file_line_and_field(tmp_path, fields, message) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"id": "ok", "text": "t", "answers": ["x"]}) + "\n"
+                    + json.dumps({"id": "bad", "text": "t", **fields}) + "\n")
+    with pytest.raises(D.DocumentsError) as err:
+        D.read_jsonl(path)
+    assert str(err.value).startswith(f"{path}:2: {message}")
+
+
+def test_task_fields_are_kept_and_one_answer_is_a_list(tmp_path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"id": "a", "text": "t", "answers": "4711", "scorer": "number", "task": "passkey",
+                                "needle_depth": 0.25}) + "\n")
+    doc = D.read_jsonl(path)[0]
+    assert doc.meta == {"answers": ["4711"], "scorer": "number", "task": "passkey", "needle_depth": 0.25}

@@ -18,7 +18,7 @@ import numpy as np
 import xarray as xr
 
 from divstats.truth.kernels import CoupledKernels, Kernel, StepLaw, inverse_cdf_draw
-from protocols import KINDS, Kind, coupled_dataset, reference_dataset, residual_dataset, validate
+from protocols import TRACE_KINDS, Kind, coupled_dataset, reference_dataset, residual_dataset, validate
 
 __all__ = ["simulate", "simulate_grid"]
 
@@ -255,8 +255,8 @@ def simulate_grid(kernels: Sequence[Sequence[tuple[Kernel, Kernel]]], seeds: Seq
 
 def _sizes(kind: str, horizon: int, replicates: int, window: int | None) -> tuple[int, int, int]:
     """(T, n, W) checked: W is T when no window is given."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind not in TRACE_KINDS:
+        raise ValueError(f"kind must be one of {TRACE_KINDS}, got {kind!r}")
     if horizon < 1 or replicates < 1:
         raise ValueError("horizon and replicates must be >= 1")
     if window is not None and kind != Kind.RESIDUAL:
