@@ -254,6 +254,12 @@ def read_kvpress_results(paths: str | os.PathLike[str] | Iterable[str | os.PathL
         A folder without predictions, a press without a reference run, rows that do
         not pair, two models, two runs of one press and ratio, or a task whose metric
         kvdiv does not compute; each names the file (and line).
+
+    Examples
+    --------
+    >>> rows = read_kvpress_results("results/")                      # doctest: +SKIP
+    >>> rows[0]["doc"], rows[0]["policy"], rows[0]["scorer"]          # doctest: +SKIP
+    ('ruler/4096/niah_single_1/0', 'snapkv@0.5', 'ruler_all')
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -384,6 +390,16 @@ def from_answer_rows(source: Any, *, scorer: str | None = None, model: str = "",
         A row that is not JSON, lacks a field, has one of the wrong type, names an
         unknown scorer, repeats a (doc, policy), or gives a document two P answers;
         each names the line (or record).
+
+    Examples
+    --------
+    >>> rows = [{"doc": "q1", "policy": "snapkv@0.5", "prediction": "It is 4711.",
+    ...          "reference_prediction": "4711", "answers": ["4711"], "scorer": "ruler_all"},
+    ...         {"doc": "q1", "policy": "recent@0.5", "prediction": "I forgot.",
+    ...          "reference_prediction": "4711", "answers": ["4711"], "scorer": "ruler_all"}]
+    >>> ds = from_answer_rows(rows)
+    >>> ds.attrs["kind"], ds.x_score.values.ravel().tolist(), ds.y_score.values.ravel().tolist()
+    ('answers', [1.0, 1.0], [1.0, 0.0])
     """
     from protocols.scoring import score as score_one
 
@@ -468,6 +484,12 @@ def from_kvpress_results(paths: str | os.PathLike[str] | Iterable[str | os.PathL
     ------
     FileNotFoundError, ConversionError
         As :func:`read_kvpress_results`.
+
+    Examples
+    --------
+    >>> ds = from_kvpress_results("results/")                        # doctest: +SKIP
+    >>> ds.y_score.sel(policy="snapkv@0.5").mean().item()            # doctest: +SKIP
+    0.58
     """
     rows = read_kvpress_results(paths, reference=reference)
     model = rows[0]["model"]

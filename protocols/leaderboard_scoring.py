@@ -4,9 +4,11 @@ kvpress (``evaluation/benchmarks/<name>/calculate_metrics.py``) averages a per-r
 score over a task; :func:`kvpress_scorer` says which of kvdiv's scorers
 (``protocols.scoring``) gives that per-row score for a (dataset, task), so that a
 leaderboard's ``metrics.json`` is the mean of the scores kvdiv computes row by row.
-The functions here are the per-row scores that are not already general scorers;
-each is written from kvpress's definition (not copied) and checked against kvpress's
-own code on generated rows (tests/test_protocols_kvpress.py).
+The functions here are the per-row scores that are not already general scorers,
+each written from kvpress's definition (not copied); they are used through
+``protocols.scoring`` under the names in :data:`LEADERBOARD_ROWS`. The fixture of
+tests/test_protocols_kvpress.py checks them against kvpress's own code: its
+metrics.json files, computed by kvpress, equal kvdiv's means.
 
 Not built in (the conversion refuses such a dataset or task, naming it): ROUGE
 (LongBench's summaries, needle-in-a-haystack), code similarity (fuzzywuzzy's ratio),
@@ -21,8 +23,7 @@ from collections.abc import Sequence
 
 from protocols.errors import ProtocolError
 
-__all__ = ["LEADERBOARD_ROWS", "UnscorableError", "boxed_first", "boxed_last", "choice_letter", "dialogue_contains",
-           "f1_first_line", "first_int", "kv_retrieval", "kvpress_scorer", "longbench_count", "longbench_retrieval"]
+__all__ = ["LEADERBOARD_ROWS", "UnscorableError", "kvpress_scorer"]
 
 
 class UnscorableError(ProtocolError, ValueError):
@@ -40,12 +41,12 @@ def _boxed(output: str, index: int) -> str | None:
     return parts[index].split("}")[0]
 
 
-def boxed_last(output: str, answers: Sequence[str]) -> float:
+def _boxed_last(output: str, answers: Sequence[str]) -> float:
     """AIME25 (kvpress): the text of the last ``boxed{...}`` (the whole output when none) equals the answer."""
     return float(any(_boxed(output, -1) == str(a) for a in answers))
 
 
-def boxed_first(output: str, answers: Sequence[str]) -> float:
+def _boxed_first(output: str, answers: Sequence[str]) -> float:
     """MATH500 (kvpress): the text of the first ``boxed{...}`` equals the answer (0 when there is none)."""
     return float(any(_boxed(output, 1) == str(a) for a in answers))
 
@@ -54,13 +55,13 @@ def _share_equal(numbers: list[str], wanted: str) -> float:
     return 0.0 if not numbers else sum(n == wanted for n in numbers) / len(numbers)
 
 
-def longbench_count(output: str, answers: Sequence[str]) -> float:
+def _longbench_count(output: str, answers: Sequence[str]) -> float:
     """LongBench passage_count: the share of the output's integers equal to the answer (best answer)."""
     numbers = _DIGITS.findall(output)
     return max((_share_equal(numbers, str(a)) for a in answers), default=0.0)
 
 
-def longbench_retrieval(output: str, answers: Sequence[str]) -> float:
+def _longbench_retrieval(output: str, answers: Sequence[str]) -> float:
     """LongBench passage_retrieval_en: the share of the output's integers equal to the answer's
     ``Paragraph N`` number (best answer)."""
     numbers = _DIGITS.findall(output)
@@ -72,36 +73,36 @@ def longbench_retrieval(output: str, answers: Sequence[str]) -> float:
     return best
 
 
-def f1_first_line(output: str, answers: Sequence[str]) -> float:
+def _f1_first_line(output: str, answers: Sequence[str]) -> float:
     """LongBench's token F1 on the output's first line (its triviaqa: the model runs on)."""
     from protocols.scoring import score  # the general F1; imported late: scoring lists this module's rows
 
     return score("f1", output.lstrip().split("\n")[0], answers)
 
 
-def _first_int(output: str) -> str:
+def _leading_digits(output: str) -> str:
     return next((item for item in re.split("[^0-9]", output) if item), "")
 
 
-def first_int(output: str, answers: Sequence[str]) -> float:
+def _first_int(output: str, answers: Sequence[str]) -> float:
     """InfiniteBench passkey and number_string: the output's first run of digits equals the answer."""
-    return float(bool(answers) and _first_int(output) == str(answers[0]))
+    return float(bool(answers) and _leading_digits(output) == str(answers[0]))
 
 
-def kv_retrieval(output: str, answers: Sequence[str]) -> float:
+def _kv_retrieval(output: str, answers: Sequence[str]) -> float:
     """InfiniteBench kv_retrieval: the answer is one of the output's words (split at punctuation too)."""
     for c in _RETRIEVAL_PUNCT:
         output = output.replace(c, " ")
     return float(bool(answers) and str(answers[0]) in output.split())
 
 
-def dialogue_contains(output: str, answers: Sequence[str]) -> float:
+def _dialogue_contains(output: str, answers: Sequence[str]) -> float:
     """InfiniteBench longdialogue_qa_eng: an answer appears in the output, upper-cased both."""
     pred = output.strip().upper()
     return float(any(str(a).upper() in pred for a in answers))
 
 
-def choice_letter(output: str, answers: Sequence[str]) -> float:
+def _choice_letter(output: str, answers: Sequence[str]) -> float:
     """InfiniteBench longbook_choice_eng: the option letter the output gives is among the answers."""
     pred = output.strip()
     match = re.search(r"\b[A-D]\b(?!.*\b[A-D]\b)", pred)
@@ -198,17 +199,17 @@ def kvpress_scorer(dataset: str, task: str) -> str:
 
 #: The scorers above as rows of ``protocols.scoring.SCORERS``: (name, function, description, binary).
 LEADERBOARD_ROWS: tuple[tuple[str, object, str, bool], ...] = (
-    ("boxed_last", boxed_last, "AIME25 as kvpress scores it: the last boxed{...} equals the answer", True),
-    ("boxed_first", boxed_first, "MATH500 as kvpress scores it: the first boxed{...} equals the answer", True),
-    ("longbench_count", longbench_count,
+    ("boxed_last", _boxed_last, "AIME25 as kvpress scores it: the last boxed{...} equals the answer", True),
+    ("boxed_first", _boxed_first, "MATH500 as kvpress scores it: the first boxed{...} equals the answer", True),
+    ("longbench_count", _longbench_count,
      "LongBench passage_count: the share of the output's integers equal to the answer", False),
-    ("longbench_retrieval", longbench_retrieval,
+    ("longbench_retrieval", _longbench_retrieval,
      "LongBench passage_retrieval_en: the share of the output's integers equal to the answer's paragraph", False),
-    ("f1_first_line", f1_first_line, "token F1 of the output's first line (LongBench triviaqa)", False),
-    ("first_int", first_int, "InfiniteBench passkey / number_string: the first digits in the output equal the answer",
+    ("f1_first_line", _f1_first_line, "token F1 of the output's first line (LongBench triviaqa)", False),
+    ("first_int", _first_int, "InfiniteBench passkey / number_string: the first digits in the output equal the answer",
      True),
-    ("kv_retrieval", kv_retrieval, "InfiniteBench kv_retrieval: the answer is a word of the output", True),
-    ("dialogue_contains", dialogue_contains,
+    ("kv_retrieval", _kv_retrieval, "InfiniteBench kv_retrieval: the answer is a word of the output", True),
+    ("dialogue_contains", _dialogue_contains,
      "InfiniteBench longdialogue_qa_eng: an answer appears in the output (upper-cased)", True),
-    ("choice_letter", choice_letter, "InfiniteBench longbook_choice_eng: the option letter given is an answer", True),
+    ("choice_letter", _choice_letter, "InfiniteBench longbook_choice_eng: the option letter given is an answer", True),
 )

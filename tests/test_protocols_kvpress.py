@@ -17,17 +17,8 @@ import pytest
 
 from protocols.converters import ConversionError, from_kvpress_results
 from protocols.kvpress_results import from_answer_rows, parse_answer_cell, read_kvpress_results
-from protocols.leaderboard_scoring import (
-    UnscorableError,
-    boxed_first,
-    boxed_last,
-    choice_letter,
-    first_int,
-    kv_retrieval,
-    kvpress_scorer,
-    longbench_count,
-    longbench_retrieval,
-)
+from protocols.leaderboard_scoring import UnscorableError, kvpress_scorer
+from protocols.scoring import score
 from protocols.validate import validate
 
 TREE = Path(__file__).resolve().parent / "data" / "kvpress_results"
@@ -159,14 +150,15 @@ def test_answer_cells_as_pandas_writes_them():
 
 
 def test_leaderboard_scorers_on_hand_worked_rows():
-    assert boxed_last("\\boxed{1} no, \\boxed{42}", ["42"]) == 1.0
-    assert boxed_first("\\boxed{1} \\boxed{42}", ["42"]) == 0.0
-    assert boxed_first("no box", ["no box"]) == 0.0 and boxed_last("42", ["42"]) == 1.0   # AIME: the whole text
-    assert longbench_count("3 and 5 and 3", ["3"]) == pytest.approx(2 / 3)
-    assert longbench_retrieval("Paragraph 4, or 12", ["Paragraph 4"]) == 0.5
-    assert first_int("key: 00123 then 5", ["00123"]) == 1.0 and first_int("none", ["1"]) == 0.0
-    assert kv_retrieval('"ab-12".', ["ab-12"]) == 1.0 and kv_retrieval("xab-12", ["ab-12"]) == 0.0
-    assert choice_letter("The answer is B", ["B"]) == 1.0 and choice_letter("D", ["A"]) == 0.0
+    assert score("boxed_last", "\\boxed{1} no, \\boxed{42}", ["42"]) == 1.0
+    assert score("boxed_first", "\\boxed{1} \\boxed{42}", ["42"]) == 0.0
+    assert score("boxed_first", "no box", ["no box"]) == 0.0 and score("boxed_last", "42", ["42"]) == 1.0  # AIME: all
+    assert score("longbench_count", "3 and 5 and 3", ["3"]) == pytest.approx(2 / 3)
+    assert score("longbench_retrieval", "Paragraph 4, or 12", ["Paragraph 4"]) == 0.5
+    assert score("first_int", "key: 00123 then 5", ["00123"]) == 1.0 and score("first_int", "none", ["1"]) == 0.0
+    assert score("kv_retrieval", '"ab-12".', ["ab-12"]) == 1.0 and score("kv_retrieval", "xab-12", ["ab-12"]) == 0.0
+    assert score("choice_letter", "The answer is B", ["B"]) == 1.0 and score("choice_letter", "D", ["A"]) == 0.0
+    assert score("f1_first_line", "\n Paris\nand Lyon", ["Paris"]) == 1.0
 
 
 def test_answer_rows_errors_name_the_line(tmp_path):
