@@ -217,7 +217,8 @@ def _check_pairing(ref: KvpressFolder, run: KvpressFolder) -> None:
 
 
 def _answers_of(folder: KvpressFolder, i: int, row: Mapping[str, str]) -> list[str]:
-    column = next((c for c in ("answers", "answer", "needle") if c in row), None)
+    order = ("needle", "answers", "answer") if folder.dataset == "needle_in_haystack" else ("answers", "answer")
+    column = next((c for c in order if c in row), None)
     if column is None:
         raise _error(f"{folder.where(i)}: no 'answer' or 'answers' column")
     try:
@@ -307,7 +308,7 @@ def _group_rows(group: list[KvpressFolder], reference: str) -> Iterable[dict[str
                    "reference_prediction": a["predicted_answer"], "task": task, "scorer": scorer,
                    "model": run.model, "source": f"{run.path / PREDICTIONS}:{run.lines[i]}"}
             if a.get("needle_depth") not in (None, ""):
-                row["needle_depth"] = float(a["needle_depth"])
+                row["needle_depth"] = float(a["needle_depth"]) / 100   # kvpress: percent; kvdiv: a fraction
             yield row
 
 

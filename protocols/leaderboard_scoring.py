@@ -10,14 +10,21 @@ each written from kvpress's definition (not copied); they are used through
 tests/test_protocols_kvpress.py checks them against kvpress's own code: its
 metrics.json files, computed by kvpress, equal kvdiv's means.
 
-Not built in (the conversion refuses such a dataset or task, naming it): ROUGE
-(LongBench's summaries, needle-in-a-haystack), code similarity (fuzzywuzzy's ratio),
-LongBench's classification (it needs the task's class list), the Chinese tasks
-(jieba's word segmentation), and InfiniteBench's code_debug, math_find and math_calc.
+ROUGE is the ``rouge`` package's (1.0.1, which kvpress uses): sentences split at
+``.``, words at single spaces, unigram sets (not counts), ROUGE-L at summary level
+with the union of each sentence pair's longest common subsequence, backtracked as
+that package does. Code similarity is fuzzywuzzy's ``ratio`` without
+python-Levenshtein (kvpress's ``eval`` extra does not install it): difflib's
+``SequenceMatcher`` ratio, rounded to a percent.
+
+Not built in (the conversion refuses such a dataset or task, naming it): LongBench's
+classification (it needs the task's class list), the Chinese tasks (jieba's word
+segmentation), and InfiniteBench's code_debug, math_find and math_calc.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Sequence
 
@@ -71,6 +78,11 @@ def _longbench_retrieval(output: str, answers: Sequence[str]) -> float:
         if found:
             best = max(best, _share_equal(numbers, found[0]))
     return best
+
+
+def _rouge_l_first_line(output: str, answers: Sequence[str]) -> float:
+    """LongBench's samsum: ROUGE-L F of the output's first line."""
+    return _rouge_l(output.lstrip().split("\n")[0], answers)
 
 
 def _f1_first_line(output: str, answers: Sequence[str]) -> float:
@@ -129,18 +141,96 @@ def _choice_letter(output: str, answers: Sequence[str]) -> float:
     return next((float(word in answers) for word in pred.split() if word in "ABCD"), 0.0)
 
 
+def _sentences(text: str) -> list[str]:
+    """The ``rouge`` package's sentences: pieces between dots, whitespace runs made single spaces."""
+    return [" ".join(piece.split()) for piece in text.split(".") if len(piece) > 0]
+
+
+def _words(sentences: Sequence[str]) -> list[str]:
+    return [w for sentence in sentences for w in sentence.split(" ")]
+
+
+def _lcs_words(x: list[str], y: list[str]) -> set[str]:
+    """The words of x and y's longest common subsequence, backtracked as the ``rouge`` package does
+    (a match first, then up when the cell above is strictly larger, else left)."""
+    n, m = len(x), len(y)
+    table = [[0] * (m + 1) for _ in range(n + 1)]
+    for i in range(1, n + 1):
+        for j in range(1, m + 1):
+            table[i][j] = table[i - 1][j - 1] + 1 if x[i - 1] == y[j - 1] else max(table[i - 1][j], table[i][j - 1])
+    found: set[str] = set()
+    i, j = n, m
+    while i > 0 and j > 0:
+        if x[i - 1] == y[j - 1]:
+            found.add(x[i - 1])
+            i, j = i - 1, j - 1
+        elif table[i - 1][j] > table[i][j - 1]:
+            i -= 1
+        else:
+            j -= 1
+    return found
+
+
+def _f(overlap: int, n_hyp: int, n_ref: int) -> float:
+    p = overlap / n_hyp if n_hyp else 0.0
+    r = overlap / n_ref if n_ref else 0.0
+    return 2.0 * ((p * r) / (p + r + 1e-8))
+
+
+def _rouge_l_f(hyp: str, ref: str) -> float | None:
+    """ROUGE-L F (summary level) of the ``rouge`` package; None where it raises (an empty text)."""
+    hs, rs = _sentences(hyp), _sentences(ref)
+    if not hs or not rs:
+        return None
+    union: set[str] = set()
+    for r in rs:
+        for h in hs:
+            union |= _lcs_words(r.split(" "), h.split(" "))
+    return _f(len(union), len(set(_words(hs))), len(set(_words(rs))))
+
+
+def _rouge_l(output: str, answers: Sequence[str]) -> float:
+    """LongBench's rouge_score: ROUGE-L F of the output against an answer, 0 where ROUGE fails; the best answer.
+
+    (The package backtracks recursively, so kvpress scores 0 for a sentence pair of about 1,000 words in all,
+    where Python's recursion limit stops it; kvdiv computes the value.)"""
+    return max((_rouge_l_f(output.lstrip(), str(a)) or 0.0 for a in answers), default=0.0)
+
+
+def _needle_rouge_l(output: str, answers: Sequence[str]) -> float:
+    """needle_in_haystack: ROUGE-L F with the needle as the hypothesis and the stripped output as the
+    reference, as kvpress calls the package (an empty output scores 0; kvpress's run stops there)."""
+    return max((_rouge_l_f(str(a).strip(), output.strip()) or 0.0 for a in answers), default=0.0)
+
+
+def _code_sim(output: str, answers: Sequence[str]) -> float:
+    """LongBench lcc / repobench-p: fuzzywuzzy's ratio of the first line without a backtick, ``#`` or
+    ``//`` (empty when none) and the answer, over 100."""
+    line = next((ln for ln in output.lstrip().split("\n") if "`" not in ln and "#" not in ln and "//" not in ln),
+                "")
+    best = 0.0
+    for a in map(str, answers):
+        if line == a:
+            ratio = 100
+        elif not line or not a:
+            ratio = 0
+        else:
+            ratio = int(round(100 * difflib.SequenceMatcher(None, line, a).ratio()))
+        best = max(best, ratio / 100)
+    return best
+
+
 #: LongBench task -> scorer; absent tasks are refused with the metric kvpress uses.
 _LONGBENCH = {
     "narrativeqa": "f1", "qasper": "f1", "multifieldqa_en": "f1", "hotpotqa": "f1", "2wikimqa": "f1",
     "musique": "f1", "triviaqa": "f1_first_line", "passage_count": "longbench_count",
-    "passage_retrieval_en": "longbench_retrieval",
+    "passage_retrieval_en": "longbench_retrieval", "gov_report": "rouge_l", "qmsum": "rouge_l",
+    "multi_news": "rouge_l", "samsum": "rouge_l_first_line", "lcc": "code_sim", "repobench-p": "code_sim",
 }
 _LONGBENCH_REFUSED = {
-    "gov_report": "ROUGE-L", "qmsum": "ROUGE-L", "multi_news": "ROUGE-L", "samsum": "ROUGE-L",
     "dureader": "ROUGE-L on jieba words", "vcsum": "ROUGE-L on jieba words", "multifieldqa_zh": "F1 on jieba words",
     "trec": "classification against the task's class list", "lsht": "classification against the task's class list",
-    "passage_retrieval_zh": "retrieval of 段落N", "lcc": "code similarity (fuzzywuzzy)",
-    "repobench-p": "code similarity (fuzzywuzzy)",
+    "passage_retrieval_zh": "retrieval of 段落N",
 }
 _INFINITEBENCH = {
     "passkey": "first_int", "number_string": "first_int", "kv_retrieval": "kv_retrieval",
@@ -192,7 +282,9 @@ def kvpress_scorer(dataset: str, task: str) -> str:
         return "boxed_last"
     if dataset == "math500":
         return "boxed_first"
-    metric = {"needle_in_haystack": "ROUGE", "loogle": "its own metrics", "zero_scrolls": "its own metrics",
+    if dataset == "needle_in_haystack":
+        return "needle_rouge_l"
+    metric = {"loogle": "its own metrics", "zero_scrolls": "its own metrics",
               "longbench-v2": "multiple-choice accuracy"}.get(dataset, "a metric kvdiv does not know")
     raise UnscorableError(f"kvpress scores dataset {dataset!r} with {metric}, which kvdiv does not compute")
 
@@ -212,4 +304,9 @@ LEADERBOARD_ROWS: tuple[tuple[str, object, str, bool], ...] = (
     ("dialogue_contains", _dialogue_contains,
      "InfiniteBench longdialogue_qa_eng: an answer appears in the output (upper-cased)", True),
     ("choice_letter", _choice_letter, "InfiniteBench longbook_choice_eng: the option letter given is an answer", True),
+    ("rouge_l", _rouge_l, "ROUGE-L F at summary level, as the rouge package (LongBench's summaries)", False),
+    ("rouge_l_first_line", _rouge_l_first_line, "ROUGE-L F of the output's first line (LongBench samsum)", False),
+    ("needle_rouge_l", _needle_rouge_l,
+     "needle in a haystack as kvpress scores it: ROUGE-L F, the needle as hypothesis, the output as reference", False),
+    ("code_sim", _code_sim, "LongBench lcc / repobench-p: fuzzywuzzy ratio of the first code line", False),
 )

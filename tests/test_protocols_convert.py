@@ -65,7 +65,7 @@ def test_convert_kvpress_results_and_their_answer_rows(tmp_path):
     out, rows = tmp_path / "kvp.nc", tmp_path / "kvp.jsonl"
     res = _run("convert", DATA / "kvpress_results", "-o", out, "--jsonl", rows)
     assert res.exit_code == 0, res.output
-    assert "answers, 86 docs × 2 policies × 1 replicates (from kvpress)" in res.output
+    assert "answers, 110 docs × 2 policies × 1 replicates (from kvpress)" in res.output
     ds = protocols.open_traces(out)
     expected = from_kvpress_results(DATA / "kvpress_results")
     assert (ds.y_score == expected.y_score).all() and (ds.x_score == expected.x_score).all()

@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 
 from protocols.converters import ConversionError, from_kvpress_results
-from protocols.kvpress_results import from_answer_rows, parse_answer_cell, read_kvpress_results
+from protocols.kvpress_results import KvpressFolder, from_answer_rows, parse_answer_cell, read_kvpress_results
 from protocols.leaderboard_scoring import UnscorableError, kvpress_scorer
 from protocols.scoring import score
 from protocols.validate import validate
 
 TREE = Path(__file__).resolve().parent / "data" / "kvpress_results"
-POLICY = {("no_press", "0.00"): None, ("snapkv", "0.50"): "snapkv@0.5", ("streaming_llm", "0.25"): "streaming_llm@0.75"}
 
 
 @pytest.fixture(scope="module")
@@ -30,18 +29,17 @@ def ds():
     return from_kvpress_results(TREE)
 
 
-def _folder_means(ds, folder: Path) -> tuple[dict[str, float], bool]:
-    """Mean score per task of one folder's run (P's for no_press), and whether it is the reference."""
-    parts = folder.name.split("__")
-    dataset, press, ratio = parts[0], parts[-2], parts[-1]
-    prefix = dataset + (f"/{parts[1]}" if len(parts) == 5 else "") + "/"
-    policy = POLICY[(press, ratio)]
-    docs = [d for d in ds.doc.values if d.startswith(prefix)]
-    sub = ds.sel(doc=docs)
-    scores = sub.x_score.isel(policy=0) if policy is None else sub.y_score.sel(policy=policy)
-    scores = scores.isel(replicate=0)
-    return {str(t): float(scores.where(sub.task == t, drop=True).mean()) for t in np.unique(sub.task.values)}, \
-        policy is None
+def _folder_scores(ds, path: Path):
+    """Each task's scores of one folder's run (P's for the no-press run), in the file's row order."""
+    folder = KvpressFolder(path)
+    sub = ds.sel(doc=[d for d in ds.doc.values if d.startswith(folder.label + "/")])
+    order = np.argsort([int(d.rsplit("/", 1)[1]) for d in sub.doc.values], kind="stable")
+    sub = sub.isel(doc=order)
+    if folder.press == "no_press":
+        scores = sub.x_score.isel(policy=0, replicate=0)
+    else:
+        scores = sub.y_score.sel(policy=folder.policy_id()).isel(replicate=0)
+    return {str(t): scores.values[sub.task.values == t] for t in np.unique(sub.task.values)}
 
 
 def test_the_tree_converts_to_a_valid_answers_dataset(ds):
@@ -49,7 +47,7 @@ def test_the_tree_converts_to_a_valid_answers_dataset(ds):
     assert ds.attrs["kind"] == "answers" and ds.attrs["model"] == "my-org/tiny-llama"
     assert ds.policy.values.tolist() == ["snapkv@0.5", "streaming_llm@0.75"]
     assert ds.retention.values.tolist() == [0.5, 0.75]
-    assert ds.sizes == {"doc": 30 + 8 + 6 * 8, "policy": 2, "replicate": 1}
+    assert ds.sizes == {"doc": 30 + 8 + 6 * 12, "policy": 2, "replicate": 1}
     assert not np.isnan(ds.x_score).any() and not np.isnan(ds.y_score).any()
     # P is the one no-press run: the same score and text under every policy
     assert (ds.x_score.isel(policy=0) == ds.x_score.isel(policy=1)).all()
@@ -60,7 +58,8 @@ def test_the_tree_converts_to_a_valid_answers_dataset(ds):
 def test_accuracies_equal_kvpress_metrics_json(ds, folder):
     path = TREE / folder
     metrics = json.loads((path / "metrics.json").read_text())
-    means, _ = _folder_means(ds, path)
+    scores = _folder_scores(ds, path)
+    means = {t: float(np.mean(v)) for t, v in scores.items()}
     dataset = folder.split("__")[0]
     if dataset == "ruler":       # {task: {"string_match": percent, 2 decimals}}
         assert {t: round(100 * m, 2) for t, m in means.items()} == {t: v["string_match"] for t, v in metrics.items()}
@@ -70,6 +69,9 @@ def test_accuracies_equal_kvpress_metrics_json(ds, folder):
     elif dataset == "infinitebench":  # a fraction
         (mean,) = means.values()
         assert math.isclose(mean, metrics, rel_tol=1e-12)
+    elif dataset == "needle_in_haystack":  # one ROUGE dict per row: kvdiv's score is ROUGE-L F
+        (row_scores,) = scores.values()
+        assert row_scores.tolist() == pytest.approx([m["rouge-l"]["f"] for m in metrics], abs=1e-12)
     else:                        # aime25, math500
         (mean,) = means.values()
         assert math.isclose(mean, metrics["accuracy"], rel_tol=1e-12)
@@ -84,7 +86,10 @@ def test_rows_keep_both_predictions_and_the_answers(ds):
     assert ds.y_text.sel(doc=row["doc"], policy="snapkv@0.5").item() == row["prediction"]
     assert ds.x_text.sel(doc=row["doc"], policy="snapkv@0.5").item() == row["reference_prediction"]
     assert json.loads(ds.answers.sel(doc=row["doc"]).item()) == row["answers"]
-    assert {r["doc"].split("/")[0] for r in rows} == {"ruler", "longbench", "infinitebench", "aime25", "math500"}
+    assert {r["doc"].split("/")[0] for r in rows} == {"ruler", "longbench", "infinitebench", "aime25", "math500",
+                                                      "needle_in_haystack"}
+    depths = ds.needle_depth.sel(doc=[f"needle_in_haystack/{i}" for i in range(6)]).values
+    assert depths.tolist() == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]   # kvpress's percent as a fraction
     again = from_answer_rows(rows, model="my-org/tiny-llama")   # the plain form gives the same dataset
     assert (again.y_score == ds.y_score).all() and (again.x_score == ds.x_score).all()
 
@@ -136,10 +141,10 @@ def test_rows_that_do_not_pair_name_the_file_and_line(tmp_path):
 
 
 def test_a_metric_kvdiv_does_not_compute_is_refused_naming_it():
-    with pytest.raises(UnscorableError, match="gov_report.*ROUGE-L"):
-        kvpress_scorer("longbench", "gov_report")
-    with pytest.raises(UnscorableError, match="needle_in_haystack.*ROUGE"):
-        kvpress_scorer("needle_in_haystack", "needle")
+    with pytest.raises(UnscorableError, match="trec.*classification"):
+        kvpress_scorer("longbench", "trec")
+    with pytest.raises(UnscorableError, match="loogle"):
+        kvpress_scorer("loogle", "shortdep_qa")
 
 
 def test_answer_cells_as_pandas_writes_them():
@@ -159,6 +164,13 @@ def test_leaderboard_scorers_on_hand_worked_rows():
     assert score("kv_retrieval", '"ab-12".', ["ab-12"]) == 1.0 and score("kv_retrieval", "xab-12", ["ab-12"]) == 0.0
     assert score("choice_letter", "The answer is B", ["B"]) == 1.0 and score("choice_letter", "D", ["A"]) == 0.0
     assert score("f1_first_line", "\n Paris\nand Lyon", ["Paris"]) == 1.0
+    # ROUGE-L F by hand: LCS words {a, c, d} of 4 and 4 words -> p = r = 0.75 (the package adds 1e-8)
+    assert score("rouge_l", "a b c d", ["a c d e"]) == pytest.approx(2 * 0.75 * 0.75 / (1.5 + 1e-8), abs=1e-15)
+    # two reference sentences: the union of their LCS words {a, b} (3 hypothesis, 4 reference words)
+    assert score("rouge_l", "a b x", ["a . b y z"]) == pytest.approx(2 * (2 / 3) * 0.5 / (2 / 3 + 0.5 + 1e-8))
+    assert score("rouge_l", "", ["a"]) == 0.0                      # the package raises: LongBench scores 0
+    assert score("code_sim", "# comment\nreturn x", ["return x"]) == 1.0
+    assert score("code_sim", "retrun x", ["return x"]) == round(100 * 14 / 16) / 100   # difflib: 7 of 8 match
 
 
 def test_answer_rows_errors_name_the_line(tmp_path):
