@@ -23,7 +23,6 @@ from setuptools.build_meta import (  # noqa: F401  (the hooks passed through unc
     build_sdist,
     get_requires_for_build_editable,
     get_requires_for_build_sdist,
-    get_requires_for_build_wheel,
     prepare_metadata_for_build_editable,
 )
 
@@ -43,6 +42,12 @@ def _out_of_tree() -> Iterator[None]:
                 os.environ.pop("DIST_EXTRA_CONFIG", None)
             else:
                 os.environ["DIST_EXTRA_CONFIG"] = before
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    # setuptools runs egg_info here too (pip calls it first, in an isolated build)
+    with _out_of_tree():
+        return _setuptools.get_requires_for_build_wheel(config_settings)
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):

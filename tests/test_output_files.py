@@ -90,6 +90,13 @@ def test_building_a_wheel_leaves_no_build_outputs_in_the_tree(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path / "wheels"), str(src)], check=True, timeout=300, cwd=tmp_path, env=env)
     (wheel,) = (tmp_path / "wheels").glob("kvdiv-*.whl")
+    # pip's isolated build (the default, which needs the registry) first asks the backend for its build
+    # requirements and the metadata: setuptools runs egg_info for both, so call them too
+    hooks = ("import sys; sys.path.insert(0, '_backend'); import kvdiv_build as b; b.get_requires_for_build_wheel(); "
+             f"b.prepare_metadata_for_build_wheel({str(tmp_path / 'meta')!r})")
+    (tmp_path / "meta").mkdir()
+    subprocess.run([sys.executable, "-c", hooks], check=True, timeout=300, cwd=src, env=env, capture_output=True)
+    assert list((tmp_path / "meta").glob("kvdiv-*.dist-info"))
     after = tree()
     assert after == before, sorted(set(after) - set(before))[:10]
     names = zipfile.ZipFile(wheel).namelist()
