@@ -81,10 +81,11 @@ class KvpressFolder:
         return self.dataset + (f"/{data_dir}" if data_dir not in (None, "", "null") else "")
 
     def policy_id(self) -> str:
-        """A kvdiv policy id: ``press@retention`` (kvpress's ratio is the fraction removed)."""
-        threshold = self.config.get("threshold")
-        if threshold not in (None, "null"):
-            return f"{self.press}:threshold={_num(threshold)}"
+        """A kvdiv policy id: ``press@retention`` (kvpress's ratio is the fraction removed);
+        ``press:threshold=t`` or ``press:head_compression_ratio=r`` for presses set that way."""
+        for key in ("threshold", "head_compression_ratio"):   # kvpress then names the folder by it
+            if self.config.get(key) not in (None, "null"):
+                return f"{self.press}:{key}={_num(self.config[key])}"
         ratio = self.config.get("compression_ratio")
         try:
             retention = round(1.0 - float(ratio), 6)
