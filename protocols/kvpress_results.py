@@ -22,7 +22,6 @@ import json
 import math
 import os
 import re
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ import xarray as xr
 
 from protocols.errors import ProtocolError
 
-__all__ = ["KvpressFolder", "from_answer_rows", "from_kvpress_results", "read_kvpress_results"]
+__all__ = ["KvpressFolder", "from_answer_rows", "from_kvpress_results", "parse_answer_cell", "read_kvpress_results"]
 
 PREDICTIONS, METRICS, CONFIG = "predictions.csv", "metrics.json", "config.yaml"
 #: Columns that differ between the runs of one dataset by design.
@@ -132,7 +131,7 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 def _read_csv(path: Path) -> tuple[list[dict[str, str]], list[int]]:
     """The rows and the line each starts on."""
-    csv.field_size_limit(sys.maxsize)
+    csv.field_size_limit(2**31 - 1)   # a prediction may be long; the default is 128 KiB
     rows, lines = [], []
     try:
         with path.open(newline="", encoding="utf-8") as fh:
