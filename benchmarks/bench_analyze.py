@@ -30,7 +30,8 @@ WORKER = r"""
 import json, tempfile, time
 from pathlib import Path
 import divstats, protocols
-from kvdiv.demo import demo_policies, shipped_plan, write_demo_plan
+from kvdiv.demo_plan import shipped_plan, write_demo_plan
+from kvdiv.demo_spec import demo_policies
 from protocols.examples import example_dataset
 from divstats.report.analysis import compute
 from divstats.report.render import figure_png, make_figures

@@ -25,8 +25,11 @@ against a method's own output.
    and smaller) for bootstrap-t and t: size at the margin (true difference = +-delta,
    the worst case) and power at 0, by n x population x margin, measured without the
    refusal threshold (resample.MIN_DOCS_MARGIN, MIN_DOCS_MARGIN_T).
+7. (--bounded) Means of values in [0, 1] (the bounded estimands) on interior and near-bound
+   laws, symmetric and skewed: coverage, median width and whole-range count of the betting
+   interval, the resampling interval (auto) and the narrower of the two, by n.
 
-Usage: python benchmarks/bench_calibration.py [--quick] [--sims N] [--one-sided] [--margin]
+Usage: python benchmarks/bench_calibration.py [--quick] [--sims N] [--one-sided] [--margin] [--bounded]
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ import math
 import time
 
 from divstats.calibration.coverage import (
+    BOUNDED_LAWS,
     POPULATIONS,
     aggregate_coverage,
+    bounded_coverage,
     decomposition_coverage,
     margin_calibration,
     mean_interval_coverage,
@@ -73,6 +78,21 @@ def paired_table(n_sims: int, sizes: list[int], shift: float) -> None:
         alt = paired_calibration(test, n_sims=n_sims, shift=shift, seed=1000 + n, **kw)
         print(f"| {pop} | {test} | {n} | {null.rejection_rate:.3f} | {alt.rejection_rate:.3f} | "
               f"{cell(null.effect_coverage)} | {null.hl_ci_coverage:.3f} |", flush=True)
+
+
+def bounded_table(n_sims: int, sizes: list[int]) -> None:
+    print(f"\n## Bounded means in [0, 1] (level 0.95; {n_sims} simulated studies per cell; coverage >= "
+          f"{0.95 - 2 * mc_se(0.95, n_sims):.3f} is within 2 SE of 0.95)")
+    print("| law | n | betting: coverage / median width | auto (hybrid-t): coverage / median width / whole range "
+          "| narrower: coverage / median width | betting narrower in |")
+    print("|---|---|---|---|---|---|")
+    for law, n in itertools.product(BOUNDED_LAWS, sizes):
+        t = time.time()
+        c = bounded_coverage(law, n_docs=n, n_sims=n_sims, seed=n)
+        print(f"| {law} | {n} | {c.coverage['betting']:.3f} / {c.median_width['betting']:.3f} "
+              f"| {c.coverage['auto']:.3f} / {c.median_width['auto']:.3f} / {c.whole_range['auto']} "
+              f"| {c.coverage['narrower']:.3f} / {c.median_width['narrower']:.3f} | {c.betting_chosen:.2f} |"
+              f"  <!-- {time.time() - t:.0f} s -->", flush=True)
 
 
 def one_sided_table(n_sims: int, sizes: list[int], shift: float) -> None:
@@ -175,6 +195,8 @@ def main() -> None:
                     help="only the size-by-side table (5) with --sims studies per cell")
     ap.add_argument("--margin", action="store_true",
                     help="only the tests-at-a-margin table (6) with --sims studies per cell")
+    ap.add_argument("--bounded", action="store_true",
+                    help="only the bounded-means table (7) with --sims studies per cell (--sizes: 5,10,20,50,100)")
     ap.add_argument("--tests", default="bootstrap-t,ttest", help="--margin: the tests (comma-separated)")
     ap.add_argument("--sizes", default="10,20,30,50,100", help="--margin: the document counts")
     ap.add_argument("--margins", default="0.05,0.1", help="--margin: the margins delta")
@@ -184,6 +206,11 @@ def main() -> None:
     if args.margin:
         margin_table(args.sims, [int(x) for x in args.sizes.split(",")],
                      [float(x) for x in args.margins.split(",")], args.tests.split(","))
+        print(f"\n(total {time.time() - t0:.0f} s)")
+        return
+    if args.bounded:
+        bounded_table(args.sims, [int(x) for x in args.sizes.split(",")] if args.sizes != "10,20,30,50,100"
+                      else [5, 10, 20, 50, 100])
         print(f"\n(total {time.time() - t0:.0f} s)")
         return
     if args.one_sided:

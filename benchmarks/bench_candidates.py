@@ -1,6 +1,6 @@
 """Benchmark: a document's policies as the candidates of one request vs one request per policy.
 
-The demo's collection shape (kvdiv/demo.py): pydoc documents of ~128 tokens in the
+The demo's collection shape (kvdiv/demo_spec.py): pydoc documents of ~128 tokens in the
 ``summarise`` chat template, the demo's four policies (``snapkv@0.5``, ``snapkv#N``
 with N half the median prompt, ``recent@0.5``, ``snapkv@0.9``), residual traces with
 R = 8, T = 10, W = 9, each request's seed derived from (seed, document, policy) as the

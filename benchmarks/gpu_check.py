@@ -29,10 +29,11 @@ import random
 import re
 import subprocess
 import sys
-import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from kvdiv.server_process import KVDIV_SERVE, ServerError, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ["snapkv@0.5", "snapkv#512", "recent@0.5", "snapkv@0.9"]
@@ -149,40 +150,18 @@ def tokenizer_cache(site: Path, kit: Path) -> None:
 
 # ----------------------------------------------------------------------------- study
 
-class Server:
-    """``kvdiv serve`` in a subprocess, its output in a log; ``url`` once it is ready."""
-
-    def __init__(self, args: list[str], log: Path, timeout: float = 240):
-        self.log = log.open("w")
-        cmd = [sys.executable, "-m", "kvdiv", "serve", *args]
-        fork = os.environ.get("KVDIV_FORK_SERVER")   # the dry run: forked from its preloaded interpreter
-        if fork:
-            cmd[1:1] = [str(Path(__file__).with_name("fork_server.py")), "run", fork]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        ready = threading.Event()
-        self.url = None
-
-        def drain():
-            for line in self.proc.stdout:
-                self.log.write(line)
-                self.log.flush()
-                m = re.search(r"kvdiv serve ready: (\S+)", line)
-                if m:
-                    self.url = m.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(timeout) or self.url is None:
-            self.close()
-            sys.exit(f"kvdiv serve did not become ready; see {log}")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def _serve(args: list[str], log: Path, timeout: float = 240) -> ServerProcess:
+    """``kvdiv serve ARGS`` as a child (``kvdiv.server_process``), its output in ``log``; ready, or exit."""
+    command = list(KVDIV_SERVE)
+    fork = os.environ.get("KVDIV_FORK_SERVER")   # the dry run: forked from its preloaded interpreter
+    if fork:
+        command[1:1] = [str(Path(__file__).with_name("fork_server.py")), "run", fork]
+    server = ServerProcess(args, log, command=command, append=False)
+    try:
+        server.wait_ready(timeout)
+    except ServerError as exc:
+        sys.exit(f"kvdiv serve did not become ready: {exc}")
+    return server
 
 
 def _kvdiv(*args: str, log: Path, in_process: bool = False) -> None:
@@ -263,7 +242,7 @@ def study(out: Path, dry: bool, kit: Path) -> None:
                            + "\n" for i in range(n_docs)))
     log = out / "study.log"
     policies = ",".join([CONTROL, *POLICIES])
-    server = Server(["--model", str(model_dir), "--device", device.type, "--dtype", str(dtype).split(".")[1],
+    server = _serve(["--model", str(model_dir), "--device", device.type, "--dtype", str(dtype).split(".")[1],
                      "--port", "0", "--max-new-tokens", "256"], out / "study-serve.log")
     try:
         _kvdiv("docs", "--source", str(src), "-o", str(out / "docs.jsonl"), "--server", server.url, "--force",
@@ -275,7 +254,7 @@ def study(out: Path, dry: bool, kit: Path) -> None:
                    "--no-progress", "--concurrency", "1", log=log, in_process=dry)
             _kvdiv("pack", str(run), "-o", str(out / f"traces-{kind}.nc"), "--overwrite", log=log, in_process=dry)
     finally:
-        server.close()
+        server.stop(grace_s=20)
     res, res_tv = _estimates(out / "traces-residual.nc")
     cpl, _ = _estimates(out / "traces-coupled.nc")
 

@@ -55,6 +55,7 @@ from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
+from collector.answers import decode_answers, has_answers
 from collector.checks import RunLedger, audit_document, derive_seed
 from collector.config import CollectConfig, PoolConfig, RetryConfig, RoundConfig, Sampling
 from collector.documents import Document, file_sha256
@@ -145,6 +146,7 @@ class Collector:
             async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
                 try:
                     await self._dispatch(client)
+                    await self._decode_answers(client)
                 finally:
                     for task in [*self.running, *self.timers]:
                         task.cancel()
@@ -156,6 +158,16 @@ class Collector:
             self.result.elapsed_s = time.monotonic() - start
             self.result.servers = self.pool.stats()
         return self.result
+
+    async def _decode_answers(self, client: Any) -> None:
+        """Decode the complete requests' answers when the documents carry some (collector.answers):
+        a coupled run's round 0 only, on any listed server."""
+        if self.cfg.kind != "coupled" or self.cfg.round.index or not has_answers(self.docs):
+            return
+        urls = [s.url for s in self.pool.listed] or list(self.cfg.servers)
+        n = await decode_answers(client, self.journal, self.docs, self.cfg.policies, urls, self._say)
+        if n:
+            self._say(f"answers: decoded {n} requests' answers")
 
     # ----------------------------------------------------------------------- dispatching
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from collector.answers import answer_variables_for, has_answers
 from collector.checks import RunLedger, audit_document
 from collector.documents import Document, file_sha256, read_jsonl
 from collector.errors import CollectorError, PackError
@@ -212,6 +213,22 @@ class _Run:
             self.attrs["dropped_policies"] = json.dumps(self.dropped_policies)
             if self.attrs.get("control_policy") in self.dropped_policies:
                 del self.attrs["control_policy"]
+        # task answers (collector.answers): a coupled run's round 0, when the documents carry them
+        self.answers = has_answers(self.docs) and self.params.get("kind") == "coupled" and not self.layout.adaptive
+
+    def _answers(self, doc: Document, n_rep: int) -> dict[str, Any]:
+        """One document's answer variables; a document without answers gets unscored ones (NaN, "")."""
+        if "answers" in doc.meta:
+            return answer_variables_for(self.journal, doc, self.policies, n_rep)
+        import numpy as np
+
+        from protocols import answer_variables
+
+        shape = (1, len(self.policies), n_rep)
+        return answer_variables(*shape, x_score=np.full(shape, np.nan), y_score=np.full(shape, np.nan),
+                                x_text=np.full(shape, "", dtype=object), y_text=np.full(shape, "", dtype=object),
+                                x_answer_start=np.full(shape, -1), answers=[[]], scorer=[""], task=[""],
+                                needle_depth=[np.nan])
 
     def pieces(self, *, drop_incomplete: bool, progress: bool, skip: Collection[str] = ()) -> Iterator[Any]:
         """One checked, assembled dataset per complete document (in file order), each with the run's attrs.
@@ -239,6 +256,8 @@ class _Run:
                 for policy, stream in by_policy.items():
                     self.numerics.add(f"{doc.id} × {policy}" + (f" (round {k})" if k else ""), stream.header)
             piece = _assemble_doc(self.journal, doc.id, self.policies, streams, self.layout)
+            if self.answers:
+                piece = piece.assign(self._answers(doc, piece.sizes["replicate"]))
             piece.attrs.update(self.attrs)
             piece.attrs["numerics"] = self.numerics.attr()
             yielded += 1

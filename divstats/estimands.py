@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
-    "ACCEPTED_PER_CALL", "AGGREGATIONS", "ESTIMANDS", "EXPOSURE_CONTRIBUTION", "Estimand",
+    "ACCEPTED_PER_CALL", "ACCURACY", "ACCURACY_CHANGE", "AGGREGATIONS", "ANSWER_ESTIMANDS", "ESTIMANDS",
+    "EXPOSURE_CONTRIBUTION", "Estimand",
     "FIRST_MISMATCH_CONTRIBUTION", "FULL_VALUES", "LOSS", "MISMATCH_FRACTION", "OCCURRENCE", "SPECULATIVE_ESTIMANDS",
     "TAIL_CAPACITY", "TARGET_CALLS", "TOKENS_PER_CALL", "WINDOW_MISMATCH", "by_name", "markdown_table", "names",
 ]
@@ -167,6 +168,21 @@ SPECULATIVE_ESTIMANDS: tuple[Estimand, ...] = (
        "ratio", interval=True, component=False, worse="smaller"),
 )
 
+#: The answer estimands (docs/statistics.md §12): per (doc, policy) from the answer scores
+#: ``x_score`` (P's) and ``y_score`` (Q's) that traces with task outcomes carry, replicates
+#: averaged within the document (``divstats.estimation.answers.answer_values``).  A table of
+#: their own, as the speculative one is: they are no function of the token traces, so they
+#: have no per-replicate slot in ``traces/replicates`` nor an exact value in ``truth/exact``.
+#: Plans test them (``metric = "accuracy_change"``, ``compare = [policy, "full"]``) and
+#: ``certify_budget`` certifies a budget on them at an accuracy margin.
+ANSWER_ESTIMANDS: tuple[Estimand, ...] = (
+    _E("accuracy", "E[score of Q's answer]: the policy's task accuracy (mean score in [0, 1])",
+       "mean", interval=True, component=False, worse="smaller", bounds="unit"),
+    _E("accuracy_change", ("E[score of Q's answer - score of P's answer] on the coupled pairs: the change in "
+                           "task accuracy the policy makes (Q - P, in [-1, 1]; 0 for the full model)"),
+       "mean", interval=True, component=False, worse="smaller", full_value="zero"),
+)
+
 
 def names(**where: object) -> tuple[str, ...]:
     """Names of the estimands whose fields equal ``where``, in table order.
@@ -222,7 +238,7 @@ def markdown_table(rows: tuple[Estimand, ...] = ESTIMANDS) -> str:
     Parameters
     ----------
     rows : tuple of Estimand, optional
-        :data:`ESTIMANDS` (§3) or :data:`SPECULATIVE_ESTIMANDS` (§10).
+        :data:`ESTIMANDS` (§3), :data:`SPECULATIVE_ESTIMANDS` (§10) or :data:`ANSWER_ESTIMANDS` (§12).
 
     Returns
     -------
@@ -250,8 +266,8 @@ def markdown_table(rows: tuple[Estimand, ...] = ESTIMANDS) -> str:
 
 def _spelled(name: str) -> str:
     """``name``, checked against the tables on import: a renamed row fails here, not in a figure."""
-    if name not in {e.name for e in ESTIMANDS + SPECULATIVE_ESTIMANDS}:
-        raise KeyError(f"{name!r} is not a row of ESTIMANDS or SPECULATIVE_ESTIMANDS")
+    if name not in {e.name for e in ESTIMANDS + SPECULATIVE_ESTIMANDS + ANSWER_ESTIMANDS}:
+        raise KeyError(f"{name!r} is not a row of ESTIMANDS, SPECULATIVE_ESTIMANDS or ANSWER_ESTIMANDS")
     return name
 
 
@@ -269,3 +285,5 @@ TAIL_CAPACITY = _spelled("tail_capacity")
 TARGET_CALLS = _spelled("target_calls")
 TOKENS_PER_CALL = _spelled("tokens_per_call")
 ACCEPTED_PER_CALL = _spelled("accepted_per_call")
+ACCURACY = _spelled("accuracy")
+ACCURACY_CHANGE = _spelled("accuracy_change")

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 import click
 
 from collector.cli import collect as collector_collect
-from kvdiv.demo import DEFAULT_MODELS as _DEMO_MODELS
-from kvdiv.demo import DEFAULT_REPLICATES, MODEL_REPLICATES, DemoConfig
+from collector.tasks import TASKS
+from kvdiv.demo_spec import DEFAULT_MODELS as _DEMO_MODELS
+from kvdiv.demo_spec import DEFAULT_REPLICATES, MODEL_REPLICATES, DemoConfig
 
 if TYPE_CHECKING:
     from kvdiv.adaptive import AdaptiveSpec
@@ -45,9 +46,13 @@ _DEMO = DemoConfig()  # the demo's defaults, shown in its --help
               help="Count tokens with this running server's POST /tokenize instead (no torch needed).")
 @click.option("--api-key", default=None, envvar="KVDIV_API_KEY", help="Bearer token for --server.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
+@click.option("--task", type=click.Choice(list(TASKS)), default=None,
+              help="Write RULER-style synthetic task documents instead (answers, scorer, needle depths spread "
+                   "evenly; --count of them, default 30), the haystack from --source's text.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds --task's needles and haystack.")
 def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: bool, tokenizer_id: str,
-         server: str | None, api_key: str | None, force: bool) -> None:
-    """Build a JSONL document set (id, text, source, n_tokens, ...)."""
+         server: str | None, api_key: str | None, force: bool, task: str | None, seed: int) -> None:
+    """Build a JSONL document set (id, text, source, n_tokens, ...), or a task's documents (--task)."""
     from collector import documents as D
 
     # A document set may be hand-curated; refuse before the (slow) tokenizer loads.
@@ -57,12 +62,15 @@ def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: b
     if server is not None:
         tokenizer = D.server_token_counter(server, api_key)
     else:
-        from kvdiv.demo import load_tokenizer
+        from kvdiv.demo_documents import load_tokenizer
 
         tokenizer = load_tokenizer(tokenizer_id)
     try:
-        items = D.load_source(source, tokenizer, target_tokens=target_tokens, chunk=chunk)
-        items = D.select(items, count)
+        if task is not None:
+            items = _task_documents(task, source, tokenizer, target_tokens, 30 if count is None else count, seed)
+        else:
+            items = D.load_source(source, tokenizer, target_tokens=target_tokens, chunk=chunk)
+            items = D.select(items, count)
         D.write_jsonl(items, out)
     except OSError as exc:
         raise click.ClickException(f"{exc.filename or out}: {exc.strerror or exc}") from None
@@ -71,6 +79,22 @@ def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: b
     for line in D.iter_summary(items):
         click.echo(line, err=True)
     click.echo(str(out))
+
+
+def _task_documents(task: str, source: str, tokenizer: object, target_tokens: int, count: int,
+                    seed: int) -> list:
+    """``kvdiv docs --task``: the task's documents, the haystack from pydoc or the user's text."""
+    from collector import documents as D
+    from collector.tasks import haystack_sentences, task_documents
+
+    if source == "pydoc":
+        texts = None
+    elif Path(source).is_file() and Path(source).suffix.lower() != ".jsonl":   # plain text
+        texts = [Path(source).read_text(encoding="utf-8")]
+    else:
+        texts = [d.text for d in D.load_source(source, None)]
+    return task_documents(task, count, target_tokens=target_tokens, tokenizer=tokenizer, seed=seed,
+                          haystack=haystack_sentences(texts), source="pydoc_data.topics" if texts is None else source)
 
 
 @click.command("demo")
@@ -103,17 +127,22 @@ def docs(source: str, out: Path, target_tokens: int, count: int | None, chunk: b
 @click.option("--reference-docs", type=click.IntRange(min=0), default=None,
               help="Documents of the small reference set (speculative decoding; 0 skips it).  "
                    f"[default: {_DEMO.reference_docs}]")
+@click.option("--passkey-docs", type=click.IntRange(min=0), default=None,
+              help="Pass-key documents of the answers set (SmolLM2, greedy: does compression change the answer?; "
+                   f"0 skips it).  [default: {_DEMO.passkey_docs}]")
 def demo(out: Path, docs_count: int | None, replicates: int | None, max_new_tokens: int | None,
          window: int | None, target_tokens: int | None, seed: int, servers: tuple[str, ...], models: str,
          model: str | None,
          concurrency: int | None, api_key: str | None, plan: Path | None, control: bool,
-         reference_docs: int | None) -> None:
+         reference_docs: int | None, passkey_docs: int | None) -> None:
     """The paper's study end to end: documents, server, traces, plan, report."""
-    from kvdiv.demo import DemoConfig, DemoError, run_demo
+    from kvdiv.demo import run_demo
+    from kvdiv.demo_spec import DemoError
 
     overrides = {k: v for k, v in dict(docs_count=docs_count, replicates=replicates, max_new_tokens=max_new_tokens,
                                        window=window, target_tokens=target_tokens,
-                                       concurrency=concurrency, reference_docs=reference_docs).items()
+                                       concurrency=concurrency, reference_docs=reference_docs,
+                                       passkey_docs=passkey_docs).items()
                  if v is not None}
     chosen = [model] if model else [m.strip() for m in models.split(",") if m.strip()]
     if not chosen or len(set(chosen)) != len(chosen):

@@ -17,12 +17,12 @@ PROMPT = "The quick brown fox jumps over the lazy dog; a lazy dog sleeps under t
 
 
 class LiveServer:
-    """``build_service("tiny:llama", **kw)`` served on a free loopback port in a thread."""
+    """``build_service(model, **kw)`` (default ``tiny:llama``) served on a free loopback port in a thread."""
 
-    def __init__(self, **kw) -> None:
+    def __init__(self, model: str = "tiny:llama", **kw) -> None:
         import uvicorn
 
-        self.app, self.service = build_service("tiny:llama", **kw)
+        self.app, self.service = build_service(model, **kw)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"

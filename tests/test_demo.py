@@ -8,16 +8,10 @@ import pytest
 from test_collector_support import FakeServer
 
 from collector import documents as D
-from kvdiv.demo import (
-    DemoConfig,
-    DemoError,
-    budget_for,
-    demo_policies,
-    demo_windows,
-    run_demo,
-    shipped_plan,
-    write_demo_plan,
-)
+from kvdiv.demo import run_demo
+from kvdiv.demo_documents import budget_for, prompt_length, select_balanced
+from kvdiv.demo_plan import demo_windows, shipped_plan, write_demo_plan
+from kvdiv.demo_spec import DemoConfig, DemoError, demo_policies
 
 OUTPUTS = ("traces.nc", "results.nc", "report.html", "summary.md", "plan.toml", "documents.jsonl", "reference.nc")
 
@@ -94,7 +88,6 @@ def test_demo_plan_is_two_sided_below_the_one_sided_threshold(tmp_path: Path) ->
 
 def test_documents_are_balanced_over_the_plan_split() -> None:
     from divstats.plans.format import assign_split, load_plan
-    from kvdiv.demo import select_balanced
 
     plan = load_plan(shipped_plan())
     docs = D.pydoc_documents(None, target_tokens=100)
@@ -111,7 +104,6 @@ def test_budget_is_half_the_median_prompt() -> None:
     words = lambda messages: sum(len(m["content"].split()) for m in messages)  # noqa: E731
     assert budget_for(docs, "summarise", words) == round((20 + template_words) / 2)
     from gen_service.models.loading import byte_tokenizer
-    from kvdiv.demo import prompt_length
 
     tok = byte_tokenizer()  # a real chat template: the count includes its role markers
     msgs = D.render_messages(docs[0], "summarise")

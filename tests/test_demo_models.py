@@ -11,16 +11,9 @@ import pytest
 
 import divstats
 import protocols
-from kvdiv.demo import (
-    DemoConfig,
-    demo_policies,
-    headline,
-    model_slug,
-    shipped_plan,
-    speculative_headline,
-    template_for,
-    write_demo_plan,
-)
+from divstats.report.headline import headline, speculative_headline
+from kvdiv.demo_plan import shipped_plan, write_demo_plan
+from kvdiv.demo_spec import DEMO_STUDY, MODEL_REPLICATES, DemoConfig, demo_policies, model_slug, template_for
 from protocols.examples import example_dataset
 
 MODELS = ["smollm2-135m", "gemma3-270m"]
@@ -61,7 +54,7 @@ def test_every_hypothesis_is_tested_per_model_with_holm_over_both(analysis) -> N
 
 
 def test_headline_has_a_block_per_model(analysis) -> None:
-    text = headline(analysis)
+    text = headline(analysis, DEMO_STUDY.headline_quantities)
     assert "Holm within each family over 2 models" in text
     blocks = text.split("\n  model ")[1:]
     assert [b.split(":")[0] for b in blocks] == MODELS
@@ -107,9 +100,9 @@ def test_a_model_at_a_smaller_r_combines_with_absent_replicates_and_keeps_its_es
     give each model exactly the estimates of its own traces. Reference traces hold no absent
     replicates, so every model's reference set takes the smallest R."""
     from collector.pack import save_dataset
-    from kvdiv.demo import MODEL_REPLICATES, _combined
+    from kvdiv.demo import _combined as combine_parts
 
-    cfg = DemoConfig(out=tmp_path, models=MODELS, reference_docs=0)
+    cfg = DemoConfig(out=tmp_path, models=MODELS, reference_docs=0, passkey_docs=0)
     parts = cfg.parts()
     assert [p.replicates for p in parts] == [MODEL_REPLICATES[m] for m in MODELS] == [4, 2]
     assert DemoConfig(out=tmp_path, models=MODELS, replicates=3).replicates_for("gemma3-270m") == 3
@@ -123,9 +116,9 @@ def test_a_model_at_a_smaller_r_combines_with_absent_replicates_and_keeps_its_es
                                           replicates=part.replicates, horizon=8, window=7, seed=seed,
                                           model=part.model)
         save_dataset(own[part.model], part.out / "traces.nc")
-    traces, reference = _combined(cfg, parts)
-    combined = protocols.open_traces(traces).load()
-    assert reference is None and combined.sizes["replicate"] == 4
+    files = combine_parts(cfg, parts)
+    combined = protocols.open_traces(files["traces.nc"]).load()
+    assert list(files) == ["traces.nc"] and combined.sizes["replicate"] == 4
     for model, ds in own.items():
         alone, inside = divstats.estimate(ds), divstats.estimate(combined.sel(model=model, drop=True))
         for name in ("occurrence", "rmtd", "exposure", "rate"):

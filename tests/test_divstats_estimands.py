@@ -10,7 +10,15 @@ import pytest
 import divstats
 import protocols
 from divstats.calibration import coverage
-from divstats.estimands import ESTIMANDS, SPECULATIVE_ESTIMANDS, Estimand, by_name, markdown_table, names
+from divstats.estimands import (
+    ANSWER_ESTIMANDS,
+    ESTIMANDS,
+    SPECULATIVE_ESTIMANDS,
+    Estimand,
+    by_name,
+    markdown_table,
+    names,
+)
 from divstats.estimation import components, estimators
 from divstats.report import tables
 from divstats.traces import replicates
@@ -80,7 +88,8 @@ def test_estimate_reports_every_estimand_in_table_order():
 
 
 @pytest.mark.parametrize(("marker", "rows"), [("markdown_table()", ESTIMANDS),
-                                               ("markdown_table(SPECULATIVE_ESTIMANDS)", SPECULATIVE_ESTIMANDS)])
+                                               ("markdown_table(SPECULATIVE_ESTIMANDS)", SPECULATIVE_ESTIMANDS),
+                                               ("markdown_table(ANSWER_ESTIMANDS)", ANSWER_ESTIMANDS)])
 def test_docs_print_the_code_table(marker: str, rows: tuple) -> None:
     text = (ROOT / "docs" / "statistics.md").read_text(encoding="utf-8")
     start, end = f"<!-- estimand-table: divstats.estimands.{marker} -->", "<!-- /estimand-table -->"
@@ -129,6 +138,7 @@ SPELLED_IN: dict[str, str] = {
     "estimation/variance.py": "loss per replicate, in the variance-dominance check",
     "estimation/speculative.py": "the speculative-decoding estimands' formulas",
     "inference/decompose.py": "the gap decomposition: its parts are named after the estimands they vary",
+    "estimation/answers.py": "the answer estimands' formulas (accuracy, accuracy_change)",
 }
 #: The old FULL_MODEL_VALUES, before it was derived from the table.
 OLD_FULL_MODEL_VALUES = {
@@ -136,6 +146,7 @@ OLD_FULL_MODEL_VALUES = {
                         "first_mismatch_contribution", "exposure_contribution", "window_mismatch",
                         "loss_lower", "loss_upper", "branch_tv")},
     "rmtd": "horizon", "agreeing_tokens": "horizon",
+    "accuracy_change": 0.0,     # the answers' table (docs/statistics.md §12): the full model's own change is 0
 }
 
 
@@ -158,7 +169,7 @@ def spelled_names(package: Path, estimand_names: set[str]) -> list[str]:
     return found
 
 
-ALL_NAMES = {e.name for e in ESTIMANDS + SPECULATIVE_ESTIMANDS}
+ALL_NAMES = {e.name for e in ESTIMANDS + SPECULATIVE_ESTIMANDS + ANSWER_ESTIMANDS}
 
 
 def test_an_estimand_name_is_spelled_only_in_the_table_and_where_its_formula_is() -> None:

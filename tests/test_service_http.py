@@ -227,29 +227,16 @@ def test_max_request_seconds_ends_a_stream_with_an_error_record() -> None:
         s.stop()
 
 
-def test_kvdiv_serve_cli_prints_ready_url_and_serves() -> None:
-    import os
-    import subprocess
-    import sys
+def test_kvdiv_serve_cli_prints_ready_url_and_serves(tmp_path) -> None:
+    from kvdiv.server_process import ServerProcess
 
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.Popen([sys.executable, "-m", "kvdiv.cli", "serve", "--model", "tiny:llama", "--port", "0",
-                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
-    try:
-        deadline = time.time() + 60
-        url = None
-        while time.time() < deadline and url is None:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-            if "kvdiv serve ready:" in line:
-                url = line.split("ready:", 1)[1].split()[0]
-        assert url and url.startswith("http://127.0.0.1:")
+    args = ["--model", "tiny:llama", "--port", "0", "--log-level", "warning"]
+    with ServerProcess(args, tmp_path / "serve.log", env={"OMP_WAIT_POLICY": "PASSIVE"}) as server:
+        url = server.wait_ready(60)   # the ready line's URL, answering /health
+        assert url.startswith("http://127.0.0.1:")
         assert httpx.get(url + "/health", timeout=10).json()["model"] == "tiny:llama"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+        assert server.exit_reason() is None
+    assert server.proc.poll() is not None and "kvdiv serve ready: " + url in (tmp_path / "serve.log").read_text()
 
 
 def test_kvpress_warnings_reach_the_log_once(caplog):

@@ -29,7 +29,7 @@ import numpy as np
 import xarray as xr
 
 from divstats.errors import DivstatsError
-from divstats.estimands import ESTIMANDS, by_name
+from divstats.estimands import ANSWER_ESTIMANDS, ESTIMANDS
 from divstats.estimation.sweeps import family_values
 from divstats.inference.margins import margin_test
 from divstats.inference.results import PairedTestResult
@@ -37,6 +37,8 @@ from divstats.intervals import ConfidenceInterval
 
 #: metrics whose full-model value is the horizon T (the estimand table's ``full_value``)
 HORIZON_VALUED = frozenset(e.name for e in ESTIMANDS if e.full_value == "horizon")
+#: metrics whose full-model value is 0 whichever side is worse (the answers' ``accuracy_change``)
+ZERO_VALUED = frozenset(e.name for e in ESTIMANDS + ANSWER_ESTIMANDS if e.full_value == "zero")
 
 __all__ = ["CertifyResult", "certify_budget", "certify_family"]
 
@@ -315,7 +317,7 @@ def certify_family(estimates: xr.Dataset, family: str, metric: str, margin: floa
     >>> res.budgets
     ('snapkv@0.9', 'snapkv@0.5')
     """
-    row = by_name(metric) if metric in {e.name for e in ESTIMANDS} else None
+    row = next((e for e in ESTIMANDS + ANSWER_ESTIMANDS if e.name == metric), None)
     worse = worse or (row.worse if row is not None else "larger")
     values, members, kept, doc_ids = family_values(estimates, family, metric, model=model, docs=docs)
     est = estimates.sel(model=model) if "model" in estimates.dims else estimates
@@ -323,7 +325,7 @@ def certify_family(estimates: xr.Dataset, family: str, metric: str, margin: floa
     if reference == "full":
         if "full" in [str(p) for p in est["policy"].values]:
             ref = np.asarray(est[metric].sel(policy="full", doc=doc_ids).values, dtype=float)
-        elif _WORSE.get(worse) == "larger":
+        elif _WORSE.get(worse) == "larger" or metric in ZERO_VALUED:
             ref = 0.0
         elif metric in HORIZON_VALUED and "horizon" in estimates.attrs:
             ref = float(estimates.attrs["horizon"])

@@ -29,7 +29,7 @@ from typing import Any
 import pandas as pd
 
 from divstats.errors import PlanError
-from divstats.estimands import by_name
+from divstats.estimands import ANSWER_ESTIMANDS, by_name
 from divstats.estimation.speculative import SPECULATIVE_METRICS
 from divstats.inference.choices import ALTERNATIVES, MARGIN_ALTERNATIVES, MARGIN_TESTS, TESTS, WORSE
 from protocols.policies import PolicyIdError, expand_policy_family
@@ -39,6 +39,9 @@ __all__ = [
     "assign_split", "load_plan", "parse_aliases", "shipped_plan", "shipped_plans", "split_disagreement_note",
     "split_table", "split_uniform",
 ]
+
+#: The answer metrics a plan may test or certify (docs/statistics.md §12), with the side that is worse.
+ANSWER_METRICS: dict[str, str] = {e.name: e.worse for e in ANSWER_ESTIMANDS}
 
 SPLITS: tuple[str, ...] = ("confirmatory", "exploratory", "all")
 CORRECTIONS: tuple[str, ...] = ("holm", "none")
@@ -305,6 +308,17 @@ def _validate_certifications(raw: Any, alpha: float, problems: list[str]) -> lis
     return out
 
 
+def _metric_problems(metric: Any, where: str) -> list[str]:
+    """A certification's metric must be a row of the estimand table or of the answers' table."""
+    if metric in ANSWER_METRICS:
+        return []
+    try:
+        by_name(str(metric))
+    except KeyError:
+        return [f"{where}: 'metric' must be an estimand of divstats.ESTIMANDS or ANSWER_ESTIMANDS, got {metric!r}"]
+    return []
+
+
 def _validate_certification(c: Mapping[str, Any], where: str, alpha: float, seen: set[str],
                             found: list[str]) -> Certification | None:
     """One [[certify]] table: its problems appended to ``found``; the Certification if none."""
@@ -317,10 +331,7 @@ def _validate_certification(c: Mapping[str, Any], where: str, alpha: float, seen
         if c["id"] in seen:
             found.append(f"{where}: duplicate id {c['id']!r}")
         seen.add(c["id"])
-    try:
-        by_name(str(c.get("metric")))
-    except KeyError:
-        found.append(f"{where}: 'metric' must be an estimand of divstats.ESTIMANDS, got {c.get('metric')!r}")
+    found.extend(_metric_problems(c.get("metric"), where))
     if isinstance(c.get("family"), str):
         found.extend(f"{where}: {p}" for p in _family_problems(c["family"]))
     margin, worse = _check_margin({**c, "direction": "noninferiority", "test": c.get("test", "bootstrap-t")},
@@ -483,6 +494,8 @@ def _default_worse(metric: Any) -> str:
     """The estimand table's ``worse`` for ``metric`` ("larger" for metrics it does not list, e.g. branch_tv)."""
     if metric in SPECULATIVE_METRICS:
         return SPECULATIVE_METRICS[metric]
+    if metric in ANSWER_METRICS:
+        return ANSWER_METRICS[metric]
     try:
         return by_name(str(metric)).worse
     except KeyError:

@@ -23,7 +23,8 @@ import pandas as pd
 import xarray as xr
 
 from divstats.errors import DivstatsError, NotIdentified, PlanError
-from divstats.estimands import ESTIMANDS
+from divstats.estimands import ANSWER_ESTIMANDS, ESTIMANDS
+from divstats.estimation.answers import with_answer_values
 from divstats.estimation.curves import branch_tv
 from divstats.estimation.estimators import estimate
 from divstats.estimation.speculative import SPECULATIVE_METRICS, speculative
@@ -69,7 +70,8 @@ CERTIFY_COLUMNS: tuple[str, ...] = (
 )
 
 FULL_MODEL_VALUES: dict[str, str | float] = {
-    **{e.name: 0.0 if e.full_value == "zero" else "horizon" for e in ESTIMANDS if e.full_value != "none"},
+    **{e.name: 0.0 if e.full_value == "zero" else "horizon" for e in ESTIMANDS + ANSWER_ESTIMANDS
+       if e.full_value != "none"},
     "branch_tv": 0.0,
 }
 
@@ -162,7 +164,8 @@ class _Data:
     @property
     def est(self) -> xr.Dataset:
         if self._est is None:
-            self._est = estimate(self.ds, window=self.window)
+            # the answer estimands (accuracy, accuracy_change) beside the trace estimands, when scored
+            self._est = with_answer_values(estimate(self.ds, window=self.window), self.ds)
         return self._est
 
     @property

@@ -25,6 +25,7 @@ import xarray as xr
 
 from divstats.errors import PlanError
 from divstats.estimands import MISMATCH_FRACTION, OCCURRENCE, by_name
+from divstats.estimation.answers import with_answer_values
 from divstats.estimation.budget_curves import budget_curves
 from divstats.estimation.curves import branch_tv, logit_curves, survival
 from divstats.estimation.estimators import aggregate, aggregate_intervals, estimate
@@ -37,6 +38,7 @@ from divstats.inference.choices import MARGIN_ALTERNATIVES
 from divstats.inference.decompose import DecompositionInterval, DecompositionResult, decompose
 from divstats.plans.format import Plan, PlanSource, load_plan
 from divstats.plans.run import PlanResult, full_model_value, run_plan
+from divstats.report.answers import AnswerAnalysis, compute_answers
 from divstats.traces.chunked import map_docs_many
 from protocols import Kind, logit_vars
 from protocols.chunks import is_lazy
@@ -83,6 +85,9 @@ class Analysis:
     #: "How much can I compress?": :func:`divstats.estimation.budget_curves.budget_curves` of every policy
     #: family with two or more members (None when there is none); the certifications are ``plan_result.certify``.
     compression: xr.Dataset | None = None
+    #: "Does it change the answer?": :func:`divstats.report.answers.compute_answers` (None when the traces
+    #: carry neither answer scores nor logit traces).
+    answers: AnswerAnalysis | None = None
 
 
 def default_interval_windows(ds: xr.Dataset) -> list[int]:
@@ -302,6 +307,7 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
     bar = _progress(len(STEPS), progress)
     windows = list(interval_windows) if interval_windows is not None else default_interval_windows(traces)
     est, surv, bt, ivw, vc = _per_document(traces, window, windows, notes, bar)
+    est = with_answer_values(est, traces)      # accuracy, accuracy_change beside the estimands (plans test them)
     # KL and entropies beside TV, when the traces carry logit traces (descriptive: no estimand uses them)
     lc = logit_curves(traces, window=window) if logit_vars(traces) and traces.attrs.get("kind") != Kind.REFERENCE \
         else None
@@ -324,6 +330,9 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
     notes += floor_warnings(compare_to_floor(agg, floor))
     spec = _speculative(traces, cost_ratio, level, n_resamples, seed, notes)
     comp = _compression(est, pres, level, n_resamples, seed, notes)
+    answers = compute_answers(traces, est, level=level, n_resamples=n_resamples, seed=seed)
+    if answers is not None:
+        notes += answers.notes
     options = {"window": -1 if window is None else int(window), "seed": int(seed),
                "n_resamples": int(n_resamples), "level": float(level),
                "policy_aliases": json.dumps(dict(policy_aliases or {}), sort_keys=True),
@@ -332,7 +341,7 @@ def compute(traces: xr.Dataset, plan: PlanSource | None = None, *, window: int |
     return Analysis(traces=traces, plan=plan, estimates=est, aggregate=agg, aggregate_ci=agg_ci, survival=surv,
                     branch_tv=bt, interval=ivw, variance=vc, plan_result=pres, decompositions=decs,
                     notes=notes + (pres.notes if pres is not None else []), options=options, noise_floor=floor,
-                    speculative=spec, logit_curves=lc, compression=comp)
+                    speculative=spec, logit_curves=lc, compression=comp, answers=answers)
 
 
 def _compression(est: xr.Dataset, pres: PlanResult | None, level: float, n_resamples: int, seed: int,

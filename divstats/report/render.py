@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from divstats.inference.choices import MARGIN_ALTERNATIVES
 from divstats.report import figures as F
+from divstats.report.answer_tables import answers_context, make_answer_figures
 from divstats.report.tables import (
     EXPLORATORY,
     branch_tv_rows,
@@ -92,6 +93,7 @@ def make_figures(an: Analysis) -> dict[str, Figure]:
         figs["speculative"] = F.speculative_figure(an.speculative, level=an.options["level"])
     if an.compression is not None:
         figs["compression"] = F.compression_figure(an.compression, certified_map(an))
+    figs.update(make_answer_figures(an.answers))
     return figs
 
 
@@ -175,7 +177,7 @@ def render_html(an: Analysis, figs: Mapping[str, bytes]) -> str:
         noise_floor_status=noise_floor_status(an), noise_floor_rows=noise_floor_rows(an),
         speculative_status=speculative_status(an), speculative_rows=speculative_rows(an),
         compression_status=compression_status(an), compression_rows=compression_rows(an),
-        crossing_rows=crossing_rows(an),
+        crossing_rows=crossing_rows(an), answers=answers_context(an.answers),
         images={k: base64.b64encode(v).decode() for k, v in figs.items()}, reproduce=reproduce_snippet(an))
 
 

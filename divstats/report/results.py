@@ -6,7 +6,11 @@ in docs/report.md): no prefix: ``estimate`` (doc, policy); ``aggregate_``:
 ``survival_se`` (step 0..T); ``branch_tv*`` (age); ``interval_`` (window W);
 ``variance_`` (``variance_check``); ``decomposition_`` (comparison); ``plan_``
 (hypothesis row; ``plan_split`` per doc; absent without a plan); ``logit_``
-(``logit_curves``: KL and entropies by step and by age, only for traces with logit traces).
+(``logit_curves``: KL and entropies by step and by age, only for traces with logit traces);
+``answer_`` (``compare_answers_dataset`` per policy, the divergence split, the depth map and
+accuracy against budget: only for traces with answer scores) and ``token_`` (``token_summary``:
+KL per token, top-1 agreement, greedy flips; only with logit traces); ``accuracy`` and
+``accuracy_change`` per (doc, policy) beside the estimates.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 import xarray as xr
 
 from divstats.inference.decompose import DecompositionInterval, DecompositionResult
+from divstats.report.answers import answers_results, keep_descriptions
 from divstats.traces.arrays import without_attrs
 
 if TYPE_CHECKING:
@@ -148,10 +153,13 @@ def results_dataset(an: Analysis) -> xr.Dataset:
         parts.append(_prefixed(without_attrs(an.speculative), "speculative_"))
     if an.compression is not None:
         parts.append(_compression_dataset(an))
+    answer_parts = answers_results(an.answers)
+    parts += answer_parts
     floor = an.noise_floor
     if floor is not None and floor.data_vars:
         parts.append(_prefixed(without_attrs(floor), "noise_floor_"))
     out = xr.merge(parts, compat="override", join="outer", combine_attrs="drop")
+    keep_descriptions(out, answer_parts)      # the answers' variables say what each is (docs/report.md)
     for name, var in out.data_vars.items():
         var.attrs["status"] = ("plan result: see plan_label for confirmatory/exploratory"
                                if name.startswith("plan_") else EXPLORATORY_STATUS)

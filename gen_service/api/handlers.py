@@ -35,6 +35,7 @@ from gen_service.api.records import (
     parse_chat,
     parse_chat_messages,
     parse_completion,
+    parse_detokenize,
     parse_generate,
     parse_tokenize,
     parse_trace,
@@ -246,6 +247,33 @@ async def tokenize(request: Request) -> Response:
             yield piece
 
     return StreamingResponse(send(), media_type="application/json")
+
+
+async def detokenize(request: Request) -> Response:
+    """``POST /detokenize``: ``{"texts": [...], "ends": [[...], ...]}``, decoded off the event loop.
+
+    ``texts[i]`` is ``ids[i]`` decoded with the model's tokenizer; ``ends[i][k]`` is the
+    length of the text of ``ids[i][:k + 1]`` (capped at ``len(texts[i])``), so a character
+    offset into the text maps back to the token that produced it (the collector places
+    an answer among a trace's tokens with it).
+    """
+    svc, data = await read_json(request)
+    req = parse_detokenize(data, svc.engine.lm.vocab_size)
+
+    def work() -> bytes:
+        texts, ends = [], []
+        for row in req.ids:
+            ids = list(row)
+            text = svc.decode(ids, skip_special_tokens=req.skip_special_tokens)
+            texts.append(text)
+            # a prefix's text, token by token (T is small: an answer of tens of tokens)
+            ends.append([min(len(svc.decode(ids[:k + 1], skip_special_tokens=req.skip_special_tokens)), len(text))
+                         for k in range(len(ids))])
+        return json.dumps({"texts": texts, "ends": ends}).encode()
+
+    async with svc.admitted():
+        body = await svc.off_loop(work)
+    return Response(body, media_type="application/json")
 
 
 async def chat_tokenize(request: Request) -> Response:
@@ -532,6 +560,7 @@ ROUTES: list[tuple[str, str, Handler, bool]] = [
     ("/generate_stream", "POST", generate_stream, True),
     ("/tokenize", "POST", tokenize, True),
     ("/chat_tokenize", "POST", chat_tokenize, True),
+    ("/detokenize", "POST", detokenize, True),
     ("/v1/chat/completions", "POST", chat_completions, True),
     ("/v1/completions", "POST", completions, True),
     ("/v1/models", "GET", models, True),

@@ -30,7 +30,8 @@ from protocols import MAX_TOP_LOGPROBS, WIRE_KINDS, Kind
 
 __all__ = [
     "Reader", "Decoding", "GenerateRequest", "ChatRequest", "CompletionRequest",
-    "TraceRequest", "TokenizeRequest", "parse_generate", "parse_chat", "parse_chat_messages", "parse_completion",
+    "TraceRequest", "TokenizeRequest", "DetokenizeRequest", "parse_detokenize",
+    "parse_generate", "parse_chat", "parse_chat_messages", "parse_completion",
     "parse_trace", "parse_tokenize", "refuse_unknown", "SEED_MAX", "TRACE_FIELDS",
     "TRACE_PARAMETERS",
 ]
@@ -284,6 +285,19 @@ class TokenizeRequest:
 
     inputs: str
     add_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    """``POST /detokenize``: token id sequences to decode with the model's tokenizer."""
+
+    ids: tuple[tuple[int, ...], ...]
+    skip_special_tokens: bool = True
+
+
+#: Most token ids one ``/detokenize`` request may hold in all (a collection's answers
+#: are a few thousand).
+MAX_DETOKENIZE_IDS = 1 << 20
 
 
 def _policy(r: Reader, key: str, default: str) -> str:
@@ -596,6 +610,48 @@ def _trace_prompt(r: Reader, limits: RequestLimits) -> tuple[str | None, tuple[M
     if len(question.encode("utf-8")) > limits.max_input_bytes:
         raise invalid("question", f"over {limits.max_input_bytes} bytes (server limit --max-input-bytes)")
     return None, None, context, question
+
+
+def parse_detokenize(data: dict[str, Any], vocab_size: int) -> DetokenizeRequest:
+    """A ``/detokenize`` request: ``{"ids": [[int, ...], ...], "skip_special_tokens": true}``.
+
+    Parameters
+    ----------
+    data : dict
+        The parsed JSON body.
+    vocab_size : int
+        The model's vocabulary: every id must lie in [0, vocab_size).
+
+    Returns
+    -------
+    DetokenizeRequest
+
+    Raises
+    ------
+    ApiError
+        422 naming the field: ``ids`` missing or not a list of lists of integers, an id
+        outside the vocabulary, more than :data:`MAX_DETOKENIZE_IDS` ids, an unknown key.
+
+    Examples
+    --------
+    >>> parse_detokenize({"ids": [[1, 2], []]}, 10).ids
+    ((1, 2), ())
+    """
+    r = Reader(data)
+    refuse_unknown(r, ("ids", "skip_special_tokens"))
+    ids = r.get("ids")
+    if not isinstance(ids, list) or not all(isinstance(row, list) for row in ids):
+        raise invalid("ids", "expected a list of token id lists")
+    total = 0
+    for i, row in enumerate(ids):
+        total += len(row)
+        if total > MAX_DETOKENIZE_IDS:
+            raise invalid("ids", f"more than {MAX_DETOKENIZE_IDS} ids (server limit)")
+        bad = next((t for t in row if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise invalid(f"ids[{i}]", f"{bad!r} is not a token id in [0, {vocab_size})")
+    skip = r.bool("skip_special_tokens", True)
+    return DetokenizeRequest(tuple(tuple(row) for row in ids), bool(skip))
 
 
 def parse_tokenize(data: dict[str, Any], limits: RequestLimits) -> TokenizeRequest:
