@@ -137,3 +137,10 @@ def test_opening_a_jsonl_as_traces_points_at_convert(tmp_path):
     src = _jsonl(tmp_path / "eval.jsonl", EVAL_ROWS)
     with pytest.raises(ValueError, match=r"not a trace file .* `kvdiv convert .*eval.jsonl -o eval.nc`"):
         protocols.open_traces(src)
+
+
+def test_analyze_on_a_jsonl_points_at_convert(tmp_path):
+    src = _jsonl(tmp_path / "eval.jsonl", EVAL_ROWS)
+    res = _run("analyze", src, "--out", tmp_path / "report", "-q")
+    assert res.exit_code != 0 and "`kvdiv convert " in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "report").exists()
