@@ -141,8 +141,11 @@ def collect_config(*, servers: tuple[str, ...], servers_file: Path | None, wait_
 @click.option("--allow-mixed-numerics", is_flag=True,
               help="Pack traces whose numerics (dtype, fused or separate P+Q forwards, device) differ; "
                    "refused by default, since their divergences are not comparable.")
+@click.option("--drop-policy", "drop_policies", multiple=True, metavar="ID",
+              help="Leave the run's policy ID out (repeatable), e.g. one the server refused for this model; "
+                   "recorded in the dataset's attrs and the run's manifest.")
 def pack(run_dir: Path, out: Path, drop_incomplete: bool, overwrite: bool, append: bool,
-         allow_mixed_numerics: bool) -> None:
+         allow_mixed_numerics: bool, drop_policies: tuple[str, ...]) -> None:
     """Assemble a collection's complete requests into one validated traces file, document by document."""
     from collector.errors import CollectorError
     from collector.pack import pack_to
@@ -153,7 +156,7 @@ def pack(run_dir: Path, out: Path, drop_incomplete: bool, overwrite: bool, appen
         if append and overwrite:
             raise click.ClickException("--append adds to --out and --overwrite replaces it: choose one")
         result = pack_to(run_dir, out, append=append, overwrite=overwrite, drop_incomplete=drop_incomplete,
-                         allow_mixed_numerics=allow_mixed_numerics)
+                         allow_mixed_numerics=allow_mixed_numerics, drop_policies=drop_policies)
     except CollectorError as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import json
 import sys
+import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,7 +145,7 @@ def _documents(journal: Journal, manifest: Mapping[str, Any]) -> list[Document]:
 
 
 def pack_run(run_dir: str | Path, *, drop_incomplete: bool = False, progress: bool = True,
-             allow_mixed_numerics: bool = False) -> Any:
+             allow_mixed_numerics: bool = False, drop_policies: Sequence[str] = ()) -> Any:
     """Assemble every complete request of a run into one validated dataset, in memory.
 
     Each request's stream becomes a one-doc one-policy dataset
@@ -162,6 +163,10 @@ def pack_run(run_dir: str | Path, *, drop_incomplete: bool = False, progress: bo
         Show a progress bar on stderr.
     allow_mixed_numerics : bool
         Pack requests whose numerics (:data:`NUMERICS`) differ instead of refusing them.
+    drop_policies : sequence of str
+        Policies of the run to leave out (e.g. one the server refused by design): their
+        request files are neither required nor read, and the dataset's
+        ``dropped_policies`` attribute (a JSON list) names them.
 
     Returns
     -------
@@ -172,12 +177,12 @@ def pack_run(run_dir: str | Path, *, drop_incomplete: bool = False, progress: bo
     ------
     PackError
         An unreadable manifest, documents that are not the run's, request files that
-        cannot be trusted (each named with its problem), or missing requests (unless
-        ``drop_incomplete``).
+        cannot be trusted (each named with its problem), missing requests (unless
+        ``drop_incomplete``), or a policy to drop that the run does not have.
     """
     import protocols
 
-    run = _Run(run_dir, allow_mixed_numerics=allow_mixed_numerics)
+    run = _Run(run_dir, allow_mixed_numerics=allow_mixed_numerics, drop_policies=drop_policies)
     per_doc = list(run.pieces(drop_incomplete=drop_incomplete, progress=progress))
     try:
         ds = protocols.combine(per_doc, dim="doc")
@@ -189,19 +194,25 @@ def pack_run(run_dir: str | Path, *, drop_incomplete: bool = False, progress: bo
 class _Run:
     """A run to pack: its manifest, checked documents, and its requests read back one document at a time."""
 
-    def __init__(self, run_dir: str | Path, allow_mixed_numerics: bool = False) -> None:
+    def __init__(self, run_dir: str | Path, allow_mixed_numerics: bool = False,
+                 drop_policies: Sequence[str] = ()) -> None:
         self.dir = Path(run_dir)
         self.numerics = _NumericsCheck(allow_mixed_numerics)
         self.journal = Journal(run_dir)
         self.manifest = _manifest(self.journal)
         self.params = self.manifest["params"]
-        self.policies: list[str] = self.params["policies"]
+        self.dropped_policies = _policies_to_drop(self.journal, self.params["policies"], drop_policies)
+        self.policies: list[str] = [p for p in self.params["policies"] if p not in self.dropped_policies]
         self.docs = _documents(self.journal, self.manifest)
         try:
             self.layout = RoundLayout.from_journal(self.journal, self.params)
         except CollectorError as exc:
             raise PackError(str(exc)) from None
         self.attrs = _collection_attrs(self.manifest, self.layout)
+        if self.dropped_policies:
+            self.attrs["dropped_policies"] = json.dumps(self.dropped_policies)
+            if self.attrs.get("control_policy") in self.dropped_policies:
+                del self.attrs["control_policy"]
         # task answers (collector.answers): a coupled run's round 0, when the documents carry them
         self.answers = has_answers(self.docs) and self.params.get("kind") == "coupled" and not self.layout.adaptive
 
@@ -290,6 +301,8 @@ class PackResult:
         Incomplete documents left out (``drop_incomplete``).
     policies : tuple of str
         The policies, in the file's order.
+    dropped_policies : tuple of str
+        The run's policies left out (``drop_policies``).
     """
 
     path: Path
@@ -297,6 +310,7 @@ class PackResult:
     kept: int
     dropped: tuple[str, ...]
     policies: tuple[str, ...]
+    dropped_policies: tuple[str, ...] = ()
 
     @property
     def total(self) -> int:
@@ -310,12 +324,14 @@ class PackResult:
             text += f" ({self.written} appended to {self.kept})"
         if self.dropped:
             text += f"; {len(self.dropped)} incomplete documents left out"
+        if self.dropped_policies:
+            text += f"; policies left out: {', '.join(self.dropped_policies)}"
         return text
 
 
 def pack_to(run_dir: str | Path, out: str | Path, *, append: bool = False, overwrite: bool = False,
             drop_incomplete: bool = False, batch_mib: float = 4.0, progress: bool = True,
-            allow_mixed_numerics: bool = False) -> PackResult:
+            allow_mixed_numerics: bool = False, drop_policies: Sequence[str] = ()) -> PackResult:
     """Pack a run into a ``.zarr`` or ``.nc`` traces file, document by document, in bounded memory.
 
     Every request file is checked as in :func:`pack_run`; each complete document is
@@ -345,8 +361,9 @@ def pack_to(run_dir: str | Path, out: str | Path, *, append: bool = False, overw
         least memory.
     progress : bool
         Show a progress bar on stderr.
-    allow_mixed_numerics : bool
-        As :func:`pack_run`.
+    allow_mixed_numerics, drop_policies
+        As :func:`pack_run`. What was left out (policies and incomplete documents) is
+        also recorded in the run's manifest, under ``packs`` (one entry per file written).
 
     Returns
     -------
@@ -369,7 +386,7 @@ def pack_to(run_dir: str | Path, out: str | Path, *, append: bool = False, overw
     out = Path(out)
     if not append:  # an output that may not be replaced is refused before any reading
         _check_new_output(out, overwrite)
-    run = _Run(run_dir, allow_mixed_numerics=allow_mixed_numerics)
+    run = _Run(run_dir, allow_mixed_numerics=allow_mixed_numerics, drop_policies=drop_policies)
     kept = _existing_documents(out, run) if append else set()
     pieces = run.pieces(drop_incomplete=drop_incomplete, progress=progress, skip=kept)
     first = next(pieces, None)  # checks and gaps fail here, before any file is touched
@@ -384,7 +401,36 @@ def pack_to(run_dir: str | Path, out: str | Path, *, append: bool = False, overw
                     written += sum(piece.sizes["doc"] for piece in batch)
         except (ValueError, OSError) as exc:  # finishing the file (close): the writer has rolled back
             raise PackError(_named(out, exc)) from None
-    return PackResult(out, written, len(kept), tuple(run.dropped), tuple(run.policies))
+    result = PackResult(out, written, len(kept), tuple(run.dropped), tuple(run.policies),
+                        tuple(run.dropped_policies))
+    if written:
+        _record_pack(run, result)
+    return result
+
+
+def _policies_to_drop(journal: Journal, policies: Sequence[str], drop: Sequence[str]) -> list[str]:
+    """The policies to leave out, checked against the run's (in the run's order)."""
+    unknown = [p for p in drop if p not in policies]
+    if unknown:
+        raise PackError(f"--drop-policy {', '.join(unknown)}: not a policy of the run in {journal.dir} "
+                        f"(its policies: {', '.join(policies)})")
+    if set(policies) <= set(drop):
+        raise PackError(f"--drop-policy leaves none of the run's policies ({', '.join(policies)}) to pack")
+    return [p for p in policies if p in drop]
+
+
+def _record_pack(run: _Run, result: PackResult) -> None:
+    """Add what a pack wrote and left out to the run's manifest (``packs``, newest last)."""
+    manifest = run.journal.read_manifest() or run.manifest   # re-read: a resumed collection may have updated it
+    entry = {"out": str(result.path), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             "documents": result.total, "policies": list(result.policies),
+             "dropped_policies": list(result.dropped_policies), "dropped_documents": list(result.dropped)}
+    manifest["packs"] = [*manifest.get("packs", []), entry]
+    try:
+        run.journal.write_manifest(manifest)
+    except OSError as exc:   # a read-only run directory: the dataset's attrs still say what was left out
+        print(f"note: could not record the pack in {run.journal.manifest_path}: {exc.strerror or exc}",
+              file=sys.stderr)
 
 
 def _batched(pieces: Iterator[Any], max_bytes: float) -> Iterator[list[Any]]:

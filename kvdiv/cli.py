@@ -18,6 +18,7 @@ from kvdiv import __version__
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("protocols.cli:validate", "Check a traces file against kvdiv.trace/1."),
     "info": ("protocols.cli:info", "Summarise a traces file."),
+    "convert": ("protocols.convert:convert", "Convert eval logs, OpenAI logprobs or kvpress results to traces."),
     "analyze": ("divstats.cli.analyze:analyze", "Estimate, test a plan and write a report."),
     "split": ("divstats.cli.analyze:split", "Show the plan's exploratory/confirmatory split."),
     "power": ("divstats.cli.power:power_command", "Power of a plan's hypotheses at a study size, from a pilot."),

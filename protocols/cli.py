@@ -14,7 +14,7 @@ import xarray as xr
 
 from protocols.assemble import StreamError, assemble
 from protocols.chunks import cluster_options, dask_client, read_chunks
-from protocols.io import SUFFIXES, open_traces
+from protocols.io import CONVERTIBLE, SUFFIXES, not_a_trace_file, open_traces
 from protocols.kinds import Kind
 from protocols.schema import eos_ids
 from protocols.validate import TraceValidationError
@@ -30,6 +30,9 @@ def _load(path: Path, chunks: int | str | None = None) -> xr.Dataset:
     suffix = path.suffix.lower()
     if suffix in STREAM_SUFFIXES:
         return assemble(path.read_bytes())
+    if suffix in CONVERTIBLE or (path.is_dir() and suffix not in SUFFIXES):
+        # an input from elsewhere: point at `kvdiv convert` (the callers name the file themselves)
+        raise ValueError(not_a_trace_file(path).split(": ", 1)[1])
     if suffix not in SUFFIXES:
         raise click.BadParameter(f"{path.name}: unknown extension {path.suffix!r}; expected one of "
                                  f"{SUFFIXES + STREAM_SUFFIXES}", param_hint="PATH")

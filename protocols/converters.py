@@ -8,6 +8,10 @@
 * :func:`from_openai_logprobs` — OpenAI-format responses (the full model's sampled
   text with ``logprobs.content``, the compressed model's log-probs of the same
   tokens) → a ``reference`` dataset, through :func:`from_eval_logs`.
+* :func:`from_kvpress_results` — kvpress's evaluation output (a leaderboard's
+  predictions per press and ratio) → an ``answers`` dataset, the no-press run as P;
+  :func:`from_answer_rows` — the same from plain answer rows (JSONL)
+  (``protocols.kvpress_results``).
 
 Every converter validates its output. Errors name the input row: the array
 index for array inputs, the 1-based line (or record) number for logs.
@@ -30,7 +34,8 @@ from protocols.schema import MISSING_TOKEN, coupled_dataset, eos_set, reference_
 from protocols.validate import LOGP_ATOL, TraceValidationError, validate
 
 __all__ = [
-    "PROB_ATOL", "ConversionError", "from_eval_logs", "from_openai_logprobs", "from_probabilities",
+    "PROB_ATOL", "ConversionError", "from_answer_rows", "from_eval_logs", "from_kvpress_results",
+    "from_openai_logprobs", "from_probabilities",
     "residual_from_probabilities", "tv_from_probabilities",
 ]
 
@@ -701,3 +706,7 @@ def from_openai_logprobs(
         for n in range(len(records), 0, -1):
             msg = msg.replace(f"record {n}", where_of[n - 1].replace("scores", "sample scored by", 1))
         raise ConversionError(msg) from None
+
+
+# The leaderboard converters live in their own module (CSV and config reading); re-exported here.
+from protocols.kvpress_results import from_answer_rows, from_kvpress_results  # noqa: E402

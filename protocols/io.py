@@ -94,9 +94,46 @@ def replace_output(tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
 
 
-def _format(path: Path) -> str:
+#: Suffixes of inputs that ``kvdiv convert`` turns into trace files.
+CONVERTIBLE = (".jsonl", ".json")
+
+
+def not_a_trace_file(path: str | os.PathLike[str]) -> str:
+    """Why ``path`` is not read as traces, and, for an input from elsewhere, the command that converts it.
+
+    Parameters
+    ----------
+    path : path
+        A file or folder that is not a ``.nc`` / ``.zarr`` trace file.
+
+    Returns
+    -------
+    str
+        One line.
+
+    Raises
+    ------
+    None
+
+    Examples
+    --------
+    >>> not_a_trace_file("eval.jsonl").split(";")[0]
+    'eval.jsonl: not a trace file (.nc or .zarr)'
+    >>> not_a_trace_file("eval.jsonl").endswith("`kvdiv convert eval.jsonl -o eval.nc`")
+    True
+    """
+    p = Path(path)
+    if p.suffix.lower() in CONVERTIBLE or (p.is_dir() and p.suffix.lower() not in SUFFIXES):
+        return (f"{p}: not a trace file (.nc or .zarr); an evaluation log, OpenAI-format responses, answer rows or "
+                f"kvpress results are converted first: `kvdiv convert {p} -o {p.with_suffix('.nc').name}`")
+    return f"{p}: unknown trace file extension {p.suffix!r}; use one of {SUFFIXES}"
+
+
+def _format(path: Path, *, reading: bool = False) -> str:
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
+        if reading:   # an input from elsewhere gets the command that converts it
+            raise ValueError(not_a_trace_file(path))
         raise ValueError(f"{path}: unknown trace file extension {path.suffix!r}; use one of {SUFFIXES}")
     return suffix
 
@@ -299,7 +336,7 @@ def open_traces(path: str | os.PathLike[str], validate: bool = True, *,
     >>> ds = open_traces("traces.zarr", chunks="auto")   # doctest: +SKIP
     """
     path = Path(path)
-    fmt = _format(path)
+    fmt = _format(path, reading=True)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such trace file")
     if chunks is not None:

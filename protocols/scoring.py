@@ -38,6 +38,7 @@ from functools import cache
 from importlib.metadata import entry_points
 
 from protocols.errors import ProtocolError
+from protocols.leaderboard_scoring import LEADERBOARD_ROWS
 
 __all__ = [
     "ENTRY_POINT_GROUP", "SCORERS", "Scorer", "UnknownScorerError", "answer_span", "get_scorer", "normalize_answer",
@@ -179,6 +180,8 @@ SCORERS: tuple[Scorer, ...] = (
     Scorer("f1", _f1, "SQuAD / LongBench token F1 of the normalised words, the best over the answers", binary=False),
     Scorer("number", _number, "the first number in the output equals an answer's number (commas ignored)"),
 )
+#: kvpress's per-row metrics for the benchmarks it scores row by row (protocols.leaderboard_scoring).
+SCORERS += tuple(Scorer(name, fn, text, binary) for name, fn, text, binary in LEADERBOARD_ROWS)
 _BUILTIN = {s.name: s for s in SCORERS}
 
 

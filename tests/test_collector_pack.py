@@ -138,3 +138,31 @@ def test_cli_pack_streams_and_appends(runs: dict[str, Path], tmp_path: Path) -> 
     assert res.exit_code != 0 and "choose one" in res.output
     res = CliRunner().invoke(pack_cmd, [str(runs["whole"]), "-o", str(out), "--overwrite"])
     assert res.exit_code == 0 and "4 documents × 2 policies" in res.output
+
+
+def test_drop_policy_packs_the_other_policies_and_records_it(runs: dict[str, Path], tmp_path: Path) -> None:
+    # the partial run lacks (doc3, recent@0.5): without that policy every document is complete
+    out = tmp_path / "t.nc"
+    res = CliRunner().invoke(pack_cmd, [str(runs["partial"]), "-o", str(out), "--drop-policy", "recent@0.5"])
+    assert res.exit_code == 0, res.output
+    assert "4 documents × 1 policies; policies left out: recent@0.5" in res.output
+    ds = protocols.open_traces(out)
+    assert ds.policy.values.tolist() == ["snapkv@0.5"] and ds.sizes["doc"] == 4
+    assert json.loads(ds.attrs["dropped_policies"]) == ["recent@0.5"]
+    full = pack_run(runs["whole"], progress=False)
+    xr.testing.assert_equal(ds.shared_token, full.shared_token.sel(policy=["snapkv@0.5"]))
+    packs = json.loads((runs["partial"] / "manifest.json").read_text())["packs"]
+    assert packs[-1]["out"] == str(out) and packs[-1]["dropped_policies"] == ["recent@0.5"]
+    assert packs[-1]["policies"] == ["snapkv@0.5"] and packs[-1]["documents"] == 4
+    assert "dropped_policies" not in pack_run(runs["whole"], progress=False).attrs
+
+
+def test_drop_policy_refuses_a_policy_the_run_lacks_and_dropping_every_policy(runs: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    out = tmp_path / "t.nc"
+    res = CliRunner().invoke(pack_cmd, [str(runs["whole"]), "-o", str(out), "--drop-policy", "snapkv@0.3"])
+    assert res.exit_code == 1 and "--drop-policy snapkv@0.3: not a policy of the run" in res.output
+    assert "snapkv@0.5, recent@0.5" in res.output
+    with pytest.raises(PackError, match="leaves none of the run's policies"):
+        pack_to(runs["whole"], out, drop_policies=POLICIES, progress=False)
+    assert not out.exists()

@@ -25,7 +25,6 @@ import dataclasses
 import os
 import secrets
 import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -59,10 +58,13 @@ def _is_own_file(path: Path) -> bool:
 
 
 def _atomic_write(target: Path, write: Callable[[Path], object]) -> Path:
-    """Call ``write(tmp)`` on a temporary sibling of ``target``, then rename it over ``target``."""
-    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
+    """Call ``write(tmp)`` on a temporary sibling of ``target``, then rename it over ``target``.
+
+    The temporary name is chosen, not created: ``write`` creates the file, so it gets the
+    process umask's permissions like any other output (``tempfile.mkstemp`` made every
+    report file 0600, unreadable by the group whatever the umask said).
+    """
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
     try:
         write(tmp)
         os.replace(tmp, target)

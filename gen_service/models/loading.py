@@ -500,8 +500,30 @@ def load_model(model_id: str | None = None, *, gguf: str | None = None, device: 
                        TokenizerReference.load(_gguf_cache_dir(path)))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_tokenizer_files(model_id)
     model = AutoModelForCausalLM.from_pretrained(model_id, **pretrained_kwargs(dev, dt))
     return _finish(model, AutoTokenizer.from_pretrained(model_id), model_id, dev, dt, _directory_reference(model_id))
+
+
+#: The files of which any one makes a folder hold a tokenizer transformers can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_tokenizer_files(model_id: str) -> None:
+    """Refuse a local folder that holds no tokenizer.
+
+    transformers 5 loads a folder without tokenizer files as an *empty* tokenizer of
+    the config's family (a ``CodeLlamaTokenizer`` of 8 tokens for a Llama folder)
+    instead of failing, and the self-check has no ``tokenizer.json`` to compare it
+    with, so such a server started and served nonsense ids (docs/operator.md, "A
+    checkpoint of your own"). A hub id or a missing path is left to transformers.
+    """
+    folder = Path(model_id)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{folder}: a model folder without a tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
+            "tokenizer files of the model these weights were trained with into it (docs/operator.md, "
+            "'A checkpoint of your own')")
 
 
 def _directory_reference(model_id: str) -> TokenizerReference | None:
