@@ -23,13 +23,16 @@ import json
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import xarray as xr
 
-from protocols.errors import ProtocolError
+from protocols.errors import ConversionError
+
+# The leaderboard converters live in their own module (CSV and config reading); re-exported here.
+from protocols.kvpress_results import from_answer_rows, from_kvpress_results
+from protocols.log_rows import log_rows
 from protocols.schema import MISSING_TOKEN, coupled_dataset, eos_set, reference_dataset, residual_dataset
 from protocols.validate import LOGP_ATOL, TraceValidationError, validate
 
@@ -43,8 +46,6 @@ __all__ = [
 PROB_ATOL = 1e-3
 
 
-class ConversionError(ProtocolError, ValueError):
-    """Input that cannot be converted; the message names the offending row."""
 
 
 # ----------------------------------------------------------------------------- probabilities
@@ -290,23 +291,6 @@ def residual_from_probabilities(
 
 # ----------------------------------------------------------------------------- evaluation logs
 
-def _records(source: str | os.PathLike[str] | Iterable[Mapping[str, Any] | str | bytes]) -> Iterable[tuple[str, Any]]:
-    """(row label, record) pairs; labels are 'line N' of a file or 'record N' of an iterable."""
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: no such evaluation log")
-        with path.open("rb") as f:
-            for n, line in enumerate(f, start=1):
-                if line.strip():
-                    yield f"line {n}", line
-        return
-    for n, rec in enumerate(source, start=1):
-        if isinstance(rec, (str, bytes)) and not rec.strip():
-            continue
-        yield f"{'line' if isinstance(rec, (str, bytes)) else 'record'} {n}", rec
-
-
 def _parse_row(label: str, rec: Any) -> dict[str, Any]:
     if isinstance(rec, (str, bytes)):
         try:
@@ -454,7 +438,7 @@ def from_eval_logs(
     except ValueError as exc:
         raise ConversionError(str(exc)) from None
     rows = []
-    for label, raw in _records(source):
+    for label, raw in log_rows(source):
         rec = _parse_row(label, raw)
         doc = rec.get("doc", rec.get("id"))
         doc = f"row{label.split()[-1]}" if doc is None else str(doc)
@@ -708,5 +692,3 @@ def from_openai_logprobs(
         raise ConversionError(msg) from None
 
 
-# The leaderboard converters live in their own module (CSV and config reading); re-exported here.
-from protocols.kvpress_results import from_answer_rows, from_kvpress_results  # noqa: E402

@@ -21,7 +21,7 @@ class                                       raised for
 
 from __future__ import annotations
 
-__all__ = ["ProtocolError"]
+__all__ = ["ConversionError", "ProtocolError"]
 
 
 class ProtocolError(Exception):
@@ -35,4 +35,12 @@ class ProtocolError(Exception):
     ... except ProtocolError as err:
     ...     print(type(err).__name__)
     PolicyIdError
+    """
+
+
+class ConversionError(ProtocolError, ValueError):
+    """Input that cannot be converted; the message names the offending file and row.
+
+    Raised by every converter (:mod:`protocols.converters`, :mod:`protocols.kvpress_results`,
+    ``kvdiv convert``); defined here, below them all, so each can raise it.
     """

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from protocols.errors import ProtocolError
+from protocols.errors import ConversionError, ProtocolError
+from protocols.log_rows import log_rows
 
 __all__ = ["KvpressFolder", "from_answer_rows", "from_kvpress_results", "parse_answer_cell", "read_kvpress_results"]
 
@@ -44,8 +45,6 @@ _RATIO = re.compile(r"^\d+\.\d\d$")
 
 
 def _error(message: str) -> ProtocolError:
-    from protocols.converters import ConversionError
-
     return ConversionError(message)
 
 
@@ -313,9 +312,7 @@ def _group_rows(group: list[KvpressFolder], reference: str) -> Iterable[dict[str
 
 
 def _answer_records(source: Any) -> Iterable[tuple[str, dict[str, Any]]]:
-    from protocols.converters import ConversionError, _records
-
-    for label, rec in _records(source):
+    for label, rec in log_rows(source):
         if isinstance(rec, (str, bytes)):
             try:
                 rec = json.loads(rec)

@@ -29,6 +29,7 @@ import re
 from collections.abc import Sequence
 
 from protocols.errors import ProtocolError
+from protocols.text_match import token_f1
 
 __all__ = ["LEADERBOARD_ROWS", "UnscorableError", "kvpress_scorer"]
 
@@ -87,9 +88,7 @@ def _rouge_l_first_line(output: str, answers: Sequence[str]) -> float:
 
 def _f1_first_line(output: str, answers: Sequence[str]) -> float:
     """LongBench's token F1 on the output's first line (its triviaqa: the model runs on)."""
-    from protocols.scoring import score  # the general F1; imported late: scoring lists this module's rows
-
-    return score("f1", output.lstrip().split("\n")[0], answers)
+    return token_f1(output.lstrip().split("\n")[0], answers)
 
 
 def _leading_digits(output: str) -> str:

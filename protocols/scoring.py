@@ -30,8 +30,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import string
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -39,6 +37,7 @@ from importlib.metadata import entry_points
 
 from protocols.errors import ProtocolError
 from protocols.leaderboard_scoring import LEADERBOARD_ROWS
+from protocols.text_match import normalize_answer, token_f1
 
 __all__ = [
     "ENTRY_POINT_GROUP", "SCORERS", "Scorer", "UnknownScorerError", "answer_span", "get_scorer", "normalize_answer",
@@ -51,8 +50,6 @@ ENTRY_POINT_GROUP = "kvdiv.scorers"
 ScoreFn = Callable[[str, Sequence[str]], float]
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = frozenset(string.punctuation)
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
 
 
@@ -92,32 +89,6 @@ def _kvpress_clean(output: str) -> str:
     return _CONTROL.sub("", output.strip()).strip()
 
 
-def normalize_answer(text: str) -> str:
-    """SQuAD's normalisation: lower case, no punctuation, no articles, single spaces.
-
-    Parameters
-    ----------
-    text : str
-        Any text.
-
-    Returns
-    -------
-    str
-        The normalised text.
-
-    Raises
-    ------
-    None
-
-    Examples
-    --------
-    >>> normalize_answer("The  Cat, sat!")
-    'cat sat'
-    """
-    text = "".join(ch for ch in text.lower() if ch not in _PUNCT)
-    return " ".join(_ARTICLES.sub(" ", text).split())
-
-
 # ----------------------------------------------------------------------------- the scorers
 
 def _ruler_all(output: str, answers: Sequence[str]) -> float:
@@ -138,19 +109,6 @@ def _exact(output: str, answers: Sequence[str]) -> float:
 def _contains(output: str, answers: Sequence[str]) -> float:
     pred = f" {normalize_answer(output)} "
     return float(any(norm and f" {norm} " in pred for norm in map(normalize_answer, answers)))
-
-
-def _f1_one(pred: list[str], gold: list[str]) -> float:
-    same = sum((Counter(pred) & Counter(gold)).values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(pred), same / len(gold)
-    return 2 * precision * recall / (precision + recall)
-
-
-def _f1(output: str, answers: Sequence[str]) -> float:
-    pred = normalize_answer(output).split()
-    return max(_f1_one(pred, normalize_answer(a).split()) for a in answers)
 
 
 def _as_number(text: str) -> float | None:
@@ -177,7 +135,8 @@ SCORERS: tuple[Scorer, ...] = (
                                       "case-insensitive, as kvpress scores RULER's qa"),
     Scorer("exact", _exact, "SQuAD normalised exact match: the normalised output equals a normalised answer"),
     Scorer("contains", _contains, "a normalised answer appears as a run of whole words in the normalised output"),
-    Scorer("f1", _f1, "SQuAD / LongBench token F1 of the normalised words, the best over the answers", binary=False),
+    Scorer("f1", token_f1, "SQuAD / LongBench token F1 of the normalised words, the best over the answers",
+           binary=False),
     Scorer("number", _number, "the first number in the output equals an answer's number (commas ignored)"),
 )
 #: kvpress's per-row metrics for the benchmarks it scores row by row (protocols.leaderboard_scoring).
