@@ -1,4 +1,4 @@
-"""Requests sized by memory (gen_service/serving/admission.py): the estimate against the caches a
+"""Requests sized by memory (gen_service/serving/memory.py, admission.py): the estimate against the caches a
 request really builds, the gate's admit/refuse boundary, and the HTTP hook (422 with
 the numbers, the budget in /info)."""
 

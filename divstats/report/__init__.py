@@ -1,6 +1,6 @@
 """The report: ``analysis`` (``compute`` and the frozen ``Analysis``), ``results`` (results.nc),
-``tables``, ``figures``, ``render`` (HTML and Markdown) and ``write`` (``analyze`` and the
-safe writers).
+``tables`` (with the sections' ``floor_tables``, ``compression_tables``), ``figures``, ``render``
+(HTML and Markdown) and ``write`` (``analyze`` and the safe writers).
 
 Import from the submodules; this package exports nothing itself (docs/architecture.md).
 """

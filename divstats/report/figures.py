@@ -1,12 +1,8 @@
 """Figures for the report (matplotlib, Agg canvas). Each function returns a Figure.
 
-Figures are built without pyplot on an Agg canvas, so they render headless and
-importing this module never changes the user's matplotlib backend.
-
-Bands and error bars describe uncertainty *across documents* (the unit of
-inference): the document mean ± z · SD_docs / √n_docs, falling back to the Monte
-Carlo SE when there is a single document. Panels are split by ``model`` when the
-data hold several models.
+What every figure shares (the Agg canvas, panels per model, the colours, the band over
+documents: the document mean ± z · SD_docs / √n_docs) is :mod:`divstats.report.plotting`;
+here is what each figure shows.
 """
 
 from __future__ import annotations
@@ -16,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import xarray as xr
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from scipy import stats
 
@@ -29,106 +24,25 @@ from divstats.estimands import (
     WINDOW_MISMATCH,
 )
 from divstats.inference.decompose import PARTS
+from divstats.report.plotting import (
+    PALETTE,
+    add_legend,
+    doc_band,
+    model_values,
+    new_figure,
+    panel_row,
+    policy_colors,
+    set_title,
+)
 
 __all__ = [
     "margin_figure",
-    "branch_tv_figure", "decomposition_figure", "doc_band", "gap_figure", "interval_figure", "logit_figure",
-    "policy_colors", "speculative_figure", "survival_figure", "variance_figure"
+    "branch_tv_figure", "decomposition_figure", "gap_figure", "interval_figure", "logit_figure",
+    "speculative_figure", "survival_figure", "variance_figure"
 ]
 
-_PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
-            "#7f7f7f", "#bcbd22", "#17becf")
 _WINDOW_COLORS = ("#9ecae1", "#fdae6b", "#a1d99b", "#d9d9d9")
 
-
-def policy_colors(policies: Sequence[str]) -> dict[str, str]:
-    """A stable colour per policy (in dataset order), shared by every figure.
-
-    Parameters
-    ----------
-    policies : sequence of str
-        Policy ids in dataset order.
-
-    Returns
-    -------
-    dict of str to str
-        Policy → hex colour.
-
-    Examples
-    --------
-    >>> policy_colors(["a", "b"])
-    {'a': '#1f77b4', 'b': '#d62728'}
-    """
-    return {str(p): _PALETTE[i % len(_PALETTE)] for i, p in enumerate(policies)}
-
-
-def _models(ds: xr.Dataset | xr.DataArray) -> list[Any]:
-    return list(ds["model"].values) if "model" in ds.dims else [None]
-
-
-def _figure(width: float, height: float) -> Figure:
-    """A pyplot-free Figure on an Agg canvas: headless, and the global backend is left alone."""
-    fig = Figure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _panels(n: int, width: float = 6.4, height: float = 4.2, sharey: bool = True) -> tuple[Figure, list]:
-    fig = _figure(width * n if n > 1 else width, height)
-    axes = fig.subplots(1, n, sharey=sharey, squeeze=False)[0]
-    return fig, list(axes)
-
-
-def doc_band(values: xr.DataArray, se: xr.DataArray | None = None, level: float = 0.95,
-             dim: str = "doc") -> tuple[xr.DataArray, xr.DataArray, xr.DataArray]:
-    """(mean, low, high) over documents: mean ± z·SD_docs/√n (MC SE if one document).
-
-    Parameters
-    ----------
-    values : xarray.DataArray
-        Per-document values.
-    se : xarray.DataArray, optional
-        Their Monte Carlo SEs (used with a single document).
-    level : float
-        Band level.
-    dim : str
-        The document dim.
-
-    Returns
-    -------
-    (xarray.DataArray, xarray.DataArray, xarray.DataArray)
-        Mean, low and high, ``dim`` reduced.
-
-    Examples
-    --------
-    >>> import xarray as xr
-    >>> m, lo, hi = doc_band(xr.DataArray([1.0, 2.0, 3.0], dims="doc"))
-    >>> float(m), bool(lo < m < hi)
-    (2.0, True)
-    """
-    z = stats.norm.ppf(0.5 + level / 2)
-    mean = values.mean(dim, skipna=True)
-    n = values.notnull().sum(dim)
-    if values.sizes[dim] > 1:
-        half = z * values.std(dim, ddof=1, skipna=True) / np.sqrt(n.where(n > 0))
-    elif se is not None:
-        half = z * se.squeeze(dim, drop=True)
-    else:
-        half = xr.zeros_like(mean)
-    return mean, mean - half, mean + half
-
-
-def _title(ax, text: str, model: Any) -> None:
-    ax.set_title(text if model is None else f"{text} — {model}", fontsize=11)
-
-
-def _legend(ax, n: int) -> None:
-    # only where something is labelled: matplotlib warns "No artists with labels found" otherwise
-    if n and ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8, frameon=False, loc="best")
-
-
-# ---------------------------------------------------------------------------
 
 def survival_figure(surv: xr.Dataset, *, level: float = 0.95) -> Figure:
     """Survival S(t) = P(tau > t) per policy, document mean with a band (docs/statistics.md §3).
@@ -153,8 +67,8 @@ def survival_figure(surv: xr.Dataset, *, level: float = 0.95) -> Figure:
     >>> len(survival_figure(divstats.survival(ds)).axes)
     1
     """
-    models = _models(surv)
-    fig, axes = _panels(len(models))
+    models = model_values(surv)
+    fig, axes = panel_row(len(models))
     colors = policy_colors(surv["policy"].values)
     step = surv["step"].values
     for ax, model in zip(axes, models, strict=True):
@@ -169,8 +83,8 @@ def survival_figure(surv: xr.Dataset, *, level: float = 0.95) -> Figure:
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlim(step.min(), step.max())
         ax.grid(alpha=0.3)
-        _title(ax, "Survival: P(no mismatch up to t)", model)
-        _legend(ax, sub.sizes["policy"])
+        set_title(ax, "Survival: P(no mismatch up to t)", model)
+        add_legend(ax, sub.sizes["policy"])
     axes[0].set_ylabel(f"S(t), document mean, {int(level * 100)}% band")
     return fig
 
@@ -202,8 +116,8 @@ def decomposition_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
     >>> len(decomposition_figure(divstats.aggregate(divstats.estimate(ds))).axes)
     1
     """
-    models = _models(agg)
-    fig, axes = _panels(len(models), height=max(2.6, 0.55 * agg.sizes["policy"] + 1.8))
+    models = model_values(agg)
+    fig, axes = panel_row(len(models), height=max(2.6, 0.55 * agg.sizes["policy"] + 1.8))
     z = stats.norm.ppf(0.5 + level / 2)
     n_docs = int(agg.attrs.get("n_docs", 1))
     T = float(agg.attrs.get("horizon", 1))
@@ -235,7 +149,7 @@ def decomposition_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
         ax.invert_yaxis()
         ax.set_xlabel("mismatch fraction (expected share of the T tokens that differ)")
         ax.grid(axis="x", alpha=0.3)
-        _title(ax, "Where the mismatches come from", model)
+        set_title(ax, "Where the mismatches come from", model)
     handles, labels = axes[0].get_legend_handles_labels()
     if labels:
         fig.legend(handles, labels, loc="outside lower center", ncols=min(2, len(labels)), fontsize=8, frameon=False)
@@ -270,7 +184,7 @@ def gap_figure(rows: Sequence[Mapping[str, Any]]) -> Figure:
                              ("Δ rate", "#55a868")), strict=True))
     parts = [(name, *style[name]) for name in (*PARTS[1:], PARTS[0])]
     n = max(len(rows), 1)
-    fig = _figure(7.2, 0.9 * n + 1.6)
+    fig = new_figure(7.2, 0.9 * n + 1.6)
     ax = fig.subplots()
     height = 0.8 / len(parts)
     for i, row in enumerate(rows):
@@ -318,8 +232,8 @@ def branch_tv_figure(bt: xr.Dataset, windows: Mapping[str, tuple[int, int]] | No
     >>> len(branch_tv_figure(divstats.branch_tv(ds), {"early": (1, 2)}).axes)
     1
     """
-    models = _models(bt)
-    fig, axes = _panels(len(models))
+    models = model_values(bt)
+    fig, axes = panel_row(len(models))
     colors = policy_colors(bt["policy"].values)
     age = bt["age"].values
     for ax, model in zip(axes, models, strict=True):
@@ -337,8 +251,8 @@ def branch_tv_figure(bt: xr.Dataset, windows: Mapping[str, tuple[int, int]] | No
             ax.fill_between(age[ok], lo.values[ok].clip(0), hi.values[ok].clip(max=1), color=c, alpha=0.15, lw=0)
         ax.set_xlabel("age k = t − τ (steps since divergence)")
         ax.grid(alpha=0.3)
-        _title(ax, "Branch-aligned TV", model)
-        _legend(ax, sub.sizes["policy"])
+        set_title(ax, "Branch-aligned TV", model)
+        add_legend(ax, sub.sizes["policy"])
     axes[0].set_ylim(bottom=0)  # after all panels (shared y)
     axes[0].set_ylabel(f"E[TV at age k], document mean, {int(level * 100)}% band")
     return fig
@@ -379,7 +293,7 @@ def logit_figure(lc: xr.Dataset, bt: xr.Dataset) -> Figure:
     """
     if "model" in lc.dims:
         lc, bt = lc.isel(model=0), bt.isel(model=0)
-    fig, (ax_tv, ax_kl, ax_h) = _panels(3, width=4.6, height=3.8, sharey=False)
+    fig, (ax_tv, ax_kl, ax_h) = panel_row(3, width=4.6, height=3.8, sharey=False)
     colors = policy_colors(lc["policy"].values)
     age, step = lc["age"].values, lc["step"].values
     for pol in lc["policy"].values:
@@ -402,7 +316,7 @@ def logit_figure(lc: xr.Dataset, bt: xr.Dataset) -> Figure:
     for ax in (ax_tv, ax_kl, ax_h):
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
-    _legend(ax_tv, lc.sizes["policy"])
+    add_legend(ax_tv, lc.sizes["policy"])
     return fig
 
 
@@ -434,8 +348,8 @@ def interval_figure(ivw: xr.Dataset, full: xr.Dataset | None = None) -> Figure:
     1
     """
     curve = ivw.mean("doc") if "doc" in ivw.dims else ivw
-    models = _models(curve)
-    fig, axes = _panels(len(models))
+    models = model_values(curve)
+    fig, axes = panel_row(len(models))
     colors = policy_colors(curve["policy"].values)
     w = curve["window"].values
     for ax, model in zip(axes, models, strict=True):
@@ -453,8 +367,8 @@ def interval_figure(ivw: xr.Dataset, full: xr.Dataset | None = None) -> Figure:
                     ax.axhline(float(f[MISMATCH_FRACTION]), color=c, lw=0.9, ls=":")
         ax.set_xlabel("observation window W (steps observed after divergence)")
         ax.grid(alpha=0.3)
-        _title(ax, "Sharp interval for the mismatch fraction", model)
-        _legend(ax, sub.sizes["policy"])
+        set_title(ax, "Sharp interval for the mismatch fraction", model)
+        add_legend(ax, sub.sizes["policy"])
     # After every panel is drawn: fixing a limit inside the loop would freeze the
     # shared y-range at the first panel's data.
     axes[0].set_ylim(bottom=0)
@@ -488,7 +402,7 @@ def variance_figure(vc: xr.Dataset, *, residual: str = "var_residual",
     >>> len(variance_figure(divstats.variance_check(ds)).axes)
     1
     """
-    fig = _figure(6.0, 5.0)
+    fig = new_figure(6.0, 5.0)
     ax = fig.subplots()
     colors = policy_colors(vc["policy"].values)
     lo_all, hi_all = np.inf, 0.0
@@ -510,7 +424,7 @@ def variance_figure(vc: xr.Dataset, *, residual: str = "var_residual",
     ax.set_ylabel("residual-branch variance (per replicate)")
     ax.grid(alpha=0.3, which="both")
     ax.set_title("Variance check: residual branch vs crude", fontsize=11)
-    _legend(ax, vc.sizes.get("policy", 0))
+    add_legend(ax, vc.sizes.get("policy", 0))
     return fig
 
 
@@ -542,7 +456,7 @@ def margin_figure(table: Any) -> Figure:
     1
     """
     rows = list(table.itertuples(index=False))
-    fig = _figure(7.2, 0.85 * max(len(rows), 1) + 1.0)
+    fig = new_figure(7.2, 0.85 * max(len(rows), 1) + 1.0)
     axes = fig.subplots(max(len(rows), 1), 1, squeeze=False)[:, 0]
     for ax, r in zip(axes, rows, strict=False):
         d, lo, hi = float(r.mean_difference), float(r.ci_low), float(r.ci_high)
@@ -604,9 +518,9 @@ def speculative_figure(agg: xr.Dataset, *, level: float = 0.95) -> Figure:
     2
     """
     panels = [TOKENS_PER_CALL] + (["speedup"] if "speedup" in agg else [])
-    models = _models(agg)
+    models = model_values(agg)
     # one row of panels per model (the demo studies two): each model's drafts against its own P
-    fig = _figure(6.4 * len(panels) if len(panels) > 1 else 6.4, 4.2 * len(models))
+    fig = new_figure(6.4 * len(panels) if len(panels) > 1 else 6.4, 4.2 * len(models))
     grid = fig.subplots(len(models), len(panels), sharey=False, squeeze=False)
     colors = policy_colors(agg["policy"].values)
     g = agg["gamma"].values
@@ -645,8 +559,8 @@ def _speculative_panels(axes: list, panels: list[str], agg: xr.Dataset, model: A
         ax.set_xlabel(f"γ, drafts per call (bars: {band})")
         ax.set_xticks(g)
         ax.grid(alpha=0.3)
-        _title(ax, "Speculative decoding with the policy as draft" if q != "speedup" else "Speedup", model)
-        _legend(ax, agg.sizes["policy"])
+        set_title(ax, "Speculative decoding with the policy as draft" if q != "speedup" else "Speedup", model)
+        add_legend(ax, agg.sizes["policy"])
 
 
 def pareto_front(kept: np.ndarray, value: np.ndarray, worse: str = "larger") -> np.ndarray:
@@ -685,10 +599,10 @@ def compression_figure(curves: xr.Dataset, certified: Mapping[tuple[str, Any], s
         dashed margin (reference + margin), stars at certified budgets, and the grey
         Pareto front of all the methods' points.
     """
-    models = _models(curves)
-    fig, axes = _panels(len(models), 6.8, 4.4)
+    models = model_values(curves)
+    fig, axes = panel_row(len(models), 6.8, 4.4)
     fams = [str(f) for f in curves["family"].values]
-    colors = {f: _PALETTE[i % len(_PALETTE)] for i, f in enumerate(fams)}
+    colors = {f: PALETTE[i % len(PALETTE)] for i, f in enumerate(fams)}
     metric, worse = curves.attrs.get("metric", ""), curves.attrs.get("worse", "larger")
     line = float(curves.attrs.get("reference_level", np.nan)) + float(curves.attrs.get("margin", np.nan))
     for ax, m in zip(axes, models, strict=True):
@@ -719,6 +633,6 @@ def compression_figure(curves: xr.Dataset, certified: Mapping[tuple[str, Any], s
         ax.set_xlabel("KV kept (fraction of the prompt cache) → more compression")
         ax.set_ylabel(f"mean {metric} over documents")
         ax.grid(alpha=0.3)
-        _title(ax, "How much can I compress?", m)
-        _legend(ax, len(fams) + 2)
+        set_title(ax, "How much can I compress?", m)
+        add_legend(ax, len(fams) + 2)
     return fig

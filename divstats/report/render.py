@@ -1,7 +1,8 @@
 """Rendering an :class:`~divstats.report.analysis.Analysis`: figures, the HTML page, the Markdown summary.
 
 The page is the Jinja2 template ``divstats/templates/report.html.j2`` (package
-data) filled with display rows from :mod:`divstats.report.tables` and figures from
+data) filled with display rows from :mod:`divstats.report.tables` (and each section's own: ``floor_tables``,
+``compression_tables``, ``answer_tables``) and figures from
 :mod:`divstats.report.figures` embedded as base64 PNG, so the file is self-contained.
 The Markdown summary repeats the headline tables.
 """
@@ -17,19 +18,15 @@ from typing import TYPE_CHECKING, Any
 from divstats.inference.choices import MARGIN_ALTERNATIVES
 from divstats.report import figures as F
 from divstats.report.answer_tables import answers_context, answers_text_table, make_answer_figures
+from divstats.report.compression_tables import certified_map, compression_rows, compression_status, crossing_rows
+from divstats.report.floor_tables import noise_floor_rows, noise_floor_status
 from divstats.report.tables import (
     EXPLORATORY,
     branch_tv_rows,
-    certified_map,
-    compression_rows,
-    compression_status,
-    crossing_rows,
     data_summary,
     decomposition_rows,
     decomposition_table,
     estimate_rows,
-    noise_floor_rows,
-    noise_floor_status,
     plan_rows,
     speculative_rows,
     speculative_status,

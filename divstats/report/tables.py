@@ -1,12 +1,16 @@
 """The report's tables as display rows (strings), shared by the HTML and Markdown renderers.
 
 Numbers are formatted here once (:func:`fmt`, :func:`fmt_p`), so the page, the
-Markdown summary and any other renderer show the same digits.
+Markdown summary and any other renderer show the same digits.  Here are the plan's
+table and the per-policy tables of the estimands (estimates, decomposition, branch TV,
+variance, speculative decoding) with the data summary; the noise-floor section's rows
+are :mod:`divstats.report.floor_tables`, the "How much can I compress?" section's
+:mod:`divstats.report.compression_tables`, the answers section's
+:mod:`divstats.report.answer_tables`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +19,6 @@ import xarray as xr
 
 from divstats.design.pilot import counted_replicates
 from divstats.estimands import ACCEPTED_PER_CALL, TARGET_CALLS, TOKENS_PER_CALL, names
-from divstats.estimation.noise_floor import NO_CONTROL, NOISE_FLOOR_FACTOR, NOISE_FLOOR_METRICS, compare_to_floor
 from divstats.inference.decompose import PARTS
 from divstats.plans.run import PlanResult
 
@@ -23,10 +26,8 @@ if TYPE_CHECKING:
     from divstats.report.analysis import Analysis
 
 __all__ = [
-    "EXPLORATORY", "SUMMARY_QUANTITIES", "branch_tv_rows", "certified_map", "compression_rows", "compression_status",
-    "crossing_rows", "data_summary", "decomposition_rows",
-    "decomposition_table", "estimate_rows", "floor_text", "fmt", "fmt_ci", "fmt_p", "noise_floor_rows",
-    "noise_floor_status", "vs_floor",
+    "EXPLORATORY", "SUMMARY_QUANTITIES", "branch_tv_rows", "data_summary", "decomposition_rows",
+    "decomposition_table", "estimate_rows", "fmt", "fmt_ci", "fmt_p",
     "plan_rows", "SPECULATIVE_QUANTITIES", "speculative_rows", "speculative_status", "unify", "variance_rows",
 ]
 
@@ -439,154 +440,6 @@ def _per_model(models: list[str], values: list[int]) -> str:
     return ", ".join(f"{v} ({m})" for m, v in zip(models, values, strict=True))
 
 
-# --------------------------------------------------------------------------- noise floor
-
-
-def noise_floor_status(an: Analysis) -> str:
-    """The noise-floor section's first line: which control, how the floor is read, or that there is none.
-
-    Parameters
-    ----------
-    an : Analysis
-        A computed analysis.
-
-    Returns
-    -------
-    str
-        The sentence (:data:`~divstats.estimation.noise_floor.NO_CONTROL` without a control).
-
-    Examples
-    --------
-    >>> from divstats.report.analysis import compute
-    >>> from divstats.truth.studies import PolicyEffect, simulate_study
-    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "full": PolicyEffect(0.0)}, horizon=6, replicates=3)
-    >>> an = compute(ds, n_resamples=99, progress=False)
-    >>> noise_floor_status(an)[:16], noise_floor_status(compute(ds.sel(policy=["a"]), n_resamples=99,
-    ...                                                          progress=False))[:21]
-    ("The control 'ful", 'no control collected ')
-    """
-    nf = an.noise_floor
-    if nf is None or not nf.attrs.get("control"):
-        return NO_CONTROL
-    return (f"The control {nf.attrs['control']!r} is the full-cache model as a candidate, run in the same requests, "
-            "batches and fused forwards as the others: every divergence it shows is numerical. One noise-floor "
-            "unit is its estimate + 1.96 × its standard error over documents (max TV: its largest); a policy "
-            f"within {NOISE_FLOOR_FACTOR:g} units "
-            "(NOISE_FLOOR_FACTOR) is flagged ⚠, since its effect cannot be told from numerics.")
-
-
-def floor_text(floor: float, steps: int) -> str:
-    """One noise-floor unit as the report prints it; a floor of exactly 0 said in words.
-
-    Parameters
-    ----------
-    floor : float
-        The floor (``floor_<metric>`` of :func:`~divstats.estimation.noise_floor.noise_floor`).
-    steps : int
-        The steps the control was decoded over (its ``control_steps`` attr; 0 if unknown).
-
-    Returns
-    -------
-    str
-
-    Examples
-    --------
-    >>> floor_text(0.0, 1920)
-    'floor exactly 0 (no numerical divergence in 1,920 steps)'
-    >>> floor_text(0.012, 1920)
-    '0.012'
-    """
-    if floor == 0:
-        where = f" in {steps:,} steps" if steps > 0 else ""
-        return f"floor exactly 0 (no numerical divergence{where})"
-    return fmt(floor)
-
-
-def vs_floor(value: float, units: float, floor: float) -> str:
-    """A policy's value beside the noise floor: "×floor" only where the floor is positive.
-
-    The one formatting of a value against the floor (the report's noise-floor table; the demo's
-    headline takes it from here).  A ratio to a floor of exactly 0 is infinite and says nothing, so
-    the value is given with "floor exactly 0" instead.
-
-    Parameters
-    ----------
-    value, units, floor : float
-        :func:`~divstats.estimation.noise_floor.compare_to_floor`'s ``<m>``, ``<m>_units``, ``<m>_floor``.
-
-    Returns
-    -------
-    str
-
-    Examples
-    --------
-    >>> vs_floor(0.98, float("inf"), 0.0)
-    '0.98 (floor exactly 0)'
-    >>> vs_floor(0.3, 10.0, 0.03)
-    '0.3 (10× floor)'
-    """
-    if floor == 0:
-        return f"{fmt(value)} (floor exactly 0)"
-    return f"{fmt(value)} ({fmt(units, 3)}× floor)"
-
-
-def noise_floor_rows(an: Analysis) -> list[dict[str, str]]:
-    """The control's floor (first row) and each policy beside it, in noise-floor units, with ⚠ where within.
-
-    Parameters
-    ----------
-    an : Analysis
-        A computed analysis.
-
-    Returns
-    -------
-    list of dict
-        ``model`` (when several), ``policy``, occurrence, max_tv, mismatch_fraction and
-        ``within the floor``; empty when the traces hold no control (:func:`noise_floor_status`
-        says so).
-
-    Examples
-    --------
-    >>> from divstats.report.analysis import compute
-    >>> from divstats.truth.studies import PolicyEffect, simulate_study
-    >>> ds = simulate_study(4, {"a": PolicyEffect(0.1), "full": PolicyEffect(0.0)}, horizon=6, replicates=3)
-    >>> an = compute(ds, n_resamples=99, progress=False)
-    >>> [r["policy"] for r in noise_floor_rows(an)]
-    ['full (control)', 'one floor unit', 'a']
-    """
-    nf = an.noise_floor
-    if nf is None or not nf.attrs.get("control"):
-        return []
-    models = [str(m) for m in nf["model"].values] if "model" in nf.dims else [None]
-    rows = []
-    for m in models:
-        sel = {} if m is None else {"model": m}
-        row = {"model": m} if m is not None else {}
-        row["policy"] = f"{nf.attrs['control']} (control)"
-        for q in NOISE_FLOOR_METRICS:
-            if q == "max_tv":
-                row[q] = fmt(nf["aggregate_max_tv"].sel(sel))
-            else:
-                row[q] = (f"{fmt(nf['aggregate_' + q].sel(sel))} "
-                          f"{fmt_ci(nf['aggregate_' + q + '_low'].sel(sel), nf['aggregate_' + q + '_high'].sel(sel))}")
-        row["within the floor"] = "(the floor)"
-        rows.append(row)
-        unit = {"model": m} if m is not None else {}
-        unit["policy"] = "one floor unit"
-        unit.update({q: floor_text(float(nf["floor_" + q].sel(sel)), int(nf.attrs.get("control_steps", 0)))
-                     for q in NOISE_FLOOR_METRICS})
-        unit["within the floor"] = f"(×{NOISE_FLOOR_FACTOR:g} flags)"
-        rows.append(unit)
-    for r in compare_to_floor(an.aggregate, nf):
-        row = {"model": r["model"]} if r["model"] is not None else {}
-        row["policy"] = r["policy"]
-        for q in NOISE_FLOOR_METRICS:
-            row[q] = vs_floor(r[q], r[q + "_units"], r[q + "_floor"])
-        row["within the floor"] = ("⚠ " + ", ".join(r["within"])) if r["within"] else ""
-        rows.append(row)
-    return unify(rows)
-
-
 # --------------------------------------------------------------------------- speculative decoding
 
 #: The speculative-decoding table's quantities, in column order.
@@ -670,178 +523,6 @@ def speculative_rows(an: Analysis) -> list[dict[str, str]]:
                         row[q] = f"{fmt(cell[q])} {fmt_ci(cell[q + '_low'], cell[q + '_high'])}"
                 rows.append(row)
     return rows
-
-
-def certified_map(an: Analysis) -> dict[tuple[str, str | None], str]:
-    """(family key, model) -> the certified policy id ("" for none), for the figure's stars.
-
-    Parameters
-    ----------
-    an : Analysis
-        ``divstats.report.analysis.compute`` output.
-
-    Returns
-    -------
-    dict of (str, str or None) to str
-        Per family key and model (None without a ``model`` dim), the certified policy id;
-        empty without a plan's certification or policy families.
-
-    Examples
-    --------
-    >>> from divstats.report.analysis import compute
-    >>> from divstats.truth.studies import PolicyEffect, simulate_study
-    >>> ds = simulate_study(8, {"full": PolicyEffect(0.0), "snapkv@0.9": PolicyEffect(0.01),
-    ...                         "snapkv@0.5": PolicyEffect(0.1)}, horizon=6, replicates=3)
-    >>> plan = {"plan": {"name": "p", "salt": "s"}, "certify": [{"id": "C", "family": "snapkv",
-    ...         "metric": "occurrence", "margin": 0.05, "split": "all"}]}
-    >>> an = compute(ds, plan, n_resamples=99, progress=False)
-    >>> certified_map(an)
-    {('snapkv@*', None): ''}
-    """
-    out: dict[tuple[str, str | None], str] = {}
-    pr, curves = an.plan_result, an.compression
-    if pr is None or curves is None:
-        return out
-    cid = curves.attrs.get("certify_id", "")
-    for (c_id, model), res in pr.certified.items():
-        if c_id != cid or not res.budgets:
-            continue
-        for fam in curves["family"].values:
-            one = curves.sel(model=model) if model is not None and "model" in curves.dims else curves
-            members = [str(p) for p in one.sel(family=fam)["policy"].values if str(p)]
-            if members == list(res.budgets):
-                out[(str(fam), model)] = res.certified or ""
-    return out
-
-
-def compression_rows(an: Analysis) -> list[dict[str, str]]:
-    """"How much can I compress?": one row per certification (and model), then each family's crossing.
-
-    Parameters
-    ----------
-    an : Analysis
-        ``divstats.report.analysis.compute`` output.
-
-    Returns
-    -------
-    list of dict
-        Display rows: family, model, metric, margin, budgets tested, certified budget with its KV kept,
-        and the verdict in words; empty without policy families.
-
-    Examples
-    --------
-    >>> from divstats.report.analysis import compute
-    >>> from divstats.truth.studies import PolicyEffect, simulate_study
-    >>> ds = simulate_study(8, {"full": PolicyEffect(0.0), "snapkv@0.9": PolicyEffect(0.01),
-    ...                         "snapkv@0.5": PolicyEffect(0.1)}, horizon=6, replicates=3)
-    >>> plan = {"plan": {"name": "p", "salt": "s"}, "certify": [{"id": "C", "family": "snapkv",
-    ...         "metric": "occurrence", "margin": 0.05, "split": "all"}]}
-    >>> an = compute(ds, plan, n_resamples=99, progress=False)
-    >>> row = compression_rows(an)[0]
-    >>> row["family"], row["budgets (most KV first)"], row["certified"]
-    ('snapkv', 'snapkv@0.9, snapkv@0.5', 'none')
-    """
-    rows: list[dict[str, str]] = []
-    pr, curves = an.plan_result, an.compression
-    if curves is None:
-        return rows
-    if pr is not None and len(pr.certify):
-        for r in pr.certify.itertuples(index=False):
-            rows.append({"certify": str(r.id), "family": str(r.family), "model": str(r.model or "—"),
-                         "metric": str(r.metric), "margin": f"{r.margin:g}",
-                         "budgets (most KV first)": str(r.budgets).replace(",", ", "),
-                         "tested": str(r.tested), "certified": r.certified or "none",
-                         "KV kept": fmt(r.certified_kept) if r.certified else "—", "verdict": str(r.verdict),
-                         "label": "confirmatory" if r.confirmatory else "exploratory"})
-    return rows
-
-
-def crossing_rows(an: Analysis) -> list[dict[str, str]]:
-    """Each family's crossing of reference + margin (descriptive): KV kept where its curve meets the line.
-
-    Parameters
-    ----------
-    an : Analysis
-        ``divstats.report.analysis.compute`` output.
-
-    Returns
-    -------
-    list of dict
-        Display rows: family, model, documents, the crossing in KV kept and the band's
-        interval for it; empty without policy families or without a margin.
-
-    Examples
-    --------
-    >>> from divstats.report.analysis import compute
-    >>> from divstats.truth.studies import PolicyEffect, simulate_study
-    >>> ds = simulate_study(8, {"full": PolicyEffect(0.0), "snapkv@0.9": PolicyEffect(0.01),
-    ...                         "snapkv@0.5": PolicyEffect(0.1)}, horizon=6, replicates=3)
-    >>> plan = {"plan": {"name": "p", "salt": "s"}, "certify": [{"id": "C", "family": "snapkv",
-    ...         "metric": "occurrence", "margin": 0.05, "split": "all"}]}
-    >>> an = compute(ds, plan, n_resamples=99, progress=False)
-    >>> [(r["family"], r["documents"]) for r in crossing_rows(an)]
-    [('snapkv@*', '8')]
-    """
-    curves = an.compression
-    if curves is None or not np.isfinite(curves.attrs.get("margin", math.nan)):
-        return []
-    rows = []
-    models = list(curves["model"].values) if "model" in curves.dims else [None]
-    for m in models:
-        one = curves.sel(model=m) if m is not None else curves
-        for fam in one["family"].values:
-            c = one.sel(family=fam)
-            x, lo, hi = (float(c[v]) for v in ("crossing", "crossing_low", "crossing_high"))
-            rows.append({"family": str(fam), "model": "—" if m is None else str(m),
-                         "documents": str(int(c["n_docs"])),
-                         "crossing (KV kept)": fmt(x) if np.isfinite(x) else "not within the family",
-                         "band interval": (f"[{fmt(lo)}, {fmt(hi)}]" if np.isfinite(lo) and np.isfinite(hi)
-                                           else "—")})
-    return rows
-
-
-def compression_status(an: Analysis) -> str:
-    """The section's first sentence: what the curves show and what was certified (or why not).
-
-    Parameters
-    ----------
-    an : Analysis
-        ``divstats.report.analysis.compute`` output.
-
-    Returns
-    -------
-    str
-        The text; "" without policy families.
-
-    Examples
-    --------
-    >>> from divstats.report.analysis import compute
-    >>> from divstats.truth.studies import PolicyEffect, simulate_study
-    >>> ds = simulate_study(8, {"full": PolicyEffect(0.0), "snapkv@0.9": PolicyEffect(0.01),
-    ...                         "snapkv@0.5": PolicyEffect(0.1)}, horizon=6, replicates=3)
-    >>> plan = {"plan": {"name": "p", "salt": "s"}, "certify": [{"id": "C", "family": "snapkv",
-    ...         "metric": "occurrence", "margin": 0.05, "split": "all"}]}
-    >>> an = compute(ds, plan, n_resamples=99, progress=False)
-    >>> text = compression_status(an)
-    >>> text.startswith("Mean occurrence over documents"), "Dashed: reference + margin (0 + 0.05)" in text
-    (True, True)
-    """
-    curves = an.compression
-    if curves is None:
-        return ""
-    metric, level = curves.attrs.get("metric", ""), curves.attrs.get("level", 0.95)
-    text = (f"Mean {metric} over documents against the KV each policy keeps, per policy family; bars: pointwise "
-            f"{level:.0%} intervals, shaded: a band simultaneous over the family's budgets (studentized max-|t| "
-            f"bootstrap over documents, docs/statistics.md §11); dotted: the Pareto front of every method's points.")
-    if np.isfinite(curves.attrs.get("margin", math.nan)):
-        text += (f" Dashed: reference + margin ({fmt(curves.attrs['reference_level'])} + "
-                 f"{fmt(curves.attrs['margin'])}); ★: the budget certified non-inferior by fixed-sequence tests "
-                 f"from the most to the least KV kept (no adjustment needed; below 50 documents each test is the "
-                 f"betting test where the metric's range is known, and refused otherwise).")
-    else:
-        text += (" No [[certify]] in the plan: no margin, nothing certified "
-                 "(docs/plans.md, \"How much can I compress?\").")
-    return text
 
 
 def _model_selections(ds: xr.Dataset) -> list[tuple[Any, dict[str, Any]]]:

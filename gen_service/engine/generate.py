@@ -70,7 +70,7 @@ def prompt_logprobs(model: torch.nn.Module, prompt_ids: list[int]) -> list[float
     """Log-probabilities of each prompt token under the full model (TGI prefill details), from
     float32 logits (:func:`gen_service.models.float_head.logits`); no cache is kept. Its peak memory,
     the (L, V) float32 logits and their log-softmax, is admitted by
-    :func:`gen_service.serving.admission.prompt_logprobs_bytes`."""
+    :func:`gen_service.serving.memory.prompt_logprobs_bytes`."""
     ids = torch.tensor([prompt_ids], device=model.device)
     lp = fp32_logits(model, 0, input_ids=ids, use_cache=False)[0].log_softmax(-1)
     lps: list[float | None] = [None]

@@ -41,7 +41,8 @@ from typing import Any, Protocol
 from gen_service.attention.shared_cache import stackable
 from gen_service.engine.scheduler import Ask, Runner, run_forwards
 from gen_service.errors import Cancelled
-from gen_service.serving.admission import TRIM_BYTES, TraceSize, batch_bytes, return_freed_memory
+from gen_service.serving.admission import TRIM_BYTES, return_freed_memory
+from gen_service.serving.memory import TraceSize, batch_bytes
 
 # ``--max-batch-requests`` when the flag is not given, by the device type the model runs
 # on: (requests, why). Batching must never make a collection slower than one request at
@@ -84,7 +85,7 @@ class BatchingChoice:
 
 def merged_bytes(entries: list[BatchEntry]) -> int:
     """What these requests hold decoded together: the sized ones each at the batch's
-    longest prompt and largest T (:func:`gen_service.serving.admission.batch_bytes`: the stacked
+    longest prompt and largest T (:func:`gen_service.serving.memory.batch_bytes`: the stacked
     forwards pad to both), plus the fixed costs."""
     sized = [e.cost for e in entries if isinstance(e.cost, TraceSize)]
     return batch_bytes(sized) + sum(e.cost or 0 for e in entries if not isinstance(e.cost, TraceSize))
@@ -116,9 +117,9 @@ log = logging.getLogger("kvdiv.service")
 class BatchEntry:
     """One request in the batch: its stream, how to make its steps, what it costs.
 
-    ``cost`` is its memory: a :class:`gen_service.serving.admission.TraceSize`, counted at
+    ``cost`` is its memory: a :class:`gen_service.serving.memory.TraceSize`, counted at
     the merged batch's longest prompt and largest T
-    (:func:`~gen_service.serving.admission.batch_bytes`), or fixed bytes; ``rows`` its
+    (:func:`~gen_service.serving.memory.batch_bytes`), or fixed bytes; ``rows`` its
     decoding rows (R × candidates) for ``/metrics``."""
 
     stream: WorkStream

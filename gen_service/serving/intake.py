@@ -38,7 +38,8 @@ from gen_service.engine.jobs import Built, Policies, TraceJob
 from gen_service.errors import ApiError, PolicyError, RequestTooLarge, invalid
 from gen_service.presses.registry import ModelInfo, PolicyRegistry
 from gen_service.presses.traits import wants_eager
-from gen_service.serving.admission import MemoryGate, TraceSize
+from gen_service.serving.admission import MemoryGate
+from gen_service.serving.memory import TraceSize
 from protocols import Kind
 
 __all__ = ["CPU_REQUEST_SECONDS", "Encoder", "Generation", "Intake", "Job", "Message", "StepCost", "TraceRequest",
@@ -97,7 +98,7 @@ class Job:
     trace : TraceJob
         The request with its prompt's tokens and its policies built once (``trace.policies``).
     memory : TraceSize
-        Its memory as the decoding batch counts it (:mod:`gen_service.serving.admission`).
+        Its memory as the decoding batch counts it (:mod:`gen_service.serving.memory`).
     row_steps : int
         Rows x decoding steps it runs at most (:func:`row_steps_of`).
     seconds : float

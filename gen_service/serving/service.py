@@ -32,7 +32,7 @@ from gen_service.engine.facade import Engine
 from gen_service.errors import ApiError, Cancelled, ConfigError, PolicyError, RequestTimeout, invalid
 from gen_service.models.loading import context_question_ids
 from gen_service.presses.registry import ModelInfo
-from gen_service.serving.admission import TRIM_BYTES, MemoryGate, TraceSize, return_freed_memory
+from gen_service.serving.admission import TRIM_BYTES, MemoryGate, return_freed_memory
 from gen_service.serving.batching import BatchEntry, BatchingChoice, BatchLoop
 from gen_service.serving.intake import (
     Intake,
@@ -44,6 +44,7 @@ from gen_service.serving.intake import (
     row_steps,
 )
 from gen_service.serving.limits import MAX_CANDIDATES, BodyLimits, RequestLimits
+from gen_service.serving.memory import TraceSize
 from gen_service.serving.self_check import SelfCheck
 
 __all__ = ["ServiceConfig", "Admission", "Ticket", "Metrics", "WorkStream", "Service", "failure_error"]
@@ -396,7 +397,7 @@ class Service:
         thread (``--max-batch-requests 1``), or into the decoding batch
         (:mod:`gen_service.serving.batching`) with its memory size counted against the budget
         with the live requests' (the merged batch's estimate,
-        :func:`gen_service.serving.admission.batch_bytes`). Its model time and row-steps update
+        :func:`gen_service.serving.memory.batch_bytes`). Its model time and row-steps update
         :attr:`step_cost` when it ends. ``own``: the server's own work (the start-up
         self-check), without ``--max-request-seconds``' deadline: a client's limit, which a slow
         machine's check must not trip."""
