@@ -30,7 +30,7 @@ def test_headline_counts_and_tests_each_policy():
     assert "30 pass-key documents, greedy" in text
     lines = {line.split()[0]: line for line in text.splitlines()[3:]}
     lost = int(x[:, 0].sum())
-    assert lines["snapkv@0.5"].endswith(f"{lost}/0") and "mcnemar-exact" in lines["snapkv@0.5"]
+    assert lines["snapkv@0.5"].endswith(f"{lost}/0") and "(McNemar exact)" in lines["snapkv@0.5"]
     flips = x[:5, 1]
     assert lines["recent@0.5"].endswith(f"{int(flips.sum())}/{int(5 - flips.sum())}")
     assert lines["snapkv@0.3"].endswith("0/0")
