@@ -210,3 +210,26 @@ def test_results_nc_carries_the_section(tmp_path) -> None:
     assert res["compression_mean"].dims == ("compression_family", "compression_budget")
     assert list(res["certify_id"].values) == ["C"] and "policy" in res.dims
     save_results(res, tmp_path / "results.nc")
+
+
+def test_curves_of_a_bounded_metric_stay_in_its_range_near_a_bound() -> None:
+    """Accuracies near 0 (0/1 scores, few right): bootstrap-t's end is infinite where a resample has no
+    spread; the curve's intervals are the bounded-means rule's instead, inside [0, 1] and around the mean."""
+    from divstats.truth.answers import with_answer_scores
+    from divstats.truth.studies import PolicyEffect, simulate_study
+
+    tr = simulate_study(30, {"snapkv@0.5": PolicyEffect(0.5), "snapkv@0.3": PolicyEffect(0.6)}, horizon=6,
+                        replicates=1, seed=3)
+    tr = with_answer_scores(tr, {"snapkv@0.5": (0.9, 0.0), "snapkv@0.3": (0.95, 0.0)}, x_accuracy=0.6, seed=3)
+    # the demo's pass keys: 0/1 scores, Q right on 3 of 30 documents (a resample without them has no spread)
+    y = np.zeros(tr["y_score"].shape)
+    y[[2, 11, 23]] = 1.0
+    tr["y_score"] = tr["y_score"].copy(data=y)
+    cur = divstats.budget_curves(divstats.answer_values(tr), "accuracy", worse="smaller", n_resamples=299)
+    one = cur.isel(family=0)
+    mean, low, high = (one[v].values for v in ("mean", "low", "high"))
+    assert np.all(mean < 0.3)
+    for v in ("low", "high", "band_low", "band_high"):
+        assert np.all((one[v].values >= 0.0) & (one[v].values <= 1.0)), v
+    assert np.all((low <= mean) & (mean <= high))
+    assert np.all(high < 0.7)       # the betting interval, not bootstrap-t's whole side

@@ -29,6 +29,8 @@ from typing import NamedTuple
 import numpy as np
 import xarray as xr
 
+from divstats.estimands import value_range
+from divstats.estimation.bounded import bounded_mean_interval, in_range
 from divstats.estimation.resample import MIN_DOCS_AGGREGATE, bootstrap_t, too_few_documents
 from divstats.estimation.sweeps import family_values, sweep_families
 
@@ -199,7 +201,12 @@ def budget_curves(estimates: xr.Dataset, metric: str, *, families: Sequence[str]
     """
     models = [str(m) for m in estimates["model"].values] if "model" in estimates.dims else [None]
     fams = list(families) if families is not None else list(sweep_families(estimates))
-    parts = [_curves_one_model(estimates, metric, fams, m, level, cross, worse, n_resamples, seed) for m in models]
+    # a metric of known range keeps its intervals inside it: bootstrap-t's end is infinite where a
+    # resample of documents has no spread (0/1 accuracies near a bound), and the range's end is the
+    # honest end there; the estimate itself stays inside (a rate above 1 widens the range to it)
+    bounds = value_range(metric, estimates.attrs.get("horizon"))
+    parts = [_curves_one_model(estimates, metric, fams, m, level, cross, worse, n_resamples, seed, bounds)
+             for m in models]
     out = parts[0] if models == [None] else xr.concat(parts, dim=xr.DataArray(models, dims="model", name="model"))
     out.attrs.update(metric=metric, level=level, worse=worse, cross=math.nan if cross is None else cross,
                      n_resamples=n_resamples,
@@ -210,7 +217,8 @@ def budget_curves(estimates: xr.Dataset, metric: str, *, families: Sequence[str]
 _DESCRIPTIONS = {
     "mean": "mean over documents of the per-document estimate",
     "se": "standard error over documents",
-    "low": "pointwise interval, lower end (studentized bootstrap over documents)",
+    "low": ("pointwise interval, lower end (studentized bootstrap over documents; for a metric of known range "
+            "the bounded-means rule, docs/plans.md 'Bounded estimands')"),
     "high": "pointwise interval, upper end",
     "band_low": "band simultaneous over the family's budgets, lower end (max-|t| bootstrap over documents)",
     "band_high": "simultaneous band, upper end",
@@ -223,12 +231,35 @@ _DESCRIPTIONS = {
 }
 
 
+def _within(band: Band, values: np.ndarray, bounds: tuple[float, float] | None, level: float,
+            n_resamples: int, seed: int) -> Band:
+    """For a metric of known range: pointwise intervals valid for bounded means (the betting rule,
+    :func:`~divstats.estimation.bounded.bounded_mean_interval`) and the band clipped to the range,
+    widened to hold the estimate (a rate above 1)."""
+    if bounds is None or band.reason:
+        return band
+    x = np.asarray(values, dtype=float)
+    x = x[np.all(np.isfinite(x), axis=1)]
+    lo, hi = np.fmin(bounds[0], band.mean), np.fmax(bounds[1], band.mean)
+    if in_range(x, *bounds):
+        ends = [bounded_mean_interval(x[:, j], *bounds, level=level, n_resamples=n_resamples, seed=seed)
+                for j in range(x.shape[1])]
+        low = np.array([np.ravel(e.low)[0] for e in ends], dtype=float)
+        high = np.array([np.ravel(e.high)[0] for e in ends], dtype=float)
+    else:   # per-document values outside the range (a rate above 1): the resampling ends, clipped
+        low, high = band.low, band.high
+    return band._replace(low=np.clip(low, lo, hi), high=np.clip(high, lo, hi),
+                         band_low=np.clip(band.band_low, lo, hi), band_high=np.clip(band.band_high, lo, hi))
+
+
 def _curves_one_model(estimates: xr.Dataset, metric: str, families: list[str], model: str | None, level: float,
-                      cross: float | None, worse: str, n_resamples: int, seed: int) -> xr.Dataset:
+                      cross: float | None, worse: str, n_resamples: int, seed: int,
+                      bounds: tuple[float, float] | None = None) -> xr.Dataset:
     rows = []
     for fam in families:
         values, members, kept, _ = family_values(estimates, fam, metric, model=model)
-        band = simultaneous_band(values, level, n_resamples=n_resamples, seed=seed)
+        band = _within(simultaneous_band(values, level, n_resamples=n_resamples, seed=seed), values, bounds,
+                       level, n_resamples, seed)
         c = lo = hi = math.nan
         if cross is not None:
             c = crossing(kept, band.mean, cross, worse)
