@@ -1,5 +1,5 @@
 """How long ``divstats.analyze``'s report writing and the packages' imports take: this checkout
-against another (``--old``, default /work/main), measured in one run.
+against another (``--old``, e.g. a ``git worktree`` of the baseline commit), measured in one run.
 
 Each measurement runs in a fresh interpreter with ``PYTHONPATH`` set to one checkout; old and
 new alternate (and which goes first), and the table gives the median of ``--repeats`` runs and new/old. The report
@@ -9,7 +9,7 @@ outside the clock; the clock covers ``results_dataset``, ``save_results`` (resul
 figures (``make_figures`` + ``figure_png``) and all of ``write_report``. Imports are timed as
 the wall time of ``python -c "import X"``.
 
-Run: ``python benchmarks/bench_analyze.py [--old /work/main] [--repeats 3]``.
+Run: ``git worktree add /tmp/old BASE && python benchmarks/bench_analyze.py --old /tmp/old [--repeats 3]``.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _import_times(root: Path) -> dict[str, float]:
 def main() -> None:
     """Alternate old and new, then print the medians and their ratio."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old", type=Path, default=Path("/work/main"), help="the checkout to compare against")
+    ap.add_argument("--old", type=Path, required=True, help="the checkout to compare against")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-report", action="store_true", help="time the imports only")
     args = ap.parse_args()
